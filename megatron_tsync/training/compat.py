@@ -1,0 +1,270 @@
+"""The one place that knows about megatron-core versions and about running it without CUDA.
+
+Two concerns live here and nowhere else:
+
+1. **CPU support.** megatron-core hard-codes CUDA in many places (``torch.cuda.current_device()`` in the
+   global memory buffer, RoPE and the grad buffers; ``device="cuda"`` in the causal mask and the schedules;
+   ``Tensor.cuda()``; the ``'torch.cuda.FloatTensor'`` type assertion in ``clip_grads``;
+   ``torch.cuda.synchronize`` in dist_checkpointing; the CUDA RNG tracker used for tensor-parallel init).
+   :func:`install_cpu_support` redirects those to the CPU. It is a **no-op when CUDA is available**, so the
+   same code path runs unchanged on GPU clusters. What it does on a CPU-only torch:
+
+   - a process-wide ``TorchFunctionMode`` that maps ``device="cuda"`` keyword arguments, ``Tensor.cuda()`` and
+     ``Tensor.to("cuda")`` to the CPU, and reports ``Tensor.type()`` with the ``torch.cuda.`` prefix that
+     megatron's assertions expect;
+   - ``torch.cuda.current_device`` → ``"cpu"``, ``torch.cuda.synchronize`` → no-op, ``torch.cuda.Event`` → a
+     wall-clock stand-in (used by megatron.core.inference timers);
+   - a CPU subclass of megatron's ``CudaRNGStatesTracker`` so that ``model_parallel_cuda_manual_seed`` and the
+     tensor-parallel RNG forks work with ``torch``'s CPU generator.
+
+2. **Version differences** between megatron-core 0.16.1 (the newest on Python 3.11, what CI runs) and the
+   0.17–0.19 releases clusters run. Every call whose signature differs goes through a helper here.
+
+Nothing else in the package may patch megatron or test ``megatron.core.__version__``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import threading
+import time
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_LOCK = threading.Lock()
+_INSTALLED = False
+
+
+def megatron_core_version() -> tuple[int, ...]:
+    """The installed megatron-core version as an int tuple, e.g. (0, 16, 1)."""
+    import megatron.core
+
+    parts = []
+    for p in str(getattr(megatron.core, "__version__", "0")).split(".")[:3]:
+        digits = "".join(ch for ch in p if ch.isdigit())
+        parts.append(int(digits) if digits else 0)
+    return tuple(parts)
+
+
+def cuda_available() -> bool:
+    return torch.cuda.is_available()
+
+
+def _is_cuda(d: Any) -> bool:
+    if isinstance(d, torch.device):
+        return d.type == "cuda"
+    if isinstance(d, str):
+        return d.startswith("cuda")
+    return isinstance(d, int) and not isinstance(d, bool)
+
+
+class _CudaToCpuMode(TorchFunctionMode):
+    """Maps CUDA device requests to the CPU (installed only when CUDA is unavailable)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if "device" in kwargs and _is_cuda(kwargs["device"]):
+            kwargs = dict(kwargs)
+            kwargs["device"] = "cpu"
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            return func(*args).replace("torch.", "torch.cuda.", 1)
+        if func is torch.Tensor.to and len(args) > 1 and any(_is_cuda(a) for a in args[1:]):
+            args = tuple("cpu" if (i and _is_cuda(a)) else a for i, a in enumerate(args))
+        return func(*args, **kwargs)
+
+
+class _CpuEvent:
+    """Stand-in for ``torch.cuda.Event`` with ``enable_timing`` semantics on the wall clock."""
+
+    def __init__(self, *args, **kwargs):
+        self._t = None
+
+    def record(self, *args, **kwargs):
+        self._t = time.perf_counter()
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+    def wait(self, *args, **kwargs):
+        pass
+
+    def elapsed_time(self, end: "_CpuEvent") -> float:
+        return (end._t - self._t) * 1000.0
+
+
+_MODE: _CudaToCpuMode | None = None
+
+
+def install_cpu_support() -> bool:
+    """Make megatron-core usable on a CPU-only torch. Idempotent; returns True when it installed anything.
+
+    Must run before megatron builds models or process groups; :func:`megatron_tsync.training.parallel.
+    initialize_parallel` calls it. The function mode is per-thread in torch: megatron code that runs in other
+    threads (none of the paths we use) would not see it.
+    """
+    global _INSTALLED, _MODE
+    if cuda_available():
+        return False
+    with _LOCK:
+        if _INSTALLED:
+            return False
+        torch.cuda.current_device = lambda: "cpu"
+        torch.cuda.synchronize = lambda *a, **k: None
+        torch.cuda.Event = _CpuEvent
+        _MODE = _CudaToCpuMode()
+        _MODE.__enter__()  # stays active for the life of the process
+        _install_cpu_rng_tracker()
+        _INSTALLED = True
+    return True
+
+
+def ensure_cpu_mode_in_thread() -> None:
+    """Enter the CUDA→CPU function mode in the calling thread (torch keeps mode stacks per thread)."""
+    if _MODE is not None and not cuda_available():
+        _CudaToCpuMode().__enter__()
+
+
+def _install_cpu_rng_tracker() -> None:
+    import megatron.core.tensor_parallel.random as mrand
+
+    base = mrand.CudaRNGStatesTracker
+
+    class CpuRNGStatesTracker(base):
+        """Megatron's RNG tracker on torch's CPU generator (fork() swaps the CPU RNG state)."""
+
+        def add(self, name, seed):
+            self._is_initialized = True
+            if seed in self.seeds_:
+                raise Exception(f"seed {seed} already exists")
+            if name in self.states_:
+                raise Exception(f"cuda rng state {name} already exists")
+            self.seeds_.add(seed)
+            orig = torch.get_rng_state()
+            torch.manual_seed(seed)
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(orig)
+
+        @contextlib.contextmanager
+        def fork(self, name=mrand._MODEL_PARALLEL_RNG_TRACKER_NAME):
+            if name not in self.states_:
+                raise Exception(f"cuda rng state {name} is not added")
+            orig = torch.get_rng_state()
+            torch.set_rng_state(self.states_[name])
+            try:
+                yield
+            finally:
+                self.states_[name] = torch.get_rng_state()
+                torch.set_rng_state(orig)
+
+    mrand.CudaRNGStatesTracker = CpuRNGStatesTracker
+
+
+# --------------------------------------------------------------------------------------------------
+# Version differences. Each helper filters keyword arguments by the installed signature so that one call
+# site works on 0.16.1 and on newer releases.
+# --------------------------------------------------------------------------------------------------
+
+
+def _accepted(fn, kwargs: dict) -> dict:
+    params = inspect.signature(fn).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return kwargs
+    return {k: v for k, v in kwargs.items() if k in params}
+
+
+def model_parallel_seed(seed: int) -> None:
+    """``model_parallel_cuda_manual_seed`` (tensor-parallel RNG streams) on any version, CPU or GPU."""
+    from megatron.core import tensor_parallel
+
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def rng_tracker_states() -> dict:
+    from megatron.core import tensor_parallel
+
+    return tensor_parallel.get_cuda_rng_tracker().get_states()
+
+
+def set_rng_tracker_states(states: dict) -> None:
+    from megatron.core import tensor_parallel
+
+    tensor_parallel.get_cuda_rng_tracker().set_states(states)
+
+
+def make_transformer_config(**kwargs):
+    """``TransformerConfig`` dropping fields the installed version does not know (logged by the caller)."""
+    import dataclasses
+
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    names = {f.name for f in dataclasses.fields(TransformerConfig)}
+    unknown = sorted(set(kwargs) - names)
+    return TransformerConfig(**{k: v for k, v in kwargs.items() if k in names}), unknown
+
+
+def make_ddp_config(**kwargs):
+    import dataclasses
+
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    names = {f.name for f in dataclasses.fields(DistributedDataParallelConfig)}
+    return DistributedDataParallelConfig(**{k: v for k, v in kwargs.items() if k in names})
+
+
+def make_optimizer_config(**kwargs):
+    import dataclasses
+
+    from megatron.core.optimizer import OptimizerConfig
+
+    names = {f.name for f in dataclasses.fields(OptimizerConfig)}
+    return OptimizerConfig(**{k: v for k, v in kwargs.items() if k in names})
+
+
+def get_megatron_optimizer(opt_config, model_chunks):
+    from megatron.core.optimizer import get_megatron_optimizer as _get
+
+    return _get(opt_config, model_chunks)
+
+
+def local_layer_spec():
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    return get_gpt_layer_local_spec(**_accepted(get_gpt_layer_local_spec, {"normalization": "RMSNorm"}))
+
+
+def te_layer_spec():
+    """Transformer Engine layer spec, or None when TE is not importable (always None on CPU)."""
+    if not cuda_available():
+        return None
+    try:
+        import transformer_engine  # noqa: F401
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+    except Exception:
+        return None
+    return get_gpt_layer_with_transformer_engine_spec()
+
+
+def finalize_model_grads(model_chunks, num_tokens=None):
+    from megatron.core.distributed import finalize_model_grads as _fin
+
+    return _fin(model_chunks, num_tokens)
+
+
+def dist_checkpointing_save(sharded_state_dict, directory: str):
+    from megatron.core import dist_checkpointing
+
+    return dist_checkpointing.save(sharded_state_dict, directory)
+
+
+def dist_checkpointing_load(sharded_state_dict, directory: str):
+    from megatron.core import dist_checkpointing
+
+    return dist_checkpointing.load(sharded_state_dict, directory)

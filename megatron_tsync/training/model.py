@@ -1,0 +1,210 @@
+"""Llama- and Qwen2-family models as Megatron ``GPTModel``.
+
+RMSNorm, SwiGLU, RoPE, GQA, tied or untied embeddings, optional QKV bias (Qwen2). The layer spec is chosen by
+capability: Transformer Engine's spec (with FP8 when asked) where TE is importable on a GPU, megatron-core's
+local spec otherwise (always on CPU). Asking for FP8 where it cannot run is a clear error, never a crash deep
+inside TE.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from megatron_tsync.training import compat
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelArch:
+    """Architecture of a Llama/Qwen2-family decoder (the fields of a Hugging Face config we use)."""
+
+    family: str  # "llama" | "qwen2"
+    vocab_size: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_layers: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    max_position_embeddings: int = 4096
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any]) -> "ModelArch":
+        """From a transformers ``config.json`` dict (LlamaConfig or Qwen2Config)."""
+        mt = cfg.get("model_type", "llama")
+        if mt not in ("llama", "qwen2"):
+            raise ValueError(f"unsupported model_type {mt!r}: megatron_tsync converts 'llama' and 'qwen2'")
+        heads = cfg["num_attention_heads"]
+        hd = cfg.get("head_dim") or cfg["hidden_size"] // heads
+        if cfg.get("rope_scaling"):
+            raise ValueError(f"rope_scaling {cfg['rope_scaling']!r} is not supported yet (plain RoPE only)")
+        rope_theta = cfg.get("rope_theta")
+        if rope_theta is None:  # transformers ≥ 5 keeps it under rope_parameters
+            rope_theta = (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+        return cls(
+            family=mt,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            ffn_hidden_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=hd,
+            rope_theta=float(rope_theta),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=bool(cfg.get("attention_bias", mt == "qwen2")),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+        )
+
+    @classmethod
+    def from_hf_dir(cls, path: str) -> "ModelArch":
+        with open(os.path.join(path, "config.json")) as f:
+            return cls.from_hf_config(json.load(f))
+
+
+@dataclasses.dataclass(frozen=True)
+class PrecisionConfig:
+    """Numerics of the learner. ``params_dtype`` float64 is for CPU verification runs."""
+
+    params_dtype: torch.dtype = torch.float32
+    bf16: bool = False
+    fp8_format: str | None = None  # None | "e4m3" | "hybrid" (TE only)
+    fp8_recipe: str = "delayed"  # "delayed" | "tensorwise" | "mxfp8" (TE/hardware dependent)
+
+
+def choose_layer_spec(precision: PrecisionConfig):
+    """TE spec when TE is usable (GPU), local spec otherwise. Returns (spec, name)."""
+    te = compat.te_layer_spec()
+    if precision.fp8_format is not None and te is None:
+        raise ValueError(
+            f"--fp8-format {precision.fp8_format} needs Transformer Engine on a GPU; "
+            "it is not importable here (CPU runs use the local layer spec without FP8)"
+        )
+    if te is not None:
+        return te, "transformer_engine"
+    return compat.local_layer_spec(), "local"
+
+
+def transformer_config(arch: ModelArch, precision: PrecisionConfig, *, tp: int = 1, pp: int = 1, **extra):
+    """Megatron ``TransformerConfig`` for ``arch``. Dropout is 0: RL updates must be deterministic."""
+    dtype = torch.bfloat16 if precision.bf16 else precision.params_dtype
+    kw = dict(
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        ffn_hidden_size=arch.ffn_hidden_size,
+        num_attention_heads=arch.num_attention_heads,
+        num_query_groups=arch.num_kv_heads,
+        kv_channels=arch.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=arch.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=arch.qkv_bias,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=precision.bf16,
+        fp16=False,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        sequence_parallel=False,
+        calculate_per_token_loss=True,  # DP sums; the trainer divides by its explicit denominator
+        variable_seq_lengths=True,  # PP p2p sends shapes: trajectories differ in length
+        moe_token_dispatcher_type="alltoall",  # "allgather" (the default) rejects variable lengths
+        init_method_std=0.02,
+    )
+    if precision.fp8_format is not None:
+        kw.update(fp8=precision.fp8_format, fp8_recipe=precision.fp8_recipe)
+    kw.update(extra)
+    cfg, unknown = compat.make_transformer_config(**kw)
+    if unknown:
+        import logging
+
+        logging.getLogger(__name__).warning("TransformerConfig ignores unknown fields: %s", unknown)
+    return cfg
+
+
+def build_model(
+    arch: ModelArch,
+    precision: PrecisionConfig | None = None,
+    *,
+    pre_process: bool | None = None,
+    post_process: bool | None = None,
+    seed: int | None = None,
+    **config_overrides,
+):
+    """Build this rank's ``GPTModel`` stage (unwrapped). Parallel state must be initialised.
+
+    float64 runs: the model is built under ``torch.set_default_dtype(torch.float64)`` (megatron's torch norm
+    wrapper ignores ``params_dtype``) and RoPE's ``inv_freq`` buffer is cast to float64 afterwards.
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+
+    precision = precision or PrecisionConfig()
+    tp = ps.get_tensor_model_parallel_world_size()
+    pp = ps.get_pipeline_model_parallel_world_size()
+    if arch.vocab_size % tp != 0:
+        raise ValueError(f"vocab size {arch.vocab_size} must be divisible by TP={tp} (vocab-parallel embedding)")
+    if arch.num_layers % pp != 0:
+        raise ValueError(f"{arch.num_layers} layers cannot be split evenly over PP={pp} stages")
+    cfg = transformer_config(arch, precision, tp=tp, pp=pp, **config_overrides)
+    spec, _ = choose_layer_spec(precision)
+    pre = ps.is_pipeline_first_stage() if pre_process is None else pre_process
+    post = ps.is_pipeline_last_stage() if post_process is None else post_process
+    if seed is not None:
+        torch.manual_seed(seed)
+        compat.model_parallel_seed(seed)
+    old = torch.get_default_dtype()
+    float64 = precision.params_dtype == torch.float64
+    if float64:
+        torch.set_default_dtype(torch.float64)
+    try:
+        model = GPTModel(
+            config=cfg,
+            transformer_layer_spec=spec,
+            vocab_size=arch.vocab_size,
+            max_sequence_length=arch.max_position_embeddings,
+            pre_process=pre,
+            post_process=post,
+            share_embeddings_and_output_weights=arch.tie_word_embeddings,
+            position_embedding_type="rope",
+            rotary_base=int(arch.rope_theta),
+            parallel_output=True,
+        )
+    finally:
+        torch.set_default_dtype(old)
+    if float64:
+        for mod in model.modules():
+            if hasattr(mod, "inv_freq") and torch.is_tensor(mod.inv_freq):
+                mod.inv_freq = mod.inv_freq.to(torch.float64)
+    if torch.cuda.is_available():
+        model = model.cuda()
+    model.arch = arch  # for conversion and engines
+    return model
+
+
+def unwrap(model):
+    """The ``GPTModel`` inside DDP / Float16Module wrappers."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model

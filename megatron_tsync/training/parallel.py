@@ -1,0 +1,152 @@
+"""Process groups from torchrun or SLURM environment variables; the one owner of topology.
+
+gloo on CPU, NCCL on GPU. Tensor (TP), pipeline (PP), data (DP) and, on GPU, context (CP) parallelism via
+megatron-core's ``parallel_state``. Everything downstream receives a :class:`ParallelDims` instead of reading
+global state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+from megatron_tsync.training import compat
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelDims:
+    """Sizes and this process's coordinates. Groups are megatron-core's (``parallel_state``)."""
+
+    world_size: int
+    rank: int
+    local_rank: int
+    tp: int
+    pp: int
+    dp: int
+    cp: int
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+    backend: str
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
+    @property
+    def is_logging_rank(self) -> bool:
+        """The rank that prints and writes TensorBoard: DP 0, TP 0, last PP stage (where losses live)."""
+        return self.dp_rank == 0 and self.tp_rank == 0 and self.is_last_stage
+
+    def tp_group(self):
+        from megatron.core import parallel_state as ps
+
+        return ps.get_tensor_model_parallel_group()
+
+    def pp_group(self):
+        from megatron.core import parallel_state as ps
+
+        return ps.get_pipeline_model_parallel_group()
+
+    def dp_group(self):
+        from megatron.core import parallel_state as ps
+
+        return ps.get_data_parallel_group(with_context_parallel=True)
+
+    def model_parallel_group(self):
+        from megatron.core import parallel_state as ps
+
+        return ps.get_model_parallel_group()
+
+
+def launcher_env() -> tuple[int, int, int]:
+    """(rank, world_size, local_rank) from torchrun (RANK/WORLD_SIZE/LOCAL_RANK) or srun (SLURM_*)."""
+    env = os.environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0))
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        return int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0))
+    return 0, 1, 0
+
+
+def initialize_parallel(
+    tp: int = 1,
+    pp: int = 1,
+    cp: int = 1,
+    *,
+    seed: int = 1234,
+    backend: str | None = None,
+    timeout_s: float = 600.0,
+) -> ParallelDims:
+    """Initialise torch.distributed and megatron-core model parallelism. Idempotent for the same sizes."""
+    from megatron.core import parallel_state as ps
+
+    compat.install_cpu_support()
+    rank, world, local_rank = launcher_env()
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+    if cp > 1 and not torch.cuda.is_available():
+        raise ValueError("context parallelism (--context-parallel-size > 1) needs GPUs; it is not supported on CPU")
+    if world % (tp * pp * cp) != 0:
+        raise ValueError(
+            f"world size {world} is not divisible by TP×PP×CP = {tp}×{pp}×{cp}; "
+            "choose --tensor-model-parallel-size / --pipeline-model-parallel-size that divide the process count"
+        )
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29500")
+        dist.init_process_group(
+            backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s)
+        )
+    if ps.model_parallel_is_initialized():
+        if ps.get_tensor_model_parallel_world_size() != tp or ps.get_pipeline_model_parallel_world_size() != pp:
+            ps.destroy_model_parallel()
+    if not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp
+        )
+    compat.model_parallel_seed(seed)
+    torch.manual_seed(seed)
+    return current_dims(backend)
+
+
+def current_dims(backend: str | None = None) -> ParallelDims:
+    from megatron.core import parallel_state as ps
+
+    rank, _, local_rank = launcher_env()
+    return ParallelDims(
+        world_size=dist.get_world_size(),
+        rank=dist.get_rank(),
+        local_rank=local_rank,
+        tp=ps.get_tensor_model_parallel_world_size(),
+        pp=ps.get_pipeline_model_parallel_world_size(),
+        dp=ps.get_data_parallel_world_size(),
+        cp=ps.get_context_parallel_world_size(),
+        tp_rank=ps.get_tensor_model_parallel_rank(),
+        pp_rank=ps.get_pipeline_model_parallel_rank(),
+        dp_rank=ps.get_data_parallel_rank(),
+        backend=backend or dist.get_backend(),
+    )
+
+
+def destroy_parallel() -> None:
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")

