@@ -1,0 +1,77 @@
+"""Per-group gradient buckets with the moving origin (P, Q, ρ) of design note §1.
+
+For an open group keep Q = Σ h_i (its trajectories' reward-free gradients) and P = Σ (r_i − ρ)·h_i, where ρ is
+the reward of the group's most recent trajectory. Before trajectory i's backward: P += (ρ − r_i)·Q, ρ = r_i;
+then the backward accumulates h_i *straight into Q* (``param.main_grad`` points into Q) and leaves P
+unchanged. At close, with the group's final (α, β): accumulator += α·P + (α·ρ + β)·Q = Σ A_i h_i.
+
+Buffers (gradient-sized vectors), k = open groups, the accumulator being Megatron's own grad buffer:
+- α depends on the rewards (std-normalised GRPO): P and Q per group → 1 + 2k.
+- α known in advance (Dr.GRPO, RLOO): α·P of every group is summed directly into the accumulator
+  (accumulator += α(ρ − r_i)·Q before each backward) → only Q per group → 1 + k.
+P is allocated lazily, the first time the origin moves (a zero-variance group never needs it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from megatron_tsync.streaming.buckets import BucketPool, GradRouter, GradVector
+
+
+@dataclasses.dataclass
+class _Bucket:
+    q: GradVector
+    p: GradVector | None
+    rho: float
+    alpha_known: float | None
+
+
+class GroupBuckets:
+    def __init__(self, router: GradRouter, pool: BucketPool):
+        self.router = router
+        self.pool = pool
+        self.accumulator = router.accumulator
+        self.buckets: dict[str, _Bucket] = {}
+
+    @property
+    def open_groups(self) -> int:
+        return len(self.buckets)
+
+    def enter(self, group_id: str, reward: float, alpha_known: float | None) -> None:
+        """Prepare for a backward of a trajectory of ``group_id`` with ``reward`` and route grads into Q."""
+        b = self.buckets.get(group_id)
+        if b is None:
+            b = _Bucket(q=self.pool.acquire(f"Q:{group_id}"), p=None, rho=float(reward), alpha_known=alpha_known)
+            self.buckets[group_id] = b
+        elif reward != b.rho:
+            shift = b.rho - float(reward)
+            if b.alpha_known is not None:
+                self.accumulator.add_(b.q, alpha=b.alpha_known * shift)
+            else:
+                if b.p is None:
+                    b.p = self.pool.acquire(f"P:{group_id}")
+                b.p.add_(b.q, alpha=shift)
+            b.rho = float(reward)
+        self.router.route(b.q)
+
+    def route_accumulator(self) -> None:
+        self.router.route_to_accumulator()
+
+    def close(self, group_id: str, alpha: float, q_coefficient) -> None:
+        """accumulator += α·P + c·Q with c = q_coefficient(ρ); frees the group's vectors."""
+        b = self.buckets.pop(group_id, None)
+        if b is None:
+            return  # every trajectory of the group went straight to the accumulator
+        if self.router.current is b.q:
+            self.router.route_to_accumulator()
+        if b.alpha_known is not None and alpha != b.alpha_known:
+            raise AssertionError(f"group {group_id}: α changed from {b.alpha_known} to {alpha}")
+        if b.p is not None:
+            self.accumulator.add_(b.p, alpha=alpha)
+            self.pool.release(b.p)
+        self.accumulator.add_(b.q, alpha=float(q_coefficient(b.rho)))
+        self.pool.release(b.q)
+
+    def vectors_in_use(self) -> int:
+        return self.pool.stats.in_use

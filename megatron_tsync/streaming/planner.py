@@ -1,0 +1,314 @@
+"""Step planner: decides, for every trajectory as its reward lands, where its gradient goes and when.
+
+Pure bookkeeping — no tensors, no Megatron. The executor (``megatron_tsync.training.stream_fb``) runs the
+:class:`WorkItem` s it emits through Megatron's schedules and calls back into :class:`GroupBuckets` at
+backward time. The three modes of one trainer:
+
+- ``sync``: nothing runs before the barrier; then every trajectory goes straight into the accumulator with its
+  advantage from the batch reference ``estimator.advantages`` (the baseline).
+- ``stream-group``: a group's trajectories run when the group's last reward lands (per-group streaming, what
+  the best existing systems do).
+- ``stream-trajectory``: a trajectory runs the moment its reward lands. While its group is incomplete its
+  reward-free surrogate is backpropagated into the group's bucket (P, Q, ρ) (design note §1); when every other
+  reward of the group is known its advantage is final and it goes straight into the accumulator (no bucket).
+  Trajectories whose clip mask depends on an unknown sign are deferred to group close (§3).
+
+Groups close (bucket folded into the accumulator with two scalars) when all their rewards are known and their
+bucket items have run; with an estimator that needs batch statistics, at the barrier. A cap on open groups
+degrades the overflow to per-group streaming.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Callable
+
+import torch
+
+from megatron_tsync.algorithms import advantages as adv_mod
+from megatron_tsync.algorithms.streamability import RewardSpec, decide
+
+MODES = ("sync", "stream-group", "stream-trajectory")
+
+
+class Dest(enum.Enum):
+    ACCUM = "accum"
+    BUCKET = "bucket"
+
+
+@dataclasses.dataclass(frozen=True)
+class TrajMeta:
+    """What the planner needs to know about a trajectory (its tensors stay with the executor)."""
+
+    traj_id: str
+    group_id: str
+    reward: float
+    num_action_tokens: int
+    dp_rank: int = 0  # the data-parallel rank that runs its backward
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkItem:
+    """One forward/backward of one trajectory.
+
+    ``advantage`` set: loss uses the reference policy loss with this advantage, routed to the accumulator.
+    ``advantage`` None: the surrogate with ``adv_sign`` is routed to the group's bucket; at backward time the
+    executor calls ``GroupBuckets.enter(group_id, reward)`` first.
+    ``aux``: include the KL / entropy terms in this pass (they always go to the accumulator).
+    ``policy``: include the policy-gradient term.
+    """
+
+    traj_id: str
+    group_id: str
+    reward: float
+    dest: Dest
+    advantage: float | None = None
+    adv_sign: int | None = None
+    policy: bool = True
+    aux: bool = False
+    may_defer: bool = False  # the executor may still defer it after its forward (ratio outside the band)
+
+
+@dataclasses.dataclass(frozen=True)
+class CloseOp:
+    """Fold a group's bucket into the accumulator: accum += α·P + q_coefficient(ρ)·Q."""
+
+    group_id: str
+    alpha: float
+    q_coefficient: Callable[[float], float]  # origin ρ -> α·ρ + β, computed without cancellation
+
+
+@dataclasses.dataclass
+class _Group:
+    size: int
+    rewards: dict[str, float] = dataclasses.field(default_factory=dict)
+    local_pending: list[TrajMeta] = dataclasses.field(default_factory=list)  # held (sync / group / overflow)
+    deferred: list[tuple[TrajMeta, bool]] = dataclasses.field(default_factory=list)  # (meta, needs aux pass)
+    bucket_items: int = 0
+    bucket_open: bool = False
+    closed: bool = False
+    overflow: bool = False
+
+
+class StepPlanner:
+    """Plans one optimizer step (one batch of groups) for this rank.
+
+    Args:
+        estimator: advantage estimator (``algorithms.advantages``).
+        group_sizes: group_id -> G for every group of the batch.
+        mode: one of :data:`MODES`.
+        reward_spec, loss_kind: inputs of the exact clip rule.
+        aux_strategy: how KL / entropy loss terms are trained when the trajectory goes to a bucket:
+            ``"none"`` (no such terms), ``"second-backward"`` (a separate pass into the accumulator) or
+            ``"defer"`` (the whole trajectory waits for group close).
+        max_open_groups: cap on groups holding buckets (None = unlimited); overflow groups stream per group.
+        ratio_known_before_backward: the executor can test rule 1 (ratios in band) after the forward and defer
+            (single pipeline stage). With pipeline parallelism it cannot, and the planner decides from rewards
+            only unless ``ratio_is_one`` (first minibatch with trainer old log-probs: ratio ≡ 1, always in band).
+        dp_rank: this rank's data-parallel index; only trajectories assigned to it produce work here.
+    """
+
+    def __init__(
+        self,
+        estimator,
+        group_sizes: dict[str, int],
+        *,
+        mode: str,
+        reward_spec: RewardSpec,
+        loss_kind: str,
+        aux_strategy: str = "none",
+        max_open_groups: int | None = None,
+        ratio_is_one: bool = True,
+        ratio_known_before_backward: bool = True,
+        dp_rank: int = 0,
+    ):
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if aux_strategy not in ("none", "second-backward", "defer"):
+            raise ValueError(f"aux_strategy {aux_strategy!r}")
+        self.est = estimator
+        self.mode = mode
+        self.spec = reward_spec
+        self.loss_kind = loss_kind
+        self.aux_strategy = aux_strategy
+        self.max_open_groups = max_open_groups
+        self.ratio_is_one = ratio_is_one
+        self.ratio_known_before_backward = ratio_known_before_backward
+        self.dp_rank = dp_rank
+        self.groups = {g: _Group(size=n) for g, n in group_sizes.items()}
+        self.batch_coupled = bool(getattr(estimator, "needs_batch_rewards", False))
+        self.open_groups = 0
+        self.stats = {"direct": 0, "bucketed": 0, "deferred": 0, "second_backward": 0, "overflow_groups": 0}
+
+    # ---------------------------------------------------------------- arrivals
+    def on_ready(self, t: TrajMeta) -> list[WorkItem]:
+        """A trajectory's reward has landed (anywhere in DP). Returns the work this rank can do now."""
+        g = self._group(t.group_id)
+        if t.traj_id in g.rewards:
+            raise ValueError(f"trajectory {t.traj_id!r} of group {t.group_id!r} arrived twice")
+        if len(g.rewards) >= g.size:
+            raise ValueError(f"group {t.group_id!r} already has its {g.size} trajectories; {t.traj_id!r} is extra")
+        self.spec.check(t.reward)
+        g.rewards[t.traj_id] = float(t.reward)
+        local = t.dp_rank == self.dp_rank
+        complete = len(g.rewards) == g.size
+        if self.mode == "sync":
+            if local:
+                g.local_pending.append(t)
+            return []
+        if self.mode == "stream-group" or g.overflow:
+            if local:
+                g.local_pending.append(t)
+            return self._release_group(t.group_id) if complete and not self.batch_coupled else []
+        # stream-trajectory
+        if not local:
+            return []
+        if complete and not self.batch_coupled:
+            self.stats["direct"] += 1
+            return [self._direct(t, g)]
+        return self._stream(t, g)
+
+    def _stream(self, t: TrajMeta, g: _Group) -> list[WorkItem]:
+        if not g.bucket_open:
+            if self.max_open_groups is not None and self.open_groups >= self.max_open_groups:
+                g.overflow = True
+                self.stats["overflow_groups"] += 1
+                g.local_pending.append(t)
+                return []
+            g.bucket_open = True
+            self.open_groups += 1
+        in_band = self.ratio_is_one or self.loss_kind == "none"
+        d = decide(
+            ratio_in_band=in_band,
+            reward=t.reward,
+            known_rewards=list(g.rewards.values()),
+            group_size=g.size,
+            spec=self.spec,
+            loss_kind=self.loss_kind,
+        )
+        may_defer = False
+        if not d.stream:
+            if self.ratio_known_before_backward:
+                # rule 1 may still hold once the executor has the ratios; it defers if not
+                may_defer = True
+                sign = None
+            else:
+                g.deferred.append((t, True))
+                self.stats["deferred"] += 1
+                return []
+        else:
+            sign = d.adv_sign
+        if self.aux_strategy == "defer":
+            g.deferred.append((t, True))
+            self.stats["deferred"] += 1
+            return []
+        g.bucket_items += 1
+        self.stats["bucketed"] += 1
+        items = [WorkItem(t.traj_id, t.group_id, t.reward, Dest.BUCKET, adv_sign=sign, may_defer=may_defer)]
+        if self.aux_strategy == "second-backward":
+            self.stats["second_backward"] += 1
+            items.append(WorkItem(t.traj_id, t.group_id, t.reward, Dest.ACCUM, policy=False, aux=True))
+        return items
+
+    def report_deferred(self, item: WorkItem, meta: TrajMeta) -> None:
+        """The executor found the item's ratios outside the sign-free band: keep it for group close.
+
+        Its aux pass (second-backward), if any, already ran or is still scheduled, so the close-time pass is
+        policy-only in that case.
+        """
+        g = self._group(item.group_id)
+        g.bucket_items -= 1
+        self.stats["bucketed"] -= 1
+        self.stats["deferred"] += 1
+        g.deferred.append((meta, self.aux_strategy != "second-backward"))
+
+    # ---------------------------------------------------------------- closing
+    def closable(self) -> tuple[list[CloseOp], list[WorkItem]]:
+        """Groups whose rewards are all known: their close ops and their deferred/held work (accumulator)."""
+        if self.batch_coupled:
+            return [], []
+        return self._close_where(lambda g: len(g.rewards) == g.size)
+
+    def finish(self) -> tuple[list[CloseOp], list[WorkItem]]:
+        """At the barrier (every reward known): everything still open or held."""
+        for gid, g in self.groups.items():
+            if len(g.rewards) != g.size:
+                raise RuntimeError(f"barrier reached but group {gid!r} has {len(g.rewards)}/{g.size} rewards")
+        if self.mode == "sync":
+            return [], self._sync_items()
+        return self._close_where(lambda g: True)
+
+    def _sync_items(self) -> list[WorkItem]:
+        """The baseline: advantages from the estimator's batch reference (not from its affine coefficients)."""
+        ids, rewards, gidx = [], [], []
+        for k, g in enumerate(self.groups.values()):
+            for tid, r in g.rewards.items():
+                ids.append(tid)
+                rewards.append(r)
+                gidx.append(k)
+        a = self.est.advantages(torch.tensor(rewards, dtype=torch.float64), torch.tensor(gidx, dtype=torch.long))
+        adv = dict(zip(ids, a.tolist()))
+        out = []
+        for g in self.groups.values():
+            out += [WorkItem(t.traj_id, t.group_id, t.reward, Dest.ACCUM, advantage=adv[t.traj_id], aux=True)
+                    for t in g.local_pending]
+            g.local_pending = []
+            g.closed = True
+        self.stats["direct"] += len(out)
+        return out
+
+    def _close_where(self, pred) -> tuple[list[CloseOp], list[WorkItem]]:
+        closes, items = [], []
+        for gid, g in self.groups.items():
+            if g.closed or not pred(g):
+                continue
+            g.closed = True
+            if g.bucket_open:
+                closes.append(self._close_op(gid, g))
+                self.open_groups -= 1
+            items.extend(self._held_items(gid, g))
+        return closes, items
+
+    def _close_op(self, gid: str, g: _Group) -> CloseOp:
+        rewards = torch.tensor(list(g.rewards.values()), dtype=torch.float64)
+        coeffs = self.est.coefficients(rewards, batch_rewards=self._batch_rewards())
+        return CloseOp(gid, coeffs.alpha, lambda origin: self.est.close_coefficient(coeffs, origin, rewards))
+
+    def alpha_known(self, group_size: int) -> float | None:
+        if self.batch_coupled:
+            return None
+        return self.est.alpha_known_in_advance(group_size)
+
+    def _held_items(self, gid: str, g: _Group) -> list[WorkItem]:
+        out = [self._direct(t, g) for t in g.local_pending]
+        out += [self._direct(t, g, aux=needs_aux) for t, needs_aux in g.deferred]
+        self.stats["direct"] += len(out)
+        g.local_pending, g.deferred = [], []
+        return out
+
+    def _release_group(self, gid: str) -> list[WorkItem]:
+        g = self.groups[gid]
+        g.closed = True
+        items = [self._direct(t, g) for t in g.local_pending]
+        self.stats["direct"] += len(items)
+        g.local_pending = []
+        return items
+
+    def _direct(self, t: TrajMeta, g: _Group, aux: bool = True) -> WorkItem:
+        rewards = torch.tensor(list(g.rewards.values()), dtype=torch.float64)
+        coeffs = self.est.coefficients(rewards, batch_rewards=self._batch_rewards())
+        a = coeffs.advantage(t.reward)
+        return WorkItem(t.traj_id, t.group_id, t.reward, Dest.ACCUM, advantage=a, aux=aux)
+
+    def _batch_rewards(self):
+        if not self.batch_coupled:
+            return None
+        vals = [r for g in self.groups.values() for r in g.rewards.values()]
+        return torch.tensor(vals, dtype=torch.float64)
+
+    def _group(self, gid: str) -> _Group:
+        try:
+            return self.groups[gid]
+        except KeyError:
+            raise ValueError(f"trajectory of unknown group {gid!r} (not in this step's batch)") from None

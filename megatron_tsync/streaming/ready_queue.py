@@ -1,0 +1,126 @@
+"""What the learner consumes: trajectories whose reward has landed, in arrival order.
+
+A :class:`Sample` is one finished trajectory with its reward (tensors on CPU). An :class:`ArrivalSource`
+hands samples to the learner as they become ready; :class:`ListSource` replays a fixed arrival order (tests,
+``--replay-rollouts``), :class:`ReadyQueue` is a thread-safe queue fed by the transport.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import queue
+import threading
+import time
+from typing import Iterable, Protocol
+
+import torch
+
+
+@dataclasses.dataclass
+class Sample:
+    """One trajectory ready for training.
+
+    token_ids: (T,) long; loss_mask: (T,) 1 on action tokens (trained), 0 on prompt and tool output;
+    behaviour_logp: (T,) engine log-probs of each token (entries where loss_mask = 0 are ignored) or None;
+    ref_logp: (T,) reference-model log-probs (KL) or None; teacher_logp: (T,) for distillation or None.
+    """
+
+    traj_id: str
+    group_id: str
+    group_size: int
+    token_ids: torch.Tensor
+    loss_mask: torch.Tensor
+    reward: float
+    policy_version: int = 0
+    behaviour_logp: torch.Tensor | None = None
+    ref_logp: torch.Tensor | None = None
+    teacher_logp: torch.Tensor | None = None
+    arrival_s: float = 0.0  # when its reward landed (seconds since step start), for timelines
+    dp_rank: int = 0
+
+    def __post_init__(self):
+        t = self.token_ids.shape[0]
+        if self.token_ids.dim() != 1 or t < 2:
+            raise ValueError(f"trajectory {self.traj_id}: token_ids must be 1-D with ≥ 2 tokens")
+        for name in ("loss_mask", "behaviour_logp", "ref_logp", "teacher_logp"):
+            v = getattr(self, name)
+            if v is not None and v.shape != (t,):
+                raise ValueError(f"trajectory {self.traj_id}: {name} has shape {tuple(v.shape)}, expected ({t},)")
+        if not math.isfinite(self.reward):
+            raise ValueError(f"trajectory {self.traj_id}: reward {self.reward} is not finite")
+
+    @property
+    def num_action_tokens(self) -> int:
+        """Trained tokens: positions t ≥ 1 with loss_mask = 1 (token 0 has no prediction)."""
+        return int(self.loss_mask[1:].sum().item())
+
+
+class ArrivalSource(Protocol):
+    def poll(self, timeout_s: float) -> list[Sample]:
+        """Samples that became ready since the last call (may block up to ``timeout_s``)."""
+
+    def exhausted(self) -> bool:
+        """True when every sample of the step has been returned."""
+
+
+class ListSource:
+    """Replays samples in a fixed order; ``release_times`` (s) makes arrivals wait on the wall clock."""
+
+    def __init__(self, samples: Iterable[Sample], release_times: list[float] | None = None, batch: int = 1):
+        self.samples = list(samples)
+        self.release = release_times
+        self.batch = batch
+        self.i = 0
+        self.t0: float | None = None
+
+    def poll(self, timeout_s: float = 0.0) -> list[Sample]:
+        if self.t0 is None:
+            self.t0 = time.perf_counter()
+        if self.release is None:
+            out = self.samples[self.i : self.i + self.batch]
+            self.i += len(out)
+            return out
+        now = time.perf_counter() - self.t0
+        if self.i < len(self.samples) and self.release[self.i] > now:
+            time.sleep(min(self.release[self.i] - now, max(timeout_s, 0.0)))
+            now = time.perf_counter() - self.t0
+        out = []
+        while self.i < len(self.samples) and self.release[self.i] <= now:
+            s = self.samples[self.i]
+            s.arrival_s = self.release[self.i]
+            out.append(s)
+            self.i += 1
+        return out
+
+    def exhausted(self) -> bool:
+        return self.i >= len(self.samples)
+
+
+class ReadyQueue:
+    """Thread-safe arrival queue for a step of ``expected`` trajectories (fed by the transport thread)."""
+
+    def __init__(self, expected: int):
+        self.expected = expected
+        self.delivered = 0
+        self._q: queue.Queue[Sample] = queue.Queue()
+        self._lock = threading.Lock()
+
+    def put(self, s: Sample) -> None:
+        self._q.put(s)
+
+    def poll(self, timeout_s: float) -> list[Sample]:
+        out = []
+        try:
+            out.append(self._q.get(timeout=timeout_s) if timeout_s > 0 else self._q.get_nowait())
+            while True:
+                out.append(self._q.get_nowait())
+        except queue.Empty:
+            pass
+        with self._lock:
+            self.delivered += len(out)
+        return out
+
+    def exhausted(self) -> bool:
+        with self._lock:
+            return self.delivered >= self.expected

@@ -1,0 +1,169 @@
+"""One optimizer step of the learner: consume ready trajectories, close groups, barrier, step.
+
+The same code runs the three modes (``sync``, ``stream-group``, ``stream-trajectory``); only the planner's
+decisions differ. The barrier is: fold what is still open, one DP reduction (``finalize_model_grads``),
+divide by the explicit denominator, optional gradient dump, clip + optimizer step (megatron's optimizer).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+import torch
+
+from megatron_tsync.algorithms.advantages import get_advantage_estimator
+from megatron_tsync.algorithms.aggregation import barrier_divisor
+from megatron_tsync.algorithms.streamability import RewardSpec, describe_config
+from megatron_tsync.streaming.accumulator import GroupBuckets
+from megatron_tsync.streaming.buckets import BucketPool, GradRouter
+from megatron_tsync.streaming.planner import StepPlanner, TrajMeta
+from megatron_tsync.streaming.ready_queue import ArrivalSource, Sample
+from megatron_tsync.training.optimizer import finalize_and_scale
+from megatron_tsync.training.stream_fb import BatchShape, LossConfig, StreamExecutor
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class LearnerConfig:
+    mode: str = "stream-trajectory"
+    estimator: str = "grpo"
+    estimator_eps: float = 1e-6
+    loss: LossConfig = LossConfig()
+    reward_spec: RewardSpec = RewardSpec.binary()
+    aux_strategy: str = "second-backward"  # how KL/entropy loss terms stream: "second-backward" | "defer"
+    max_open_groups: int | None = None
+    max_bucket_vectors: int | None = None
+    poll_timeout_s: float = 0.05
+
+
+@dataclasses.dataclass
+class StepResult:
+    step_s: float
+    busy_s: float
+    idle_frac: float
+    grad_norm: float | None
+    update_ok: bool
+    num_trajectories: int
+    num_action_tokens: int
+    microbatches: int
+    loss_sum: float
+    peak_bucket_vectors: int
+    peak_bucket_bytes: int
+    planner_stats: dict
+    busy_intervals: list  # (start, end) seconds since step start
+    last_arrival_s: float
+    work_after_last_arrival_s: float
+
+
+class Learner:
+    def __init__(self, ddp_model, optimizer, cfg: LearnerConfig, *, dp_rank: int = 0, pp_size: int = 1):
+        self.model = ddp_model
+        self.opt = optimizer
+        self.cfg = cfg
+        self.dp_rank = dp_rank
+        self.pp_size = pp_size
+        self.estimator = get_advantage_estimator(cfg.estimator, eps=cfg.estimator_eps)
+        self.router = GradRouter(ddp_model)
+        self.pool = BucketPool(self.router.accumulator, max_vectors=cfg.max_bucket_vectors)
+        self.buckets = GroupBuckets(self.router, self.pool)
+        self.exec = StreamExecutor(ddp_model, self.buckets, cfg.loss, pp_size=pp_size)
+        self._described = False
+        self.grad_hook = None  # callable(ddp_model) run after normalisation, before clipping (--dump-grads)
+
+    def _describe_once(self):
+        if self._described:
+            return
+        self._described = True
+        lc = self.cfg.loss
+        try:
+            msg = describe_config(lc.policy, self.cfg.reward_spec, lc.kl_mode if lc.kl_coef else "none",
+                                  lc.entropy_coef, self.cfg.aux_strategy if lc.has_aux else None)
+        except TypeError:
+            msg = describe_config(lc.policy, self.cfg.reward_spec)
+        log.info("streamability: %s", msg)
+
+    def train_step(self, source: ArrivalSource, group_sizes: dict[str, int], shape: BatchShape) -> StepResult:
+        self._describe_once()
+        cfg = self.cfg
+        lc = cfg.loss
+        planner = StepPlanner(
+            self.estimator,
+            group_sizes,
+            mode=cfg.mode,
+            reward_spec=cfg.reward_spec,
+            loss_kind=lc.policy.kind,
+            aux_strategy=cfg.aux_strategy if lc.has_aux else "none",
+            max_open_groups=cfg.max_open_groups,
+            ratio_is_one=lc.old_logprobs == "trainer",
+            ratio_known_before_backward=self.pp_size == 1,
+            dp_rank=self.dp_rank,
+        )
+        self.exec.begin_step(planner, BatchShape(shape.num_sequences, shape.max_len))
+        self.pool.reset_peak()
+        t_start = time.perf_counter()
+        n_traj = n_tok = 0
+        last_arrival = t_start
+        expected = sum(group_sizes.values())
+        while not source.exhausted():
+            ready = source.poll(cfg.poll_timeout_s)
+            if ready:
+                last_arrival = time.perf_counter()
+            items = []
+            for s in ready:
+                self.exec.add_sample(s)
+                n_traj += 1
+                n_tok += s.num_action_tokens
+                items += planner.on_ready(TrajMeta(s.traj_id, s.group_id, s.reward, s.num_action_tokens, s.dp_rank))
+            self.exec.run(items)
+            closes, held = planner.closable()
+            self.exec.run(held)
+            self.exec.close(closes)
+        if n_traj != expected:
+            raise RuntimeError(f"step ended with {n_traj} trajectories, expected {expected}")
+        closes, held = planner.finish()
+        self.exec.run(held)
+        self.exec.close(closes)
+        if self.buckets.open_groups:
+            raise AssertionError(f"{self.buckets.open_groups} buckets still open at the barrier")
+        # ---- barrier
+        t_b = time.perf_counter()
+        finalize_and_scale(self.model, barrier_divisor(lc.aggregation, n_tok))
+        if self.grad_hook is not None:
+            self.grad_hook(self.model)
+        ok, gnorm, _ = self.opt.step()
+        self.model.zero_grad_buffer()
+        self.opt.zero_grad()
+        t_end = time.perf_counter()
+        busy = [(a - t_start, b - t_start) for a, b in self.exec.busy] + [(t_b - t_start, t_end - t_start)]
+        busy_s = sum(b - a for a, b in busy)
+        step_s = t_end - t_start
+        la = last_arrival - t_start
+        return StepResult(
+            step_s=step_s,
+            busy_s=busy_s,
+            idle_frac=max(0.0, 1.0 - busy_s / step_s) if step_s > 0 else 0.0,
+            grad_norm=None if gnorm is None else float(gnorm),
+            update_ok=bool(ok),
+            num_trajectories=n_traj,
+            num_action_tokens=n_tok,
+            microbatches=self.exec.microbatches,
+            loss_sum=sum(self.exec.losses),
+            peak_bucket_vectors=self.pool.stats.peak_in_use,
+            peak_bucket_bytes=self.pool.stats.peak_bytes,
+            planner_stats=dict(planner.stats),
+            busy_intervals=busy,
+            last_arrival_s=la,
+            work_after_last_arrival_s=step_s - la,
+        )
+
+
+def shape_for(samples: list[Sample]) -> tuple[dict[str, int], BatchShape]:
+    """Group sizes and batch constants of a list of samples (a full step)."""
+    sizes: dict[str, int] = {}
+    for s in samples:
+        sizes[s.group_id] = s.group_size
+    max_len = max(s.num_action_tokens for s in samples)
+    return sizes, BatchShape(num_sequences=len(samples), max_len=max_len)

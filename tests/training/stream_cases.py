@@ -1,0 +1,58 @@
+"""Shared builders for the streaming exactness tests (single process and multi-process workers)."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from megatron_tsync.algorithms.streamability import RewardSpec
+from megatron_tsync.streaming.ready_queue import Sample
+from megatron_tsync.training.model import ModelArch
+
+TINY = ModelArch(family="llama", vocab_size=256, hidden_size=64, ffn_hidden_size=128, num_layers=2,
+                 num_attention_heads=4, num_kv_heads=2, head_dim=16)
+
+
+def make_samples(seed: int, *, num_groups: int = 3, reward_kind: str = "binary", zero_var_group: bool = True,
+                 ratio_noise: float = 0.0, vocab: int = 256, with_ref: bool = False) -> list[Sample]:
+    """Random multi-turn-looking trajectories: prompt, action spans, tool-output gaps (loss_mask 0)."""
+    g = torch.Generator().manual_seed(seed)
+    rnd = random.Random(seed)
+    out = []
+    for k in range(num_groups):
+        G = rnd.choice([3, 4, 5])
+        zero_var = zero_var_group and k == 0
+        for i in range(G):
+            T = rnd.randint(10, 24)
+            ids = torch.randint(0, vocab, (T,), generator=g)
+            mask = torch.zeros(T)
+            p = rnd.randint(2, 4)
+            mask[p:] = 1
+            if T - p > 6:  # a tool-output span inside
+                a = rnd.randint(p + 2, T - 3)
+                mask[a : a + 2] = 0
+            if zero_var:
+                r = 0.7 if reward_kind != "binary" else 1.0
+            elif reward_kind == "binary":
+                r = float(rnd.random() < 0.5)
+            elif reward_kind == "bounded":
+                r = round(rnd.random(), 3)
+            else:
+                r = rnd.gauss(0.0, 3.0) + 1000.0 * (k == 1)
+            beh = -torch.rand(T, generator=g, dtype=torch.float64) * 3 - 1.0
+            ref = -torch.rand(T, generator=g, dtype=torch.float64) * 3 - 1.0 if with_ref else None
+            out.append(Sample(traj_id=f"g{k}t{i}", group_id=f"g{k}", group_size=G, token_ids=ids,
+                              loss_mask=mask, reward=r, behaviour_logp=beh, ref_logp=ref))
+    return out
+
+
+def spec_for(kind: str) -> RewardSpec:
+    return {"binary": RewardSpec.binary(0.0, 1.0), "bounded": RewardSpec.bounded(0.0, 1.0),
+            "continuous": RewardSpec.continuous()}[kind]
+
+
+def arrival_order(samples: list[Sample], seed: int) -> list[Sample]:
+    order = list(samples)
+    random.Random(seed).shuffle(order)
+    return order
