@@ -226,7 +226,7 @@ class StepPlanner:
     # ---------------------------------------------------------------- closing
     def closable(self) -> tuple[list[CloseOp], list[WorkItem]]:
         """Groups whose rewards are all known: their close ops and their deferred/held work (accumulator)."""
-        if self.batch_coupled:
+        if self.batch_coupled or self.mode == "sync":
             return [], []
         return self._close_where(lambda g: len(g.rewards) == g.size)
 

@@ -72,6 +72,7 @@ class Learner:
         self.exec = StreamExecutor(ddp_model, self.buckets, cfg.loss, pp_size=pp_size)
         self._described = False
         self.grad_hook = None  # callable(ddp_model) run after normalisation, before clipping (--dump-grads)
+        self.sync_order: list[str] | None = None  # sync mode: microbatch order (permutation control)
 
     def _describe_once(self):
         if self._described:
@@ -124,6 +125,9 @@ class Learner:
         if n_traj != expected:
             raise RuntimeError(f"step ended with {n_traj} trajectories, expected {expected}")
         closes, held = planner.finish()
+        if cfg.mode == "sync" and self.sync_order is not None:
+            rank = {tid: i for i, tid in enumerate(self.sync_order)}
+            held.sort(key=lambda it: rank[it.traj_id])
         self.exec.run(held)
         self.exec.close(closes)
         if self.buckets.open_groups:

@@ -1,0 +1,139 @@
+"""Multi-process streaming exactness worker (run by torchrun from tests/training/test_streaming_parallel.py).
+
+--check f64: for several configs, streamed vs sync gradient (after the barrier) in float64 on this layout.
+--check f32: 3 Adam steps per mode in float32; Δ_k of stream-trajectory / stream-group vs sync next to the
+permutation control (sync with microbatches reordered).
+Rank 0 writes a JSON report to --out.
+"""
+
+import argparse
+import json
+import os
+import sys
+import warnings
+
+warnings.filterwarnings("ignore")
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from stream_cases import TINY, arrival_order, make_samples, spec_for  # noqa: E402
+
+from megatron_tsync.algorithms.policy_loss import PolicyLossConfig  # noqa: E402
+from megatron_tsync.streaming.ready_queue import ListSource  # noqa: E402
+from megatron_tsync.training.learner import Learner, LearnerConfig, shape_for  # noqa: E402
+from megatron_tsync.training.model import PrecisionConfig, build_model  # noqa: E402
+from megatron_tsync.training.optimizer import OptimConfig, build_optimizer, wrap_ddp  # noqa: E402
+from megatron_tsync.training.parallel import destroy_parallel, initialize_parallel  # noqa: E402
+from megatron_tsync.training.stream_fb import LossConfig  # noqa: E402
+
+F64_CASES = [
+    dict(estimator="grpo", reward="binary", loss={}),
+    dict(estimator="grpo_unbiased", reward="bounded", loss={"aggregation": "seq-mean-token-mean"}),
+    dict(estimator="dr_grpo", reward="continuous", loss={"aggregation": "seq-mean-token-sum-norm"}),
+    dict(estimator="rloo", reward="binary", loss={"aggregation": "seq-mean-token-sum"}),
+    dict(estimator="grpo_batch_std", reward="bounded", loss={}),
+    dict(estimator="grpo", reward="bounded", loss={"old_logprobs": "engine", "policy": PolicyLossConfig(dual_clip=3.0)}),
+    dict(estimator="grpo", reward="binary", loss={"kl_mode": "loss", "kl_coef": 0.1, "entropy_coef": 0.01}),
+    dict(estimator="grpo", reward="binary", aux="defer", loss={"kl_mode": "loss", "kl_coef": 0.1}),
+]
+
+
+def assign_dp(samples, dp):
+    for i, s in enumerate(samples):
+        s.dp_rank = i % dp
+    return samples
+
+
+def make_learner(dims, dtype, oc, mode, case, seed=0):
+    model = build_model(TINY, PrecisionConfig(params_dtype=dtype), seed=seed)
+    ddp = wrap_ddp(model)
+    opt = build_optimizer(ddp, oc)
+    lc = LossConfig(**case.get("loss", {}))
+    cfg = LearnerConfig(mode=mode, estimator=case["estimator"], loss=lc, reward_spec=spec_for(case["reward"]),
+                        aux_strategy=case.get("aux", "second-backward"))
+    return ddp, Learner(ddp, opt, cfg, dp_rank=dims.dp_rank, pp_size=dims.pp)
+
+
+def global_rel(a, b, dims):
+    """‖a − b‖ / ‖b‖ over all model-parallel shards (a, b: this rank's flat tensors)."""
+    t = torch.tensor([float((a - b).double().pow(2).sum()), float(b.double().pow(2).sum())], dtype=torch.float64)
+    dist.all_reduce(t, group=dims.model_parallel_group())
+    return (t[0].sqrt() / t[1].sqrt()).item()
+
+
+def params_flat(ddp):
+    return torch.cat([p.detach().reshape(-1).double() for p in ddp.parameters()])
+
+
+def run_f64(dims):
+    out = []
+    for ci, case in enumerate(F64_CASES):
+        grads = {}
+        for mode, order_seed in (("sync", None), ("stream-trajectory", 11 + ci), ("stream-group", 23 + ci)):
+            ddp, L = make_learner(dims, torch.float64, OptimConfig(optimizer="sgd", lr=0.0, clip_grad=0), mode, case)
+            S = make_samples(100 + ci, reward_kind=case["reward"], with_ref=True)
+            order = S if order_seed is None else arrival_order(S, order_seed)
+            assign_dp(order, dims.dp)
+            got = {}
+            L.grad_hook = lambda d: got.setdefault("g", torch.cat([b.grad_data.clone() for b in d.buffers]))
+            sizes, shape = shape_for(S)
+            res = L.train_step(ListSource(order), sizes, shape)
+            grads[mode] = (got["g"], res)
+        row = {"case": ci, "estimator": case["estimator"], "reward": case["reward"],
+               "peak_vectors": grads["stream-trajectory"][1].peak_bucket_vectors,
+               "stats": grads["stream-trajectory"][1].planner_stats}
+        for mode in ("stream-trajectory", "stream-group"):
+            row[mode] = global_rel(grads[mode][0], grads["sync"][0], dims)
+        out.append(row)
+    return out
+
+
+def run_f32(dims, steps=3):
+    case = dict(estimator="grpo", reward="bounded", loss={})
+    oc = OptimConfig(optimizer="adam", lr=1e-3, clip_grad=1.0)
+    thetas = {}
+    theta0 = None
+    for mode, perm in (("sync", None), ("sync", 5), ("stream-trajectory", None), ("stream-group", None)):
+        ddp, L = make_learner(dims, torch.float32, oc, mode, case)
+        if theta0 is None:
+            theta0 = params_flat(ddp)
+        for k in range(steps):
+            S = make_samples(500 + k, reward_kind="bounded", num_groups=4)
+            if mode == "sync":
+                order = S if perm is None else arrival_order(S, perm + k)
+            else:
+                order = arrival_order(S, 77 + k)
+            assign_dp(order, dims.dp)
+            if mode == "sync" and perm is not None:
+                L.sync_order = [s.traj_id for s in order]
+            sizes, shape = shape_for(S)
+            L.train_step(ListSource(order), sizes, shape)
+        thetas[mode if perm is None else "sync-permuted"] = params_flat(ddp)
+    ref = thetas["sync"]
+
+    def delta(x):
+        t = torch.tensor([float((x - ref).pow(2).sum()), float((ref - theta0).pow(2).sum())], dtype=torch.float64)
+        dist.all_reduce(t, group=dims.model_parallel_group())
+        return (t[0].sqrt() / t[1].sqrt()).item()
+    return {"delta_k": {m: delta(thetas[m]) for m in ("stream-trajectory", "stream-group")},
+            "delta_k_permutation_control": delta(thetas["sync-permuted"]), "steps": steps}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--check", choices=["f64", "f32"], required=True)
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    dims = initialize_parallel(a.tp, a.pp)
+    res = run_f64(dims) if a.check == "f64" else run_f32(dims)
+    if dims.rank == 0:
+        with open(a.out, "w") as f:
+            json.dump({"tp": dims.tp, "pp": dims.pp, "dp": dims.dp, "result": res}, f, indent=1)
+    destroy_parallel()
+
+
+if __name__ == "__main__":
+    main()
