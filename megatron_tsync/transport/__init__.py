@@ -1,0 +1,56 @@
+"""The wire between rollout workers and the learner.
+
+* ``schema``  — event dataclasses (trajectory, reward, turn, control) and their validation;
+* ``codec``   — signed msgpack frames (HMAC-SHA256), typed rejections, replay guard;
+* ``channel`` — ZeroMQ ROUTER/DEALER channel with credit-based backpressure, acks and resend (at-least-once + dedup);
+* ``weights`` — signed safetensors weight hand-off through a directory (imported lazily: it pulls in torch);
+* ``secret``  — where the shared key comes from.
+
+Imports nothing from megatron or from the training / rollout packages.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .channel import DEFAULT_MAX_BYTES, EventReceiver, EventSender
+from .codec import FrameHeader, ReplayGuard, decode, decode_frame, encode
+from .errors import (
+    REJECT_REASONS,
+    BackpressureTimeout,
+    BadSignature,
+    Malformed,
+    Oversize,
+    Replayed,
+    TransportError,
+    Unsigned,
+    WrongVersion,
+)
+from .schema import (
+    CONTROL_KINDS,
+    ControlEvent,
+    RewardEvent,
+    SchemaError,
+    SchemaLimits,
+    TrajectoryEvent,
+    TurnEvent,
+)
+from .secret import SecretError, generate_secret, load_secret, write_secret_file
+
+_LAZY = {"publish_weights", "WeightSubscriber", "WeightPublisher", "FileWeightPublisher", "nccl_broadcast_weights"}
+
+__all__ = [
+    "BackpressureTimeout", "BadSignature", "CONTROL_KINDS", "ControlEvent", "DEFAULT_MAX_BYTES", "EventReceiver",
+    "EventSender", "FrameHeader", "Malformed", "Oversize", "REJECT_REASONS", "Replayed", "ReplayGuard",
+    "RewardEvent", "SchemaError", "SchemaLimits", "SecretError", "TrajectoryEvent", "TransportError", "TurnEvent",
+    "Unsigned", "WrongVersion", "decode", "decode_frame", "encode", "generate_secret", "load_secret",
+    "write_secret_file", *sorted(_LAZY),
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        from . import weights
+
+        return getattr(weights, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,95 @@
+"""Typed errors of the wire layer.
+
+Every rejection the receiver can make is one subclass of :class:`TransportError` with a stable ``reason`` string; the
+receiver counts rejections under exactly these strings (``receiver.stats[reason]``), so a dashboard, a test and a log
+line all speak the same vocabulary.  ``detail`` is the human-readable precise cause.
+
+``header`` is set only when the frame's HMAC tag was verified (the header is then authentic): the channel uses it to
+tell the sender that its event was rejected for good (``WrongVersion``, a schema error) so that the sender stops
+resending it.  Unauthenticated rejections (``Unsigned``, ``BadSignature``, ``Oversize``, most ``Malformed``) carry no
+header and get no reply: nothing in them can be trusted.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "TransportError",
+    "Unsigned",
+    "BadSignature",
+    "Malformed",
+    "Oversize",
+    "WrongVersion",
+    "Replayed",
+    "BackpressureTimeout",
+    "REJECT_REASONS",
+]
+
+
+class TransportError(Exception):
+    """Base class; ``reason`` is the counter key, ``detail`` the precise cause."""
+
+    reason: str = "transport_error"
+
+    def __init__(self, detail: str = "", *, header: Any = None) -> None:
+        super().__init__(f"{self.reason}: {detail}" if detail else self.reason)
+        self.detail = detail
+        self.header = header  # FrameHeader when the tag was verified, else None
+
+
+class Unsigned(TransportError):
+    """The frame declares no authentication tag."""
+
+    reason = "unsigned"
+
+
+class BadSignature(TransportError):
+    """The HMAC tag (or a weight manifest's tag / file digest) does not verify."""
+
+    reason = "bad_signature"
+
+
+class Malformed(TransportError):
+    """Not a frame of this protocol, truncated, unparseable payload, or a payload that fails schema validation."""
+
+    reason = "malformed"
+
+
+class Oversize(TransportError):
+    """The frame is larger than the receiver's ``max_bytes``; rejected before any parsing."""
+
+    reason = "oversize"
+
+
+class WrongVersion(TransportError):
+    """An authentic event produced by a policy version the receiver does not accept (stale or future weights)."""
+
+    reason = "wrong_version"
+
+    def __init__(self, detail: str = "", *, header: Any = None, got: int | None = None, expected: Any = None) -> None:
+        super().__init__(detail, header=header)
+        self.got = got
+        self.expected = expected
+
+
+class Replayed(TransportError):
+    """An authentic frame whose (sender, epoch, seq) was already processed: a resend or a replay; dropped."""
+
+    reason = "replayed"
+
+
+class BackpressureTimeout(TransportError, TimeoutError):
+    """``EventSender.send``/``flush`` waited ``timeout_s`` for credit (acks) from the receiver and got none."""
+
+    reason = "backpressure_timeout"
+
+
+REJECT_REASONS: tuple[str, ...] = (
+    Unsigned.reason,
+    BadSignature.reason,
+    Malformed.reason,
+    Oversize.reason,
+    WrongVersion.reason,
+    Replayed.reason,
+)

@@ -1,0 +1,31 @@
+"""Test-wide setup: CPU threads, a free rendezvous port, one single-process megatron group per session."""
+
+import os
+import socket
+import warnings
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
+
+import pytest  # noqa: E402
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def megatron_single():
+    """torch.distributed (gloo, world 1) + megatron model parallel TP=1/PP=1 in this process."""
+    import torch
+
+    torch.set_num_threads(1)
+    if "MASTER_PORT" not in os.environ:
+        os.environ["MASTER_PORT"] = str(free_port())
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        os.environ.pop(k, None)
+    from megatron_tsync.training.parallel import initialize_parallel
+
+    return initialize_parallel(1, 1)
