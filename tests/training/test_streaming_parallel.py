@@ -28,13 +28,30 @@ def test_float64_stream_equals_sync(layout, tmp_path):
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_float32_three_steps(layout, tmp_path):
-    rep = torchrun(WORKER, [*LAYOUTS[layout], "--check", "f32", "--out", str(tmp_path / "r.json")],
-                   out_json=str(tmp_path / "r.json"))["result"]
-    print(layout, rep)
+    """SGD (momentum 0.9), 3 steps: streaming is as close to the exact float64 update as float32 sync is.
+
+    A reordering control leaves each microbatch's backward bit-identical; streaming backprops h_i and applies
+    A_i later, so its rounding differs the way any other float32 implementation's would. The fair check is the
+    distance to the float64 run from the same θ0.
+    """
+    rep = torch_run_f32(layout, tmp_path, "sgd")
     err = rep["error_vs_float64"]
-    # float32 streaming is as close to the exact (float64) update as float32 sync and its reordering are
-    assert err["stream-trajectory"] <= 2.0 * max(err["sync"], err["sync-permuted"]), err
-    assert err["stream-group"] <= 2.0 * max(err["sync"], err["sync-permuted"]), err
-    # and far below a real bug (dropping one trajectory moves θ by ~1e-1 of the update)
+    base = max(err["sync"], err["sync-permuted"])
+    assert err["stream-trajectory"] <= 2.0 * base, err
+    assert err["stream-group"] <= 2.0 * base, err
+    assert rep["delta_k_permutation_control"] > 0  # the control really reorders
+
+
+def test_float32_adam_delta_k_report(tmp_path):
+    """Adam, 3 steps, DP=2: Δ_k next to the permutation control (reported; Adam amplifies rounding of
+    near-zero coordinates, so the figures are noisy: see the issue note). Sanity bound only."""
+    rep = torch_run_f32("dp2", tmp_path, "adam")
+    print("adam", rep)
     assert rep["delta_k"]["stream-trajectory"] < 1e-3
-    assert rep["delta_k_permutation_control"] > 0
+    assert rep["error_vs_float64"]["stream-trajectory"] < 1e-3
+
+
+def torch_run_f32(layout, tmp_path, optimizer):
+    out = str(tmp_path / f"{layout}-{optimizer}.json")
+    return torchrun(WORKER, [*LAYOUTS[layout], "--check", "f32", "--optimizer", optimizer, "--out", out],
+                    out_json=out)["result"]

@@ -89,35 +89,52 @@ def run_f64(dims):
     return out
 
 
-def run_f32(dims, steps=3):
+def run_f32(dims, steps=3, seed=0, optimizer="adam"):
+    """Δ_k of each float32 mode against float32 sync, next to the permutation control; and every float32 run's
+    distance to the float64 sync run from the same θ0 (the exact update), which separates streaming's rounding
+    from real error: a reordering control leaves each microbatch's backward bit-identical, streaming does not
+    (it backprops h_i and scales by A_i later)."""
     case = dict(estimator="grpo", reward="bounded", loss={})
-    oc = OptimConfig(optimizer="adam", lr=1e-3, clip_grad=1.0)
     thetas = {}
     theta0 = None
-    for mode, perm in (("sync", None), ("sync", 5), ("stream-trajectory", None), ("stream-group", None)):
-        ddp, L = make_learner(dims, torch.float32, oc, mode, case)
+    init = None
+    runs = (("sync64", "sync", None, torch.float64), ("sync", "sync", None, torch.float32),
+            ("sync-permuted", "sync", 5, torch.float32), ("stream-trajectory", "stream-trajectory", None, torch.float32),
+            ("stream-group", "stream-group", None, torch.float32))
+    for name, mode, perm, dtype in runs:
+        lr = 1e-3 if optimizer == "adam" else 0.5
+        oc = OptimConfig(optimizer=optimizer, lr=lr, sgd_momentum=0.9, clip_grad=0.0)
+        if dtype == torch.float64:  # same θ0 as the float32 runs: build in float32, copy up
+            ddp32, _ = make_learner(dims, torch.float32, oc, mode, case)
+            init = [p.detach().clone() for p in ddp32.parameters()]
+            del ddp32
+        ddp, L = make_learner(dims, dtype, oc, mode, case)
+        with torch.no_grad():
+            for p, q in zip(ddp.parameters(), init):
+                p.copy_(q.to(p.dtype))
         if theta0 is None:
             theta0 = params_flat(ddp)
         for k in range(steps):
-            S = make_samples(500 + k, reward_kind="bounded", num_groups=4)
-            if mode == "sync":
-                order = S if perm is None else arrival_order(S, perm + k)
-            else:
-                order = arrival_order(S, 77 + k)
-            assign_dp(order, dims.dp)
-            if mode == "sync" and perm is not None:
+            S = make_samples(500 + 10 * seed + k, reward_kind="bounded", num_groups=4)
+            order = S if mode == "sync" else arrival_order(S, 77 + 10 * seed + k)
+            if perm is not None:
+                order = arrival_order(S, perm + 10 * seed + k)
                 L.sync_order = [s.traj_id for s in order]
+            assign_dp(order, dims.dp)
             sizes, shape = shape_for(S)
             L.train_step(ListSource(order), sizes, shape)
-        thetas[mode if perm is None else "sync-permuted"] = params_flat(ddp)
-    ref = thetas["sync"]
+        thetas[name] = params_flat(ddp)
 
-    def delta(x):
+    def delta(x, ref):
         t = torch.tensor([float((x - ref).pow(2).sum()), float((ref - theta0).pow(2).sum())], dtype=torch.float64)
         dist.all_reduce(t, group=dims.model_parallel_group())
         return (t[0].sqrt() / t[1].sqrt()).item()
-    return {"delta_k": {m: delta(thetas[m]) for m in ("stream-trajectory", "stream-group")},
-            "delta_k_permutation_control": delta(thetas["sync-permuted"]), "steps": steps}
+
+    f32 = ("sync", "sync-permuted", "stream-trajectory", "stream-group")
+    return {"delta_k": {m: delta(thetas[m], thetas["sync"]) for m in ("stream-trajectory", "stream-group")},
+            "delta_k_permutation_control": delta(thetas["sync-permuted"], thetas["sync"]),
+            "error_vs_float64": {m: delta(thetas[m], thetas["sync64"]) for m in f32}, "steps": steps,
+            "optimizer": optimizer}
 
 
 def main():
@@ -126,9 +143,11 @@ def main():
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--check", choices=["f64", "f32"], required=True)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--optimizer", default="adam", choices=["adam", "sgd"])
     a = ap.parse_args()
     dims = initialize_parallel(a.tp, a.pp)
-    res = run_f64(dims) if a.check == "f64" else run_f32(dims)
+    res = run_f64(dims) if a.check == "f64" else run_f32(dims, seed=a.seed, optimizer=a.optimizer)
     if dims.rank == 0:
         with open(a.out, "w") as f:
             json.dump({"tp": dims.tp, "pp": dims.pp, "dp": dims.dp, "result": res}, f, indent=1)

@@ -1,0 +1,79 @@
+"""Checkpoint resume worker (run by tests/training/test_checkpointing.py, single process or under torchrun).
+
+Modes:
+  full    run steps 0 .. k+n-1 uninterrupted; write the losses of steps k .. k+n-1 and the final parameters
+  first   run steps 0 .. k-1, save a checkpoint at step k, then SIGKILL itself (no clean shutdown)
+  resume  build a differently initialised model, load the latest checkpoint, run steps k .. k+n-1; write as `full`
+
+Each step draws its batch from torch's global RNG (and python/numpy random), so a resume that did not restore
+the RNG states would train on different data.
+"""
+
+import argparse
+import os
+import random
+import signal
+
+import numpy as np
+import torch
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--mode", choices=["full", "first", "resume"], required=True)
+    p.add_argument("--hf", required=True)
+    p.add_argument("--ckpt", required=True)
+    p.add_argument("--out", default=None)
+    p.add_argument("--k", type=int, default=3)
+    p.add_argument("--n", type=int, default=3)
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--dist-opt", action="store_true")
+    a = p.parse_args()
+
+    from megatron_tsync.training import checkpointing as ck
+    from megatron_tsync.training.hf_conversion import load_hf_dir, load_hf_into_model
+    from megatron_tsync.training.logprobs import token_logprobs
+    from megatron_tsync.training.model import build_model
+    from megatron_tsync.training.optimizer import OptimConfig, build_optimizer, finalize_and_scale, wrap_ddp
+    from megatron_tsync.training.parallel import destroy_parallel, initialize_parallel
+
+    dims = initialize_parallel(a.tp, 1, seed=1234)
+    arch, state = load_hf_dir(a.hf)
+    model = build_model(arch, seed=7 if a.mode == "resume" else 1234)
+    if a.mode != "resume":
+        load_hf_into_model(model, state)
+    ddp = wrap_ddp(model, use_distributed_optimizer=a.dist_opt)
+    opt = build_optimizer(ddp, OptimConfig(optimizer="adam", lr=1e-3, clip_grad=1.0, weight_decay=0.01,
+                                           use_distributed_optimizer=a.dist_opt))
+    start = 0
+    torch.manual_seed(100 + dims.dp_rank)  # per-DP-rank data stream
+    random.seed(5)
+    np.random.seed(6)
+    if a.mode == "resume":
+        step, ts = ck.load_checkpoint(a.ckpt, ddp, opt)
+        assert step == a.k and ts == {"data_position": a.k, "note": "hi"}, (step, ts)
+        start = step
+    end = a.k if a.mode == "first" else a.k + a.n
+    losses = []
+    for s in range(start, end):
+        ddp.zero_grad_buffer()
+        opt.zero_grad()
+        length = 8 + random.randint(0, 4) + int(np.random.randint(0, 4))
+        ids = torch.randint(0, arch.vocab_size, (2, length))  # (B, S)
+        lp = token_logprobs(ddp, ids)  # (B, S-1)
+        loss = -lp.mean()
+        loss.backward()
+        finalize_and_scale(ddp, float(dims.dp))
+        opt.step()
+        losses.append(loss.detach().clone())
+    if a.mode == "first":
+        ck.save_checkpoint(a.ckpt, a.k, ddp, opt, {"data_position": a.k, "note": "hi"})
+        os.kill(os.getpid(), signal.SIGKILL)
+    if a.mode in ("full", "resume"):
+        out = {"losses": losses[-a.n:], "params": {k: v.detach().clone() for k, v in model.named_parameters()}}
+        torch.save(out, f"{a.out}.rank{dims.rank}")
+    destroy_parallel()
+
+
+if __name__ == "__main__":
+    main()
