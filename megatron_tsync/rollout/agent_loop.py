@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextvars
 import dataclasses
 import inspect
 import time
@@ -141,15 +142,25 @@ def _format(result) -> str:
     return format_tool_result(result)
 
 
+#: (trajectory, turn index) of the tool call being executed; set by the agent loop in each trajectory's task so
+#: executors can look up per-call context (e.g. the latency profile's delay for this group/trajectory/turn).
+CURRENT_CALL: contextvars.ContextVar = contextvars.ContextVar("tsync_current_tool_call", default=None)
+
+
 class RegistryTools:
     """The default executor: parse the last ``<tool>NAME: ARGS</tool>`` of the turn and run it through the tool
-    registry in the sandbox (``tools.execute_tool_call_async``)."""
+    registry in the sandbox (``tools.execute_tool_call_async``).
 
-    def __init__(self, sandbox=None, *, delay_s: float = 0.0):
+    ``delay_fn(trajectory, turn) -> seconds`` (optional) adds real latency inside the sandboxed child, e.g. from a
+    latency profile; it overrides the constant ``delay_s``.
+    """
+
+    def __init__(self, sandbox=None, *, delay_s: float = 0.0, delay_fn=None):
         from megatron_tsync.rollout.sandbox import Sandbox
 
         self.sandbox = sandbox or Sandbox()
         self.delay_s = delay_s
+        self.delay_fn = delay_fn
 
     async def __call__(self, turn_text: str) -> ToolStep:
         from megatron_tsync.rollout import tools
@@ -157,7 +168,11 @@ class RegistryTools:
         call = tools.parse_tool_call(turn_text)
         if call is None:
             call = tools.ToolCallError("no complete <tool>NAME: ARGS</tool> call before </tool>", (0, 0))
-        res = await tools.execute_tool_call_async(call, self.sandbox, self.delay_s)
+        delay = self.delay_s
+        ctx = CURRENT_CALL.get()
+        if self.delay_fn is not None and ctx is not None:
+            delay = float(self.delay_fn(*ctx))
+        res = await tools.execute_tool_call_async(call, self.sandbox, delay)
         name = getattr(call, "name", None)
         args = getattr(call, "args", None)
         return ToolStep(_format(res), res.ok, name, args, res.error, res.wall_s)
@@ -426,6 +441,7 @@ class AgentLoop:
         cfg = self.config
         text = self.codec.decode(comp.token_ids)
         t0 = time.perf_counter()
+        CURRENT_CALL.set((traj, turn))
         try:
             if _is_async(self.tools):
                 step = await self.tools(text)

@@ -38,6 +38,7 @@ class Sample:
     teacher_logp: torch.Tensor | None = None
     arrival_s: float = 0.0  # when its reward landed (seconds since step start), for timelines
     dp_rank: int = 0
+    meta: dict = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         t = self.token_ids.shape[0]

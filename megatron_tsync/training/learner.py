@@ -134,7 +134,8 @@ class Learner:
             raise AssertionError(f"{self.buckets.open_groups} buckets still open at the barrier")
         # ---- barrier
         t_b = time.perf_counter()
-        finalize_and_scale(self.model, barrier_divisor(lc.aggregation, n_tok))
+        self.last_divisor = barrier_divisor(lc.aggregation, n_tok)
+        finalize_and_scale(self.model, self.last_divisor)
         if self.grad_hook is not None:
             self.grad_hook(self.model)
         ok, gnorm, _ = self.opt.step()

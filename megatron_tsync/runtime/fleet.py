@@ -1,0 +1,199 @@
+"""Learner side of the rollout plane: worker processes, the event receiver, the weight hand-off.
+
+:class:`RolloutFleet` starts the rollout workers as separate processes (or attaches to workers started by
+srun/torchrun beside the trainer), publishes the policy weights of each version, and turns verified
+``TrajectoryEvent`` s into :class:`~megatron_tsync.streaming.ready_queue.Sample` s for the learner through
+:class:`TransportSource`. Events of any other policy version are rejected by the receiver and counted; a dead
+worker is a clear error naming the trajectories that will never arrive.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+from megatron_tsync.runtime.worker import WorkerSpec, group_ids
+from megatron_tsync.streaming.ready_queue import Sample
+
+log = logging.getLogger(__name__)
+
+
+class WorkerDied(RuntimeError):
+    pass
+
+
+class RolloutFleet:
+    def __init__(self, base_spec: WorkerSpec, run_dir: str, *, launch: bool = True, log_dir: str | None = None):
+        from megatron_tsync.transport import EventReceiver, load_secret
+
+        self.spec = base_spec
+        self.run_dir = run_dir
+        self.key = load_secret(path=base_spec.secret_file)
+        self.version = base_spec.start_step
+        self.reward_floor = 0.0  # reward of a failed trajectory (the task's lowest reward)
+        self.receiver = EventReceiver(base_spec.endpoint, self.key, expected_version_fn=lambda: self.version)
+        self.procs: list[subprocess.Popen] = []
+        self.log_dir = log_dir or os.path.join(run_dir, "worker_logs")
+        os.makedirs(self.log_dir, exist_ok=True)
+        if launch:
+            self._launch()
+
+    def _launch(self) -> None:
+        import dataclasses
+
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+            env.pop(k, None)
+        for w in range(self.spec.num_workers):
+            spec = dataclasses.replace(self.spec, worker_id=w, endpoint=self.receiver.endpoint)
+            path = os.path.join(self.run_dir, f"worker{w}.json")
+            spec.to_json(path)
+            out = open(os.path.join(self.log_dir, f"worker{w}.log"), "ab")
+            self.procs.append(
+                subprocess.Popen([sys.executable, "-m", "megatron_tsync.runtime.worker", path], env=env,
+                                 stdout=out, stderr=subprocess.STDOUT)
+            )
+
+    def publish(self, model_hf_state: dict[str, torch.Tensor], version: int) -> None:
+        from megatron_tsync.transport import publish_weights
+
+        publish_weights(model_hf_state, self.spec.weights_dir, version, self.key)
+        self.version = version
+
+    def check_alive(self) -> None:
+        for w, p in enumerate(self.procs):
+            rc = p.poll()
+            if rc is not None and rc != 0:
+                tail = _tail(os.path.join(self.log_dir, f"worker{w}.log"))
+                raise WorkerDied(f"rollout worker {w} exited with code {rc}; last lines of its log:\n{tail}")
+
+    def source(self, step: int, max_seq_len: int) -> "TransportSource":
+        return TransportSource(self, step, max_seq_len)
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        self.receiver.close()
+
+
+class TransportSource:
+    """The learner's view of one step's trajectories as they arrive over the wire (arrival order)."""
+
+    def __init__(self, fleet: RolloutFleet, step: int, max_seq_len: int):
+        self.fleet = fleet
+        self.step = step
+        self.max_seq_len = max_seq_len
+        spec = fleet.spec
+        self.expected = {f"{gid}t{i}" for gid in group_ids(step, spec.groups_per_step) for i in range(spec.group_size)}
+        self.seen: set[str] = set()
+        self.samples: list[Sample] = []  # in arrival order (for --dump-rollouts)
+        self.t0 = time.perf_counter()
+        self.errors = 0
+        self.waiting_reward: dict = {}
+        self.stall_timeout_s = float(os.environ.get("TSYNC_STALL_TIMEOUT", "1800"))
+        self.last_event = time.perf_counter()
+
+    def poll(self, timeout_s: float) -> list[Sample]:
+        out = []
+        for ev in self.fleet.receiver.poll(int(timeout_s * 1000)):
+            kind = getattr(ev, "KIND", "")
+            if kind == "reward":  # a verifier that finished after its trajectory was sent
+                held = self.waiting_reward.pop(ev.traj_id, None)
+                if held is None:
+                    log.warning("reward for unknown/finished trajectory %s dropped", ev.traj_id)
+                    continue
+                held.reward = ev.reward
+                ev = held
+            elif kind != "trajectory":
+                continue
+            elif ev.reward is None and ev.status == "ok":
+                self.waiting_reward[ev.traj_id] = ev  # no backward before the reward lands
+                continue
+            s = self._to_sample(ev)
+            if s is not None:
+                out.append(s)
+        now = time.perf_counter()
+        if out:
+            self.last_event = now
+        else:
+            self.fleet.check_alive()
+            if now - self.last_event > self.stall_timeout_s:
+                missing = sorted(self.expected - self.seen)
+                raise TimeoutError(f"step {self.step}: no trajectory for {self.stall_timeout_s:.0f}s; "
+                                   f"{len(missing)} missing, e.g. {missing[:5]}")
+        return out
+
+    def _to_sample(self, ev) -> Sample | None:
+        if ev.traj_id not in self.expected:
+            log.warning("dropping unexpected trajectory %s (not part of step %d)", ev.traj_id, self.step)
+            return None
+        if ev.traj_id in self.seen:
+            log.warning("dropping duplicate trajectory %s", ev.traj_id)
+            return None
+        self.seen.add(ev.traj_id)
+        ids = torch.as_tensor(ev.token_ids.astype("int64"))
+        mask = torch.as_tensor(ev.loss_mask.astype("float32"))
+        beh = torch.as_tensor(ev.logprobs.astype("float64"))
+        if ev.status != "ok":
+            self.errors += 1
+            log.warning("trajectory %s failed (%s); it counts with reward %s and no gradient", ev.traj_id,
+                        ev.error[:200], ev.reward)
+        if ids.numel() > self.max_seq_len:  # oversize: keep the group whole, train nothing from it
+            log.warning("trajectory %s has %d tokens > --seq-length %d: kept in its group without gradient",
+                        ev.traj_id, ids.numel(), self.max_seq_len)
+            ids, mask, beh = ids[: self.max_seq_len], torch.zeros(self.max_seq_len), beh[: self.max_seq_len]
+        if ev.status != "ok" or ids.numel() < 2:
+            n = max(ids.numel(), 2)
+            ids = torch.cat([ids, torch.zeros(n - ids.numel(), dtype=torch.long)])
+            mask, beh = torch.zeros(n), torch.zeros(n, dtype=torch.float64)
+        s = Sample(traj_id=ev.traj_id, group_id=ev.group_id, group_size=ev.group_size, token_ids=ids, loss_mask=mask,
+                   reward=float(ev.reward if ev.reward is not None else self.fleet.reward_floor),
+                   policy_version=ev.policy_version, behaviour_logp=beh, arrival_s=time.perf_counter() - self.t0,
+                   meta=dict(ev.meta))
+        self.samples.append(s)
+        return s
+
+    def exhausted(self) -> bool:
+        return self.seen >= self.expected
+
+
+def make_run_secret(run_dir: str) -> str:
+    from megatron_tsync.transport import write_secret_file
+
+    path = os.path.join(run_dir, "secret.hex")
+    if os.path.exists(path):
+        os.remove(path)
+    write_secret_file(path)
+    return path
+
+
+def fresh_dir(path: str) -> str:
+    if os.path.exists(path):
+        shutil.rmtree(path)
+    os.makedirs(path)
+    return path
+
+
+def default_run_dir() -> str:
+    return tempfile.mkdtemp(prefix="tsync-run-")
+
+
+def _tail(path: str, n: int = 30) -> str:
+    try:
+        with open(path, "rb") as f:
+            return b"".join(f.readlines()[-n:]).decode(errors="replace")
+    except OSError:
+        return "(no log)"

@@ -1,0 +1,221 @@
+"""A rollout worker process: engine + agent loop + sandboxed tools + verifier, streaming events to the learner.
+
+For every step ``k`` the worker waits for the learner's weights of version ``k`` (signed hand-off), loads them
+into its engine in place, rolls out its share of the step's groups (group ``g`` belongs to worker
+``g mod num_workers``), scores each trajectory the moment it finishes and sends a signed ``TrajectoryEvent``
+stamped with the policy version that produced it. Nothing waits for the group or the batch.
+
+Run as ``python -m megatron_tsync.runtime.worker SPEC.json`` (the learner's fleet launcher does this, or srun).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import os
+import random
+import sys
+import time
+
+import numpy as np
+
+log = logging.getLogger("megatron_tsync.worker")
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerSpec:
+    worker_id: int
+    num_workers: int
+    endpoint: str
+    secret_file: str
+    weights_dir: str
+    model_dir: str  # HF folder: architecture + tokenizer (weights come from the hand-off)
+    task: str
+    task_kwargs: dict
+    group_size: int
+    groups_per_step: int
+    start_step: int
+    train_iters: int
+    seed: int
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    max_turns: int = 3
+    max_new_tokens: int = 32
+    max_total_tokens: int = 256
+    latency_profile: str = "none"
+    latency_scale: float = 1.0
+    sandbox_timeout_s: float = 10.0
+    engine: str = "embedded"
+    weight_timeout_s: float = 3600.0
+    teacher_model: str | None = None
+    max_staleness: int = 0  # async mode: roll out step k with any weights of version ≥ k − max_staleness
+
+    def to_json(self, path: str) -> None:
+        with open(path, "w") as f:
+            json.dump(dataclasses.asdict(self), f, indent=1)
+
+    @classmethod
+    def from_json(cls, path: str) -> "WorkerSpec":
+        with open(path) as f:
+            return cls(**json.load(f))
+
+
+def group_ids(step: int, num_groups: int) -> list[str]:
+    return [f"s{step}g{g}" for g in range(num_groups)]
+
+
+def _make_engine(spec: WorkerSpec):
+    if spec.engine == "vllm":
+        from megatron_tsync.rollout.vllm_engine import VLLMEngine
+
+        return VLLMEngine.from_hf_dir(spec.model_dir, seed=spec.seed)
+    from megatron_tsync.rollout.embedded_engine import EmbeddedEngine
+
+    return EmbeddedEngine.from_hf_dir(spec.model_dir)
+
+
+def _delay_fn(spec: WorkerSpec, step_holder: list):
+    if spec.latency_profile in ("none", "", None):
+        return None
+    from megatron_tsync.runtime.latency import load_profile
+
+    profile = load_profile(spec.latency_profile, scale=spec.latency_scale)
+
+    def fn(traj, turn):
+        m = traj.metadata
+        rng = random.Random(hash((spec.seed, step_holder[0], m["group"], m["index"], turn)) & 0xFFFFFFFF)
+        return profile.sample(m["group"], m["index"], turn, rng)
+
+    return fn
+
+
+class RolloutWorker:
+    def __init__(self, spec: WorkerSpec):
+        from transformers import AutoTokenizer
+
+        from megatron_tsync.rollout.agent_loop import AgentConfig, AgentLoop, RegistryTools, TokenizerCodec
+        from megatron_tsync.rollout.engine import SamplingConfig
+        from megatron_tsync.rollout.sandbox import Sandbox, SandboxConfig
+        from megatron_tsync.rollout.verifiers import get_verifier
+        from megatron_tsync.runtime.tasks import get_task
+        from megatron_tsync.transport import EventSender, WeightSubscriber, load_secret
+
+        self.spec = spec
+        self.key = load_secret(path=spec.secret_file)
+        self.sender = EventSender(spec.endpoint, self.key, f"worker{spec.worker_id}")
+        self.weights = WeightSubscriber(spec.weights_dir, self.key)
+        self.engine = _make_engine(spec)
+        tok = AutoTokenizer.from_pretrained(spec.model_dir)
+        self.codec = TokenizerCodec(tok)
+        self.task = get_task(spec.task, **spec.task_kwargs)
+        self.verifier = get_verifier(self.task.verifier, **self.task.verifier_kwargs)
+        ids = tok.convert_tokens_to_ids
+        sampling = SamplingConfig(
+            temperature=spec.temperature,
+            top_k=spec.top_k,
+            top_p=spec.top_p,
+            max_new_tokens=spec.max_new_tokens,
+            stop_token_ids=tuple(i for i in (tok.eos_token_id, ids("</answer>")) if i is not None),
+            tool_token_ids=(ids("</tool>"),),
+        )
+        self.config = AgentConfig(sampling=sampling, max_turns=spec.max_turns, max_total_tokens=spec.max_total_tokens)
+        self.step_holder = [spec.start_step]
+        sandbox = Sandbox(SandboxConfig(wall_timeout_s=spec.sandbox_timeout_s))
+        self.tools = RegistryTools(sandbox, delay_fn=_delay_fn(spec, self.step_holder))
+        self.AgentLoop = AgentLoop
+        self.sent = 0
+
+    # ---------------------------------------------------------------------------------------------
+    def run(self) -> None:
+        spec = self.spec
+        for step in range(spec.start_step, spec.train_iters):
+            want = max(step - spec.max_staleness, 0)
+            version, state = self.weights.wait_for(want, timeout_s=spec.weight_timeout_s)
+            if not want <= version <= step:
+                raise RuntimeError(f"worker {spec.worker_id}: step {step} needs weights v{want}..v{step}, got v{version}")
+            if version != self.engine.policy_version or step == spec.start_step:
+                self.engine.update_weights(state, version)
+            self.step_holder[0] = step
+            asyncio.run(self._run_step(step))
+            self.sender.flush(timeout_s=600)
+        self.sender.close(flush_timeout_s=60)
+
+    async def _run_step(self, step: int) -> None:
+        spec = self.spec
+        insts = self.task.sample_prompts(step, spec.groups_per_step, spec.seed)
+        gids = group_ids(step, spec.groups_per_step)
+        prompts, meta = [], []
+        for g, inst in enumerate(insts):
+            if g % spec.num_workers != spec.worker_id:
+                continue
+            ids = self.codec.encode(inst.prompt_text)
+            for i in range(spec.group_size):
+                prompts.append(ids)
+                meta.append({"group": g, "index": i, "group_id": gids[g], "inst": inst})
+        pending: list[asyncio.Future] = []
+        t0 = time.perf_counter()
+
+        def on_finish(traj):
+            pending.append(asyncio.ensure_future(self._score_and_send(traj, step, t0)))
+
+        loop = self.AgentLoop(self.engine, self.codec, self.config, tools=self.tools, on_finish=on_finish)
+        # seed per step so that resumed runs sample the same trajectories
+        loop.config = dataclasses.replace(
+            self.config, sampling=dataclasses.replace(self.config.sampling, seed=spec.seed * 100003 + step)
+        )
+        await loop.run_async(prompts, metadata=meta)
+        await asyncio.gather(*pending)
+
+    async def _score_and_send(self, traj, step: int, t0: float) -> None:
+        from megatron_tsync.transport import TrajectoryEvent
+
+        m = traj.metadata
+        inst = m["inst"]
+        text = self.codec.decode(traj.token_ids[traj.prompt_len :])
+        if traj.error:
+            reward, status, err = float(self.task.reward_spec.lo), "error", traj.error[:1000]
+        else:
+            score = await self.verifier.evaluate(text, inst.verifier_task())
+            reward, status, err = float(score.reward), "ok", ""
+        mask = np.asarray(traj.loss_mask, dtype=np.uint8)
+        lp = np.asarray(traj.logprobs, dtype=np.float32) * mask
+        ev = TrajectoryEvent(
+            traj_id=f"{m['group_id']}t{m['index']}",
+            group_id=m["group_id"],
+            group_size=self.spec.group_size,
+            policy_version=traj.policy_version if traj.policy_version >= 0 else step,
+            token_ids=np.asarray(traj.token_ids, dtype=np.int32),
+            prompt_len=traj.prompt_len,
+            loss_mask=mask,
+            logprobs=lp,
+            reward=reward,
+            turn_spans=[tuple(s) for s in traj.turn_spans],
+            status=status,
+            error=err,
+            meta={"worker": self.spec.worker_id, "finish": traj.finish_reason or "", "latency_s": time.perf_counter() - t0,
+                  "turns": traj.num_turns},
+        )
+        self.sender.send(ev, timeout_s=600)
+        self.sent += 1
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m megatron_tsync.runtime.worker SPEC.json", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=os.environ.get("TSYNC_LOG", "WARNING"), format="[worker %(asctime)s] %(message)s")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+
+    torch.set_num_threads(1)
+    spec = WorkerSpec.from_json(argv[0])
+    RolloutWorker(spec).run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
