@@ -72,7 +72,19 @@ def _make_engine(spec: WorkerSpec):
         from megatron_tsync.rollout.vllm_engine import VLLMEngine
 
         return VLLMEngine.from_hf_dir(spec.model_dir, seed=spec.seed)
+    import socket
+
     from megatron_tsync.rollout.embedded_engine import EmbeddedEngine
+    from megatron_tsync.training.parallel import initialize_parallel
+
+    # the embedded engine is a megatron model of its own: a private single-process group (gloo, TP=1)
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        os.environ.pop(k, None)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        os.environ["MASTER_PORT"] = str(sock.getsockname()[1])
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    initialize_parallel(1, 1, seed=spec.seed)
 
     return EmbeddedEngine.from_hf_dir(spec.model_dir)
 
