@@ -206,6 +206,10 @@ class Trainer:
                     from megatron_tsync.runtime.rollout_io import load_rollouts
 
                     samples, groups = load_rollouts(replay, k)
+                    if cfg.logging.replay_shuffle_seed is not None:
+                        import random
+
+                        random.Random(cfg.logging.replay_shuffle_seed * 1_000_003 + k).shuffle(samples)
                     for i, s in enumerate(samples):
                         s.dp_rank = i % self.dims.dp
                     source = ListSource(samples)

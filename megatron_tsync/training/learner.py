@@ -79,12 +79,10 @@ class Learner:
             return
         self._described = True
         lc = self.cfg.loss
-        try:
-            msg = describe_config(lc.policy, self.cfg.reward_spec, lc.kl_mode if lc.kl_coef else "none",
-                                  lc.entropy_coef, self.cfg.aux_strategy if lc.has_aux else None)
-        except TypeError:
-            msg = describe_config(lc.policy, self.cfg.reward_spec)
-        log.info("streamability: %s", msg)
+        kl_mode = {"none": "none", "loss": "loss", "reward": "in_reward"}[lc.kl_mode if lc.kl_coef else "none"]
+        strategy = {"second-backward": "second_backward", "defer": "defer_to_close"}[self.cfg.aux_strategy]
+        msg = describe_config(lc.policy, self.cfg.reward_spec, kl_mode, lc.entropy_coef, aux_strategy=strategy)
+        log.warning("streamability: %s", msg) if self.cfg.mode == "stream-trajectory" else log.info("%s", msg)
 
     def train_step(self, source: ArrivalSource, group_sizes: dict[str, int], shape: BatchShape) -> StepResult:
         self._describe_once()

@@ -1,0 +1,405 @@
+"""Command-line flags → :class:`megatron_tsync.config.TrainConfig`, once, at the entry point.
+
+Flag names follow Megatron-LM where they overlap (``--tensor-model-parallel-size``, ``--lr``, ``--clip-grad``,
+``--load`` ...). Every flag is one row of ``_FLAGS``: its option strings, the ``TrainConfig`` field(s) it sets and its
+argparse keywords. Flags left out of the command line are absent from the namespace (``argparse.SUPPRESS``), so the
+dataclass defaults are the only defaults, and "given explicitly" is simply "present".
+
+``--config FILE`` (YAML, or JSON for ``*.json``) holds flag values keyed by flag name without the leading dashes,
+dashed or underscored (``clip-grad: 0`` or ``clip_grad: 0``); ``true`` turns a switch on, ``null`` leaves a value
+at its default. The file's entries are parsed exactly like flags placed before the command line, so flags on the
+command line override them and every value goes through the same type and choice checks.
+
+Errors are argparse errors (usage, ``error: ...``, exit code 2) naming the flags involved. Invalid combinations are
+detected by the dataclasses (``config.ConfigError`` names fields, reported here as the flags that set them); only
+rules about the flags themselves live here (``--micro-batch-size``, ``--min-lr``, ``--global-batch-size``,
+``--reward-kind``/``--reward-range``, ``--fp8-recipe``, the world size against TP × PP × CP when it is known).
+
+``build_parser`` imports neither torch nor megatron; ``parse_args`` imports torch when it builds the config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+from typing import Any, NamedTuple, Sequence
+
+from megatron_tsync import config as C
+
+__all__ = ["build_parser", "parse_args", "flag_for_field"]
+
+
+class _Flag(NamedTuple):
+    names: tuple[str, ...]
+    fields: tuple[str, ...]  # TrainConfig paths this flag sets (empty: handled in _special)
+    kwargs: dict
+    group: str
+
+
+_G_PAR, _G_BATCH, _G_OPT, _G_PREC, _G_RL, _G_ROLL, _G_MODEL, _G_CKPT, _G_LOG = (
+    "parallelism", "batch and steps", "optimizer", "precision", "RL algorithm", "rollout", "model", "checkpointing",
+    "logging and debugging")
+
+
+def _f(names, fields, group, **kwargs) -> _Flag:
+    names = (names,) if isinstance(names, str) else tuple(names)
+    fields = (fields,) if isinstance(fields, str) else tuple(fields)
+    return _Flag(names, fields, kwargs, group)
+
+
+_SWITCH = dict(action="store_true")
+_FLAGS: tuple[_Flag, ...] = (
+    # ---- parallelism
+    _f("--tensor-model-parallel-size", "parallel.tensor_model_parallel_size", _G_PAR, type=int, metavar="TP",
+       help="tensor-parallel ranks per model replica"),
+    _f("--pipeline-model-parallel-size", "parallel.pipeline_model_parallel_size", _G_PAR, type=int, metavar="PP",
+       help="pipeline stages per model replica"),
+    _f("--context-parallel-size", "parallel.context_parallel_size", _G_PAR, type=int, metavar="CP",
+       help="context-parallel ranks per model replica"),
+    _f("--use-distributed-optimizer", ("parallel.use_distributed_optimizer", "optim.use_distributed_optimizer"),
+       _G_PAR, **_SWITCH, help="shard optimizer state across data-parallel ranks"),
+    # ---- batch and steps
+    _f("--micro-batch-size", (), _G_BATCH, type=int, metavar="1",
+       help="must be 1: streaming runs one trajectory per microbatch"),
+    _f("--global-batch-size", (), _G_BATCH, type=int, metavar="N",
+       help="trajectories per step (= groups per step × group size); sets the groups per step"),
+    _f("--groups-per-step", "rl.groups_per_step", _G_BATCH, type=int, metavar="N", help="prompts (groups) per step"),
+    _f(("--group-size", "--num-samples-per-prompt"), "rl.group_size", _G_BATCH, type=int, metavar="G",
+       help="trajectories per prompt"),
+    _f("--train-iters", "rl.train_iters", _G_BATCH, type=int, metavar="N", help="optimizer steps"),
+    _f("--seq-length", "rl.seq_length", _G_BATCH, type=int, metavar="N", help="tokens per trajectory at most"),
+    _f("--seed", "rl.seed", _G_BATCH, type=int, help="seed of prompts, sampling and initialisation"),
+    # ---- optimizer
+    _f("--optimizer", "optim.optimizer", _G_OPT, choices=C.OPTIMIZERS, help="optimizer"),
+    _f("--lr", "optim.lr", _G_OPT, type=float, help="learning rate (constant)"),
+    _f("--min-lr", (), _G_OPT, type=float,
+       help="accepted for Megatron compatibility; must equal --lr (no learning-rate schedule yet)"),
+    _f("--weight-decay", "optim.weight_decay", _G_OPT, type=float, help="decoupled weight decay"),
+    _f("--adam-beta1", "optim.adam_beta1", _G_OPT, type=float, help="Adam β1"),
+    _f("--adam-beta2", "optim.adam_beta2", _G_OPT, type=float, help="Adam β2"),
+    _f("--adam-eps", "optim.adam_eps", _G_OPT, type=float, help="Adam ε"),
+    _f("--sgd-momentum", "optim.sgd_momentum", _G_OPT, type=float, help="SGD momentum"),
+    _f("--clip-grad", "optim.clip_grad", _G_OPT, type=float, help="global gradient-norm clip (0 = off)"),
+    # ---- precision
+    _f("--bf16", "precision.bf16", _G_PREC, **_SWITCH, help="bfloat16 parameters and compute"),
+    _f("--params-dtype", "precision.params_dtype", _G_PREC, choices=C.PARAMS_DTYPES,
+       help="parameter dtype without --bf16 (float64: CPU verification runs, needs --clip-grad 0)"),
+    _f("--fp8-format", "precision.fp8_format", _G_PREC, choices=C.FP8_FORMATS,
+       help="FP8 compute via Transformer Engine (GPU)"),
+    _f("--fp8-recipe", "precision.fp8_recipe", _G_PREC, choices=C.FP8_RECIPES, help="FP8 scaling recipe"),
+    # ---- RL algorithm
+    _f("--rl-algorithm", "rl.algorithm", _G_RL, choices=C.RL_ALGORITHMS,
+       help="grpo (verifier rewards) or opd (on-policy distillation from --teacher-model)"),
+    _f("--rl-mode", "learner.mode", _G_RL, choices=C.RL_MODES,
+       help="when gradients are computed: sync (after the batch), stream-group (per closed group), "
+            "stream-trajectory (per arriving trajectory), async (off-policy by <= --max-staleness steps), "
+            "stream-turn (per turn; opd only)"),
+    _f("--max-staleness", "rl.max_staleness", _G_RL, type=int, metavar="K",
+       help="async mode: policy versions a trajectory may lag the trainer (required > 0 with --rl-mode async)"),
+    _f("--advantage-estimator", "learner.estimator", _G_RL, choices=C.ADVANTAGE_ESTIMATORS,
+       help="group advantage estimator"),
+    _f("--advantage-eps", "learner.estimator_eps", _G_RL, type=float, help="ε in the std normalisation"),
+    _f("--policy-loss", "learner.loss.policy.kind", _G_RL, choices=C.POLICY_LOSSES,
+       help="ppo_clip (clipped surrogate) or none (plain importance-weighted policy gradient)"),
+    _f("--clip-ratio-low", "learner.loss.policy.clip_low", _G_RL, type=float,
+       help="ε_low: ratio clipped at 1 − ε_low"),
+    _f("--clip-ratio-high", "learner.loss.policy.clip_high", _G_RL, type=float,
+       help="ε_high: ratio clipped at 1 + ε_high"),
+    _f("--dual-clip", "learner.loss.policy.dual_clip", _G_RL, type=float, metavar="C",
+       help="dual-clip constant c > 1 for negative advantages (default off)"),
+    _f("--tis-cap", "learner.loss.policy.tis_cap", _G_RL, type=float, metavar="C",
+       help="truncated importance sampling cap to the inference engine's log-probs (default off)"),
+    _f("--loss-aggregation", "learner.loss.aggregation", _G_RL, choices=C.AGGREGATIONS,
+       help="how token losses are averaged"),
+    _f("--kl-coef", "learner.loss.kl_coef", _G_RL, type=float, help="KL penalty coefficient β"),
+    _f("--kl-estimator", "learner.loss.kl_kind", _G_RL, choices=C.KL_ESTIMATORS, help="KL estimator"),
+    _f("--kl-mode", "learner.loss.kl_mode", _G_RL, choices=C.KL_MODES,
+       help="KL as a loss term, folded into the reward, or none"),
+    _f("--entropy-coef", "learner.loss.entropy_coef", _G_RL, type=float, help="entropy bonus coefficient"),
+    _f("--aux-strategy", "learner.aux_strategy", _G_RL, choices=C.AUX_STRATEGIES,
+       help="how KL/entropy loss terms stream: a second backward per trajectory, or defer to group close"),
+    _f("--old-logprobs", "learner.loss.old_logprobs", _G_RL, choices=C.OLD_LOGPROBS,
+       help="π_old of the ratio: the trainer's (ratio 1 at the first minibatch) or the engine's log-probs"),
+    _f("--max-open-groups", "learner.max_open_groups", _G_RL, type=int, metavar="N",
+       help="gradient buckets open at once (>= 1; default unlimited)"),
+    _f("--reward-kind", (), _G_RL, choices=C.REWARD_KINDS,
+       help="what the learner may assume about rewards (default: declared by the --verifier)"),
+    _f("--reward-range", (), _G_RL, type=float, nargs=2, metavar=("LO", "HI"),
+       help="reward bounds (binary: the two values; default: declared by the --verifier)"),
+    _f("--max-turns", "rl.max_turns", _G_RL, type=int, help="generated turns per trajectory"),
+    _f("--max-new-tokens", "rl.max_new_tokens", _G_RL, type=int, help="generated tokens per turn"),
+    # ---- rollout
+    _f("--temperature", ("rollout.temperature", "learner.loss.temperature"), _G_ROLL, type=float,
+       help="sampling temperature (also used for the learner's log-probs)"),
+    _f("--top-k", "rollout.top_k", _G_ROLL, type=int, help="top-k sampling (0 = off)"),
+    _f("--top-p", "rollout.top_p", _G_ROLL, type=float, help="nucleus sampling (1 = off)"),
+    _f("--rollout-engine", "rollout.engine", _G_ROLL, choices=C.ROLLOUT_ENGINES, help="inference engine"),
+    _f("--rollout-workers", "rollout.num_workers", _G_ROLL, type=int, metavar="N", help="rollout worker processes"),
+    _f("--task", "rollout.task", _G_ROLL, help="task name (runtime.tasks registry)"),
+    _f("--verifier", "rollout.verifier", _G_ROLL, help="verifier name (rollout.verifiers registry)"),
+    _f("--latency-profile", "rollout.latency_profile", _G_ROLL, metavar="PROFILE",
+       help=f"simulated environment latency: {', '.join(C.LATENCY_PROFILES)}, or a JSON file"),
+    _f("--latency-scale", "rollout.latency_scale", _G_ROLL, type=float, metavar="S",
+       help="multiplier (seconds) of the latency profile"),
+    _f("--rollout-endpoint", "rollout.endpoint", _G_ROLL, metavar="ZMQ_ADDR",
+       help="ZeroMQ endpoint trajectories arrive on (default: ipc socket in the run directory)"),
+    _f("--secret-file", "rollout.secret_file", _G_ROLL, metavar="FILE",
+       help="shared transport key (default: a fresh key per run)"),
+    _f("--sandbox-timeout", "rollout.sandbox_timeout_s", _G_ROLL, type=float, metavar="S",
+       help="wall-clock limit of one sandboxed tool call, seconds"),
+    _f("--teacher-model", "rollout.teacher_model", _G_ROLL, metavar="HF_DIR", help="teacher model (opd)"),
+    # ---- model
+    _f("--model", "model.path", _G_MODEL, metavar="HF_DIR", help="Hugging Face model folder of the policy"),
+    _f("--init-tiny-model", "model.init_tiny_model", _G_MODEL, **_SWITCH,
+       help="create a tiny random model at --model if it does not exist"),
+    _f("--sft-warmup-steps", "model.sft_warmup_steps", _G_MODEL, type=int, metavar="N",
+       help="supervised warm-start steps on the task's demonstrations before RL (0 = off)"),
+    # ---- checkpointing
+    _f("--load", "checkpoint.load", _G_CKPT, metavar="DIR", help="checkpoint to resume from"),
+    _f("--save", "checkpoint.save", _G_CKPT, metavar="DIR", help="checkpoint directory to save to"),
+    _f("--save-interval", "checkpoint.save_interval", _G_CKPT, type=int, metavar="N",
+       help="save every N steps (default: only at the end)"),
+    _f("--finetune", "checkpoint.finetune", _G_CKPT, **_SWITCH,
+       help="load only model weights from --load (no optimizer state, step 0)"),
+    # ---- logging and debugging
+    _f("--tensorboard-dir", "logging.tensorboard_dir", _G_LOG, metavar="DIR", help="TensorBoard event directory"),
+    _f("--log-interval", "logging.log_interval", _G_LOG, type=int, metavar="N", help="log every N steps"),
+    _f("--dump-rollouts", "logging.dump_rollouts", _G_LOG, metavar="DIR", help="record every step's trajectories"),
+    _f("--replay-rollouts", "logging.replay_rollouts", _G_LOG, metavar="DIR",
+       help="train on recorded trajectories instead of generating"),
+    _f("--replay-shuffle-seed", "logging.replay_shuffle_seed", _G_LOG, type=int, metavar="S",
+       help="replay each recorded step in a random arrival order (seeded) instead of the recorded one"),
+    _f("--dump-grads", "logging.dump_grads", _G_LOG, metavar="DIR", help="save each step's normalised gradient"),
+    _f("--no-progress", "logging.progress", _G_LOG, action="store_false", help="no progress bar"),
+)
+
+# TrainConfig fields set by flags handled in _special (for error messages).
+_SPECIAL_FIELDS = {
+    "learner.reward_spec.kind": "--reward-kind",
+    "learner.reward_spec.lo": "--reward-range",
+    "learner.reward_spec.hi": "--reward-range",
+    "learner.reward_spec": "--reward-kind/--reward-range",
+}
+
+
+def _dest(flag: _Flag) -> str:
+    return flag.names[0].lstrip("-").replace("-", "_")
+
+
+def flag_for_field(path: str) -> str | None:
+    """The flag that sets ``TrainConfig`` field ``path`` (e.g. ``"optim.clip_grad"`` → ``"--clip-grad"``)."""
+    for flag in _FLAGS:
+        if path in flag.fields:
+            return flag.names[0]
+    return _SPECIAL_FIELDS.get(path)
+
+
+# ------------------------------------------------------------------------------------------------------ parser
+class _Parser(argparse.ArgumentParser):
+    """Shows each flag's default (read from the dataclasses, so only when help is asked for)."""
+
+    def format_help(self) -> str:
+        try:
+            defaults = C.TrainConfig().to_dict()
+        except Exception:  # noqa: BLE001 - help must print even if a section fails to import
+            defaults = {}
+        for action in self._actions:
+            flag = _BY_DEST.get(action.dest)
+            if flag is None or not flag.fields or action.help is None or "(default" in action.help:
+                continue
+            value: Any = defaults
+            for part in flag.fields[0].split("."):
+                value = value.get(part, {}) if isinstance(value, dict) else {}
+            if value != {} and not isinstance(action, argparse._StoreConstAction):
+                action.help += f" (default: {value})"
+        return super().format_help()
+
+
+_BY_DEST = {_dest(f): f for f in _FLAGS}
+
+
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    """The argument parser of a training run (no torch import). Omitted flags are absent from the namespace."""
+    p = _Parser(prog=prog, description="megatron_tsync: streaming GRPO / on-policy distillation on Megatron-Core.",
+                argument_default=argparse.SUPPRESS, allow_abbrev=False)
+    p.add_argument("--config", metavar="FILE",
+                   help="YAML or JSON file of flag values (keys: flag names without dashes); flags override it")
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for flag in _FLAGS:
+        g = groups.get(flag.group) or groups.setdefault(flag.group, p.add_argument_group(flag.group))
+        g.add_argument(*flag.names, dest=_dest(flag), **flag.kwargs)
+    return p
+
+
+# ------------------------------------------------------------------------------------------------------ --config
+def _config_tokens(parser: argparse.ArgumentParser, path: str) -> list[str]:
+    """The entries of a --config file as command-line tokens (placed before the real command line)."""
+    try:
+        with open(path) as fh:
+            if path.endswith(".json"):
+                import json
+
+                data = json.load(fh)
+            else:
+                import yaml
+
+                data = yaml.safe_load(fh)
+    except (OSError, ValueError) as e:
+        parser.error(f"argument --config: cannot read {path}: {e}")
+    except Exception as e:  # noqa: BLE001 - yaml.YAMLError and friends
+        parser.error(f"argument --config: cannot parse {path}: {e}")
+    if data is None:
+        return []
+    if not isinstance(data, dict):
+        parser.error(f"argument --config: {path} must hold a mapping of flag names to values")
+    by_name = {opt.lstrip("-").replace("-", "_"): (opt, a) for a in parser._actions for opt in a.option_strings}
+    tokens: list[str] = []
+    for key, value in data.items():
+        norm = str(key).replace("-", "_")
+        if norm in ("config", "help", "h") or norm not in by_name:
+            import difflib
+
+            close = difflib.get_close_matches(norm, list(by_name), n=1)
+            hint = f" (did you mean {close[0].replace('_', '-')!r}?)" if close else ""
+            parser.error(f"argument --config: unknown key {key!r} in {path}{hint}; keys are flag names without "
+                         "the leading dashes")
+        opt, action = by_name[norm]
+        if value is None:
+            continue
+        if isinstance(action, argparse._StoreConstAction):  # store_true / store_false switches
+            if not isinstance(value, bool):
+                parser.error(f"argument --config: key {key!r} in {path} is a switch: use true or false")
+            if value:
+                tokens.append(opt)
+        elif isinstance(value, (list, tuple)):
+            tokens += [opt, *(_token(v) for v in value)]
+        else:
+            tokens.append(f"{opt}={_token(value)}")
+    return tokens
+
+
+def _token(value: Any) -> str:
+    return repr(value) if isinstance(value, float) else str(value)
+
+
+# ------------------------------------------------------------------------------------------------------ parse
+def parse_args(argv: Sequence[str] | None = None, *, world_size: int | None = None) -> "C.TrainConfig":
+    """Parse flags (and ``--config``) into a validated ``TrainConfig``; errors exit with code 2.
+
+    world_size: ranks of the training job, to check TP × PP × CP divides it; default ``$WORLD_SIZE``, and the check
+    is skipped when neither is known (e.g. parsing outside ``torchrun``).
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    pre.add_argument("--config")
+    known, _ = pre.parse_known_args(argv)
+    file_tokens = _config_tokens(parser, known.config) if known.config else []
+    args = vars(parser.parse_args(file_tokens + argv))
+    args.pop("config", None)
+
+    tree: dict[str, Any] = {}
+    for dest, value in args.items():
+        for path in _BY_DEST[dest].fields:
+            _put(tree, path, value)
+    _special(parser, args, tree)
+    try:
+        cfg = C.TrainConfig.from_dict(tree)
+        if world_size is None and os.environ.get("WORLD_SIZE"):
+            world_size = int(os.environ["WORLD_SIZE"])
+        if world_size is not None:
+            cfg.parallel.data_parallel_size(world_size)
+    except C.ConfigError as e:
+        parser.error(_as_flag_error(e))
+    return cfg
+
+
+def _put(tree: dict, path: str, value: Any) -> None:
+    *parents, leaf = path.split(".")
+    for part in parents:
+        tree = tree.setdefault(part, {})
+    tree[leaf] = value
+
+
+def _special(parser: argparse.ArgumentParser, args: dict, tree: dict) -> None:
+    """Flags that do not map one-to-one onto a field."""
+    if args.get("micro_batch_size", 1) != 1:
+        parser.error(f"argument --micro-batch-size: must be 1, got {args['micro_batch_size']}: streaming runs one "
+                     "trajectory per microbatch (sequences per step are set by --global-batch-size)")
+    if "min_lr" in args:
+        lr = args["lr"] if "lr" in args else _default_lr()
+        if args["min_lr"] != lr:
+            parser.error(f"argument --min-lr: must equal --lr (there is no learning-rate schedule yet), got "
+                         f"--min-lr {args['min_lr']} and --lr {lr}")
+    if "global_batch_size" in args:
+        gbs = args["global_batch_size"]
+        g = args.get("group_size", C.RLConfig().group_size)
+        if gbs < 1 or g < 1 or gbs % g:
+            parser.error(f"argument --global-batch-size: {gbs} is not a positive multiple of --group-size {g} "
+                         "(trajectories per step = groups per step × group size)")
+        if "groups_per_step" in args and args["groups_per_step"] * g != gbs:
+            parser.error(f"arguments --global-batch-size/--groups-per-step: --global-batch-size {gbs} != "
+                         f"--groups-per-step {args['groups_per_step']} × --group-size {g}")
+        _put(tree, "rl.groups_per_step", gbs // g)
+    if "max_staleness" in args and args.get("rl_mode") != "async":
+        parser.error(f"argument --max-staleness: only applies to --rl-mode async, got --rl-mode "
+                     f"{args.get('rl_mode', _default_mode())}")
+    if "fp8_recipe" in args and "fp8_format" not in args:
+        parser.error("argument --fp8-recipe: has no effect without --fp8-format")
+    if "replay_rollouts" in args and "rollout_workers" not in args:
+        _put(tree, "rollout.num_workers", 0)  # replaying needs no workers; an explicit count > 0 is an error
+    _reward_spec(parser, args, tree)
+
+
+def _default_mode() -> str:
+    from megatron_tsync.training.learner import LearnerConfig
+
+    return LearnerConfig().mode
+
+
+def _default_lr() -> float:
+    from megatron_tsync.training.optimizer import OptimConfig
+
+    return OptimConfig().lr
+
+
+def _reward_spec(parser: argparse.ArgumentParser, args: dict, tree: dict) -> None:
+    """learner.reward_spec from --reward-kind/--reward-range, else from what the verifier declares."""
+    base = C.reward_spec_for_verifier(args.get("verifier", C.RolloutConfig().verifier))
+    kind = args.get("reward_kind", base.kind)
+    given_range = args.get("reward_range")
+    if kind == "continuous":
+        if given_range is not None:
+            parser.error("arguments --reward-kind/--reward-range: continuous rewards are unbounded; drop "
+                         "--reward-range or choose --reward-kind bounded")
+        lo, hi = -float("inf"), float("inf")
+    elif given_range is not None:
+        lo, hi = given_range
+        if "reward_kind" not in args and base.kind == "continuous":
+            kind = "bounded"
+    elif base.is_bounded:
+        lo, hi = base.lo, base.hi
+    else:
+        parser.error(f"argument --reward-kind: {kind} rewards need --reward-range LO HI "
+                     f"(the verifier declares unbounded rewards)")
+    _put(tree, "learner.reward_spec", {"kind": kind, "lo": lo, "hi": hi})
+
+
+def _as_flag_error(e: C.ConfigError) -> str:
+    """A ConfigError as a flag error: fields named by dotted path become the flags that set them."""
+    msg = str(e)
+    paths = sorted({*e.fields, *re.findall(r"\b[a-z_]+(?:\.[a-z_0-9]+)+\b", msg)}, key=len, reverse=True)
+    flags: list[str] = []
+    for path in paths:
+        flag = flag_for_field(path)
+        if flag is None:
+            continue
+        msg = re.sub(rf"(?<![\w.-]){re.escape(path)}(?![\w.])", flag, msg)
+        if path in e.fields and flag not in flags:
+            flags.append(flag)
+    missing = [f for f in flags if f not in msg]
+    if missing:
+        return f"argument{'s' if len(missing) > 1 else ''} {'/'.join(missing)}: {msg}"
+    return msg

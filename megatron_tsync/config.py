@@ -1,0 +1,511 @@
+"""The typed configuration of a training run: frozen dataclasses, built once at the entry point.
+
+``TrainConfig`` is the one object a run is configured by. Its sections reuse the dataclasses of the modules that
+consume them — ``PrecisionConfig`` (training/model.py), ``OptimConfig`` (training/optimizer.py), ``LearnerConfig``
+with its ``LossConfig`` / ``PolicyLossConfig`` / ``RewardSpec`` (training/learner.py and algorithms/) — and add the
+sections that have no other home yet: ``ModelConfig``, ``ParallelConfig``, ``RLConfig``, ``RolloutConfig``,
+``CheckpointConfig`` and ``LoggingConfig``, defined here.
+
+Validation is split by where it belongs: each dataclass checks its own fields in ``__post_init__``; ``TrainConfig``
+checks only combinations that span sections (a handful, see ``TrainConfig._check_combinations``); what can only be
+known at run time (world size against TP×PP×CP, FP8 hardware, a model's head count) is checked where it is used.
+Errors are :class:`ConfigError`, which names the offending fields by dotted path (``"rl.max_staleness"``) so that
+``megatron_tsync.arguments`` can report them as the flags that set them.
+
+``to_dict`` / ``from_dict`` round-trip through JSON and YAML: torch dtypes become their names (``"float32"``) and
+non-finite floats the strings ``"inf"`` / ``"-inf"``.
+
+Importing this module does not import torch: the sections owned by torch-importing modules are loaded lazily, when
+a ``TrainConfig`` is first built (so ``arguments.build_parser`` and ``--help`` stay fast).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import math
+import re
+import types
+import typing
+from typing import Any, Mapping
+
+__all__ = [
+    "ADVANTAGE_ESTIMATORS",
+    "AGGREGATIONS",
+    "AUX_STRATEGIES",
+    "CheckpointConfig",
+    "ConfigError",
+    "FP8_FORMATS",
+    "FP8_RECIPES",
+    "KL_ESTIMATORS",
+    "KL_MODES",
+    "LATENCY_PROFILES",
+    "LoggingConfig",
+    "ModelConfig",
+    "OLD_LOGPROBS",
+    "OPTIMIZERS",
+    "PARAMS_DTYPES",
+    "ParallelConfig",
+    "POLICY_LOSSES",
+    "REWARD_KINDS",
+    "RL_ALGORITHMS",
+    "RL_MODES",
+    "RLConfig",
+    "ROLLOUT_ENGINES",
+    "RolloutConfig",
+    "TrainConfig",
+    "reward_spec_for_verifier",
+]
+
+# Accepted values of the string fields. Those owned by a registry elsewhere (advantage estimators, aggregations, KL
+# estimators, policy-loss kinds) are pinned against it by tests/test_config.py; the copies exist so that building
+# the argument parser needs no torch import.
+RL_ALGORITHMS = ("grpo", "opd")
+RL_MODES = ("sync", "stream-group", "stream-trajectory", "async", "stream-turn")
+ADVANTAGE_ESTIMATORS = ("grpo", "grpo_unbiased", "dr_grpo", "rloo", "grpo_batch_std")
+POLICY_LOSSES = ("ppo_clip", "none")
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+KL_MODES = ("none", "loss", "reward")
+AUX_STRATEGIES = ("second-backward", "defer")
+OLD_LOGPROBS = ("trainer", "engine")
+OPTIMIZERS = ("adam", "sgd")
+PARAMS_DTYPES = ("float32", "float64")
+FP8_FORMATS = ("e4m3", "hybrid")
+FP8_RECIPES = ("delayed", "tensorwise", "mxfp8", "blockwise")
+REWARD_KINDS = ("binary", "bounded", "continuous")
+ROLLOUT_ENGINES = ("embedded", "vllm")
+LATENCY_PROFILES = ("none", "uniform", "swe-like", "independent")
+
+
+class ConfigError(ValueError):
+    """An invalid configuration. ``fields`` are the dotted paths (in ``TrainConfig``) of the values at fault."""
+
+    def __init__(self, message: str, *fields: str):
+        super().__init__(message)
+        self.fields = tuple(fields)
+
+
+def _check(ok: bool, message: str, *fields: str) -> None:
+    if not ok:
+        raise ConfigError(message, *fields)
+
+
+# ------------------------------------------------------------------------------------------------------ sections
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """The policy model."""
+
+    path: str | None = None
+    """Hugging Face model folder (config.json, tokenizer, safetensors) the policy is initialised from."""
+    init_tiny_model: bool = False
+    """Create a tiny random model at ``path`` if the folder does not exist yet (quickstart and tests)."""
+    sft_warmup_steps: int = 0
+    """Supervised warm-start steps on the task's demonstrations before RL (0 = off)."""
+
+    def __post_init__(self) -> None:
+        _check(not self.init_tiny_model or bool(self.path),
+               "model.init_tiny_model needs model.path (the folder to create the tiny model in)",
+               "model.init_tiny_model", "model.path")
+        _check(self.sft_warmup_steps >= 0, f"model.sft_warmup_steps must be >= 0, got {self.sft_warmup_steps}",
+               "model.sft_warmup_steps")
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelConfig:
+    """Model parallelism of the learner (data parallelism is whatever the world size leaves)."""
+
+    tensor_model_parallel_size: int = 1
+    """Tensor-parallel ranks per model replica (TP)."""
+    pipeline_model_parallel_size: int = 1
+    """Pipeline stages per model replica (PP)."""
+    context_parallel_size: int = 1
+    """Context-parallel ranks per model replica (CP: a trajectory's sequence split across ranks)."""
+    use_distributed_optimizer: bool = False
+    """Shard optimizer state across data-parallel ranks (Megatron's distributed optimizer)."""
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
+            value = getattr(self, name)
+            _check(value >= 1, f"parallel.{name} must be >= 1, got {value}", f"parallel.{name}")
+
+    @property
+    def model_parallel_size(self) -> int:
+        """Ranks per model replica: TP × PP × CP."""
+        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.context_parallel_size
+
+    def data_parallel_size(self, world_size: int) -> int:
+        """DP = world_size / (TP × PP × CP); raises ConfigError when it does not divide."""
+        mp = self.model_parallel_size
+        _check(world_size % mp == 0,
+               f"world size {world_size} is not divisible by parallel.tensor_model_parallel_size × "
+               f"parallel.pipeline_model_parallel_size × parallel.context_parallel_size = {mp}",
+               "parallel.tensor_model_parallel_size", "parallel.pipeline_model_parallel_size",
+               "parallel.context_parallel_size")
+        return world_size // mp
+
+
+@dataclasses.dataclass(frozen=True)
+class RLConfig:
+    """The RL loop: algorithm, step size in trajectories, trajectory limits."""
+
+    algorithm: str = "grpo"
+    """"grpo" (group-relative policy optimisation on verifier rewards) or "opd" (on-policy distillation from
+    ``rollout.teacher_model``)."""
+    train_iters: int = 100
+    """Optimizer steps to train for."""
+    group_size: int = 8
+    """Trajectories sampled per prompt (G); advantages are relative within a group."""
+    groups_per_step: int = 4
+    """Prompts (groups) per optimizer step: a step consumes groups_per_step × group_size trajectories."""
+    max_turns: int = 4
+    """Generated turns per trajectory (a turn ends at a tool call, an answer, EOS or max_new_tokens)."""
+    max_new_tokens: int = 64
+    """Generated tokens per turn at most."""
+    seq_length: int = 1024
+    """Tokens per trajectory at most: prompt + every turn + tool results."""
+    max_staleness: int = 0
+    """Async mode only (``learner.mode == "async"``, then > 0): how many optimizer steps older than the
+    trainer the policy that generated a trajectory may be. 0 otherwise."""
+    seed: int = 1234
+    """Seed of prompt sampling, rollout sampling and model initialisation."""
+
+    def __post_init__(self) -> None:
+        _check(self.algorithm in RL_ALGORITHMS, f"rl.algorithm must be one of {RL_ALGORITHMS}, got {self.algorithm!r}",
+               "rl.algorithm")
+        for name in ("train_iters", "group_size", "groups_per_step", "max_turns", "max_new_tokens", "seq_length"):
+            value = getattr(self, name)
+            _check(value >= 1, f"rl.{name} must be >= 1, got {value}", f"rl.{name}")
+        _check(self.max_staleness >= 0, f"rl.max_staleness must be >= 0, got {self.max_staleness}",
+               "rl.max_staleness")
+        _check(self.max_new_tokens <= self.seq_length,
+               f"rl.max_new_tokens ({self.max_new_tokens}) exceeds rl.seq_length ({self.seq_length})",
+               "rl.max_new_tokens", "rl.seq_length")
+
+    @property
+    def sequences_per_step(self) -> int:
+        """Trajectories per optimizer step (Megatron's global batch size)."""
+        return self.groups_per_step * self.group_size
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+    """Where trajectories come from: inference engine, task, verifier, simulated latency, transport."""
+
+    engine: str = "embedded"
+    """"embedded" (the Megatron model itself generates) or "vllm"."""
+    num_workers: int = 1
+    """Rollout worker processes. Must be 0 when replaying recorded rollouts (``logging.replay_rollouts``)."""
+    task: str = "arithmetic-calculator"
+    """Task name in ``runtime.tasks``'s registry (the prompt source)."""
+    verifier: str = "exact_answer"
+    """Verifier name in ``rollout.verifiers``'s registry (the reward); passed to the task."""
+    temperature: float = 1.0
+    """Sampling temperature (> 0); the learner's log-probs use the same temperature."""
+    top_k: int = 0
+    """Keep the k most likely tokens when sampling (0 = off)."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold in (0, 1] (1 = off)."""
+    latency_profile: str = "none"
+    """Simulated environment latency: "none", "uniform", "swe-like", "independent", or a path to a JSON profile."""
+    latency_scale: float = 1.0
+    """Multiplier (seconds) applied to the latency profile's delays."""
+    endpoint: str | None = None
+    """ZeroMQ endpoint trajectories arrive on; None = an ipc:// socket in the run directory."""
+    secret_file: str | None = None
+    """File holding the transport's shared HMAC key; None = generate a fresh key per run."""
+    sandbox_timeout_s: float = 10.0
+    """Wall-clock limit of one sandboxed tool call, seconds."""
+    teacher_model: str | None = None
+    """Teacher model (Hugging Face folder) for on-policy distillation; None for GRPO."""
+
+    def __post_init__(self) -> None:
+        _check(self.engine in ROLLOUT_ENGINES, f"rollout.engine must be one of {ROLLOUT_ENGINES}, got {self.engine!r}",
+               "rollout.engine")
+        _check(self.num_workers >= 0, f"rollout.num_workers must be >= 0, got {self.num_workers}",
+               "rollout.num_workers")
+        _check(bool(self.task), "rollout.task must name a task", "rollout.task")
+        _check(bool(self.verifier), "rollout.verifier must name a verifier", "rollout.verifier")
+        _check(self.temperature > 0 and math.isfinite(self.temperature),
+               f"rollout.temperature must be > 0 and finite (use rollout.top_k 1 for greedy), got {self.temperature}",
+               "rollout.temperature")
+        _check(self.top_k >= 0, f"rollout.top_k must be >= 0, got {self.top_k}", "rollout.top_k")
+        _check(0.0 < self.top_p <= 1.0, f"rollout.top_p must be in (0, 1], got {self.top_p}", "rollout.top_p")
+        _check(self.latency_profile in LATENCY_PROFILES or self.latency_profile.endswith(".json"),
+               f"rollout.latency_profile must be one of {LATENCY_PROFILES} or a path to a .json profile, "
+               f"got {self.latency_profile!r}", "rollout.latency_profile")
+        _check(self.latency_scale >= 0 and math.isfinite(self.latency_scale),
+               f"rollout.latency_scale must be >= 0, got {self.latency_scale}", "rollout.latency_scale")
+        _check(self.sandbox_timeout_s > 0, f"rollout.sandbox_timeout_s must be > 0, got {self.sandbox_timeout_s}",
+               "rollout.sandbox_timeout_s")
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    """Megatron distributed checkpoints of model, optimizer and step."""
+
+    load: str | None = None
+    """Checkpoint directory to resume from (None = start from ``model.path``)."""
+    save: str | None = None
+    """Checkpoint directory to save to (None = never save)."""
+    save_interval: int | None = None
+    """Save every this many steps (None = only at the end of training, when ``save`` is set)."""
+    finetune: bool = False
+    """Load only the model weights from ``load``: ignore its optimizer state and step counter."""
+
+    def __post_init__(self) -> None:
+        _check(self.save_interval is None or self.save_interval >= 1,
+               f"checkpoint.save_interval must be >= 1, got {self.save_interval}", "checkpoint.save_interval")
+        _check(not self.finetune or self.load is not None, "checkpoint.finetune needs checkpoint.load",
+               "checkpoint.finetune", "checkpoint.load")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoggingConfig:
+    """Metrics, progress and debugging dumps."""
+
+    tensorboard_dir: str | None = None
+    """TensorBoard event directory (None = no TensorBoard)."""
+    log_interval: int = 1
+    """Log metrics every this many steps."""
+    dump_rollouts: str | None = None
+    """Directory to record every step's trajectories in (replayable with ``replay_rollouts``)."""
+    replay_rollouts: str | None = None
+    """Directory of recorded trajectories to train on instead of generating (no rollout workers)."""
+    replay_shuffle_seed: int | None = None
+    """Replay each step's trajectories in a random arrival order drawn with this seed (None = recorded order)."""
+    dump_grads: str | None = None
+    """Directory to save each step's normalised gradient in (after the DP reduction, before clipping)."""
+    progress: bool = True
+    """Show a progress bar."""
+
+    def __post_init__(self) -> None:
+        _check(self.log_interval >= 1, f"logging.log_interval must be >= 1, got {self.log_interval}",
+               "logging.log_interval")
+        _check(self.dump_rollouts is None or self.dump_rollouts != self.replay_rollouts,
+               "logging.dump_rollouts and logging.replay_rollouts name the same directory: recording would "
+               "overwrite the rollouts being replayed", "logging.dump_rollouts", "logging.replay_rollouts")
+
+
+# ------------------------------------------------------------------------------------------------------ the run
+# Sections owned by modules that import torch: loaded on first use.
+_FOREIGN = {
+    "PrecisionConfig": "megatron_tsync.training.model",
+    "OptimConfig": "megatron_tsync.training.optimizer",
+    "LearnerConfig": "megatron_tsync.training.learner",
+    "LossConfig": "megatron_tsync.training.stream_fb",
+    "PolicyLossConfig": "megatron_tsync.algorithms.policy_loss",
+    "RewardSpec": "megatron_tsync.algorithms.streamability",
+}
+
+
+def _foreign(name: str) -> type:
+    return getattr(importlib.import_module(_FOREIGN[name]), name)
+
+
+def _default(name: str):
+    return dataclasses.field(default_factory=lambda: _foreign(name)())
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Everything a training run is configured by (``arguments.parse_args`` builds it from flags)."""
+
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    """The policy model (its folder, tiny-model creation, supervised warm start)."""
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    """TP / PP / CP sizes and the distributed optimizer."""
+    precision: PrecisionConfig = _default("PrecisionConfig")
+    """Parameter dtype, bf16, FP8 (``training.model.PrecisionConfig``)."""
+    optim: OptimConfig = _default("OptimConfig")
+    """Optimizer, learning rate, clipping (``training.optimizer.OptimConfig``)."""
+    learner: LearnerConfig = _default("LearnerConfig")
+    """Streaming mode, advantage estimator, loss, reward spec (``training.learner.LearnerConfig``)."""
+    rl: RLConfig = dataclasses.field(default_factory=RLConfig)
+    """Algorithm, iterations, group size and count, trajectory limits, staleness, seed."""
+    rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
+    """Inference engine, task, verifier, sampling, latency simulation, transport."""
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    """Load / save / finetune."""
+    logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
+    """TensorBoard, log interval, rollout/gradient dumps, progress bar."""
+
+    def __post_init__(self) -> None:
+        self._check_combinations()
+
+    def _check_combinations(self) -> None:
+        """Constraints that span sections, or fields of reused sections whose owners do not check them."""
+        import torch
+
+        lr, lc, pr = self.learner, self.learner.loss, self.precision
+        for path, value, choices in (
+            ("learner.mode", lr.mode, RL_MODES),
+            ("learner.estimator", lr.estimator, ADVANTAGE_ESTIMATORS),
+            ("learner.aux_strategy", lr.aux_strategy, AUX_STRATEGIES),
+            ("learner.loss.aggregation", lc.aggregation, AGGREGATIONS),
+            ("learner.loss.kl_kind", lc.kl_kind, KL_ESTIMATORS),
+            ("learner.loss.kl_mode", lc.kl_mode, KL_MODES),
+            ("learner.loss.old_logprobs", lc.old_logprobs, OLD_LOGPROBS),
+            ("optim.optimizer", self.optim.optimizer, OPTIMIZERS),
+            ("precision.fp8_recipe", pr.fp8_recipe, FP8_RECIPES),
+        ):
+            _check(value in choices, f"{path} must be one of {choices}, got {value!r}", path)
+        _check(pr.fp8_format is None or pr.fp8_format in FP8_FORMATS,
+               f"precision.fp8_format must be None or one of {FP8_FORMATS}, got {pr.fp8_format!r}",
+               "precision.fp8_format")
+        _check(pr.params_dtype in (torch.float32, torch.float64),
+               f"precision.params_dtype must be float32 or float64 (bfloat16 is precision.bf16), got {pr.params_dtype}",
+               "precision.params_dtype")
+        _check(lr.max_open_groups is None or lr.max_open_groups >= 1,
+               f"learner.max_open_groups must be >= 1, got {lr.max_open_groups}", "learner.max_open_groups")
+        _check(lr.estimator_eps >= 0, f"learner.estimator_eps must be >= 0, got {lr.estimator_eps}",
+               "learner.estimator_eps")
+
+        f64 = pr.params_dtype == torch.float64
+        _check(not (f64 and self.optim.clip_grad > 0),
+               f"precision.params_dtype float64 needs optim.clip_grad 0 (megatron's gradient clipping is "
+               f"float32-only), got optim.clip_grad {self.optim.clip_grad}",
+               "precision.params_dtype", "optim.clip_grad")
+        _check(not (f64 and pr.bf16), "precision.bf16 contradicts precision.params_dtype float64",
+               "precision.bf16", "precision.params_dtype")
+        _check(not (f64 and pr.fp8_format is not None),
+               f"precision.fp8_format {pr.fp8_format} contradicts precision.params_dtype float64",
+               "precision.fp8_format", "precision.params_dtype")
+        _check(self.optim.use_distributed_optimizer == self.parallel.use_distributed_optimizer,
+               "optim.use_distributed_optimizer and parallel.use_distributed_optimizer disagree",
+               "optim.use_distributed_optimizer", "parallel.use_distributed_optimizer")
+
+        _check(lr.mode != "stream-turn" or self.rl.algorithm == "opd",
+               "learner.mode stream-turn needs rl.algorithm opd (a turn can only be trained before its trajectory "
+               "ends when each token has its own teacher signal)", "learner.mode", "rl.algorithm")
+        _check((lr.mode == "async") == (self.rl.max_staleness > 0),
+               f"rl.max_staleness must be > 0 exactly when learner.mode is async (got rl.max_staleness "
+               f"{self.rl.max_staleness} with learner.mode {lr.mode})", "rl.max_staleness", "learner.mode")
+        _check(self.rl.algorithm != "opd" or self.rollout.teacher_model is not None
+               or self.logging.replay_rollouts is not None,
+               "rl.algorithm opd needs rollout.teacher_model (or logging.replay_rollouts with recorded teacher "
+               "log-probs)", "rl.algorithm", "rollout.teacher_model")
+        _check(lc.temperature == self.rollout.temperature,
+               f"learner.loss.temperature {lc.temperature} differs from rollout.temperature "
+               f"{self.rollout.temperature}: the learner's log-probs must use the sampling temperature",
+               "learner.loss.temperature", "rollout.temperature")
+        _check(lc.kl_mode != "none" or lc.kl_coef == 0.0,
+               f"learner.loss.kl_coef {lc.kl_coef} has no effect with learner.loss.kl_mode none "
+               "(choose loss or reward)", "learner.loss.kl_coef", "learner.loss.kl_mode")
+        _check(self.logging.replay_rollouts is None or self.rollout.num_workers == 0,
+               f"logging.replay_rollouts trains on recorded rollouts: rollout.num_workers must be 0, "
+               f"got {self.rollout.num_workers}", "logging.replay_rollouts", "rollout.num_workers")
+
+    # -------------------------------------------------------------------------------------------- serialisation
+    def to_dict(self) -> dict[str, Any]:
+        """Nested plain dict (JSON/YAML-safe): dtypes as names, non-finite floats as "inf" / "-inf"."""
+        return _to_plain(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "TrainConfig":
+        """Inverse of ``to_dict``. Missing keys take their defaults; unknown keys are a ConfigError naming them."""
+        return _from_plain(cls, data, "")
+
+
+def _to_plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value):
+        return {f.name: _to_plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)  # "inf", "-inf", "nan"
+    if isinstance(value, (list, tuple)):
+        return [_to_plain(v) for v in value]
+    if type(value).__name__ == "dtype" and type(value).__module__ == "torch":
+        return str(value).removeprefix("torch.")
+    return value
+
+
+def _type_hints(cls: type) -> dict[str, Any]:
+    local = {name: _foreign(name) for name in _FOREIGN} if cls is TrainConfig else None
+    return typing.get_type_hints(cls, localns=local)
+
+
+def _from_plain(cls: type, data: Any, path: str) -> Any:
+    where = path or "config"
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{where} must be a mapping, got {type(data).__name__}", *([path] if path else []))
+    hints = _type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    for key in data:
+        if key not in names:
+            raise ConfigError(f"unknown key {_join(path, str(key))!r} in {where} (known: {', '.join(names)})")
+    kwargs = {k: _coerce(v, hints[k], _join(path, k)) for k, v in data.items()}
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except (ValueError, TypeError) as e:  # a reused section's own validation: name its fields mentioned
+        msg = str(e)
+        mentioned = [_join(path, n) for n in names if re.search(rf"\b{re.escape(n)}\b", msg)]
+        raise ConfigError(msg, *(mentioned or [path])) from e
+
+
+def _join(path: str, name: str) -> str:
+    return f"{path}.{name}" if path else name
+
+
+def _coerce(value: Any, tp: Any, path: str) -> Any:
+    """Convert a plain value to the field type ``tp`` (dataclass, dtype, float, tuple); type-check scalars."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        options = typing.get_args(tp)
+        if value is None and type(None) in options:
+            return None
+        non_none = [t for t in options if t is not type(None)]
+        tp = non_none[0] if len(non_none) == 1 else tp
+    if dataclasses.is_dataclass(tp):
+        return _from_plain(tp, value, path)
+    if getattr(tp, "__module__", "") == "torch" and getattr(tp, "__name__", "") == "dtype":
+        import torch
+
+        dtype = getattr(torch, str(value).removeprefix("torch."), None) if isinstance(value, str) else value
+        _check(isinstance(dtype, torch.dtype), f"{path} must name a torch dtype, got {value!r}", path)
+        return dtype
+    if tp is float:
+        if isinstance(value, str) and value.strip().lower() in ("inf", "-inf", "+inf", "nan"):
+            return float(value)
+        _check(isinstance(value, (int, float)) and not isinstance(value, bool),
+               f"{path} must be a number, got {value!r}", path)
+        return float(value)
+    if tp is int:
+        _check(isinstance(value, int) and not isinstance(value, bool), f"{path} must be an integer, got {value!r}",
+               path)
+    elif tp is bool:
+        _check(isinstance(value, bool), f"{path} must be true or false, got {value!r}", path)
+    elif tp is str:
+        _check(isinstance(value, str), f"{path} must be a string, got {value!r}", path)
+    elif typing.get_origin(tp) is tuple and isinstance(value, list):
+        return tuple(value)
+    return value
+
+
+# ------------------------------------------------------------------------------------------------------ rewards
+def reward_spec_for_verifier(name: str):
+    """What the learner may assume about a verifier's rewards (``algorithms.streamability.RewardSpec``).
+
+    Read from the verifier's declared ``reward_range`` and ``binary`` in ``rollout.verifiers``'s registry (without
+    instantiating it); a name that registry does not know (a plugin, or a verifier registered later) gets the
+    default, binary rewards in {0, 1} — ``RewardSpec.check`` then fails loudly on the first reward outside it.
+    """
+    RewardSpec = _foreign("RewardSpec")
+    try:
+        from megatron_tsync.rollout import verifiers
+
+        factory = verifiers._REGISTRY.get(name)
+    except ImportError:
+        factory = None
+    lo, hi = getattr(factory, "reward_range", (0.0, 1.0))
+    if factory is None or getattr(factory, "binary", False):
+        return RewardSpec.binary(float(lo), float(hi))
+    if math.isfinite(lo) and math.isfinite(hi):
+        return RewardSpec.bounded(float(lo), float(hi))
+    return RewardSpec.continuous()
+
+
+if typing.TYPE_CHECKING:  # pragma: no cover - names of the lazily loaded sections, for type checkers
+    from megatron_tsync.training.learner import LearnerConfig
+    from megatron_tsync.training.model import PrecisionConfig
+    from megatron_tsync.training.optimizer import OptimConfig

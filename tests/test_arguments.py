@@ -1,0 +1,252 @@
+"""The flag surface of megatron_tsync.arguments: pinned names, defaults, bad combinations, --config files."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from megatron_tsync.arguments import build_parser, flag_for_field, parse_args
+from megatron_tsync.config import TrainConfig
+
+# Every option string the training entry point accepts, sorted. This list is deliberately checked in: adding,
+# removing or renaming a flag is a user-facing change (launch scripts, --config files, docs) and must be made here
+# on purpose, in the same change.
+EXPECTED_FLAGS = [
+    "--adam-beta1", "--adam-beta2", "--adam-eps", "--advantage-eps", "--advantage-estimator", "--aux-strategy",
+    "--bf16", "--clip-grad", "--clip-ratio-high", "--clip-ratio-low", "--config", "--context-parallel-size",
+    "--dual-clip", "--dump-grads", "--dump-rollouts", "--entropy-coef", "--finetune", "--fp8-format", "--fp8-recipe",
+    "--global-batch-size", "--group-size", "--groups-per-step", "--help", "--init-tiny-model", "--kl-coef",
+    "--kl-estimator", "--kl-mode", "--latency-profile", "--latency-scale", "--load", "--log-interval",
+    "--loss-aggregation", "--lr", "--max-new-tokens", "--max-open-groups", "--max-staleness", "--max-turns",
+    "--micro-batch-size", "--min-lr", "--model", "--no-progress", "--num-samples-per-prompt", "--old-logprobs",
+    "--optimizer", "--params-dtype", "--pipeline-model-parallel-size", "--policy-loss", "--replay-rollouts",
+    "--replay-shuffle-seed",
+    "--reward-kind", "--reward-range", "--rl-algorithm", "--rl-mode", "--rollout-endpoint", "--rollout-engine",
+    "--rollout-workers", "--sandbox-timeout", "--save", "--save-interval", "--secret-file", "--seed", "--seq-length",
+    "--sft-warmup-steps", "--sgd-momentum", "--task", "--teacher-model", "--temperature",
+    "--tensor-model-parallel-size", "--tensorboard-dir", "--tis-cap", "--top-k", "--top-p", "--train-iters",
+    "--use-distributed-optimizer", "--verifier", "--weight-decay", "-h",
+]
+
+
+def _option_strings():
+    return sorted(o for a in build_parser()._actions for o in a.option_strings)
+
+
+def test_flag_surface_is_pinned():
+    actual = _option_strings()
+    added = sorted(set(actual) - set(EXPECTED_FLAGS))
+    removed = sorted(set(EXPECTED_FLAGS) - set(actual))
+    assert actual == sorted(EXPECTED_FLAGS), (
+        f"the command-line surface changed (added: {added}, removed: {removed}). If this is deliberate, update "
+        "EXPECTED_FLAGS in tests/test_arguments.py in the same change (and the docs / example configs that use "
+        "the flag); otherwise restore the flag."
+    )
+
+
+def test_build_parser_imports_no_torch():
+    code = ("import sys; from megatron_tsync.arguments import build_parser; build_parser().parse_args(['--lr', '1']);"
+            "assert 'torch' not in sys.modules and 'megatron.core' not in sys.modules, 'heavy import'")
+    subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+
+
+def test_defaults_produce_the_default_config():
+    cfg = parse_args([])
+    assert cfg == TrainConfig()
+    assert cfg.rl.sequences_per_step == cfg.rl.groups_per_step * cfg.rl.group_size
+
+
+def test_flags_land_in_their_fields():
+    import torch
+
+    cfg = parse_args([
+        "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--use-distributed-optimizer",
+        "--micro-batch-size", "1", "--num-samples-per-prompt", "4", "--global-batch-size", "12", "--lr", "3e-6",
+        "--min-lr", "3e-6", "--clip-grad", "0", "--params-dtype", "float64", "--optimizer", "sgd",
+        "--rl-mode", "stream-group", "--clip-ratio-low", "0.1", "--clip-ratio-high", "0.28", "--dual-clip", "3",
+        "--tis-cap", "2", "--kl-coef", "0.01", "--kl-mode", "loss", "--kl-estimator", "k1", "--temperature", "0.7",
+        "--aux-strategy", "defer", "--max-open-groups", "2", "--verifier", "answer_with_format", "--model", "m",
+        "--no-progress", "--save", "ck", "--save-interval", "5", "--rollout-workers", "3", "--sandbox-timeout", "2.5",
+    ], world_size=8)
+    assert (cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size) == (2, 2)
+    assert cfg.parallel.use_distributed_optimizer and cfg.optim.use_distributed_optimizer
+    assert (cfg.rl.group_size, cfg.rl.groups_per_step) == (4, 3)
+    assert cfg.optim.lr == 3e-6 and cfg.optim.clip_grad == 0 and cfg.optim.optimizer == "sgd"
+    assert cfg.precision.params_dtype == torch.float64
+    pol = cfg.learner.loss.policy
+    assert (pol.clip_low, pol.clip_high, pol.dual_clip, pol.tis_cap) == (0.1, 0.28, 3.0, 2.0)
+    assert cfg.learner.mode == "stream-group" and cfg.learner.aux_strategy == "defer"
+    assert cfg.learner.loss.temperature == cfg.rollout.temperature == 0.7
+    assert (cfg.learner.loss.kl_coef, cfg.learner.loss.kl_mode, cfg.learner.loss.kl_kind) == (0.01, "loss", "k1")
+    assert cfg.learner.reward_spec.kind == "bounded"  # declared by answer_with_format
+    assert cfg.learner.max_open_groups == 2
+    assert cfg.model.path == "m" and not cfg.logging.progress
+    assert (cfg.checkpoint.save, cfg.checkpoint.save_interval) == ("ck", 5)
+    assert cfg.rollout.num_workers == 3 and cfg.rollout.sandbox_timeout_s == 2.5
+
+
+def test_every_field_flag_maps_back():
+    from megatron_tsync.arguments import _FLAGS
+
+    for flag in _FLAGS:
+        for path in flag.fields:
+            assert flag_for_field(path) == flag.names[0]
+            obj = TrainConfig()
+            for part in path.split("."):
+                obj = getattr(obj, part)  # the path exists in TrainConfig
+
+
+def test_reward_flags():
+    assert parse_args(["--reward-range", "-1", "1"]).learner.reward_spec.lo == -1.0
+    spec = parse_args(["--reward-kind", "continuous"]).learner.reward_spec
+    assert spec.kind == "continuous"
+    spec = parse_args(["--reward-kind", "bounded", "--reward-range", "0", "5"]).learner.reward_spec
+    assert (spec.kind, spec.lo, spec.hi) == ("bounded", 0.0, 5.0)
+
+
+def test_replay_needs_no_workers():
+    cfg = parse_args(["--replay-rollouts", "dir"])
+    assert cfg.rollout.num_workers == 0
+    assert parse_args(["--replay-rollouts", "dir", "--rollout-workers", "0"]).rollout.num_workers == 0
+
+
+def test_async_and_opd_modes():
+    assert parse_args(["--rl-mode", "async", "--max-staleness", "2"]).rl.max_staleness == 2
+    cfg = parse_args(["--rl-algorithm", "opd", "--teacher-model", "t", "--rl-mode", "stream-turn"])
+    assert cfg.rl.algorithm == "opd" and cfg.learner.mode == "stream-turn"
+    assert parse_args(["--rl-algorithm", "opd", "--replay-rollouts", "d"]).rollout.teacher_model is None
+    assert parse_args(["--dump-grads", "g", "--pipeline-model-parallel-size", "2"]).logging.dump_grads == "g"
+
+
+BAD = [
+    (["--micro-batch-size", "2"], ["--micro-batch-size", "one trajectory per microbatch"]),
+    (["--min-lr", "1e-7"], ["--min-lr", "--lr", "no learning-rate schedule"]),
+    (["--global-batch-size", "30", "--group-size", "8"], ["--global-batch-size", "--group-size"]),
+    (["--global-batch-size", "32", "--groups-per-step", "3"], ["--global-batch-size", "--groups-per-step"]),
+    (["--tensor-model-parallel-size", "3"], ["--tensor-model-parallel-size", "--pipeline-model-parallel-size"]),
+    (["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "4"], ["--tensor-model-parallel-size"]),
+    (["--params-dtype", "float64"], ["--params-dtype", "--clip-grad"]),
+    (["--params-dtype", "float64", "--clip-grad", "0", "--bf16"], ["--bf16", "--params-dtype"]),
+    (["--params-dtype", "float64", "--clip-grad", "0", "--fp8-format", "e4m3"], ["--fp8-format", "--params-dtype"]),
+    (["--fp8-recipe", "mxfp8"], ["--fp8-recipe", "--fp8-format"]),
+    (["--rl-mode", "stream-turn"], ["--rl-mode", "--rl-algorithm opd"]),
+    (["--rl-algorithm", "opd"], ["--rl-algorithm", "--teacher-model"]),
+    (["--rl-mode", "async"], ["--max-staleness", "--rl-mode"]),
+    (["--max-staleness", "2"], ["--max-staleness", "--rl-mode"]),
+    (["--max-staleness", "0", "--rl-mode", "sync"], ["--max-staleness", "--rl-mode async"]),
+    (["--rl-mode", "async", "--max-staleness", "0"], ["--max-staleness", "> 0"]),
+    (["--replay-rollouts", "d", "--rollout-workers", "2"], ["--replay-rollouts", "--rollout-workers"]),
+    (["--max-open-groups", "0"], ["--max-open-groups"]),
+    (["--clip-ratio-low", "1.5"], ["--clip-ratio-low"]),
+    (["--clip-ratio-high", "-0.1"], ["--clip-ratio-high"]),
+    (["--dual-clip", "0.5"], ["--dual-clip"]),
+    (["--policy-loss", "none", "--dual-clip", "3"], ["--dual-clip", "--policy-loss"]),
+    (["--tis-cap", "0"], ["--tis-cap"]),
+    (["--reward-kind", "continuous", "--reward-range", "0", "1"], ["--reward-kind", "--reward-range"]),
+    (["--reward-kind", "binary", "--reward-range", "1", "1"], ["--reward-range"]),
+    (["--kl-coef", "0.1"], ["--kl-coef", "--kl-mode"]),
+    (["--finetune"], ["--finetune", "--load"]),
+    (["--init-tiny-model"], ["--init-tiny-model", "--model"]),
+    (["--max-new-tokens", "4096", "--seq-length", "1024"], ["--max-new-tokens", "--seq-length"]),
+    (["--temperature", "0"], ["--temperature"]),
+    (["--top-p", "0"], ["--top-p"]),
+    (["--latency-profile", "bursty"], ["--latency-profile"]),
+    (["--dump-rollouts", "d", "--replay-rollouts", "d"], ["--dump-rollouts", "--replay-rollouts"]),
+    (["--save-interval", "0"], ["--save-interval"]),
+    (["--group-size", "0"], ["--group-size"]),
+    (["--rl-mode", "streaming"], ["--rl-mode", "invalid choice"]),
+    (["--tensor-model"], ["unrecognized arguments"]),  # no abbreviations: the surface is exactly the list above
+]
+
+
+@pytest.mark.parametrize("argv,needles", BAD, ids=[" ".join(a) for a, _ in BAD])
+def test_bad_combinations_exit_2_naming_the_flags(argv, needles, capsys):
+    with pytest.raises(SystemExit) as exc:
+        parse_args(argv, world_size=4)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "error:" in err
+    for needle in needles:
+        assert needle in err, f"{needle!r} not in {err!r}"
+
+
+def test_world_size_from_environment(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "6")
+    assert parse_args(["--tensor-model-parallel-size", "3"]).parallel.tensor_model_parallel_size == 3
+    with pytest.raises(SystemExit):
+        parse_args(["--tensor-model-parallel-size", "4"])
+    monkeypatch.delenv("WORLD_SIZE")
+    parse_args(["--tensor-model-parallel-size", "4"])  # unknown world size: checked at launch instead
+
+
+# ------------------------------------------------------------------------------------------------------ --config
+def test_yaml_config_and_cli_override(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("lr: 1e-4\nmin-lr: 1.0e-4\nclip_grad: 0.5\ngroup-size: 4\nbf16: true\nno_progress: true\n"
+                    "reward-range: [-1, 1]\ndual_clip: null\nrl-mode: stream-group\n")
+    cfg = parse_args(["--config", str(path)])
+    assert cfg.optim.lr == 1e-4 and cfg.optim.clip_grad == 0.5 and cfg.rl.group_size == 4
+    assert cfg.precision.bf16 and not cfg.logging.progress and cfg.learner.mode == "stream-group"
+    assert (cfg.learner.reward_spec.lo, cfg.learner.reward_spec.hi) == (-1.0, 1.0)
+    assert cfg.learner.loss.policy.dual_clip is None
+    cfg = parse_args(["--clip-grad", "2", "--config", str(path), "--group-size", "2"])
+    assert cfg.optim.clip_grad == 2.0 and cfg.rl.group_size == 2 and cfg.optim.lr == 1e-4
+
+
+def test_json_config(tmp_path):
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps({"rl_algorithm": "opd", "teacher-model": "t", "global_batch_size": 16,
+                                "num_samples_per_prompt": 4, "finetune": False}))
+    cfg = parse_args(["--config", str(path)])
+    assert cfg.rl.algorithm == "opd" and cfg.rollout.teacher_model == "t"
+    assert (cfg.rl.group_size, cfg.rl.groups_per_step) == (4, 4)
+    assert not cfg.checkpoint.finetune
+
+
+@pytest.mark.parametrize("text,needle", [
+    ("clip_ratio_hgih: 0.3\n", "'clip_ratio_hgih'"),
+    ("config: other.yaml\n", "'config'"),
+    ("bf16: 1\n", "'bf16'"),
+    ("lr: fast\n", "--lr"),
+    ("- 1\n- 2\n", "mapping"),
+    ("rl-mode: [sync\n", "cannot parse"),
+])
+def test_bad_config_file(tmp_path, capsys, text, needle):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(SystemExit) as exc:
+        parse_args(["--config", str(path)])
+    assert exc.value.code == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_missing_config_file(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        parse_args(["--config", str(tmp_path / "nope.yaml")])
+    assert exc.value.code == 2 and "--config" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------------------ round trip
+@pytest.mark.parametrize("argv", [
+    [],
+    ["--params-dtype", "float64", "--clip-grad", "0", "--reward-kind", "continuous", "--rl-mode", "sync"],
+    ["--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "tensorwise", "--dual-clip", "3", "--tis-cap", "2",
+     "--rl-mode", "async", "--max-staleness", "1", "--load", "ck", "--finetune", "--latency-profile", "p.json"],
+])
+def test_config_round_trip(argv):
+    import yaml
+
+    cfg = parse_args(argv)
+    assert TrainConfig.from_dict(cfg.to_dict()) == cfg
+    assert TrainConfig.from_dict(json.loads(json.dumps(cfg.to_dict(), allow_nan=False))) == cfg
+    assert TrainConfig.from_dict(yaml.safe_load(yaml.safe_dump(cfg.to_dict()))) == cfg
+
+
+def test_help_exits_0_and_shows_defaults(capsys):
+    with pytest.raises(SystemExit) as exc:
+        parse_args(["--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert "--clip-ratio-high" in out and "(default: 0.2)" in out
