@@ -312,7 +312,14 @@ def _bar(done: int, total: int, width: int = 20) -> str:
 def run(cfg: TrainConfig) -> list[dict]:
     logging.basicConfig(level=os.environ.get("TSYNC_LOG", "WARNING"), format="[%(name)s] %(message)s")
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    t = Trainer(cfg)
+    if cfg.rl.algorithm == "opd":
+        from megatron_tsync.runtime.opd_trainer import OPDTrainer
+
+        t = OPDTrainer(cfg)
+    else:
+        if cfg.learner.mode == "stream-turn":
+            raise ValueError("--rl-mode stream-turn is for --rl-algorithm opd")
+        t = Trainer(cfg)
     hist = t.train()
     from megatron_tsync.training.parallel import destroy_parallel
 
