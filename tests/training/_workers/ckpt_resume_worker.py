@@ -2,7 +2,8 @@
 
 Modes:
   full    run steps 0 .. k+n-1 uninterrupted; write the losses of steps k .. k+n-1 and the final parameters
-  first   run steps 0 .. k-1, save a checkpoint at step k, then SIGKILL itself (no clean shutdown)
+  first   as `full`, but save a checkpoint after step k-1 (at "step k") and SIGKILL itself at the end (no clean
+          shutdown). Its steps k .. k+n-1 are the uninterrupted reference (a save must not perturb training).
   resume  build a differently initialised model, load the latest checkpoint, run steps k .. k+n-1; write as `full`
 
 Each step draws its batch from torch's global RNG (and python/numpy random), so a resume that did not restore
@@ -24,10 +25,11 @@ def main():
     p.add_argument("--hf", required=True)
     p.add_argument("--ckpt", required=True)
     p.add_argument("--out", default=None)
-    p.add_argument("--k", type=int, default=3)
-    p.add_argument("--n", type=int, default=3)
+    p.add_argument("--save-step", dest="k", type=int, default=3)
+    p.add_argument("--extra-steps", dest="n", type=int, default=3)
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--dist-opt", action="store_true")
+    p.add_argument("--optim-sharding", default="fully_reshardable")
     a = p.parse_args()
 
     from megatron_tsync.training import checkpointing as ck
@@ -53,9 +55,10 @@ def main():
         step, ts = ck.load_checkpoint(a.ckpt, ddp, opt)
         assert step == a.k and ts == {"data_position": a.k, "note": "hi"}, (step, ts)
         start = step
-    end = a.k if a.mode == "first" else a.k + a.n
     losses = []
-    for s in range(start, end):
+    for s in range(start, a.k + a.n):
+        if a.mode == "first" and s == a.k:
+            ck.save_checkpoint(a.ckpt, a.k, ddp, opt, {"data_position": a.k, "note": "hi"}, optim_sharding=a.optim_sharding)
         ddp.zero_grad_buffer()
         opt.zero_grad()
         length = 8 + random.randint(0, 4) + int(np.random.randint(0, 4))
@@ -66,12 +69,11 @@ def main():
         finalize_and_scale(ddp, float(dims.dp))
         opt.step()
         losses.append(loss.detach().clone())
+    out = {"losses": losses[-a.n:], "params": {k: v.detach().clone() for k, v in model.named_parameters()}}
+    torch.save(out, f"{a.out}.rank{dims.rank}")
     if a.mode == "first":
-        ck.save_checkpoint(a.ckpt, a.k, ddp, opt, {"data_position": a.k, "note": "hi"})
+        torch.distributed.barrier()
         os.kill(os.getpid(), signal.SIGKILL)
-    if a.mode in ("full", "resume"):
-        out = {"losses": losses[-a.n:], "params": {k: v.detach().clone() for k, v in model.named_parameters()}}
-        torch.save(out, f"{a.out}.rank{dims.rank}")
     destroy_parallel()
 
 
