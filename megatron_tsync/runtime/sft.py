@@ -1,0 +1,163 @@
+"""Supervised warm start on a task's demonstrations, through the Megatron learner (DDP grad buffers + optimizer).
+
+A tiny random policy never calls the tool, so GRPO would see only zero rewards; a few hundred steps of next-token
+training on correct transcripts (``task.demonstration_segments``) teach the format and leave the success rate well
+below 100 % (the room RL then fills).
+
+Loss of one step (per-token mean over the batch's loss tokens, all DP ranks together)::
+
+    L = - Σ_{b,t} m[b,t] · log p(x[b,t+1] | x[b,:t+1])  /  Σ_{b,t} m[b,t]
+
+``m`` is the agent loop's loss mask shifted by one (``loss_mask[1:]``): 1 on generated (action) tokens, 0 on the
+prompt and on ``<result>...</result>`` tool output (``loss_on="actions"``, the default), so the warm start imitates
+exactly the tokens RL later trains. ``loss_on="all"`` trains on every token after the first (an ablation). The
+numerator is backpropagated unnormalised and the gradient is divided once at the barrier by the global denominator
+(``finalize_and_scale``); with DP > 1 each rank takes its slice ``b ≡ dp_rank (mod dp)`` of the same batch.
+
+Deterministic: batch ``s`` is ``task.sample_prompts(s, batch_size, seed)`` (the same on every rank), and the
+model's forward/backward on CPU is deterministic under a fixed thread count. Pass a ``seed`` different from the RL
+run's so the warm start does not see the RL prompts (``sample_prompts`` is a pure function of its arguments).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+
+__all__ = ["demonstration_tokens", "collate", "sft_warmup", "as_codec"]
+
+
+def as_codec(tokenizer_or_codec: Any):
+    """A text codec (``encode(str) -> list[int]``, ``decode``): a ``TokenizerCodec`` is returned as is, a raw
+    ``tokenizers.Tokenizer`` / transformers tokenizer is wrapped in one."""
+    from megatron_tsync.rollout.agent_loop import TokenizerCodec
+
+    if isinstance(tokenizer_or_codec, TokenizerCodec):
+        return tokenizer_or_codec
+    probe = tokenizer_or_codec.encode("a")
+    if isinstance(probe, list) and not hasattr(tokenizer_or_codec, "add_special_tokens"):
+        return tokenizer_or_codec  # already a codec-like object
+    return TokenizerCodec(tokenizer_or_codec)
+
+
+def demonstration_tokens(codec, segments: Sequence[tuple[str, bool]]) -> tuple[list[int], list[int]]:
+    """(token_ids, loss_mask) of a transcript given as ``(text, is_action)`` segments.
+
+    Each segment is encoded on its own, as the agent loop does (prompt, generated turn, tool result, ...), so the
+    ids and the mask equal those of a :class:`~megatron_tsync.rollout.agent_loop.Trajectory` that generated the
+    same actions: mask 1 on action tokens, 0 on prompt and tool output.
+    """
+    ids: list[int] = []
+    mask: list[int] = []
+    for text, is_action in segments:
+        seg = codec.encode(text)
+        ids += seg
+        mask += [int(is_action)] * len(seg)
+    return ids, mask
+
+
+def collate(examples: Sequence[tuple[list[int], list[int]]], pad_id: int, loss_on: str = "actions"):
+    """Right-pad to the longest example. Returns ``input_ids`` (B, S) and the shifted loss mask (B, S-1) that
+    weights ``token_logprobs(model, input_ids)``; padding never carries loss (causal attention: it cannot change
+    the earlier positions either)."""
+    if loss_on not in ("actions", "all"):
+        raise ValueError(f"loss_on must be 'actions' or 'all', got {loss_on!r}")
+    S = max(len(ids) for ids, _ in examples)
+    input_ids = torch.full((len(examples), S), pad_id, dtype=torch.long)  # (B, S)
+    mask = torch.zeros(len(examples), S, dtype=torch.float32)  # (B, S), mask of the *target* token
+    for b, (ids, m) in enumerate(examples):
+        input_ids[b, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        mask[b, : len(ids)] = torch.tensor(m if loss_on == "actions" else [1] * len(ids), dtype=torch.float32)
+    return input_ids, mask[:, 1:]  # (B, S), (B, S-1)
+
+
+def _dp_coords() -> tuple[int, int, Any]:
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        return 0, 1, None
+    return ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(), ps.get_data_parallel_group()
+
+
+def _set_lr(optimizer, lr: float | None) -> list[float] | None:
+    if lr is None:
+        return None
+    groups = optimizer.param_groups
+    old = [g["lr"] for g in groups]
+    for g in groups:
+        g["lr"] = lr
+    return old
+
+
+def sft_warmup(
+    ddp_model,
+    optimizer,
+    codec,
+    task,
+    steps: int,
+    batch_size: int,
+    seed: int,
+    *,
+    loss_on: str = "actions",
+    lr: float | None = None,
+    pad_id: int = 0,
+    log: Callable[[int, float], None] | None = None,
+) -> list[float]:
+    """Train ``steps`` optimizer steps on ``task``'s demonstrations; returns the per-step loss (mean over loss tokens).
+
+    Args:
+        ddp_model: megatron DDP-wrapped single-stage ``GPTModel`` (``optimizer.wrap_ddp``); TP is fine, PP is not.
+        optimizer: its megatron optimizer (``optimizer.build_optimizer``).
+        codec: a ``TokenizerCodec`` (or a raw tokenizer, wrapped).
+        task: a :class:`~megatron_tsync.runtime.tasks.Task`.
+        steps, batch_size, seed: batch ``s`` is ``task.sample_prompts(s, batch_size, seed)``.
+        loss_on: ``"actions"`` (agent-loop mask) or ``"all"``.
+        lr: optional learning rate for the warm start only (restored afterwards).
+        pad_id: right-padding id (never trained on).
+        log: ``log(step, loss)`` after every step.
+    """
+    from megatron_tsync.training.logprobs import token_logprobs
+    from megatron_tsync.training.model import unwrap
+    from megatron_tsync.training.optimizer import finalize_and_scale
+
+    if getattr(unwrap(ddp_model), "pre_process", True) is False or getattr(unwrap(ddp_model), "post_process", True) is False:
+        raise ValueError("sft_warmup needs a single-stage model (pipeline parallelism is not supported here)")
+    codec = as_codec(codec)
+    dp_rank, dp, dp_group = _dp_coords()
+    device = next(ddp_model.parameters()).device
+    old_lr = _set_lr(optimizer, lr)
+    losses: list[float] = []
+    ddp_model.train()
+    try:
+        for step in range(steps):
+            insts = task.sample_prompts(step, batch_size, seed)
+            examples = [demonstration_tokens(codec, task.demonstration_segments(i)) for i in insts]
+            ids, mask = collate(examples, pad_id, loss_on)  # (B, S), (B, S-1)
+            ids, mask = ids[dp_rank::dp].to(device), mask[dp_rank::dp].to(device)
+            lp = token_logprobs(ddp_model, ids)  # (b, S-1)
+            num = -(lp.float() * mask).sum()
+            stats = torch.stack([num.detach(), mask.sum()])  # global loss sum and token count, for logging/denominator
+            if dp > 1:
+                torch.distributed.all_reduce(stats, group=dp_group)
+            num.backward()
+            finalize_and_scale(ddp_model, float(stats[1]))
+            optimizer.step()
+            ddp_model.zero_grad_buffer()
+            optimizer.zero_grad()
+            losses.append(float(stats[0] / stats[1]))
+            if log is not None:
+                log(step, losses[-1])
+    finally:
+        if old_lr is not None:
+            for g, v in zip(optimizer.param_groups, old_lr):
+                g["lr"] = v
+    return losses
+
+
+def timed_sft_warmup(*args, **kwargs) -> tuple[list[float], float]:
+    """:func:`sft_warmup` plus its wall time in seconds."""
+    t0 = time.perf_counter()
+    losses = sft_warmup(*args, **kwargs)
+    return losses, time.perf_counter() - t0
