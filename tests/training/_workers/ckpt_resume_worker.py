@@ -29,7 +29,7 @@ def main():
     p.add_argument("--extra-steps", dest="n", type=int, default=3)
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--dist-opt", action="store_true")
-    p.add_argument("--optim-sharding", default="fully_reshardable")
+    p.add_argument("--optim-sharding", default="dp_reshardable")
     a = p.parse_args()
 
     from megatron_tsync.training import checkpointing as ck

@@ -1,0 +1,157 @@
+"""Tiny Llama / Qwen2 models in Hugging Face format, made locally (no downloads) for tests, the quickstart and laptops.
+
+The tokenizer is a byte-level BPE trained with the ``tokenizers`` library on synthetic arithmetic / tool-use text
+("Q: 12+7*3 <tool>calculator: 12+7*3</tool><result>33</result><answer>33</answer>"), digits split one per token.
+Special tokens: ``<s>`` (BOS), ``</s>`` (EOS), ``<pad>``, and ``<tool> </tool> <result> </result> <answer>
+</answer>`` (the calculator agent task). The model's vocabulary (``--vocab``) may exceed the tokenizer's
+(padding rows are never produced by the tokenizer). Weights are transformers' random init under ``seed``;
+everything is deterministic for a given seed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+
+import torch
+
+from megatron_tsync.training.hf_conversion import save_hf_dir
+from megatron_tsync.training.model import ModelArch
+
+SPECIAL_TOKENS = ["<s>", "</s>", "<pad>", "<tool>", "</tool>", "<result>", "</result>", "<answer>", "</answer>"]
+BOS, EOS, PAD = "<s>", "</s>", "<pad>"
+
+
+def _expression(rng: random.Random) -> str:
+    n = rng.randint(2, 4)
+    parts = [str(rng.randint(0, 99))]
+    for _ in range(n - 1):
+        parts += [rng.choice("+-*"), str(rng.randint(0, 99))]
+    return "".join(parts)
+
+
+def synthetic_corpus(n: int = 3000, seed: int = 0) -> list[str]:
+    """Arithmetic questions with calculator calls and answers, plus a few plain sentences."""
+    rng = random.Random(seed)
+    words = ["the", "answer", "is", "compute", "what", "result", "of", "calculator", "use", "tool", "please", "sum"]
+    lines = []
+    for _ in range(n):
+        e = _expression(rng)
+        v = str(eval(e))  # noqa: S307 - digits and + - * only
+        style = rng.random()
+        if style < 0.6:
+            lines.append(f"Q: {e} <tool>calculator: {e}</tool><result>{v}</result><answer>{v}</answer>")
+        elif style < 0.85:
+            lines.append(f"Q: What is {e}? A: {e} = {v} <answer>{v}</answer>")
+        else:
+            lines.append(" ".join(rng.choice(words) for _ in range(rng.randint(4, 12))) + ".")
+    return lines
+
+
+def train_tokenizer(vocab_size: int, seed: int = 0):
+    """A byte-level BPE ``tokenizers.Tokenizer`` with at most ``vocab_size`` entries."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+        min_frequency=2,
+    )
+    tok.train_from_iterator(synthetic_corpus(seed=seed), trainer=trainer)
+    return tok
+
+
+def _save_tokenizer(tok, out_dir: str) -> dict[str, int]:
+    tok.save(os.path.join(out_dir, "tokenizer.json"))
+    ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
+    cfg = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BOS,
+        "eos_token": EOS,
+        "pad_token": PAD,
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "model_max_length": 4096,
+        "clean_up_tokenization_spaces": False,
+        "additional_special_tokens": SPECIAL_TOKENS[3:],
+    }
+    with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)
+    with open(os.path.join(out_dir, "special_tokens_map.json"), "w") as f:
+        json.dump({"bos_token": BOS, "eos_token": EOS, "pad_token": PAD, "additional_special_tokens": SPECIAL_TOKENS[3:]}, f, indent=2)
+    with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
+        json.dump({"bos_token_id": ids[BOS], "eos_token_id": ids[EOS], "pad_token_id": ids[PAD]}, f, indent=2)
+    return ids
+
+
+def make_tiny_model(
+    out_dir: str,
+    *,
+    family: str = "llama",
+    hidden: int = 128,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    vocab: int = 512,
+    ffn: int | None = None,
+    tie: bool = False,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+) -> str:
+    """Write a tiny HF model + tokenizer to ``out_dir``; returns ``out_dir``."""
+    from transformers import AutoModelForCausalLM
+
+    from megatron_tsync.training.hf_conversion import hf_config_dict
+
+    if family not in ("llama", "qwen2"):
+        raise ValueError(f"family must be 'llama' or 'qwen2', not {family!r}")
+    if hidden % heads or heads % kv_heads:
+        raise ValueError(f"hidden {hidden} must divide by heads {heads}, and heads by kv_heads {kv_heads}")
+    head_dim = hidden // heads
+    if head_dim < 32 or head_dim % 32:
+        raise ValueError(f"head_dim = hidden/heads = {head_dim}: vLLM's CPU attention needs 32, 64, 96, 128, ...")
+    if vocab % 8:
+        raise ValueError(f"vocab {vocab} must be divisible by 8")
+    os.makedirs(out_dir, exist_ok=True)
+    tok = train_tokenizer(vocab, seed=seed)
+    if tok.get_vocab_size() > vocab:
+        raise ValueError(f"tokenizer has {tok.get_vocab_size()} entries > vocab {vocab}")
+    ids = _save_tokenizer(tok, out_dir)
+    arch = ModelArch(
+        family=family,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        ffn_hidden_size=ffn or 2 * hidden,
+        num_layers=layers,
+        num_attention_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        rope_theta=10000.0 if family == "llama" else 1000000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=tie,
+        qkv_bias=family == "qwen2",
+        max_position_embeddings=4096,
+    )
+    tokens = {"bos_token_id": ids[BOS], "eos_token_id": ids[EOS], "pad_token_id": ids[PAD]}
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.for_model(**hf_config_dict(arch, extra=tokens))
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    with torch.no_grad():
+        for name, p in model.named_parameters():  # small random norms/biases make conversion bugs visible
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif name.endswith(".bias"):
+                p.copy_(0.02 * torch.randn_like(p))
+    state = {k: v for k, v in model.state_dict().items()}
+    save_hf_dir(out_dir, state, arch, extra_config=tokens)
+    return out_dir

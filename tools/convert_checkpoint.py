@@ -1,0 +1,124 @@
+"""Convert between a Hugging Face folder (Llama / Qwen2, safetensors) and a Megatron distributed checkpoint.
+
+    # HF -> Megatron torch_dist checkpoint, written by a TP=2 x PP=1 layout
+    python tools/convert_checkpoint.py --direction hf-to-megatron --load HF_DIR --save CKPT_DIR \\
+        --target-tensor-parallel-size 2 --target-pipeline-model-parallel-size 1
+    # Megatron checkpoint (any layout it was saved at, with or without optimizer state) -> HF
+    python tools/convert_checkpoint.py --direction megatron-to-hf --load CKPT_DIR --save HF_DIR
+
+The Megatron side uses megatron_tsync's checkpoint layout (``CKPT_DIR/iter_0000000/`` +
+``latest_checkpointed_iteration.txt``; see megatron_tsync/training/checkpointing.py); a converted HF model is
+saved as step 0 without optimizer state, with its config and tokenizer under ``CKPT_DIR/hf_assets``.
+dist_checkpointing reshards on load, so the layout used here only decides how the files are written (HF ->
+Megatron) or how many processes share the work (Megatron -> HF).
+
+Processes: under torchrun (or srun) the launcher's ranks are used (world size a multiple of TP x PP; TP/PP are
+the ``--target-*`` sizes). Started as a single process with TP x PP > 1, the tool spawns TP x PP local
+processes itself (gloo on CPU, NCCL on GPUs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--direction", choices=["hf-to-megatron", "megatron-to-hf"], required=True)
+    p.add_argument("--load", required=True, help="source folder (HF folder or Megatron checkpoint root)")
+    p.add_argument("--save", required=True, help="destination folder")
+    p.add_argument("--target-tensor-parallel-size", type=int, default=1, help="TP of the converting layout")
+    p.add_argument("--target-pipeline-model-parallel-size", type=int, default=1, help="PP of the converting layout")
+    p.add_argument("--step", type=int, default=None, help="megatron-to-hf: iteration to export (default: latest)")
+    p.add_argument("--tokenizer", default=None, help="megatron-to-hf: folder with tokenizer files "
+                   "(default: CKPT_DIR/hf_assets when present)")
+    p.add_argument("--dtype", choices=sorted(_DTYPES), default=None,
+                   help="megatron-to-hf: dtype of the written tensors (default: the checkpoint's)")
+    return p.parse_args(argv)
+
+
+def _hf_to_megatron(a: argparse.Namespace) -> None:
+    from megatron_tsync.training.checkpointing import save_checkpoint
+    from megatron_tsync.training.hf_conversion import load_hf_dir, load_hf_into_model
+    from megatron_tsync.training.model import PrecisionConfig, build_model
+
+    arch, state = load_hf_dir(a.load)
+    dtype = next(iter(state.values())).dtype
+    model = build_model(arch, PrecisionConfig(params_dtype=dtype, bf16=dtype == torch.bfloat16), seed=0)
+    load_hf_into_model(model, state)
+    del state
+    save_checkpoint(a.save, 0, model, None, {"converted_from": os.path.abspath(a.load)}, hf_assets_src=a.load)
+
+
+def _megatron_to_hf(a: argparse.Namespace) -> None:
+    import torch.distributed as dist
+
+    from megatron_tsync.training import checkpointing as ck
+    from megatron_tsync.training.hf_conversion import megatron_to_hf, save_hf_dir
+    from megatron_tsync.training.model import PrecisionConfig, build_model
+
+    meta = ck.read_meta(a.load, a.step)
+    arch = ck.arch_from_checkpoint(a.load, meta["step"])
+    dtype = _DTYPES.get(meta.get("params_dtype", "float32"), torch.float32)
+    model = build_model(arch, PrecisionConfig(params_dtype=dtype, bf16=dtype == torch.bfloat16), seed=0)
+    ck.load_checkpoint(a.load, model, None, step=meta["step"], load_rng=False)
+    state = megatron_to_hf(model)
+    if a.dtype:
+        state = {k: v.to(_DTYPES[a.dtype]) for k, v in state.items()}
+    if dist.get_rank() == 0:
+        tok = a.tokenizer
+        if tok is None and os.path.isdir(os.path.join(a.load, ck.HF_ASSETS)):
+            tok = os.path.join(a.load, ck.HF_ASSETS)
+        save_hf_dir(a.save, state, arch, tokenizer_src=tok)
+        print(f"wrote {a.save} ({len(state)} tensors) from {ck.iter_dir(a.load, meta['step'])}", flush=True)
+    dist.barrier()
+
+
+def run(a: argparse.Namespace) -> None:
+    """Convert in this process (one rank of a launcher or of :func:`_spawn_local`)."""
+    from megatron_tsync.training.parallel import destroy_parallel, initialize_parallel
+
+    initialize_parallel(a.target_tensor_parallel_size, a.target_pipeline_model_parallel_size, seed=0)
+    try:
+        (_hf_to_megatron if a.direction == "hf-to-megatron" else _megatron_to_hf)(a)
+    finally:
+        destroy_parallel()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn_entry(rank: int, world: int, port: int, a: argparse.Namespace) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    run(a)
+
+
+def main(argv=None) -> None:
+    a = parse_args(argv)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    world = a.target_tensor_parallel_size * a.target_pipeline_model_parallel_size
+    launched = "WORLD_SIZE" in os.environ or "SLURM_NTASKS" in os.environ
+    if launched or world == 1:
+        if not launched:
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                              MASTER_PORT=str(_free_port()))
+        run(a)
+    else:
+        import torch.multiprocessing as mp
+
+        mp.spawn(_spawn_entry, args=(world, _free_port(), a), nprocs=world, join=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

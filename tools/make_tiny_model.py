@@ -1,0 +1,35 @@
+"""Create a tiny Hugging Face Llama/Qwen2 model with a locally trained tokenizer (no downloads).
+
+    python tools/make_tiny_model.py --out /tmp/tiny --family llama [--hidden 128 --layers 2 --heads 4
+        --kv-heads 2 --vocab 512 --tie --seed 0]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from megatron_tsync.training.tiny_model import make_tiny_model
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, help="output folder (created)")
+    p.add_argument("--family", choices=["llama", "qwen2"], default="llama")
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--vocab", type=int, default=512, help="model vocabulary (multiple of 8, ≥ tokenizer size)")
+    p.add_argument("--ffn", type=int, default=None, help="MLP width (default 2×hidden)")
+    p.add_argument("--tie", action="store_true", help="tie input and output embeddings")
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+    out = make_tiny_model(
+        a.out, family=a.family, hidden=a.hidden, layers=a.layers, heads=a.heads, kv_heads=a.kv_heads,
+        vocab=a.vocab, ffn=a.ffn, tie=a.tie, seed=a.seed,
+    )
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
