@@ -26,7 +26,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-__all__ = ["demonstration_tokens", "collate", "sft_warmup", "as_codec"]
+__all__ = ["demonstration_tokens", "collate", "sft_warmup", "timed_sft_warmup", "as_codec"]
 
 
 def as_codec(tokenizer_or_codec: Any):

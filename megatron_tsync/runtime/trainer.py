@@ -82,7 +82,7 @@ class Trainer:
         self.dims = initialize_parallel(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
                                         p.context_parallel_size, seed=cfg.rl.seed)
         self.model_dir = _model_dir(cfg, self.dims.rank)
-        self.task = get_task(cfg.rollout.task)
+        self.task = get_task(cfg.rollout.task, verifier=cfg.rollout.verifier)
         arch, hf_state = load_hf_dir(self.model_dir)
         model = build_model(arch, cfg.precision, seed=cfg.rl.seed)
         load_hf_into_model(model, hf_state)
@@ -143,7 +143,7 @@ class Trainer:
         sft_lr = getattr(self.cfg.model, "sft_lr", 1e-3)
         sft_opt = build_optimizer(self.ddp, OptimConfig(optimizer="adam", lr=sft_lr, clip_grad=1.0))
         losses = sft_warmup(self.ddp, sft_opt, codec, self.task, self.cfg.model.sft_warmup_steps,
-                            batch_size=16, seed=self.cfg.rl.seed)
+                            batch_size=16, seed=self.cfg.rl.seed + 1)  # not the RL prompts
         # the RL optimizer's fp32 master copies (if any) must see the new weights
         self.opt.reload_model_params() if hasattr(self.opt, "reload_model_params") else None
         self.state["sft_done"] = True
@@ -169,7 +169,7 @@ class Trainer:
         spec = WorkerSpec(
             worker_id=0, num_workers=cfg.rollout.num_workers, endpoint=endpoint, secret_file=secret,
             weights_dir=fresh_dir(os.path.join(run_dir, "weights")), model_dir=self.model_dir,
-            task=cfg.rollout.task, task_kwargs={}, group_size=cfg.rl.group_size,
+            task=cfg.rollout.task, task_kwargs={"verifier": cfg.rollout.verifier}, group_size=cfg.rl.group_size,
             groups_per_step=cfg.rl.groups_per_step, start_step=self.step, train_iters=cfg.rl.train_iters,
             seed=cfg.rl.seed, temperature=cfg.rollout.temperature, top_k=cfg.rollout.top_k, top_p=cfg.rollout.top_p,
             max_turns=cfg.rl.max_turns, max_new_tokens=cfg.rl.max_new_tokens, max_total_tokens=cfg.rl.seq_length,

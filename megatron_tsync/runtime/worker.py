@@ -15,7 +15,6 @@ import dataclasses
 import json
 import logging
 import os
-import random
 import sys
 import time
 
@@ -97,9 +96,8 @@ def _delay_fn(spec: WorkerSpec, step_holder: list):
     profile = load_profile(spec.latency_profile, scale=spec.latency_scale)
 
     def fn(traj, turn):
-        m = traj.metadata
-        rng = random.Random(hash((spec.seed, step_holder[0], m["group"], m["index"], turn)) & 0xFFFFFFFF)
-        return profile.sample(m["group"], m["index"], turn, rng)
+        m = traj.metadata  # fresh group factors every step: a pure function of (seed, step, group, traj, turn)
+        return profile.for_step(step_holder[0]).sample(m["group"], m["index"], turn)
 
     return fn
 
