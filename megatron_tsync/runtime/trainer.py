@@ -157,10 +157,8 @@ class Trainer:
         from megatron_tsync.runtime.worker import WorkerSpec
 
         cfg = self.cfg
-        if self.dims.world_size > 1:
-            raise NotImplementedError(
-                "live rollouts with several trainer ranks are not wired yet (events reach rank 0 only); "
-                "use one trainer process, or --replay-rollouts with any TP/PP/DP layout")
+        if self.dims.rank != 0:  # rank 0 owns the rollout plane and broadcasts what lands (BroadcastSource)
+            return None
         run_dir = cfg.checkpoint.save or os.path.join("runs", "tsync")
         run_dir = os.path.join(run_dir, "rollout_plane")
         os.makedirs(run_dir, exist_ok=True)
@@ -184,8 +182,9 @@ class Trainer:
     def _publish(self, fleet, version: int) -> None:
         from megatron_tsync.training.hf_conversion import megatron_to_hf
 
-        state = megatron_to_hf(self.ddp)
-        fleet.publish(state, version)
+        state = megatron_to_hf(self.ddp)  # collective over TP/PP: every rank calls it
+        if fleet is not None:
+            fleet.publish(state, version)
 
     # ------------------------------------------------------------------ loop
     def train(self) -> list[dict]:
@@ -194,9 +193,10 @@ class Trainer:
 
         cfg = self.cfg
         replay = cfg.logging.replay_rollouts
-        fleet = None if replay else self._fleet()
+        live = not replay
+        fleet = self._fleet() if live else None
         try:
-            if fleet is not None:
+            if live:
                 self._publish(fleet, self.step)
             t_run = time.perf_counter()
             first = saved = self.step
@@ -217,9 +217,13 @@ class Trainer:
                 else:
                     from megatron_tsync.runtime.worker import group_ids
 
-                    if cfg.learner.mode == "async":
+                    from megatron_tsync.runtime.fleet import BroadcastSource
+
+                    if fleet is not None and cfg.learner.mode == "async":
                         fleet.version = set(range(max(0, k - cfg.rl.max_staleness), k + 1))
-                    source = fleet.source(k, cfg.rl.seq_length)
+                    source = fleet.source(k, cfg.rl.seq_length) if fleet is not None else None
+                    if self.dims.world_size > 1:
+                        source = BroadcastSource(source, self.dims.dp)
                     sizes = {g: cfg.rl.group_size for g in group_ids(k, cfg.rl.groups_per_step)}
                 shape = BatchShape(num_sequences=sum(sizes.values()), max_len=cfg.rl.seq_length)
                 self._grad_dump_hook(k)
@@ -230,7 +234,7 @@ class Trainer:
                     from megatron_tsync.runtime.rollout_io import dump_rollouts
 
                     dump_rollouts(cfg.logging.dump_rollouts, k, samples, list(sizes))
-                if fleet is not None and self.step < cfg.rl.train_iters:
+                if live and self.step < cfg.rl.train_iters:
                     self._publish(fleet, self.step)
                 self._log(k, res, samples, fleet, time.perf_counter() - t_run, self.step - first)
                 si = cfg.checkpoint.save_interval

@@ -188,7 +188,7 @@ def build_model(
             post_process=post,
             share_embeddings_and_output_weights=arch.tie_word_embeddings,
             position_embedding_type="rope",
-            rotary_base=int(arch.rope_theta),
+            rotary_base=arch.rope_theta,
             parallel_output=True,
         )
     finally:

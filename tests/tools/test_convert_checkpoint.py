@@ -28,12 +28,12 @@ def test_hf_megatron_hf_bit_identical(models, tmp_path, family, tp, pp):
     src, mc, dst = models[family], str(tmp_path / "mcore"), str(tmp_path / "hf")
     rc, log, t1 = common.run_isolated([TOOL, "--direction", "hf-to-megatron", "--load", src, "--save", mc,
                                        "--target-tensor-parallel-size", str(tp),
-                                       "--target-pipeline-model-parallel-size", str(pp)], timeout=120)
+                                       "--target-pipeline-model-parallel-size", str(pp)], bare=True)
     assert rc == 0, log[-4000:]
     meta = ck.read_meta(mc)
     assert meta["layout"]["tp"] == tp and meta["layout"]["pp"] == pp and not meta["has_optimizer"]
     rc, log, t2 = common.run_isolated([TOOL, "--direction", "megatron-to-hf", "--load", mc, "--save", dst],
-                                      timeout=120)
+                                      bare=True)
     assert rc == 0, log[-4000:]
     arch0, s0 = load_hf_dir(src)
     arch1, s1 = load_hf_dir(dst)

@@ -17,10 +17,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_isolated(args: list[str], *, nproc: int = 1, timeout: float = 120.0, env: dict | None = None):
+def run_isolated(args: list[str], *, nproc: int = 1, timeout: float = 300.0, env: dict | None = None,
+                 bare: bool = False):
     """Run ``python args...`` (nproc == 1, as rank 0 of 1) or ``torchrun --nproc_per_node nproc args...`` in its
     own session; afterwards kill whatever it left behind in that session (dist_checkpointing's manager
-    processes survive a SIGKILLed parent). Returns (returncode, output, seconds)."""
+    processes survive a SIGKILLed parent). ``bare``: a single process without RANK/WORLD_SIZE (a tool that
+    decides itself whether to spawn). Timeouts guard against hangs (the shared CI machines are slow at times).
+    Returns (returncode, output, seconds)."""
     e = dict(os.environ)
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID", "SLURM_NTASKS"):
         e.pop(k, None)
@@ -28,8 +31,10 @@ def run_isolated(args: list[str], *, nproc: int = 1, timeout: float = 120.0, env
     e["PYTHONWARNINGS"] = "ignore"
     e.update(env or {})
     port = free_port()
-    if nproc == 1:
+    if nproc == 1 and not bare:
         e.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        cmd = [sys.executable] + args
+    elif nproc == 1:
         cmd = [sys.executable] + args
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),

