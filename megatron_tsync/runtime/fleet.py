@@ -48,9 +48,7 @@ class RolloutFleet:
     def _launch(self) -> None:
         import dataclasses
 
-        env = dict(os.environ, OMP_NUM_THREADS="1")
-        for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-            env.pop(k, None)
+        env = worker_env()
         for w in range(self.spec.num_workers):
             spec = dataclasses.replace(self.spec, worker_id=w, endpoint=self.receiver.endpoint)
             path = os.path.join(self.run_dir, f"worker{w}.json")
@@ -168,6 +166,20 @@ class TransportSource:
 
     def exhausted(self) -> bool:
         return self.seen >= self.expected
+
+
+_LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                  "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE")
+
+
+def worker_env() -> dict:
+    """The trainer's environment minus its launcher's rendezvous (torchrun / srun ranks): workers are separate
+    single-process programs, not members of the trainer's process group."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    for k in list(env):
+        if k in _LAUNCHER_VARS or k.startswith("TORCHELASTIC_") or k.startswith("SLURM_PROCID"):
+            env.pop(k)
+    return env
 
 
 def make_run_secret(run_dir: str) -> str:

@@ -77,8 +77,9 @@ def _make_engine(spec: WorkerSpec):
     from megatron_tsync.training.parallel import initialize_parallel
 
     # the embedded engine is a megatron model of its own: a private single-process group (gloo, TP=1)
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
-        os.environ.pop(k, None)
+    for k in list(os.environ):
+        if k in ("RANK", "WORLD_SIZE", "LOCAL_RANK") or k.startswith("TORCHELASTIC_"):
+            os.environ.pop(k)
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         os.environ["MASTER_PORT"] = str(sock.getsockname()[1])
