@@ -11,6 +11,7 @@ The arrival pattern is scaled so the rollout makespan equals ``--makespan-ratio`
 
 Reported (JSON keys are stable):
 - ``modes.<mode>.step_s`` mean step time; ``modes.<mode>.idle_frac`` learner idle fraction;
+  ``modes.<mode>.work_before_last_reward_frac``: share of the learner work done before the last reward landed;
 - ``ideal_step_s``: makespan of a zero-overhead learner that starts each trajectory's work the instant its
   reward exists and never idles while work waits: one machine with release times, whose optimum processes jobs
   in release order: max_j (a_j + Σ_{a_i ≥ a_j} w_i) + the barrier. It is ≥ max(last arrival + its work,
@@ -175,7 +176,10 @@ class Harness:
             sizes, shape = shape_for(batch)
             res = L.train_step(ListSource(samples, rel), sizes, shape)
             prev_start = t_start
+            la = max(rel)
+            before = sum(max(0.0, min(b, la) - a0) for a0, b in res.busy_intervals)
             rows.append({"step_s": res.step_s, "idle_frac": res.idle_frac, "busy": res.busy_intervals,
+                         "work_before_last_reward_frac": before / max(res.busy_s, 1e-9),
                          "last_arrival_s": max(rel), "tail_s": res.step_s - max(rel),
                          "peak_bucket_vectors": res.peak_bucket_vectors, "stats": res.planner_stats})
         theta = [p.detach().double().reshape(-1) for p in ddp.parameters()]
@@ -257,6 +261,7 @@ def main(argv=None):
         out["modes"][m] = {"step_s": step, "idle_frac": statistics.mean(r["idle_frac"] for r in rows),
                            "tail_after_last_arrival_s": statistics.mean(r["tail_s"] for r in rows),
                            "peak_bucket_vectors": max(r["peak_bucket_vectors"] for r in rows),
+                           "work_before_last_reward_frac": statistics.mean(r["work_before_last_reward_frac"] for r in rows),
                            "per_step_s": [r["step_s"] for r in rows]}
         out["fraction_of_ideal"][m] = ideal / step
         if "sync" in results:
@@ -274,12 +279,14 @@ def main(argv=None):
 def _table(out):
     print(f"profile {out['profile']}: {out['groups']} groups x {out['group_size']}, {out['steps']} steps; "
           f"learner work {out['learner_work_s']:.2f}s/step, ideal step {out['ideal_step_s']:.2f}s")
-    print(f"{'mode':<20}{'step s':>9}{'idle':>7}{'tail s':>9}{'vs sync':>9}{'of ideal':>10}{'delta_k':>11}")
+    print(f"{'mode':<20}{'step s':>9}{'idle':>7}{'tail s':>9}{'pre-last':>9}{'vs sync':>9}{'of ideal':>10}"
+          f"{'delta_k':>11}")
     for m, r in out["modes"].items():
         print(f"{m:<20}{r['step_s']:>9.2f}{r['idle_frac']:>7.0%}{r['tail_after_last_arrival_s']:>9.2f}"
+              f"{r['work_before_last_reward_frac']:>9.0%}"
               f"{out['speedup_vs_sync'].get(m, float('nan')):>9.2f}{out['fraction_of_ideal'][m]:>10.2f}"
               f"{out['delta_k'].get(m, float('nan')):>11.2e}")
-    print(f"{'permutation control':<20}{'':>53}{out['delta_k_permutation_control'] or float('nan'):>11.2e}")
+    print(f"{'permutation control':<20}{'':>62}{out['delta_k_permutation_control'] or float('nan'):>11.2e}")
 
 
 def _plot(results, arrivals, path, profile):
