@@ -174,6 +174,7 @@ class Trainer:
             latency_profile=cfg.rollout.latency_profile, latency_scale=cfg.rollout.latency_scale,
             sandbox_timeout_s=cfg.rollout.sandbox_timeout_s, engine=cfg.rollout.engine,
             max_staleness=cfg.rl.max_staleness if cfg.learner.mode == "async" else 0,
+            stream_turns=cfg.rl.algorithm == "opd" and cfg.learner.mode == "stream-turn",
         )
         fleet = RolloutFleet(spec, run_dir)
         fleet.reward_floor = float(self.task.reward_spec.lo)

@@ -51,6 +51,7 @@ class WorkerSpec:
     weight_timeout_s: float = 3600.0
     teacher_model: str | None = None
     max_staleness: int = 0  # async mode: roll out step k with any weights of version ≥ k − max_staleness
+    stream_turns: bool = False  # send a TurnEvent the moment each turn is complete (turn-level OPD)
 
     def to_json(self, path: str) -> None:
         with open(path, "w") as f:
@@ -172,7 +173,21 @@ class RolloutWorker:
         def on_finish(traj):
             pending.append(asyncio.ensure_future(self._score_and_send(traj, step, t0)))
 
-        loop = self.AgentLoop(self.engine, self.codec, self.config, tools=self.tools, on_finish=on_finish)
+        def on_turn(traj, turn):
+            from megatron_tsync.transport import TurnEvent
+
+            m = traj.metadata
+            start, end = traj.turn_spans[turn]
+            mask = np.asarray(traj.loss_mask[:end], dtype=np.uint8)
+            mask[:start] = 0
+            self.sender.send(TurnEvent(
+                traj_id=f"{m['group_id']}t{m['index']}", group_id=m["group_id"],
+                policy_version=traj.policy_version if traj.policy_version >= 0 else step, turn=turn, start=start,
+                end=end, token_ids=np.asarray(traj.token_ids[:end], dtype=np.int32), loss_mask=mask,
+                logprobs=np.asarray(traj.logprobs[:end], dtype=np.float32) * mask), timeout_s=600)
+
+        loop = self.AgentLoop(self.engine, self.codec, self.config, tools=self.tools, on_finish=on_finish,
+                              on_turn=on_turn if spec.stream_turns else None)
         # seed per step so that resumed runs sample the same trajectories
         loop.config = dataclasses.replace(
             self.config, sampling=dataclasses.replace(self.config.sampling, seed=spec.seed * 100003 + step)

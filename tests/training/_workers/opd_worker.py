@@ -29,7 +29,6 @@ from megatron_tsync.algorithms.policy_loss import PolicyLossConfig  # noqa: E402
 from megatron_tsync.streaming.ready_queue import Sample  # noqa: E402
 from megatron_tsync.training.model import PrecisionConfig, build_model  # noqa: E402
 from megatron_tsync.training.opd_learner import (  # noqa: E402
-    IncrementalGPT,
     ListChunkSource,
     OPDLearner,
     OPDLearnerConfig,

@@ -1,0 +1,103 @@
+"""Teacher log-probs for on-policy distillation, computable per finished turn.
+
+A teacher engine is a megatron ``GPTModel`` built from a Hugging Face folder (``--teacher-model``), run without
+gradients. ``TeacherScorer.score(token_ids, turn_spans)`` scores a whole trajectory; ``TeacherScorer.session()``
+scores it turn by turn with a KV cache (``training.opd_learner.IncrementalGPT`` under ``no_grad``), so a turn costs
+a forward over its new tokens only and can run while the next turn is generated or the tool runs.
+
+Conventions (``streaming.ready_queue.Sample``): entry t of a (T,) log-prob array is log π_teacher(token t | tokens
+< t); entry 0 (no prediction) is 0. Teacher and student must share the tokenizer (same vocabulary size is checked).
+Single pipeline stage; any TP (vocab-parallel log-softmax).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_tsync.training.logprobs import gather_vocab_parallel_logits, vocab_parallel_logprobs
+
+__all__ = ["TeacherScorer", "TeacherSession"]
+
+
+class TeacherScorer:
+    def __init__(self, model, *, temperature: float = 1.0):
+        from megatron_tsync.training.model import unwrap
+
+        m = unwrap(model)
+        if not (m.pre_process and m.post_process):
+            raise ValueError("the teacher must be a single pipeline stage (PP = 1)")
+        self.model = model
+        self.model.eval()
+        self.temperature = temperature
+        self.vocab_size = getattr(getattr(m, "arch", None), "vocab_size", None)
+
+    @classmethod
+    def from_hf_dir(cls, path: str, precision=None, *, temperature: float = 1.0, seed: int = 0) -> "TeacherScorer":
+        """Build the teacher (this rank's TP shard) from a transformers folder. Parallel state must be initialised."""
+        from megatron_tsync.training.hf_conversion import load_hf_dir, load_hf_into_model
+        from megatron_tsync.training.model import build_model
+
+        arch, state = load_hf_dir(path)
+        model = build_model(arch, precision, pre_process=True, post_process=True, seed=seed)
+        load_hf_into_model(model, state)
+        for p in model.parameters():
+            p.requires_grad_(False)
+        return cls(model, temperature=temperature)
+
+    @torch.no_grad()
+    def score(self, token_ids: torch.Tensor, turn_spans: list[tuple[int, int]] | None = None) -> torch.Tensor:
+        """(T,) token ids -> (T,) float64 teacher log-probs; with ``turn_spans``, 0 outside the generated turns."""
+        dev = next(self.model.parameters()).device
+        ids = token_ids.to(dev).long().unsqueeze(0)  # (1, T)
+        pos = torch.arange(ids.shape[1], device=dev).unsqueeze(0)
+        logits = self.model(ids, pos, None)  # (1, T, V/tp)
+        lp = vocab_parallel_logprobs(logits[:, :-1], ids[:, 1:], temperature=self.temperature)[0]  # (T-1,)
+        out = torch.cat([lp.new_zeros(1), lp]).double().cpu()  # (T,)
+        if turn_spans is not None:
+            keep = torch.zeros_like(out, dtype=torch.bool)
+            for a, b in turn_spans:
+                keep[a:b] = True
+            out = torch.where(keep, out, torch.zeros_like(out))
+        return out
+
+    def session(self, *, keep_logits: bool = False) -> "TeacherSession":
+        return TeacherSession(self, keep_logits=keep_logits)
+
+
+class TeacherSession:
+    """One trajectory scored chunk by chunk; holds the teacher's K/V of the prefix until dropped."""
+
+    def __init__(self, scorer: TeacherScorer, *, keep_logits: bool = False):
+        from megatron_tsync.training.opd_learner import IncrementalGPT
+
+        self.scorer = scorer
+        self.inc = IncrementalGPT(scorer.model)
+        self.keep_logits = keep_logits
+        self.logp = torch.zeros(0, dtype=torch.float64)  # (end,) so far
+        self._last = None  # (1, 1, V/tp) logits of the last seen position (predicts the next chunk's first token)
+
+    @property
+    def length(self) -> int:
+        return self.inc.length
+
+    @torch.no_grad()
+    def extend(self, token_ids: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Score tokens [start, end) of the prefix ``token_ids`` (end,).
+
+        Returns the teacher log-probs of the whole prefix (end,) float64 and, with ``keep_logits``, the full-vocab
+        teacher logits (end − max(start, 1), V) that predict tokens [max(start, 1), end), else None.
+        """
+        end = int(token_ids.shape[0])
+        if end <= start:
+            return self.logp.clone(), None
+        h = self.inc.extend(token_ids[start:end].long(), start)  # (s, 1, hid)
+        logits = self.inc.head(h)  # (1, s, V/tp)
+        both = logits if self._last is None else torch.cat([self._last, logits], dim=1)
+        both = both[:, :-1]  # (1, end − lo, V/tp): predictions of tokens [lo, end)
+        self._last = logits[:, -1:]
+        lo = max(start, 1)
+        tgt = token_ids[lo:end].to(both.device).long().unsqueeze(0)
+        new = vocab_parallel_logprobs(both, tgt, temperature=self.scorer.temperature)[0].double().cpu()
+        self.logp = torch.cat([self.logp, torch.zeros(lo - start, dtype=torch.float64), new])
+        full = gather_vocab_parallel_logits(both)[0].cpu() if self.keep_logits else None
+        return self.logp.clone(), full
