@@ -27,15 +27,18 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 warnings.filterwarnings("ignore")
 
 
-def _median_ms(fn, iters: int, warmup: int = 5) -> float:
-    for _ in range(warmup):
-        fn()
-    ts = []
+def _interleaved_ms(fns: dict, iters: int, warmup: int = 5) -> dict:
+    """Median and minimum ms of each function, run round-robin so machine noise hits all paths alike."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    ts = {k: [] for k in fns}
     for _ in range(iters):
-        t = time.perf_counter()
-        fn()
-        ts.append((time.perf_counter() - t) * 1000)
-    return statistics.median(ts)
+        for k, fn in fns.items():
+            t = time.perf_counter()
+            fn()
+            ts[k].append((time.perf_counter() - t) * 1000)
+    return {k: (statistics.median(v), min(v)) for k, v in ts.items()}
 
 
 def main(argv=None) -> dict:
@@ -95,17 +98,16 @@ def main(argv=None) -> dict:
     def sched_step():
         ex.run([item])
 
-    rows = {
-        "hf": _median_ms(hf_step, a.iters),
-        "gpt-direct": _median_ms(direct_step, a.iters),
-        "megatron-schedule": _median_ms(sched_step, a.iters),
-    }
+    t = _interleaved_ms({"hf": hf_step, "gpt-direct": direct_step, "megatron-schedule": sched_step}, a.iters)
+    rows = {k: v[0] for k, v in t.items()}
+    rows.update({f"{k}_min": v[1] for k, v in t.items()})
     rows["overhead_ms"] = rows["megatron-schedule"] - rows["gpt-direct"]
+    rows["overhead_min_ms"] = rows["megatron-schedule_min"] - rows["gpt-direct_min"]
     rows["seq"] = a.seq
-    print(f"{'path':<22}{'median ms / microbatch':>24}")
+    print(f"{'path':<22}{'median ms':>12}{'min ms':>10}")
     for k in ("hf", "gpt-direct", "megatron-schedule"):
-        print(f"{k:<22}{rows[k]:>24.2f}")
-    print(f"{'overhead (sched−direct)':<22}{rows['overhead_ms']:>23.2f}")
+        print(f"{k:<22}{rows[k]:>12.2f}{rows[k + '_min']:>10.2f}")
+    print(f"{'overhead (sched-direct)':<22}{rows['overhead_ms']:>12.2f}{rows['overhead_min_ms']:>10.2f}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)
