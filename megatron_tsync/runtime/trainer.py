@@ -25,7 +25,9 @@ log = logging.getLogger("megatron_tsync")
 
 
 class _StopFlag:
-    """SIGTERM / SIGUSR1 (SLURM's pre-timeout signal) / SIGINT: finish the step, save, exit."""
+    """SIGTERM / SIGUSR1 (SLURM's pre-timeout signal) / SIGINT: finish the step, save, exit.
+
+    Installed at the very start of :func:`run`, so a signal during start-up (model load, SFT) is honoured too."""
 
     def __init__(self):
         self.stop = False
@@ -95,7 +97,7 @@ class Trainer:
             self._sft()
         self.learner = Learner(self.ddp, self.opt, _learner_cfg(cfg, self.task.reward_spec),
                                dp_rank=self.dims.dp_rank, pp_size=self.dims.pp)
-        self.stop = _StopFlag()
+        self.stop = _STOP if _STOP is not None else _StopFlag()
         self.tb = None
         if cfg.logging.tensorboard_dir and self.dims.is_logging_rank:
             from torch.utils.tensorboard import SummaryWriter
@@ -314,7 +316,12 @@ def _bar(done: int, total: int, width: int = 20) -> str:
     return f"[{'#' * fill}{'.' * (width - fill)}] {done}/{total}"
 
 
+_STOP: _StopFlag | None = None
+
+
 def run(cfg: TrainConfig) -> list[dict]:
+    global _STOP
+    _STOP = _StopFlag()
     logging.basicConfig(level=os.environ.get("TSYNC_LOG", "WARNING"), format="[%(name)s] %(message)s")
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     if cfg.rl.algorithm == "opd":

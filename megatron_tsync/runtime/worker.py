@@ -234,6 +234,10 @@ def main(argv=None) -> int:
         print("usage: python -m megatron_tsync.runtime.worker SPEC.json", file=sys.stderr)
         return 2
     logging.basicConfig(level=os.environ.get("TSYNC_LOG", "WARNING"), format="[worker %(asctime)s] %(message)s")
+    import signal
+
+    # SLURM's pre-timeout USR1 goes to the whole step: it is the trainer's cue to save; the trainer stops us
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
 

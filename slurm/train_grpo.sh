@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# megatron_tsync streaming GRPO as one SLURM job: a Megatron trainer and its rollout workers.
+#
+#   sbatch slurm/train_grpo.sh                                    # from the repository root; MODEL is required
+#   sbatch --export=ALL,MODEL=/ckpt/qwen2-7b,TRAIN_ITERS=2000 slurm/train_grpo.sh --lr 1e-6
+#   sbatch --gpus-per-node=0 --export=ALL,TSYNC_CPU=1 slurm/train_grpo.sh     # CPU smoke run, tiny model
+#   sbatch slurm/train_grpo.sh                                    # again: resumes from $SAVE's latest checkpoint
+#
+# Cluster layout (GPU mode, the default): the allocation's first TRAINER_NODES nodes run the trainer — one srun task
+# per node, torchrun --nproc_per_node=$GPUS_PER_NODE (one rank per GPU, NCCL), static rendezvous at the first node.
+# The trainer starts ROLLOUT_WORKERS rollout worker processes itself (--rollout-engine vllm on GPUs) on the trainer's
+# head node; they stream signed trajectory events to the trainer over $ENDPOINT (ipc:// on one node, tcp://HEAD:PORT
+# on several) and read each policy version from $SAVE/rollout_plane/weights. SAVE must be on a filesystem every node
+# sees. The job needs a python with megatron_tsync installed on every node (activate the venv/container before
+# sbatch: the environment is exported, or set TSYNC_PYTHON).
+#
+# Limits of the trainer today (the script says so rather than pretend):
+#   * ROLLOUT_NODES > 0 is refused: the trainer cannot attach to rollout workers started on other nodes (it always
+#     launches them as its own subprocesses). Rollouts run on the trainer's head node, sharing its GPUs.
+#   * Live rollouts need a single trainer rank (TRAINER_NODES=1, GPUS_PER_NODE=1); with more ranks the trainer stops
+#     with NotImplementedError ("events reach rank 0 only"). Several ranks work with --replay-rollouts DIR.
+# TSYNC_CPU=1 (CPU mode): one node, no GPUs (CUDA hidden, gloo), one trainer process, tiny model created at MODEL if
+# missing, small defaults (4 steps, group 2, batch 4). Clusters without GPU GRES: add --gpus-per-node=0.
+#
+# Stopping and resuming: SLURM sends SIGUSR1 to this script 120 s before the time limit (--signal=B:USR1@120); the
+# script forwards it to the trainer ranks only, which finish the current step, save, and exit 0. Do the same by hand
+# with `scancel --signal=USR1 --batch JOBID`. A plain `scancel JOBID` signals every process at once (the rollout
+# workers die) and is a hard stop: the next job resumes from the last --save-interval checkpoint. LOAD=SAVE by
+# default, so resubmitting the same command continues at "[tsync] resumed from SAVE at step K".
+#
+# All variables (defaults per mode) are listed in slurm/common.sh; the job's exit code is the trainer's.
+#SBATCH --job-name=tsync-grpo
+#SBATCH --nodes=1
+#SBATCH --ntasks-per-node=1
+#SBATCH --gpus-per-node=8
+#SBATCH --exclusive
+#SBATCH --time=04:00:00
+#SBATCH --signal=B:USR1@120
+#SBATCH --output=slurm-%x-%j.out
+#SBATCH --open-mode=append
+set -euo pipefail
+
+# sbatch runs a copy of this file: find the repository from the submitted path, else the submit dir
+if [ -z "${TSYNC_HOME:-}" ]; then
+  _cmd=$(scontrol show job -o "${SLURM_JOB_ID:-0}" 2>/dev/null | grep -o 'Command=[^ ]*' | cut -d= -f2- || true)
+  if [ -n "$_cmd" ] && [ -f "$(dirname "$_cmd")/common.sh" ]; then
+    TSYNC_HOME=$(cd "$(dirname "$_cmd")/.." && pwd)
+  elif [ -f "${SLURM_SUBMIT_DIR:-.}/slurm/common.sh" ]; then
+    TSYNC_HOME=$(cd "${SLURM_SUBMIT_DIR:-.}" && pwd)
+  else
+    echo "[tsync-slurm] error: cannot find slurm/common.sh; set TSYNC_HOME=<repository root>" >&2
+    exit 2
+  fi
+fi
+export TSYNC_HOME
+RL_ALGORITHM=grpo
+# shellcheck source=slurm/common.sh
+source "$TSYNC_HOME/slurm/common.sh"
+tsync_main "$@"

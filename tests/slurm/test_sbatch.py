@@ -1,0 +1,217 @@
+"""slurm/train_grpo.sh and slurm/train_opd.sh under a REAL single-node SLURM cluster (tools/slurm_cluster.sh).
+
+As a user runs them: ``sbatch --wait slurm/train_*.sh`` in CPU mode (``TSYNC_CPU=1``, tiny model, one rollout worker):
+  * 2 steps → job exit code 0, the trainer's summary in the job log, checkpoint 2 and its tracker file;
+  * resubmitted with TRAIN_ITERS=3 → "resumed from SAVE at step 2", checkpoint 3;
+  * a long job stopped with ``scancel --signal=USR1 --batch`` after a step → the batch script forwards SIGUSR1 to
+    the trainer, which finishes its step, saves and exits 0; the tracker names a checkpoint that a resubmit resumes.
+The cluster fixture installs SLURM + munge with apt if missing (root); the tests skip only without root or when the
+packages cannot be installed. OPD runs only when megatron_tsync has an OPD trainer (checked at run time).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CLUSTER = os.path.join(ROOT, "tools", "slurm_cluster.sh")
+
+pytestmark = pytest.mark.slow
+
+
+# ------------------------------------------------------------------------------------------------ fixtures
+_SUBMITTED: list[tuple[str, str]] = []  # (job id, SLURM_CONF) of every job submitted here
+
+
+@pytest.fixture(autouse=True)
+def _cancel_leftover_jobs():
+    """A failed test must not leave its job running (it would hold the node for the next test)."""
+    yield
+    while _SUBMITTED:
+        job_id, conf = _SUBMITTED.pop()
+        subprocess.run(["scancel", job_id], env=dict(os.environ, SLURM_CONF=conf), capture_output=True, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def slurm():
+    """SLURM_CONF of a running single-node cluster (stood up here, and taken down after, if it was not running)."""
+    base = os.environ.get("TSYNC_SLURM_DIR", "/tmp/tsync-slurm")
+    env = dict(os.environ, TSYNC_SLURM_DIR=base)
+    was_up = subprocess.run(["bash", CLUSTER, "status"], env=env, capture_output=True).returncode == 0
+    if not was_up:
+        if os.geteuid() != 0:
+            pytest.skip("standing up a SLURM cluster (munged, slurmctld, slurmd) needs root")
+        if shutil.which("sbatch") is None and shutil.which("apt-get") is None:
+            pytest.skip("SLURM is not installed and there is no apt-get to install it")
+    t0 = time.perf_counter()
+    p = subprocess.run(["bash", CLUSTER, "up"], env=env, capture_output=True, text=True, timeout=900)
+    if p.returncode != 0:
+        if "apt-get" in p.stderr and ("failed" in p.stderr or "no apt-get" in p.stderr):
+            pytest.skip(f"SLURM could not be installed: {p.stderr.strip()[-500:]}")
+        pytest.fail(f"tools/slurm_cluster.sh up failed ({p.returncode}):\n{p.stderr[-3000:]}")
+    m = re.search(r"export SLURM_CONF=(\S+)", p.stdout)
+    assert m, p.stdout
+    print(f"slurm cluster up in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+    yield m.group(1)
+    if not was_up:
+        subprocess.run(["bash", CLUSTER, "down"], env=env, capture_output=True, timeout=120)
+
+
+def _job_env(slurm_conf: str, runs: str, **extra) -> dict:
+    env = dict(os.environ, SLURM_CONF=slurm_conf, TSYNC_CPU="1", TSYNC_RUNS=runs, TSYNC_PYTHON=sys.executable,
+               OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
+               PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+    for k in ("SLURM_JOB_ID", "SLURM_JOBID", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
+              "TRAIN_ITERS", "SAVE", "LOAD", "MODEL", "TEACHER_MODEL", "EXTRA_ARGS"):
+        env.pop(k, None)
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def _sbatch(script: str, env: dict, log: str, *, wait: bool = True, args=()) -> subprocess.Popen | int:
+    """sbatch --wait: its exit code is the job's. wait=False: the running sbatch (to signal the job meanwhile)."""
+    cmd = ["sbatch", "--parsable", "--wait", "--gpus-per-node=0", f"--output={log}", os.path.join(ROOT, "slurm", script), *args]
+    p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    job_id = p.stdout.readline().strip().split(";")[0]  # --parsable prints the id at submission, then waits
+    if job_id:
+        _SUBMITTED.append((job_id, env["SLURM_CONF"]))
+    if not wait:
+        return p
+    try:
+        p.wait(timeout=600)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        pytest.fail(f"sbatch --wait {script} did not finish in 600 s; log:\n{_read(log)[-4000:]}")
+    return p.returncode
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def _tracker(save: str) -> int:
+    with open(os.path.join(save, "latest_checkpointed_iteration.txt")) as f:
+        return int(f.read().strip())
+
+
+def _wait_for(pattern: str, log: str, proc: subprocess.Popen, timeout: float) -> re.Match:
+    t_end = time.monotonic() + timeout
+    while time.monotonic() < t_end:
+        m = re.search(pattern, _read(log))
+        if m:
+            return m
+        if proc.poll() is not None:
+            pytest.fail(f"job ended (sbatch rc {proc.returncode}) before {pattern!r} appeared; log:\n{_read(log)[-4000:]}")
+        time.sleep(0.5)
+    pytest.fail(f"{pattern!r} not in the job log after {timeout:.0f}s; log:\n{_read(log)[-4000:]}")
+
+
+def _opd_available() -> bool:
+    return importlib.util.find_spec("megatron_tsync.runtime.opd_trainer") is not None
+
+
+# ------------------------------------------------------------------------------------------------ the lifecycle
+def _lifecycle(script: str, slurm_conf: str, tmp_path, name: str) -> dict:
+    runs = str(tmp_path / "runs")
+    save = os.path.join(runs, name)  # default SAVE = $TSYNC_RUNS/$SLURM_JOB_NAME, LOAD = SAVE
+    times = {}
+
+    # 1. two steps from scratch (the tiny model is created by the job)
+    log1 = str(tmp_path / "job1.log")
+    t0 = time.perf_counter()
+    rc = _sbatch(script, _job_env(slurm_conf, runs, TRAIN_ITERS=2), log1)
+    times["2 steps from scratch"] = time.perf_counter() - t0
+    out = _read(log1)
+    assert rc == 0, f"job 1 exit code {rc}; log:\n{out[-4000:]}"
+    assert re.search(r"\[tsync\] (opd )?summary: .*, 2 steps,", out), out[-4000:]  # opd: "[tsync] opd summary:"
+    assert "trainer exited with code 0" in out
+    assert _tracker(save) == 2 and os.path.isdir(os.path.join(save, "iter_0000002"))
+    jobdirs = os.listdir(os.path.join(save, "slurm-jobs"))
+    secret = os.path.join(save, "slurm-jobs", jobdirs[0], "secret.hex")
+    assert os.stat(secret).st_mode & 0o777 == 0o600
+
+    # 2. resubmit, one more step: resumes at 2
+    log2 = str(tmp_path / "job2.log")
+    t0 = time.perf_counter()
+    rc = _sbatch(script, _job_env(slurm_conf, runs, TRAIN_ITERS=3), log2)
+    times["resume 2 → 3"] = time.perf_counter() - t0
+    out = _read(log2)
+    assert rc == 0, f"job 2 exit code {rc}; log:\n{out[-4000:]}"
+    assert f"[tsync] resumed from {save} at step 2" in out, out[-4000:]
+    assert _tracker(save) == 3 and os.path.isdir(os.path.join(save, "iter_0000003"))
+
+    # 3. a long job stopped after its first step with SIGUSR1 to the batch script
+    log3 = str(tmp_path / "job3.log")
+    t0 = time.perf_counter()
+    proc = _sbatch(script, _job_env(slurm_conf, runs, TRAIN_ITERS=10_000, SAVE_INTERVAL=1000), log3, wait=False)
+    _wait_for(rf"\[tsync\] resumed from {re.escape(save)} at step 3", log3, proc, 300)
+    _wait_for(r"\[tsync\] step 4 ", log3, proc, 300)  # step 3 → 4 done (no save: interval 1000)
+    job_id = re.search(r"job (\d+) on ", _read(log3)).group(1)
+    t_sig = time.perf_counter()
+    subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], env=_job_env(slurm_conf, runs), check=True)
+    try:
+        proc.wait(timeout=300)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail(f"job {job_id} did not stop within 300 s of SIGUSR1; log:\n{_read(log3)[-4000:]}")
+    times["signal → job end"] = time.perf_counter() - t_sig
+    times["stopped job total"] = time.perf_counter() - t0
+    out = _read(log3)
+    assert proc.returncode == 0, f"stopped job exit code {proc.returncode}; log:\n{out[-4000:]}"
+    assert "got SIGUSR1" in out and "sent SIGUSR1 to the trainer ranks" in out, out[-4000:]
+    stopped_at = _tracker(save)
+    assert 4 <= stopped_at < 10_000, out[-4000:]
+    assert f"[tsync] saved checkpoint {save}/iter_{stopped_at:07d}" in out, out[-4000:]
+    assert os.path.isdir(os.path.join(save, f"iter_{stopped_at:07d}"))
+
+    # 4. the checkpoint left by the stop loads: a resubmit resumes from it
+    log4 = str(tmp_path / "job4.log")
+    t0 = time.perf_counter()
+    rc = _sbatch(script, _job_env(slurm_conf, runs, TRAIN_ITERS=stopped_at + 1), log4)
+    times["resume after stop"] = time.perf_counter() - t0
+    out = _read(log4)
+    assert rc == 0, f"job 4 exit code {rc}; log:\n{out[-4000:]}"
+    assert f"[tsync] resumed from {save} at step {stopped_at}" in out, out[-4000:]
+    assert _tracker(save) == stopped_at + 1
+    print(f"{script}: " + ", ".join(f"{k} {v:.0f}s" for k, v in times.items()), file=sys.stderr)
+    return times
+
+
+def test_grpo_sbatch_lifecycle(slurm, tmp_path):
+    _lifecycle("train_grpo.sh", slurm, tmp_path, "tsync-grpo")
+
+
+def test_opd_sbatch_lifecycle(slurm, tmp_path):
+    if not _opd_available():
+        pytest.skip("OPD trainer not available (megatron_tsync.runtime.opd_trainer is missing)")
+    _lifecycle("train_opd.sh", slurm, tmp_path, "tsync-opd")
+
+
+# ------------------------------------------------------------------------------------------------ refusals
+def test_rollout_nodes_refused_with_reason(slurm, tmp_path):
+    """ROLLOUT_NODES > 0 needs a trainer that attaches to remote workers: the job says so and exits 2."""
+    log = str(tmp_path / "job.log")
+    rc = _sbatch("train_grpo.sh", _job_env(slurm, str(tmp_path / "runs"), TSYNC_CPU=0, MODEL=str(tmp_path / "m"),
+                                           ROLLOUT_NODES=1), log)
+    out = _read(log)
+    assert rc == 2, out
+    assert "cannot attach to rollout workers on other nodes" in out, out
+
+
+def test_script_outside_slurm_says_so(tmp_path):
+    env = _job_env("/nonexistent", str(tmp_path), TSYNC_HOME=ROOT)
+    p = subprocess.run(["bash", os.path.join(ROOT, "slurm", "train_grpo.sh")], env=env, capture_output=True,
+                       text=True, timeout=60)
+    assert p.returncode == 2 and "run this script with sbatch" in p.stderr, p.stderr
