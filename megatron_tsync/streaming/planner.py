@@ -144,30 +144,45 @@ class StepPlanner:
     # ---------------------------------------------------------------- arrivals
     def on_ready(self, t: TrajMeta) -> list[WorkItem]:
         """A trajectory's reward has landed (anywhere in DP). Returns the work this rank can do now."""
-        g = self._group(t.group_id)
-        if t.traj_id in g.rewards:
-            raise ValueError(f"trajectory {t.traj_id!r} of group {t.group_id!r} arrived twice")
-        if len(g.rewards) >= g.size:
-            raise ValueError(f"group {t.group_id!r} already has its {g.size} trajectories; {t.traj_id!r} is extra")
-        self.spec.check(t.reward)
-        g.rewards[t.traj_id] = float(t.reward)
-        local = t.dp_rank == self.dp_rank
-        complete = len(g.rewards) == g.size
-        if self.mode == "sync":
-            if local:
-                g.local_pending.append(t)
-            return []
-        if self.mode == "stream-group" or g.overflow:
-            if local:
-                g.local_pending.append(t)
-            return self._release_group(t.group_id) if complete and not self.batch_coupled else []
-        # stream-trajectory
-        if not local:
-            return []
-        if complete and not self.batch_coupled:
-            self.stats["direct"] += 1
-            return [self._direct(t, g)]
-        return self._stream(t, g)
+        return self.on_ready_batch([t])
+
+    def on_ready_batch(self, ts: list[TrajMeta]) -> list[WorkItem]:
+        """Several rewards landed together: record them all first, then plan, so that a group completed by this
+        batch sends every one of its trajectories straight to the accumulator instead of through a bucket (when
+        everything arrives at once, stream-trajectory degenerates to sync with no bucket traffic)."""
+        for t in ts:
+            g = self._group(t.group_id)
+            if t.traj_id in g.rewards:
+                raise ValueError(f"trajectory {t.traj_id!r} of group {t.group_id!r} arrived twice")
+            if len(g.rewards) >= g.size:
+                raise ValueError(f"group {t.group_id!r} already has its {g.size} trajectories; {t.traj_id!r} is extra")
+            self.spec.check(t.reward)
+            g.rewards[t.traj_id] = float(t.reward)
+        items: list[WorkItem] = []
+        touched: dict[str, None] = {}
+        for t in ts:
+            g = self.groups[t.group_id]
+            local = t.dp_rank == self.dp_rank
+            complete = len(g.rewards) == g.size
+            if self.mode == "sync" or self.mode == "stream-group" or g.overflow:
+                if local:
+                    g.local_pending.append(t)
+                touched[t.group_id] = None
+                continue
+            # stream-trajectory
+            if not local:
+                continue
+            if complete and not self.batch_coupled:
+                self.stats["direct"] += 1
+                items.append(self._direct(t, g))
+            else:
+                items.extend(self._stream(t, g))
+        if self.mode != "sync" and not self.batch_coupled:
+            for gid in touched:  # per-group streaming (mode or overflow): release completed groups whole
+                g = self.groups[gid]
+                if (self.mode == "stream-group" or g.overflow) and len(g.rewards) == g.size and not g.closed:
+                    items.extend(self._release_group(gid))
+        return items
 
     def _stream(self, t: TrajMeta, g: _Group) -> list[WorkItem]:
         if not g.bucket_open:

@@ -110,12 +110,12 @@ class Learner:
             ready = source.poll(cfg.poll_timeout_s)
             if ready:
                 last_arrival = time.perf_counter()
-            items = []
             for s in ready:
                 self.exec.add_sample(s)
                 n_traj += 1
                 n_tok += s.num_action_tokens
-                items += planner.on_ready(TrajMeta(s.traj_id, s.group_id, s.reward, s.num_action_tokens, s.dp_rank))
+            items = planner.on_ready_batch(
+                [TrajMeta(s.traj_id, s.group_id, s.reward, s.num_action_tokens, s.dp_rank) for s in ready])
             self.exec.run(items)
             closes, held = planner.closable()
             self.exec.run(held)
