@@ -297,7 +297,7 @@ class Trainer:
         if not self.history or not self.dims.is_logging_rank:
             return
         h = self.history
-        n = max(1, min(3, len(h) // 2))
+        n = max(1, min(10, len(h) // 3))  # first / last third (≤ 10 steps): per-step success is noisy
         first = sum(r["success_rate"] for r in h[:n]) / n
         last = sum(r["success_rate"] for r in h[-n:]) / n
         mean_step = sum(r["step_time_s"] for r in h) / len(h)
