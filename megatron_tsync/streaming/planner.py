@@ -26,7 +26,6 @@ from typing import Callable
 
 import torch
 
-from megatron_tsync.algorithms import advantages as adv_mod
 from megatron_tsync.algorithms.streamability import RewardSpec, decide
 
 MODES = ("sync", "stream-group", "stream-trajectory")

@@ -11,8 +11,6 @@ import dataclasses
 import logging
 import time
 
-import torch
-
 from megatron_tsync.algorithms.advantages import get_advantage_estimator
 from megatron_tsync.algorithms.aggregation import barrier_divisor
 from megatron_tsync.algorithms.streamability import RewardSpec, describe_config

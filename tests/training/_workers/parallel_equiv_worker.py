@@ -3,9 +3,6 @@ optimizer step, written by global rank 0 to --out (torch.save). Run with 1 proce
 (TP=2, PP=2 or DP=2); tests/training/test_parallel_equivalence.py compares them."""
 
 import argparse
-import functools
-import os
-import sys
 import warnings
 
 warnings.filterwarnings("ignore")
@@ -58,7 +55,7 @@ def main():
 
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    items = [(seqs.index(s) if False else i, s) for i, s in enumerate(seqs) if i % dims.dp == dims.dp_rank]
+    items = [(i, s) for i, s in enumerate(seqs) if i % dims.dp == dims.dp_rank]
     get_forward_backward_func()(forward_step_func=fwd, data_iterator=iter(items), model=[ddp],
                                 num_microbatches=len(items), seq_length=max(s.numel() for s in mine),
                                 micro_batch_size=1, forward_only=False)
