@@ -145,6 +145,11 @@ _FLAGS: tuple[_Flag, ...] = (
        help="multiplier (seconds) of the latency profile"),
     _f("--rollout-endpoint", "rollout.endpoint", _G_ROLL, metavar="ZMQ_ADDR",
        help="ZeroMQ endpoint trajectories arrive on (default: ipc socket in the run directory)"),
+    _f("--rollout-launch", "rollout.launch", _G_ROLL, choices=("local", "external"),
+       help="local: start the rollout workers as subprocesses; external: write their specs to --rollout-dir and "
+            "wait for workers started elsewhere (srun on rollout nodes)"),
+    _f("--rollout-dir", "rollout.run_dir", _G_ROLL, metavar="DIR",
+       help="rollout-plane directory on a shared filesystem: worker specs, secret, weight versions, logs"),
     _f("--secret-file", "rollout.secret_file", _G_ROLL, metavar="FILE",
        help="shared transport key (default: a fresh key per run)"),
     _f("--sandbox-timeout", "rollout.sandbox_timeout_s", _G_ROLL, type=float, metavar="S",

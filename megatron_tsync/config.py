@@ -218,8 +218,16 @@ class RolloutConfig:
     """Wall-clock limit of one sandboxed tool call, seconds."""
     teacher_model: str | None = None
     """Teacher model (Hugging Face folder) for on-policy distillation; None for GRPO."""
+    launch: str = "local"
+    """"local": the trainer starts its rollout workers as subprocesses. "external": it only writes their specs
+    (``run_dir/worker{w}.json``), the secret and each weight version into ``run_dir`` (a shared filesystem) and waits
+    for workers started elsewhere (srun on rollout nodes) with ``python -m megatron_tsync.runtime.worker SPEC``."""
+    run_dir: str | None = None
+    """Rollout-plane directory (specs, secret, weight versions, worker logs); None = ``SAVE/rollout_plane``."""
 
     def __post_init__(self) -> None:
+        _check(self.launch in ("local", "external"), f"rollout.launch must be 'local' or 'external', got "
+               f"{self.launch!r}", "rollout.launch")
         _check(self.engine in ROLLOUT_ENGINES, f"rollout.engine must be one of {ROLLOUT_ENGINES}, got {self.engine!r}",
                "rollout.engine")
         _check(self.num_workers >= 0, f"rollout.num_workers must be >= 0, got {self.num_workers}",

@@ -24,7 +24,7 @@ EXPECTED_FLAGS = [
     "--optimizer", "--params-dtype", "--pipeline-model-parallel-size", "--policy-loss", "--replay-rollouts",
     "--replay-shuffle-seed",
     "--reward-kind", "--reward-range", "--rl-algorithm", "--rl-mode", "--rollout-endpoint", "--rollout-engine",
-    "--rollout-workers", "--sandbox-timeout", "--save", "--save-interval", "--secret-file", "--seed", "--seq-length",
+    "--rollout-dir", "--rollout-launch", "--rollout-workers", "--sandbox-timeout", "--save", "--save-interval", "--secret-file", "--seed", "--seq-length",
     "--sft-warmup-steps", "--sgd-momentum", "--task", "--teacher-model", "--temperature",
     "--tensor-model-parallel-size", "--tensorboard-dir", "--tis-cap", "--top-k", "--top-p", "--train-iters",
     "--use-distributed-optimizer", "--verifier", "--weight-decay", "-h",

@@ -38,21 +38,33 @@ class RolloutFleet:
         self.key = load_secret(path=base_spec.secret_file)
         self.version = base_spec.start_step
         self.reward_floor = 0.0  # reward of a failed trajectory (the task's lowest reward)
-        self.receiver = EventReceiver(base_spec.endpoint, self.key, expected_version_fn=lambda: self.version)
+        self.receiver = EventReceiver(bind_address(base_spec.endpoint), self.key,
+                                      expected_version_fn=lambda: self.version)
         self.procs: list[subprocess.Popen] = []
         self.log_dir = log_dir or os.path.join(run_dir, "worker_logs")
         os.makedirs(self.log_dir, exist_ok=True)
+        self.spec_paths = self._write_specs(launch)
         if launch:
             self._launch()
 
-    def _launch(self) -> None:
+    def _write_specs(self, local: bool) -> list[str]:
+        """``run_dir/worker{w}.json`` for every worker (written atomically: external workers wait for them)."""
         import dataclasses
 
-        env = worker_env()
+        paths = []
         for w in range(self.spec.num_workers):
-            spec = dataclasses.replace(self.spec, worker_id=w, endpoint=self.receiver.endpoint)
+            # local workers connect to the address actually bound (a tcp port chosen by the OS is resolved)
+            endpoint = self.receiver.endpoint if local else self.spec.endpoint
+            spec = dataclasses.replace(self.spec, worker_id=w, endpoint=endpoint)
             path = os.path.join(self.run_dir, f"worker{w}.json")
-            spec.to_json(path)
+            spec.to_json(path + ".tmp")
+            os.replace(path + ".tmp", path)
+            paths.append(path)
+        return paths
+
+    def _launch(self) -> None:
+        env = worker_env()
+        for w, path in enumerate(self.spec_paths):
             out = open(os.path.join(self.log_dir, f"worker{w}.log"), "ab")
             self.procs.append(
                 subprocess.Popen([sys.executable, "-m", "megatron_tsync.runtime.worker", path], env=env,
@@ -180,6 +192,16 @@ def worker_env() -> dict:
         if k in _LAUNCHER_VARS or k.startswith("TORCHELASTIC_") or k.startswith("SLURM_PROCID"):
             env.pop(k)
     return env
+
+
+def bind_address(endpoint: str) -> str:
+    """What the learner binds for an endpoint workers connect to: ``tcp://HOST:PORT`` → ``tcp://*:PORT`` (workers on
+    other nodes connect to HOST); ipc:// and loopback addresses bind as given."""
+    if endpoint.startswith("tcp://"):
+        host, _, port = endpoint[len("tcp://"):].rpartition(":")
+        if host not in ("127.0.0.1", "localhost", "*", "0.0.0.0") and port:
+            return f"tcp://*:{port}"
+    return endpoint
 
 
 def make_run_secret(run_dir: str) -> str:

@@ -161,9 +161,12 @@ class Trainer:
         cfg = self.cfg
         if self.dims.rank != 0:  # rank 0 owns the rollout plane and broadcasts what lands (BroadcastSource)
             return None
-        run_dir = cfg.checkpoint.save or os.path.join("runs", "tsync")
-        run_dir = os.path.join(run_dir, "rollout_plane")
+        run_dir = cfg.rollout.run_dir or os.path.join(cfg.checkpoint.save or os.path.join("runs", "tsync"),
+                                                      "rollout_plane")
         os.makedirs(run_dir, exist_ok=True)
+        for name in os.listdir(run_dir):  # stale specs of a previous job must not start workers early
+            if name.startswith("worker") and name.endswith(".json"):
+                os.remove(os.path.join(run_dir, name))
         secret = cfg.rollout.secret_file or make_run_secret(run_dir)
         endpoint = cfg.rollout.endpoint or f"ipc://{os.path.abspath(run_dir)}/events.sock"
         spec = WorkerSpec(
@@ -178,7 +181,11 @@ class Trainer:
             max_staleness=cfg.rl.max_staleness if cfg.learner.mode == "async" else 0,
             stream_turns=cfg.rl.algorithm == "opd" and cfg.learner.mode == "stream-turn",
         )
-        fleet = RolloutFleet(spec, run_dir)
+        fleet = RolloutFleet(spec, run_dir, launch=cfg.rollout.launch == "local")
+        if cfg.rollout.launch == "external":
+            print(f"[tsync] waiting for {spec.num_workers} external rollout worker(s): run "
+                  f"`python -m megatron_tsync.runtime.worker {run_dir}/worker<w>.json` (w = 0..{spec.num_workers - 1})",
+                  flush=True)
         fleet.reward_floor = float(self.task.reward_spec.lo)
         return fleet
 

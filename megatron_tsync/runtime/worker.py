@@ -242,6 +242,13 @@ def main(argv=None) -> int:
     import torch
 
     torch.set_num_threads(1)
+    deadline = time.time() + float(os.environ.get("TSYNC_SPEC_WAIT", "1800"))
+    while not os.path.exists(argv[0]):  # started by srun beside the trainer: the trainer writes the spec
+        if time.time() > deadline:
+            print(f"worker spec {argv[0]} did not appear (is the trainer running with --rollout-launch external "
+                  f"and this --rollout-dir?)", file=sys.stderr)
+            return 2
+        time.sleep(1.0)
     spec = WorkerSpec.from_json(argv[0])
     RolloutWorker(spec).run()
     return 0

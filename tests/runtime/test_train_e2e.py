@@ -143,3 +143,25 @@ def test_live_rollouts_with_two_trainer_ranks(tiny_model, tmp_path):
     assert p.returncode == 0, p.stderr[-4000:]
     assert "summary: mode stream-trajectory, 2 steps" in p.stdout
     assert (tmp_path / "ck" / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+
+
+def test_external_rollout_workers(tiny_model, tmp_path):
+    """--rollout-launch external: the trainer only writes specs/secret/weights to --rollout-dir; a worker started
+    separately (as srun would on a rollout node) picks up its spec and serves the run."""
+    from tests.conftest import free_port
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", MASTER_PORT=str(free_port()))
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        env.pop(k, None)
+    rdir = tmp_path / "plane"
+    worker = subprocess.Popen([sys.executable, "-m", "megatron_tsync.runtime.worker", str(rdir / "worker0.json")],
+                              cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        out = _train(["--model", tiny_model, "--group-size", "2", "--global-batch-size", "4", "--rollout-workers", "1",
+                      "--rollout-launch", "external", "--rollout-dir", str(rdir), "--max-turns", "2",
+                      "--max-new-tokens", "16", "--seq-length", "128", "--train-iters", "2", "--no-progress"], tmp_path)
+        assert "waiting for 1 external rollout worker" in out and "summary: mode stream-trajectory, 2 steps" in out
+        assert worker.wait(timeout=120) == 0
+    finally:
+        if worker.poll() is None:
+            worker.kill()
