@@ -99,20 +99,13 @@ tsync_check_layout() {
       tsync_die "TSYNC_CPU=1 runs everything on one node: TRAINER_NODES=1 ROLLOUT_NODES=0 (got $TRAINER_NODES/$ROLLOUT_NODES)"
     fi
   fi
-  if [ "$ROLLOUT_NODES" -gt 0 ]; then
-    # The trainer starts its rollout workers itself, as its own subprocesses on its node; it cannot attach to
-    # workers launched on other nodes yet (see the header). Refuse rather than leave nodes idle.
-    tsync_die "ROLLOUT_NODES=$ROLLOUT_NODES: the trainer cannot attach to rollout workers on other nodes yet; use \
-ROLLOUT_NODES=0 (workers run as trainer subprocesses on the trainer's head node)"
+  if [ "$ROLLOUT_NODES" -gt 0 ] && [ "$REPLAY" = 1 ]; then
+    tsync_die "ROLLOUT_NODES=$ROLLOUT_NODES with --replay-rollouts: replaying needs no rollout nodes"
   fi
   [ $((TRAINER_NODES + ROLLOUT_NODES)) -le "$n" ] \
     || tsync_die "TRAINER_NODES=$TRAINER_NODES + ROLLOUT_NODES=$ROLLOUT_NODES > $n allocated nodes (sbatch --nodes)"
   local world=$((TRAINER_NODES * NPROC_PER_NODE))
   [ $((world % (TP * PP))) = 0 ] || tsync_die "trainer ranks $world (TRAINER_NODES × NPROC_PER_NODE) not divisible by TP×PP=$((TP * PP))"
-  if [ "$world" -gt 1 ] && [ "$REPLAY" = 0 ]; then
-    tsync_log "warning: $world trainer ranks with live rollouts: the trainer does not wire live rollouts to" \
-      "several ranks yet and will stop with NotImplementedError (use one rank, or --replay-rollouts)"
-  fi
 }
 
 # ------------------------------------------------------------------------------------------------ derived values
@@ -169,6 +162,10 @@ tsync_trainer_args() {
     --save "$SAVE" --save-interval "$SAVE_INTERVAL" --load "$LOAD"
     --tensorboard-dir "$TENSORBOARD_DIR" --no-progress)
   [ "$REPLAY" = 1 ] || ARGS+=(--rollout-workers "$ROLLOUT_WORKERS")  # replaying: no workers
+  if [ "$ROLLOUT_NODES" -gt 0 ]; then  # workers run as their own job step on the rollout nodes
+    ROLLOUT_DIR=$RUN_DIR/rollout_plane
+    ARGS+=(--rollout-launch external --rollout-dir "$ROLLOUT_DIR")
+  fi
   [ "$TSYNC_CPU" = 1 ] && ARGS+=(--init-tiny-model)
   [ "$RL_ALGORITHM" = opd ] && ARGS+=(--teacher-model "$TEACHER_MODEL")
   [ -n "${SEQ_LENGTH:-}" ] && ARGS+=(--seq-length "$SEQ_LENGTH")
@@ -237,6 +234,15 @@ tsync_main() {
     --ntasks-per-node=1 --kill-on-bad-exit=1 \
     bash "$TSYNC_HOME/slurm/launch_node.sh" trainer "$PY" "${ARGS[@]}" &
   local step_pid=$! rc=0
+  if [ "$ROLLOUT_NODES" -gt 0 ]; then
+    # one task per rollout worker, spread over the rollout nodes; each waits for its spec from the trainer
+    local rollout_nodelist
+    rollout_nodelist=$(IFS=,; echo "${NODES[*]:$TRAINER_NODES:$ROLLOUT_NODES}")
+    srun --overlap --nodes="$ROLLOUT_NODES" --nodelist="$rollout_nodelist" --ntasks="$ROLLOUT_WORKERS" \
+      bash -c "exec \"$PY\" -m megatron_tsync.runtime.worker \"$ROLLOUT_DIR/worker\${SLURM_PROCID}.json\"" \
+      > "$RUN_DIR/rollout_workers.log" 2>&1 &
+    tsync_log "rollout workers: $ROLLOUT_WORKERS task(s) on $rollout_nodelist (log $RUN_DIR/rollout_workers.log)"
+  fi
   # bash runs a trap only between commands: wait in short slices so a signal is handled at once
   while kill -0 "$step_pid" 2>/dev/null; do
     sleep "$FORWARD_EVERY" &

@@ -16,10 +16,9 @@
 # sbatch: the environment is exported, or set TSYNC_PYTHON).
 #
 # Limits of the trainer today (the script says so rather than pretend):
-#   * ROLLOUT_NODES > 0 is refused: the trainer cannot attach to rollout workers started on other nodes (it always
-#     launches them as its own subprocesses). Rollouts run on the trainer's head node, sharing its GPUs.
-#   * Live rollouts need a single trainer rank (TRAINER_NODES=1, GPUS_PER_NODE=1); with more ranks the trainer stops
-#     with NotImplementedError ("events reach rank 0 only"). Several ranks work with --replay-rollouts DIR.
+#   * ROLLOUT_NODES > 0: workers run as a second job step on the rollout nodes (--rollout-launch external, specs and
+#     weights in $SAVE/slurm-jobs/$JOBID/rollout_plane on the shared filesystem); untested across nodes here.
+#   * Several trainer ranks with live rollouts: global rank 0 owns the event receiver and broadcasts what lands.
 # TSYNC_CPU=1 (CPU mode): one node, no GPUs (CUDA hidden, gloo), one trainer process, tiny model created at MODEL if
 # missing, small defaults (4 steps, group 2, batch 4). Clusters without GPU GRES: add --gpus-per-node=0.
 #
