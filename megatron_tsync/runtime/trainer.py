@@ -80,6 +80,9 @@ class Trainer:
         from megatron_tsync.training.parallel import initialize_parallel
 
         self.cfg = cfg
+        if cfg.learner.num_minibatches > cfg.rl.groups_per_step:
+            raise ValueError(f"--num-minibatches {cfg.learner.num_minibatches} > {cfg.rl.groups_per_step} groups per "
+                             "step: minibatches are made of whole groups")
         p = cfg.parallel
         self.dims = initialize_parallel(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
                                         p.context_parallel_size, seed=cfg.rl.seed)

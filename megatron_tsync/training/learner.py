@@ -35,6 +35,8 @@ class LearnerConfig:
     max_open_groups: int | None = None
     max_bucket_vectors: int | None = None
     poll_timeout_s: float = 0.05
+    num_minibatches: int = 1  # optimizer steps per batch, minibatches fixed by group index (design note §5)
+    epochs: int = 1  # passes over the batch; epochs after the first are synchronous
 
 
 @dataclasses.dataclass
@@ -82,14 +84,12 @@ class Learner:
         msg = describe_config(lc.policy, self.cfg.reward_spec, kl_mode, lc.entropy_coef, aux_strategy=strategy)
         log.warning("streamability: %s", msg) if self.cfg.mode == "stream-trajectory" else log.info("%s", msg)
 
-    def train_step(self, source: ArrivalSource, group_sizes: dict[str, int], shape: BatchShape) -> StepResult:
-        self._describe_once()
+    def _planner(self, sizes: dict[str, int], mode: str, lc: LossConfig) -> StepPlanner:
         cfg = self.cfg
-        lc = cfg.loss
-        planner = StepPlanner(
+        return StepPlanner(
             self.estimator,
-            group_sizes,
-            mode=cfg.mode,
+            sizes,
+            mode=mode,
             reward_spec=cfg.reward_spec,
             loss_kind=lc.policy.kind,
             aux_strategy=cfg.aux_strategy if lc.has_aux else "none",
@@ -98,47 +98,85 @@ class Learner:
             ratio_known_before_backward=self.pp_size == 1,
             dp_rank=self.dp_rank,
         )
-        self.exec.begin_step(planner, BatchShape(shape.num_sequences, shape.max_len))
+
+    def train_step(self, source: ArrivalSource, group_sizes: dict[str, int], shape: BatchShape) -> StepResult:
+        """One batch: ``num_minibatches`` × ``epochs`` optimizer steps (design note §5).
+
+        Minibatch membership is fixed by group index (group i of the batch → minibatch i mod M), never by arrival
+        order. Minibatch 1 of epoch 1 streams at θ0 (ratio 1 with trainer log-probs); minibatch j streams after step
+        j − 1: its trajectories that already arrived run at once, later ones as they land, with the exact clip rule
+        and π_old = the engine's log-probs (π_θ0 up to engine numerics; a θ0 forward on arrival is not kept).
+        Later epochs are ordinary synchronous passes. Each minibatch has its own denominators (its sequences /
+        tokens). With M = E = 1 this is the single-step streaming update.
+        """
+        self._describe_once()
+        cfg = self.cfg
+        M, E = cfg.num_minibatches, cfg.epochs
+        gids = list(group_sizes)
+        if M < 1 or E < 1 or M > len(gids):  # (flags: --num-minibatches, --ppo-epochs)
+            raise ValueError(f"num_minibatches={M} / epochs={E}: need 1 ≤ minibatches ≤ groups ({len(gids)}), epochs ≥ 1")
+        mb_of = {g: i % M for i, g in enumerate(gids)}
+        expected = [sum(n for g, n in group_sizes.items() if mb_of[g] == j) for j in range(M)]
+        buffered: list[list[Sample]] = [[] for _ in range(M)]
+        seen: list[list[Sample]] = [[] for _ in range(M)]
+        self.exec.begin_step(None, BatchShape(shape.num_sequences, shape.max_len))
         self.pool.reset_peak()
         t_start = time.perf_counter()
-        n_traj = n_tok = 0
         last_arrival = t_start
-        expected = sum(group_sizes.values())
-        while not source.exhausted():
-            ready = source.poll(cfg.poll_timeout_s)
-            if ready:
-                last_arrival = time.perf_counter()
-            for s in ready:
-                self.exec.add_sample(s)
-                n_traj += 1
-                n_tok += s.num_action_tokens
-            items = planner.on_ready_batch(
-                [TrajMeta(s.traj_id, s.group_id, s.reward, s.num_action_tokens, s.dp_rank) for s in ready])
-            self.exec.run(items)
-            closes, held = planner.closable()
-            self.exec.run(held)
-            self.exec.close(closes)
-        if n_traj != expected:
-            raise RuntimeError(f"step ended with {n_traj} trajectories, expected {expected}")
-        closes, held = planner.finish()
-        if cfg.mode == "sync" and self.sync_order is not None:
-            rank = {tid: i for i, tid in enumerate(self.sync_order)}
-            held.sort(key=lambda it: rank[it.traj_id])
-        self.exec.run(held)
-        self.exec.close(closes)
-        if self.buckets.open_groups:
-            raise AssertionError(f"{self.buckets.open_groups} buckets still open at the barrier")
-        # ---- barrier
-        t_b = time.perf_counter()
-        self.last_divisor = barrier_divisor(lc.aggregation, n_tok)
-        finalize_and_scale(self.model, self.last_divisor)
-        if self.grad_hook is not None:
-            self.grad_hook(self.model)
-        ok, gnorm, _ = self.opt.step()
-        self.model.zero_grad_buffer()
-        self.opt.zero_grad()
+        n_tok_all = 0
+        stats: dict[str, int] = {}
+        barrier_busy, gnorm, ok = [], None, True
+        for e in range(E):
+            for j in range(M):
+                sizes = {g: group_sizes[g] for g in gids if mb_of[g] == j}
+                lc = cfg.loss if (e == 0 and j == 0) else dataclasses.replace(cfg.loss, old_logprobs="engine")
+                mode = cfg.mode if e == 0 else "sync"
+                planner = self._planner(sizes, mode, lc)
+                self.exec.begin_phase(planner, BatchShape(expected[j] if M > 1 else shape.num_sequences,
+                                                          shape.max_len), lc)
+                feed = seen[j] if e > 0 else buffered[j]
+                buffered[j] = []
+                while True:
+                    self._feed(planner, feed)
+                    if e > 0 or len(seen[j]) >= expected[j]:
+                        break
+                    if source.exhausted():
+                        raise RuntimeError(f"step ended with {sum(map(len, seen))} trajectories, expected "
+                                           f"{sum(expected)} (minibatch {j} has {len(seen[j])}/{expected[j]})")
+                    feed = []
+                    for s_ in source.poll(cfg.poll_timeout_s):
+                        last_arrival = time.perf_counter()
+                        self.exec.add_sample(s_)
+                        n_tok_all += s_.num_action_tokens
+                        k = mb_of.get(s_.group_id)
+                        if k is None:
+                            raise ValueError(f"trajectory {s_.traj_id} of group {s_.group_id!r}: not in this batch")
+                        seen[k].append(s_)
+                        (feed if k == j else buffered[k]).append(s_)
+                closes, held = planner.finish()
+                if mode == "sync" and self.sync_order is not None:
+                    rank = {tid: i for i, tid in enumerate(self.sync_order)}
+                    held.sort(key=lambda it: rank[it.traj_id])
+                self.exec.run(held)
+                self.exec.close(closes)
+                if self.buckets.open_groups:
+                    raise AssertionError(f"{self.buckets.open_groups} buckets still open at the barrier")
+                for k_, v in planner.stats.items():
+                    stats[k_] = stats.get(k_, 0) + v
+                # ---- barrier: one DP reduction, explicit denominator, clip, step
+                t_b = time.perf_counter()
+                n_tok = sum(s_.num_action_tokens for s_ in seen[j])
+                self.last_divisor = barrier_divisor(lc.aggregation, n_tok)
+                finalize_and_scale(self.model, self.last_divisor)
+                if self.grad_hook is not None:
+                    self.grad_hook(self.model)
+                ok_j, gnorm, _ = self.opt.step()
+                ok = ok and bool(ok_j)
+                self.model.zero_grad_buffer()
+                self.opt.zero_grad()
+                barrier_busy.append((t_b, time.perf_counter()))
         t_end = time.perf_counter()
-        busy = [(a - t_start, b - t_start) for a, b in self.exec.busy] + [(t_b - t_start, t_end - t_start)]
+        busy = [(a - t_start, b - t_start) for a, b in self.exec.busy + barrier_busy]
         busy_s = sum(b - a for a, b in busy)
         step_s = t_end - t_start
         la = last_arrival - t_start
@@ -147,18 +185,28 @@ class Learner:
             busy_s=busy_s,
             idle_frac=max(0.0, 1.0 - busy_s / step_s) if step_s > 0 else 0.0,
             grad_norm=None if gnorm is None else float(gnorm),
-            update_ok=bool(ok),
-            num_trajectories=n_traj,
-            num_action_tokens=n_tok,
+            update_ok=ok,
+            num_trajectories=sum(map(len, seen)),
+            num_action_tokens=n_tok_all,
             microbatches=self.exec.microbatches,
             loss_sum=sum(self.exec.losses),
             peak_bucket_vectors=self.pool.stats.peak_in_use,
             peak_bucket_bytes=self.pool.stats.peak_bytes,
-            planner_stats=dict(planner.stats),
+            planner_stats=stats,
             busy_intervals=busy,
             last_arrival_s=la,
             work_after_last_arrival_s=step_s - la,
         )
+
+    def _feed(self, planner: StepPlanner, samples: list[Sample]) -> None:
+        """Hand landed trajectories to the planner; run what it releases and what group closes release."""
+        if samples:
+            items = planner.on_ready_batch(
+                [TrajMeta(s.traj_id, s.group_id, s.reward, s.num_action_tokens, s.dp_rank) for s in samples])
+            self.exec.run(items)
+        closes, held = planner.closable()
+        self.exec.run(held)
+        self.exec.close(closes)
 
 
 def shape_for(samples: list[Sample]) -> tuple[dict[str, int], BatchShape]:

@@ -83,6 +83,10 @@ class StreamExecutor:
         self.losses.clear()
         self.microbatches = 0
 
+    def begin_phase(self, planner: StepPlanner, shape: BatchShape, loss_cfg: LossConfig) -> None:
+        """A new minibatch/epoch of the same step: new planner, denominators and loss config; samples are kept."""
+        self.planner, self.shape, self.cfg = planner, shape, loss_cfg
+
     def add_sample(self, s: Sample) -> None:
         self.samples[s.traj_id] = s
 
