@@ -14,6 +14,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import math
 import os
 import sys
 import time
@@ -201,11 +202,17 @@ class RolloutWorker:
         m = traj.metadata
         inst = m["inst"]
         text = self.codec.decode(traj.token_ids[traj.prompt_len :])
+        floor = float(self.task.reward_spec.lo)
         if traj.error:
-            reward, status, err = float(self.task.reward_spec.lo), "error", traj.error[:1000]
+            reward, status, err = floor, "error", traj.error[:1000]
         else:
-            score = await self.verifier.evaluate(text, inst.verifier_task())
-            reward, status, err = float(score.reward), "ok", ""
+            try:  # a failing verifier or a non-finite score must not lose the trajectory: it counts as an error
+                score = await self.verifier.evaluate(text, inst.verifier_task())
+                reward, status, err = float(score.reward), "ok", ""
+                if not math.isfinite(reward):
+                    reward, status, err = floor, "error", f"verifier returned a non-finite reward {score.reward!r}"
+            except Exception as e:
+                reward, status, err = floor, "error", f"verifier failed: {type(e).__name__}: {e}"[:1000]
         mask = np.asarray(traj.loss_mask, dtype=np.uint8)
         lp = np.asarray(traj.logprobs, dtype=np.float32) * mask
         ev = TrajectoryEvent(
