@@ -29,3 +29,14 @@ def megatron_single():
     from megatron_tsync.training.parallel import initialize_parallel
 
     return initialize_parallel(1, 1)
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    """A tiny HF Llama + local tokenizer shared by the rollout/runtime tests (made once per session)."""
+    from megatron_tsync.training.tiny_model import make_tiny_model
+
+    d = tmp_path_factory.getbasetemp() / "tiny_llama_rollout"
+    if not (d / "config.json").exists():
+        make_tiny_model(str(d), seed=0)
+    return str(d)

@@ -23,14 +23,6 @@ from megatron_tsync.rollout.agent_loop import (  # noqa: E402
 from megatron_tsync.rollout.engine import Completion, SamplingConfig  # noqa: E402
 
 
-@pytest.fixture(scope="session")
-def tiny_dir(tmp_path_factory):
-    from megatron_tsync.training.tiny_model import make_tiny_model
-
-    d = tmp_path_factory.getbasetemp() / "tiny_llama_rollout"
-    if not (d / "config.json").exists():
-        make_tiny_model(str(d), seed=0)
-    return str(d)
 
 
 @pytest.fixture(scope="module")
