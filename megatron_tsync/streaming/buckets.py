@@ -67,18 +67,12 @@ class BucketPool:
     1 + 2k / 1 + k minimum).
     """
 
-    def __init__(self, accumulator: GradVector, max_vectors: int | None = None):
+    def __init__(self, accumulator: GradVector):
         self.accumulator = accumulator
-        self.max_vectors = max_vectors
         self._free: list[GradVector] = []
         self.stats = BucketStats(bytes_per_vector=accumulator.nbytes())
 
-    def can_allocate(self, n: int = 1) -> bool:
-        return self.max_vectors is None or self.stats.in_use + n <= self.max_vectors
-
     def acquire(self, tag: str = "") -> GradVector:
-        if not self.can_allocate():
-            raise MemoryError(f"bucket pool exhausted ({self.max_vectors} vectors)")
         if self._free:
             v = self._free.pop().zero_()
         else:
@@ -132,7 +126,3 @@ class GradRouter:
 
     def route_to_accumulator(self) -> None:
         self.route(self.accumulator)
-
-    def forget(self, v: GradVector) -> None:
-        """Drop cached views of a vector that is being freed (views are rebuilt when it is reused)."""
-        self._views.pop(id(v), None)

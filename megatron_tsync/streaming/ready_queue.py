@@ -2,15 +2,13 @@
 
 A :class:`Sample` is one finished trajectory with its reward (tensors on CPU). An :class:`ArrivalSource`
 hands samples to the learner as they become ready; :class:`ListSource` replays a fixed arrival order (tests,
-``--replay-rollouts``), :class:`ReadyQueue` is a thread-safe queue fed by the transport.
+``--replay-rollouts``, the benchmark); the live trainer's sources are in ``runtime/fleet.py``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import queue
-import threading
 import time
 from typing import Iterable, Protocol
 
@@ -96,32 +94,3 @@ class ListSource:
 
     def exhausted(self) -> bool:
         return self.i >= len(self.samples)
-
-
-class ReadyQueue:
-    """Thread-safe arrival queue for a step of ``expected`` trajectories (fed by the transport thread)."""
-
-    def __init__(self, expected: int):
-        self.expected = expected
-        self.delivered = 0
-        self._q: queue.Queue[Sample] = queue.Queue()
-        self._lock = threading.Lock()
-
-    def put(self, s: Sample) -> None:
-        self._q.put(s)
-
-    def poll(self, timeout_s: float) -> list[Sample]:
-        out = []
-        try:
-            out.append(self._q.get(timeout=timeout_s) if timeout_s > 0 else self._q.get_nowait())
-            while True:
-                out.append(self._q.get_nowait())
-        except queue.Empty:
-            pass
-        with self._lock:
-            self.delivered += len(out)
-        return out
-
-    def exhausted(self) -> bool:
-        with self._lock:
-            return self.delivered >= self.expected

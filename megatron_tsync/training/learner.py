@@ -33,7 +33,6 @@ class LearnerConfig:
     reward_spec: RewardSpec = RewardSpec.binary()
     aux_strategy: str = "second-backward"  # how KL/entropy loss terms stream: "second-backward" | "defer"
     max_open_groups: int | None = None
-    max_bucket_vectors: int | None = None
     poll_timeout_s: float = 0.05
     num_minibatches: int = 1  # optimizer steps per batch, minibatches fixed by group index (design note §5)
     epochs: int = 1  # passes over the batch; epochs after the first are synchronous
@@ -67,9 +66,9 @@ class Learner:
         self.pp_size = pp_size
         self.estimator = get_advantage_estimator(cfg.estimator, eps=cfg.estimator_eps)
         self.router = GradRouter(ddp_model)
-        self.pool = BucketPool(self.router.accumulator, max_vectors=cfg.max_bucket_vectors)
+        self.pool = BucketPool(self.router.accumulator)
         self.buckets = GroupBuckets(self.router, self.pool)
-        self.exec = StreamExecutor(ddp_model, self.buckets, cfg.loss, pp_size=pp_size)
+        self.exec = StreamExecutor(ddp_model, self.buckets, cfg.loss)
         self._described = False
         self.grad_hook = None  # callable(ddp_model) run after normalisation, before clipping (--dump-grads)
         self.sync_order: list[str] | None = None  # sync mode: microbatch order (permutation control)

@@ -61,14 +61,13 @@ class BatchShape:
 class StreamExecutor:
     """Runs work items for one rank; owns nothing but the per-step bookkeeping of busy time."""
 
-    def __init__(self, ddp_model, buckets: GroupBuckets, loss_cfg: LossConfig, *, pp_size: int = 1):
+    def __init__(self, ddp_model, buckets: GroupBuckets, loss_cfg: LossConfig):
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         self.model = ddp_model
         self.buckets = buckets
         self.cfg = loss_cfg
         self.fb = get_forward_backward_func()
-        self.pp_size = pp_size
         self.samples: dict[str, Sample] = {}
         self.planner: StepPlanner | None = None
         self.shape: BatchShape | None = None
