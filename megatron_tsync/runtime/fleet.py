@@ -1,7 +1,8 @@
 """Learner side of the rollout plane: worker processes, the event receiver, the weight hand-off.
 
 :class:`RolloutFleet` starts the rollout workers as separate processes (or attaches to workers started by
-srun/torchrun beside the trainer), publishes the policy weights of each version, and turns verified
+srun/torchrun beside the trainer), publishes the policy weights of each version (signed files, or with
+``weight_sync == "broadcast"`` a broadcast to every worker from a group whose store it hosts), and turns verified
 ``TrajectoryEvent`` s into :class:`~megatron_tsync.streaming.ready_queue.Sample` s for the learner through
 :class:`TransportSource`. Events of any other policy version are rejected by the receiver and counted; a dead
 worker is a clear error naming the trajectories that will never arrive.
@@ -43,9 +44,25 @@ class RolloutFleet:
         self.procs: list[subprocess.Popen] = []
         self.log_dir = log_dir or os.path.join(run_dir, "worker_logs")
         os.makedirs(self.log_dir, exist_ok=True)
+        self.weight_publisher = self._start_weight_sync() if base_spec.weight_sync == "broadcast" else None
         self.spec_paths = self._write_specs(launch)
         if launch:
             self._launch()
+
+    def _start_weight_sync(self):
+        """Hosts the weight-sync store (rank 0 of 1 + num_workers) and records its address in the worker spec; the
+        group itself forms at the first publish, once every worker has joined."""
+        import dataclasses
+
+        from megatron_tsync.transport.weight_broadcast import BroadcastWeightPublisher, WeightSyncGroup
+
+        spec = self.spec
+        host, world = weight_sync_host(spec.endpoint), 1 + spec.num_workers
+        group = WeightSyncGroup.host(world, host=host, backend=spec.weight_sync_backend,
+                                     op_timeout_s=spec.weight_sync_timeout_s)
+        self.spec = dataclasses.replace(spec, weight_sync_addr=f"{host}:{group.port}", weight_sync_world_size=world)
+        return BroadcastWeightPublisher(group, self.key, bucket_bytes=spec.weight_sync_bucket_mb << 20,
+                                        poll_fn=self.check_alive, connect_timeout_s=spec.weight_timeout_s)
 
     def _write_specs(self, local: bool) -> list[str]:
         """``run_dir/worker{w}.json`` for every worker (written atomically: external workers wait for them)."""
@@ -74,7 +91,15 @@ class RolloutFleet:
     def publish(self, model_hf_state: dict[str, torch.Tensor], version: int) -> None:
         from megatron_tsync.transport import publish_weights
 
-        publish_weights(model_hf_state, self.spec.weights_dir, version, self.key)
+        if self.weight_publisher is None:
+            publish_weights(model_hf_state, self.spec.weights_dir, version, self.key)
+        else:
+            try:
+                self.weight_publisher.publish(model_hf_state, version)
+            except (RuntimeError, TimeoutError):
+                self.check_alive()  # a dead worker is the likely cause: name it, with its log
+                raise
+            log.info("weights v%d broadcast: %s", version, self.weight_publisher.last_stats)
         self.version = version
 
     def check_alive(self) -> None:
@@ -96,6 +121,8 @@ class RolloutFleet:
                 p.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 p.kill()
+        if self.weight_publisher is not None:
+            self.weight_publisher.close()
         self.receiver.close()
 
 
@@ -202,6 +229,17 @@ def bind_address(endpoint: str) -> str:
         if host not in ("127.0.0.1", "localhost", "*", "0.0.0.0") and port:
             return f"tcp://*:{port}"
     return endpoint
+
+
+def weight_sync_host(endpoint: str) -> str:
+    """The address workers reach the weight-sync store at: the host of a ``tcp://HOST:PORT`` event endpoint (this
+    node's name for a wildcard), else (ipc://: workers on this node) the loopback address."""
+    import socket
+
+    if endpoint.startswith("tcp://"):
+        host = endpoint[len("tcp://"):].rpartition(":")[0].strip("[]")
+        return socket.getfqdn() if host in ("*", "0.0.0.0", "") else host
+    return "127.0.0.1"
 
 
 def make_run_secret(run_dir: str) -> str:

@@ -1,9 +1,9 @@
 """A rollout worker process: engine + agent loop + sandboxed tools + verifier, streaming events to the learner.
 
-For every step ``k`` the worker waits for the learner's weights of version ``k`` (signed hand-off), loads them
-into its engine in place, rolls out its share of the step's groups (group ``g`` belongs to worker
-``g mod num_workers``), scores each trajectory the moment it finishes and sends a signed ``TrajectoryEvent``
-stamped with the policy version that produced it. Nothing waits for the group or the batch.
+For every step ``k`` the worker waits for the learner's weights of version ``k`` (signed hand-off: files, or a
+broadcast from the trainer's rank 0 with ``--weight-sync broadcast``), loads them into its engine in place, rolls
+out its share of the step's groups (group ``g`` belongs to worker ``g mod num_workers``), scores each trajectory the
+moment it finishes and sends a signed ``TrajectoryEvent`` stamped with the policy version that produced it. Nothing waits for the group or the batch.
 
 Run as ``python -m megatron_tsync.runtime.worker SPEC.json`` (the learner's fleet launcher does this, or srun).
 """
@@ -53,6 +53,14 @@ class WorkerSpec:
     teacher_model: str | None = None
     max_staleness: int = 0  # async mode: roll out step k with any weights of version ≥ k − max_staleness
     stream_turns: bool = False  # send a TurnEvent the moment each turn is complete (turn-level OPD)
+    # weight sync: "file" (weights_dir) or "broadcast" (transport/weight_broadcast.py: this worker is rank
+    # 1 + worker_id of a group whose store the trainer hosts at weight_sync_addr "HOST:PORT")
+    weight_sync: str = "file"
+    weight_sync_addr: str = ""
+    weight_sync_world_size: int = 0
+    weight_sync_backend: str = "gloo"  # "nccl": vLLM on GPUs (not run on a GPU yet)
+    weight_sync_bucket_mb: int = 256
+    weight_sync_timeout_s: float = 600.0  # bounds each collective and the trainer's wait for ready workers
 
     def to_json(self, path: str) -> None:
         with open(path, "w") as f:
@@ -91,6 +99,26 @@ def _make_engine(spec: WorkerSpec):
     return EmbeddedEngine.from_hf_dir(spec.model_dir)
 
 
+def _join_weight_sync(spec: WorkerSpec, engine, key: bytes):
+    """Joins the trainer's weight-sync group as rank ``1 + worker_id``. vLLM receives inside its own worker process
+    (worker extension; returns None); any other engine gets a subscriber here and loads CPU tensors."""
+    host, _, port = spec.weight_sync_addr.rpartition(":")
+    if not host or not port.isdigit() or spec.weight_sync_world_size < 2:
+        raise ValueError(f"worker {spec.worker_id}: weight_sync broadcast needs weight_sync_addr HOST:PORT and "
+                         f"weight_sync_world_size >= 2, got {spec.weight_sync_addr!r}, {spec.weight_sync_world_size}")
+    kw = dict(backend=spec.weight_sync_backend, connect_timeout_s=spec.weight_timeout_s,
+              op_timeout_s=spec.weight_sync_timeout_s)
+    rank = 1 + spec.worker_id
+    if hasattr(engine, "join_weight_broadcast"):
+        engine.join_weight_broadcast(host, int(port), rank, spec.weight_sync_world_size, secret_file=spec.secret_file,
+                                     **kw)
+        return None
+    from megatron_tsync.transport.weight_broadcast import BroadcastWeightSubscriber, WeightSyncGroup
+
+    group = WeightSyncGroup.join(host, int(port), rank, spec.weight_sync_world_size, **kw)
+    return BroadcastWeightSubscriber(group, key)
+
+
 def _delay_fn(spec: WorkerSpec, step_holder: list):
     if spec.latency_profile in ("none", "", None):
         return None
@@ -119,8 +147,9 @@ class RolloutWorker:
         self.spec = spec
         self.key = load_secret(path=spec.secret_file)
         self.sender = EventSender(spec.endpoint, self.key, f"worker{spec.worker_id}")
-        self.weights = WeightSubscriber(spec.weights_dir, self.key)
+        self.weights = WeightSubscriber(spec.weights_dir, self.key) if spec.weight_sync == "file" else None
         self.engine = _make_engine(spec)
+        self.broadcast = _join_weight_sync(spec, self.engine, self.key) if spec.weight_sync == "broadcast" else None
         tok = AutoTokenizer.from_pretrained(spec.model_dir)
         self.codec = TokenizerCodec(tok)
         self.task = get_task(spec.task, **spec.task_kwargs)
@@ -146,15 +175,31 @@ class RolloutWorker:
         spec = self.spec
         for step in range(spec.start_step, spec.train_iters):
             want = max(step - spec.max_staleness, 0)
-            version, state = self.weights.wait_for(want, timeout_s=spec.weight_timeout_s)
-            if not want <= version <= step:
-                raise RuntimeError(f"worker {spec.worker_id}: step {step} needs weights v{want}..v{step}, got v{version}")
-            if version != self.engine.policy_version or step == spec.start_step:
-                self.engine.update_weights(state, version)
+            if spec.weight_sync == "broadcast":
+                self._receive_broadcast(step)
+            else:
+                version, state = self.weights.wait_for(want, timeout_s=spec.weight_timeout_s)
+                if not want <= version <= step:
+                    raise RuntimeError(f"worker {spec.worker_id}: step {step} needs weights v{want}..v{step}, "
+                                       f"got v{version}")
+                if version != self.engine.policy_version or step == spec.start_step:
+                    self.engine.update_weights(state, version)
             self.step_holder[0] = step
             asyncio.run(self._run_step(step))
             self.sender.flush(timeout_s=600)
         self.sender.close(flush_timeout_s=60)
+
+    def _receive_broadcast(self, version: int) -> None:
+        """Exactly ``version`` (the config refuses async mode with broadcast); any other is rejected and counted by
+        the subscriber (an older one is skipped, a newer one raises)."""
+        t0 = time.perf_counter()
+        if self.broadcast is None:  # vLLM: received and loaded inside vLLM's worker
+            stats = self.engine.receive_weight_broadcast(version, timeout_s=self.spec.weight_timeout_s)
+        else:
+            v, state = self.broadcast.wait_for(version, timeout_s=self.spec.weight_timeout_s)
+            self.engine.update_weights(state, v)
+            stats = dict(self.broadcast.last_stats, rejected=dict(self.broadcast.rejected))
+        log.info("weights v%d by broadcast in %.3fs (%s)", version, time.perf_counter() - t0, stats)
 
     async def _run_step(self, step: int) -> None:
         spec = self.spec

@@ -4,6 +4,7 @@
 * ``codec``   — signed msgpack frames (HMAC-SHA256), typed rejections, replay guard;
 * ``channel`` — ZeroMQ ROUTER/DEALER channel with credit-based backpressure, acks and resend (at-least-once + dedup);
 * ``weights`` — signed safetensors weight hand-off through a directory (imported lazily: it pulls in torch);
+* ``weight_broadcast`` — the same hand-off as a collective broadcast, gloo on CPU / NCCL on GPU (lazy, torch);
 * ``secret``  — where the shared key comes from.
 
 Imports nothing from megatron or from the training / rollout packages.
@@ -37,14 +38,15 @@ from .schema import (
 )
 from .secret import SecretError, generate_secret, load_secret, write_secret_file
 
-_LAZY = {"publish_weights", "WeightSubscriber", "WeightPublisher", "FileWeightPublisher", "nccl_broadcast_weights"}
+_LAZY = {"publish_weights", "WeightSubscriber", "WeightPublisher", "FileWeightPublisher"}
+_LAZY_BROADCAST = {"BroadcastWeightPublisher", "BroadcastWeightSubscriber", "WeightSyncGroup", "WeightSyncError"}
 
 __all__ = [
     "BackpressureTimeout", "BadSignature", "CONTROL_KINDS", "ControlEvent", "DEFAULT_MAX_BYTES", "EventReceiver",
     "EventSender", "FrameHeader", "Malformed", "Oversize", "REJECT_REASONS", "Replayed", "ReplayGuard",
     "RewardEvent", "SchemaError", "SchemaLimits", "SecretError", "TrajectoryEvent", "TransportError", "TurnEvent",
     "Unsigned", "WrongVersion", "decode", "decode_frame", "encode", "generate_secret", "load_secret",
-    "write_secret_file", *sorted(_LAZY),
+    "write_secret_file", *sorted(_LAZY), *sorted(_LAZY_BROADCAST),
 ]
 
 
@@ -53,4 +55,8 @@ def __getattr__(name: str) -> Any:
         from . import weights
 
         return getattr(weights, name)
+    if name in _LAZY_BROADCAST:
+        from . import weight_broadcast
+
+        return getattr(weight_broadcast, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -15,8 +15,9 @@ safetensors — nothing unverified is ever parsed, and no pickle is involved.  A
 disagrees with its file name raises ``Malformed``.  A version deleted by garbage collection while being read is
 retried with the then-newest one.
 
-GPU path: the NCCL broadcast is not implemented here yet; :func:`nccl_broadcast_weights` is the named hook and
-:class:`WeightPublisher` the protocol both paths implement.
+The other path, a collective broadcast from the trainer's rank 0 to the engines (gloo on CPU, NCCL on GPU), is
+:mod:`megatron_tsync.transport.weight_broadcast` (``--weight-sync broadcast``); :class:`WeightPublisher` is the
+protocol both publishers implement.
 """
 
 from __future__ import annotations
@@ -37,8 +38,7 @@ import torch
 from .codec import check_key
 from .errors import BadSignature, Malformed
 
-__all__ = ["MANIFEST_FORMAT", "publish_weights", "WeightSubscriber", "WeightPublisher", "FileWeightPublisher",
-           "nccl_broadcast_weights"]
+__all__ = ["MANIFEST_FORMAT", "publish_weights", "WeightSubscriber", "WeightPublisher", "FileWeightPublisher"]
 
 MANIFEST_FORMAT = "megatron_tsync.weights/1"
 _MANIFEST_RE = re.compile(r"^manifest-v(\d{12})\.json$")
@@ -235,7 +235,8 @@ class WeightSubscriber:
 
 
 class WeightPublisher(Protocol):
-    """What the trainer calls after each optimizer step; the file path and (later) the NCCL path implement it."""
+    """What the trainer calls after each optimizer step: :class:`FileWeightPublisher` (files) and
+    :class:`~megatron_tsync.transport.weight_broadcast.BroadcastWeightPublisher` (gloo / NCCL broadcast)."""
 
     def publish(self, state_dict: dict[str, torch.Tensor], version: int) -> None: ...
 
@@ -249,10 +250,3 @@ class FileWeightPublisher:
     def publish(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         publish_weights(state_dict, self.directory, version, self._key, keep=self.keep)
 
-
-def nccl_broadcast_weights(state_dict: dict[str, torch.Tensor], version: int, *, group: Any = None,
-                           src: int = 0) -> None:
-    """HOOK (GPU path, not implemented): broadcast ``state_dict`` of ``version`` from the trainer rank ``src`` to the
-    engine ranks of ``group`` over NCCL, bucketed, followed by a signed version announcement on the event channel."""
-    raise NotImplementedError("NCCL weight broadcast is not implemented yet; on CPU use publish_weights / "
-                              "FileWeightPublisher")

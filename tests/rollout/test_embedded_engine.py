@@ -139,6 +139,56 @@ def test_logprobs_match_trainer_before_and_after_update(setup):
         assert d <= ATOL
 
 
+def test_update_by_broadcast_matches_file_update(setup, tmp_path):
+    """--weight-sync broadcast into the embedded engine (what a rollout worker does: receive CPU tensors over gloo,
+    then ``update_weights``): samples and log-probs are identical to those after the signed-file hand-off of the
+    same weights, and match the trainer's log-probs."""
+    import threading
+
+    from megatron_tsync.training.hf_conversion import megatron_to_hf
+    from megatron_tsync.transport.weight_broadcast import (
+        BroadcastWeightPublisher,
+        BroadcastWeightSubscriber,
+        WeightSyncGroup,
+    )
+    from megatron_tsync.transport.weights import WeightSubscriber, publish_weights
+
+    engine, trainer, state = setup
+    key = bytes(range(32))
+    g = torch.Generator().manual_seed(9)
+    prompts, cfg = prompts_of([3, 17, 9], seed=5), SamplingConfig(max_new_tokens=16, seed=2)
+    try:
+        with torch.no_grad():
+            for p in trainer.parameters():
+                p.add_(0.05 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+        new = megatron_to_hf(trainer)
+        publish_weights(new, tmp_path, 1, key)
+        engine.update_weights(*reversed(WeightSubscriber(tmp_path, key).wait_for(1, timeout_s=10)))
+        by_file = engine.generate(prompts, cfg, n=2)
+        engine.update_weights(state, 0)  # back to the old weights: the broadcast must bring the new ones
+
+        g0 = WeightSyncGroup.host(2, op_timeout_s=60)
+        pub = BroadcastWeightPublisher(g0, key, bucket_bytes=128 << 10)
+        sender = threading.Thread(target=pub.publish, args=(new, 2))
+        sender.start()
+        sub = BroadcastWeightSubscriber(WeightSyncGroup.join("127.0.0.1", g0.port, 1, 2, connect_timeout_s=60,
+                                                             op_timeout_s=60), key)
+        version, got = sub.wait_for(2, timeout_s=60)
+        sender.join(timeout=60)
+        engine.update_weights(got, version)
+        by_bcast = engine.generate(prompts, cfg, n=2)
+        assert engine.policy_version == 2 and sub.last_stats["buckets"] > 1 and not sub.rejected
+        assert [[(c.token_ids, c.logprobs) for c in cs] for cs in by_bcast] == \
+            [[(c.token_ids, c.logprobs) for c in cs] for cs in by_file]
+        d = max_diff(prompts, by_bcast, reference(trainer), 1.0)
+        print(f"\nbroadcast update: {sub.last_stats}, log-prob max |diff| vs trainer {d:.2e}")
+        assert d <= ATOL
+        pub.close()
+        sub.group.close()
+    finally:
+        restore(engine, trainer, state)
+
+
 def test_stops_on_tool_close_and_eos(setup, tiny_dir):
     """Greedy decode; then make `</tool>` (or EOS) the argmax at step 3 by swapping output rows: generation must
     end right there with the stop token kept and the right finish reason."""

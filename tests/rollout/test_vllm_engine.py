@@ -171,6 +171,62 @@ def test_update_from_handoff_file(engine, trainer, tmp_path):
     load_hf_into_model(model, state)
 
 
+def test_update_by_broadcast_through_worker_extension(engine, trainer, tmp_path):
+    """--weight-sync broadcast: the trainer side (rank 0, here a thread of this process, gloo) broadcasts a stale
+    version then the new weights; vLLM's worker extension receives them inside vLLM's worker (in-process executor:
+    this process), rejects and counts the stale one, reloads in place. Log-probs then match the new weights, and the
+    samples equal those after the same weights loaded from a dict."""
+    import threading
+
+    from megatron_tsync.training.hf_conversion import load_hf_into_model
+    from megatron_tsync.transport import write_secret_file
+    from megatron_tsync.transport.weight_broadcast import BroadcastWeightPublisher, WeightSyncGroup
+
+    model, _, state = trainer
+    key = write_secret_file(tmp_path / "secret.hex")
+    group = WeightSyncGroup.host(2, op_timeout_s=60)
+    pub = BroadcastWeightPublisher(group, key, bucket_bytes=256 << 10)  # ~8 buckets for the tiny model
+    v = engine.policy_version
+    new_state = perturbed(state, seed=7)
+    errors = []
+
+    def send():
+        try:
+            pub.publish(state, v)  # stale for an engine waiting for v + 1
+            pub.publish(new_state, v + 1)
+        except Exception as e:  # noqa: BLE001 - checked below
+            errors.append(e)
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    try:
+        engine.join_weight_broadcast("127.0.0.1", group.port, 1, 2, secret_file=str(tmp_path / "secret.hex"),
+                                     connect_timeout_s=60, op_timeout_s=60)
+        stats = engine.receive_weight_broadcast(v + 1, timeout_s=60)
+    finally:
+        sender.join(timeout=60)
+    assert not errors, errors
+    print(f"\nvLLM broadcast receive: {stats}")
+    assert stats["version"] == v + 1 and stats["rejected"] == {"wrong_version": 1} and stats["buckets"] > 1
+    assert engine.policy_version == v + 1
+    try:
+        load_hf_into_model(model, new_state)
+        prompts = prompts_of([4, 7, 11], seed=4)
+        cfg = SamplingConfig(max_new_tokens=12, seed=3)
+        by_bcast = engine.generate(prompts, cfg, n=2)
+        d = max_diff(prompts, by_bcast, reference(model), 1.0)
+        print(f"logprob max|vllm - megatron| after a broadcast update: {d:.2e}")
+        assert d <= ATOL
+        engine.update_weights(new_state, v + 2)
+        by_dict = engine.generate(prompts, cfg, n=2)
+        assert [[(c.token_ids, c.logprobs) for c in cs] for cs in by_bcast] == \
+            [[(c.token_ids, c.logprobs) for c in cs] for cs in by_dict]
+    finally:
+        engine.update_weights(state, v + 3)  # restore for the other tests
+        load_hf_into_model(model, state)
+        pub.close()
+
+
 def test_truncated_sampling_logprobs(engine, trainer):
     """top-k/top-p: sampling_logprobs are the truncated distribution's; logprobs (re-scored) the trainer's."""
     from megatron_tsync.rollout.embedded_engine import temperature_logprobs, truncate_logprobs

@@ -13,7 +13,6 @@ from megatron_tsync.transport import BadSignature, Malformed
 from megatron_tsync.transport.weights import (
     FileWeightPublisher,
     WeightSubscriber,
-    nccl_broadcast_weights,
     publish_weights,
 )
 
@@ -98,7 +97,3 @@ def test_wait_for_while_trainer_publishes(tmp_path) -> None:
     with pytest.raises(TimeoutError, match="version >= 4"):
         WeightSubscriber(tmp_path, KEY, poll_interval_s=0.01).wait_for(4, timeout_s=0.05)
 
-
-def test_nccl_hook_is_explicit() -> None:
-    with pytest.raises(NotImplementedError, match="NCCL"):
-        nccl_broadcast_weights({}, 1)
