@@ -7,7 +7,9 @@ a forward over its new tokens only and can run while the next turn is generated 
 
 Conventions (``streaming.ready_queue.Sample``): entry t of a (T,) log-prob array is log π_teacher(token t | tokens
 < t); entry 0 (no prediction) is 0. Teacher and student must share the tokenizer (same vocabulary size is checked).
-Single pipeline stage; any TP (vocab-parallel log-softmax).
+The teacher is one whole model on every rank whatever the learner's PP (every pipeline stage sees the same chunks
+and scores them; only the last stage uses the scores); any TP (vocab-parallel log-softmax). Full-vocabulary teacher
+logits (``session(keep_logits=True)``, for ``--opd-objective full-vocab``) are gathered over TP: (tokens, V).
 """
 
 from __future__ import annotations
@@ -33,13 +35,15 @@ class TeacherScorer:
 
     @classmethod
     def from_hf_dir(cls, path: str, precision=None, *, temperature: float = 1.0, seed: int = 0) -> "TeacherScorer":
-        """Build the teacher (this rank's TP shard) from a transformers folder. Parallel state must be initialised."""
+        """Build the teacher (this rank's TP shard, all layers) from a transformers folder. Parallel state must be
+        initialised; under PP every stage holds the whole teacher (no pipeline: it only runs forward, without grad)."""
         from megatron_tsync.training.hf_conversion import load_hf_dir, load_hf_into_model
         from megatron_tsync.training.model import build_model
 
         arch, state = load_hf_dir(path)
-        model = build_model(arch, precision, pre_process=True, post_process=True, seed=seed)
-        load_hf_into_model(model, state)
+        model = build_model(arch, precision, pre_process=True, post_process=True, seed=seed,
+                            pipeline_model_parallel_size=1)
+        load_hf_into_model(model, state, whole_model=True)
         for p in model.parameters():
             p.requires_grad_(False)
         return cls(model, temperature=temperature)

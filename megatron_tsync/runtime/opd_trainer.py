@@ -6,6 +6,9 @@ input is a stream of teacher-scored turns. The teacher is scored on the learner 
 in the trainer process keeps a KV cache per open trajectory and scores each turn's new tokens the moment the turn
 arrives (the workers send no teacher log-probs today). Turns arrive as ``TurnEvent`` s when the worker sends them;
 otherwise a finished ``TrajectoryEvent`` is split at its ``turn_spans`` (same gradient, no overlap with generation).
+``--opd-objective full-vocab``: the teacher also returns its full logits per predicted token (gathered over TP), which
+the learner keeps until that turn's forward has run. Under PP every stage holds the whole teacher and scores every
+chunk (the learner's last stage uses the scores; the first stage's copy is what ``--dump-rollouts`` records).
 Rewards are logged, not trained on. Per step: TensorBoard ``opd/reverse_kl`` (mean over action tokens of
 log π_student − log π_teacher on the sampled tokens, at the weights that produced them); at the end a summary line.
 """
@@ -27,10 +30,16 @@ log = logging.getLogger("megatron_tsync")
 
 
 class _TeacherChunks:
-    """Teacher-scores chunks as they pass (one ``TeacherSession`` per open trajectory); no-op without a teacher."""
+    """Teacher-scores chunks as they pass (one ``TeacherSession`` per open trajectory); no-op without a teacher.
 
-    def __init__(self, teacher):
-        self.teacher = teacher
+    ``full_vocab``: also the teacher's full logits of the chunk's predicted tokens (``TurnChunk.teacher_logits``,
+    (end − max(start, 1), V)) for ``--opd-objective full-vocab``.
+    """
+
+    def __init__(self, teacher, *, full_vocab: bool = False):
+        if full_vocab and teacher is None:
+            raise ValueError("--opd-objective full-vocab needs --teacher-model (full teacher logits)")
+        self.teacher, self.full_vocab = teacher, full_vocab
         self.sessions: dict = {}
         self.busy_s = 0.0
 
@@ -40,8 +49,11 @@ class _TeacherChunks:
                 raise ValueError(f"trajectory {c.traj_id}: no teacher log-probs and no --teacher-model")
             return c
         t = time.perf_counter()
-        sess = self.sessions.get(c.traj_id) or self.sessions.setdefault(c.traj_id, self.teacher.session())
-        c.teacher_logp, _ = sess.extend(c.token_ids, c.start)
+        sess = self.sessions.get(c.traj_id) or self.sessions.setdefault(
+            c.traj_id, self.teacher.session(keep_logits=self.full_vocab))
+        c.teacher_logp, logits = sess.extend(c.token_ids, c.start)
+        if self.full_vocab:
+            c.teacher_logits = logits  # (end − max(start, 1), V) float, on the CPU; None for an empty chunk
         if c.last:
             self.sessions.pop(c.traj_id, None)
         self.busy_s += time.perf_counter() - t
@@ -51,9 +63,9 @@ class _TeacherChunks:
 class OPDTransportSource(TransportSource):
     """Turn chunks of one step from the rollout plane: ``TurnEvent`` s as turns finish, the rest at the trajectory end."""
 
-    def __init__(self, fleet, step: int, max_seq_len: int, teacher: _TeacherChunks):
+    def __init__(self, fleet, step: int, max_seq_len: int, teacher: _TeacherChunks | None):
         super().__init__(fleet, step, max_seq_len)
-        self.teacher = teacher
+        self.teacher = teacher  # None: the chunks leave unscored (``_BroadcastChunks`` scores them on every rank)
         self.delivered: dict[str, TurnChunk] = {}
 
     def poll(self, timeout_s: float) -> list[TurnChunk]:
@@ -72,12 +84,9 @@ class OPDTransportSource(TransportSource):
             if now - self.last_event > self.stall_timeout_s:
                 raise TimeoutError(f"step {self.step}: no event for {self.stall_timeout_s:.0f}s; "
                                    f"{len(self.expected - self.seen)} trajectories missing")
-        out = [self.teacher.score(c) for c in out]
-        by_id = {s.traj_id: s for s in self.samples[-len(out):]} if out else {}
-        for c in out:  # keep what the learner saw on the Sample (for --dump-rollouts)
-            s = by_id.get(c.traj_id)
-            if c.last and s is not None and c.teacher_logp.shape == s.token_ids.shape:
-                s.teacher_logp = c.teacher_logp
+        if self.teacher is not None:
+            out = [self.teacher.score(c) for c in out]
+            _record_teacher(self.samples, out)
         return out
 
     def _turn(self, ev) -> list[TurnChunk]:
@@ -108,6 +117,50 @@ class OPDTransportSource(TransportSource):
         return chunks_from_sample(s, ends, start=start)
 
 
+def _record_teacher(samples, chunks: list[TurnChunk]) -> None:
+    """Keep what the learner saw on the finished trajectories' Samples (for --dump-rollouts)."""
+    by_id = {s.traj_id: s for s in samples}
+    for c in chunks:
+        s = by_id.get(c.traj_id)
+        if c.last and s is not None and c.teacher_logp is not None and c.teacher_logp.shape == s.token_ids.shape:
+            s.teacher_logp = c.teacher_logp
+
+
+class _BroadcastChunks:
+    """Several trainer ranks: global rank 0 owns the rollout plane; every poll it broadcasts the new (unscored)
+    chunks, the newly finished Samples and whether the step is complete; every rank then teacher-scores the chunks
+    with its own teacher (cheaper than sending full-vocab logits). All chunks of a trajectory go to data-parallel rank
+    ``i mod DP``, i = the trajectory's arrival index; under PP all stages of a pipeline thus see the same stream."""
+
+    def __init__(self, inner: OPDTransportSource | None, dp: int, scorer: _TeacherChunks):
+        self.inner, self.dp, self.scorer = inner, dp, scorer
+        self.samples: list = []
+        self.dp_of: dict[str, int] = {}
+        self._done = False
+
+    def poll(self, timeout_s: float) -> list[TurnChunk]:
+        import torch.distributed as dist
+
+        if dist.get_rank() == 0:
+            got = self.inner.poll(timeout_s)
+            obj = [got, self.inner.samples[len(self.samples):], self.inner.exhausted()]
+        else:
+            obj = [None, None, None]
+        dist.broadcast_object_list(obj, src=0)
+        got, new, self._done = obj
+        self.samples.extend(new)
+        for c in got:
+            c.dp_rank = self.dp_of.setdefault(c.traj_id, len(self.dp_of) % self.dp)
+        for s in new:
+            s.dp_rank = self.dp_of.get(s.traj_id, 0)
+        got = [self.scorer.score(c) for c in got]
+        _record_teacher(self.samples, got)
+        return got
+
+    def exhausted(self) -> bool:
+        return self._done
+
+
 class OPDTrainer(Trainer):
     def __init__(self, cfg):
         super().__init__(cfg)
@@ -115,8 +168,10 @@ class OPDTrainer(Trainer):
 
         lc = cfg.learner
         self.opd_learner = OPDLearner(
-            self.ddp, self.opt, OPDLearnerConfig(mode=lc.mode, loss=lc.loss, poll_timeout_s=lc.poll_timeout_s),
-            dp_rank=self.dims.dp_rank, pp_size=self.dims.pp, dp_group=self.dims.dp_group())
+            self.ddp, self.opt, OPDLearnerConfig(mode=lc.mode, loss=lc.loss, poll_timeout_s=lc.poll_timeout_s,
+                                                 objective=cfg.rl.opd_objective),
+            dp_rank=self.dims.dp_rank, pp_size=self.dims.pp, dp_group=self.dims.dp_group(),
+            pp_group=self.dims.pp_group())
         self.teacher = None
         if cfg.rollout.teacher_model:
             from megatron_tsync.rollout.teacher import TeacherScorer
@@ -133,14 +188,14 @@ class OPDTrainer(Trainer):
 
         cfg = self.cfg
         replay = cfg.logging.replay_rollouts
-        fleet = None if replay else self._fleet()
+        fleet = None if replay else self._fleet()  # rank 0 only
         try:
-            if fleet is not None:
-                self._publish(fleet, self.step)
+            if not replay:
+                self._publish(fleet, self.step)  # collective: every rank
             t_run, first = time.perf_counter(), self.step
             while self.step < cfg.rl.train_iters and not self.stop.stop:
                 k = self.step
-                scorer = _TeacherChunks(self.teacher)
+                scorer = _TeacherChunks(self.teacher, full_vocab=cfg.rl.opd_objective == "full-vocab")
                 source, samples_of = self._source(k, fleet, scorer)
                 n = cfg.rl.group_size * cfg.rl.groups_per_step
                 res = self.opd_learner.train_step(source, BatchShape(num_sequences=n, max_len=cfg.rl.seq_length))
@@ -150,7 +205,7 @@ class OPDTrainer(Trainer):
                     from megatron_tsync.runtime.rollout_io import dump_rollouts
 
                     dump_rollouts(cfg.logging.dump_rollouts, k, samples, sorted({s.group_id for s in samples}))
-                if fleet is not None and self.step < cfg.rl.train_iters:
+                if not replay and self.step < cfg.rl.train_iters:
                     self._publish(fleet, self.step)
                 self._log_opd(k, res, samples, fleet, scorer.busy_s, time.perf_counter() - t_run, self.step - first)
                 si = cfg.checkpoint.save_interval
@@ -168,8 +223,12 @@ class OPDTrainer(Trainer):
 
     def _source(self, k: int, fleet, scorer: _TeacherChunks):
         """(chunk source, () -> the step's Samples with teacher log-probs) for live rollouts or a replayed dump."""
-        if fleet is not None:
-            src = OPDTransportSource(fleet, k, self.cfg.rl.seq_length, scorer)
+        if not self.cfg.logging.replay_rollouts:
+            if self.dims.world_size == 1:
+                src = OPDTransportSource(fleet, k, self.cfg.rl.seq_length, scorer)
+            else:
+                inner = OPDTransportSource(fleet, k, self.cfg.rl.seq_length, None) if fleet is not None else None
+                src = _BroadcastChunks(inner, self.dims.dp, scorer)
             return src, lambda: src.samples
         from megatron_tsync.runtime.rollout_io import load_rollouts
         from megatron_tsync.training.opd_learner import ListChunkSource
@@ -178,7 +237,7 @@ class OPDTrainer(Trainer):
         chunks = []
         for i, s in enumerate(samples):
             s.dp_rank = i % self.dims.dp
-            chunks += [scorer.score(c) if s.teacher_logp is None else c
+            chunks += [scorer.score(c) if s.teacher_logp is None or scorer.full_vocab else c
                        for c in chunks_from_sample(s, s.meta.get("turn_ends"))]
         return ListChunkSource(chunks), lambda: samples
 
@@ -186,7 +245,7 @@ class OPDTrainer(Trainer):
         rewards = [s.reward for s in samples]
         hi = self.task.reward_spec.hi
         row = {
-            "step": k, "reverse_kl": res.reverse_kl, "reward": sum(rewards) / max(len(rewards), 1),
+            "step": k, "reverse_kl": res.reverse_kl, "full_vocab_kl": res.full_vocab_kl, "reward": sum(rewards) / max(len(rewards), 1),
             "success_rate": sum(r >= hi for r in rewards) / max(len(rewards), 1), "loss": res.loss_sum,
             "grad_norm": res.grad_norm, "step_time_s": res.step_s, "idle_frac": res.idle_frac,
             "tail_after_last_arrival_s": res.tail_s, "teacher_s": teacher_s, "mode": res.mode,
@@ -195,7 +254,8 @@ class OPDTrainer(Trainer):
         }
         self.history.append(row)
         if self.tb is not None:
-            for key, tag in {"reverse_kl": "opd/reverse_kl", "reward": "rollout/reward", "loss": "train/loss",
+            for key, tag in {"reverse_kl": "opd/reverse_kl", "full_vocab_kl": "opd/full_vocab_kl",
+                             "reward": "rollout/reward", "loss": "train/loss",
                              "grad_norm": "train/grad_norm", "step_time_s": "perf/step_time_s",
                              "tail_after_last_arrival_s": "perf/tail_s", "teacher_s": "opd/teacher_s",
                              "graph_peak_bytes": "opd/graph_peak_bytes"}.items():

@@ -217,16 +217,19 @@ def _layer_offset(model) -> int:
     return int(layers[0].layer_number) - 1 if len(layers) else 0
 
 
-def load_hf_into_model(model, hf_state: dict[str, torch.Tensor]) -> None:
+def load_hf_into_model(model, hf_state: dict[str, torch.Tensor], *, whole_model: bool = False) -> None:
     """Copy a full transformers state dict into this rank's (possibly DDP-wrapped) ``GPTModel`` stage.
 
     Uses the current megatron parallel state for the TP/PP coordinates and ``model.arch`` for the layout.
     Every parameter of the stage must be covered. Call it before building the optimizer: mixed-precision
-    optimizers keep fp32 master copies that would not see the new values.
+    optimizers keep fp32 master copies that would not see the new values. ``whole_model``: the model holds every
+    layer whatever the PP size (built with ``pipeline_model_parallel_size=1``, e.g. the OPD teacher); TP still applies.
     """
     m = unwrap(model)
     arch: ModelArch = m.arch
     tp_rank, tp_size, pp_rank, pp_size = _parallel_coords()
+    if whole_model:
+        pp_rank, pp_size = 0, 1
     local = hf_to_megatron(
         hf_state, arch, tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size,
         layer_offset=_layer_offset(m), num_local_layers=len(m.decoder.layers),

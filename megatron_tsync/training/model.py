@@ -162,7 +162,7 @@ def build_model(
 
     precision = precision or PrecisionConfig()
     tp = ps.get_tensor_model_parallel_world_size()
-    pp = ps.get_pipeline_model_parallel_world_size()
+    pp = config_overrides.get("pipeline_model_parallel_size", ps.get_pipeline_model_parallel_world_size())
     if arch.vocab_size % tp != 0:
         raise ValueError(f"vocab size {arch.vocab_size} must be divisible by TP={tp} (vocab-parallel embedding)")
     if arch.num_layers % pp != 0:

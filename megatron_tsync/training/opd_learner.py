@@ -14,21 +14,30 @@ come from ``algorithms.aggregation`` (ν_i before backward, divisor once at the 
   graph; one backward at the end of the trajectory gives exactly the batch gradient. ``head_first=True`` also runs
   the LM-head backward (final norm + output layer + loss) per chunk and the body backward once at the end (exact too;
   the chunk's logits are freed right away). Cutting the graph at turn boundaries would NOT be exact (the control in
-  ``tests/training/test_opd_exactness.py``).
+  ``tests/training/test_opd_exactness.py``). With PP > 1 every stage runs its layers' incremental forward per chunk
+  (one p2p of the chunk's hidden states (s, 1, h) per stage boundary) and keeps its own graph; at the trajectory's
+  end the last stage's backward sends its received inputs' gradients down, one message per stage boundary, and each
+  stage backprops all its chunk outputs at once (``training.opd_pipeline``). ``head_first`` works under PP too (the
+  head is on the last stage).
 
 Every gradient lands in megatron DDP's grad buffers (``main_grad``); the barrier is the GRPO learner's
 (``finalize_and_scale`` + optimizer step).
 
 Deviations / limits:
 
-* ``stream-turn`` needs one pipeline stage. With PP > 1 it falls back to ``stream-trajectory`` (logged): the
-  incremental forward would need a p2p exchange per chunk with graphs kept on every stage.
+* ``stream-turn`` under PP needs the pipeline group (``OPDLearner(pp_group=...)``) to address its neighbours;
+  with PP > 1 and no group it falls back to ``stream-trajectory`` (logged, ``OPDStepResult.mode`` says so). Virtual
+  pipeline (interleaved model chunks) is not supported by this learner in any mode (it takes one model chunk).
+* Under PP the per-chunk p2p is blocking and in chunk order, so a stage waits for the previous one per chunk (no
+  overlap of stages within a chunk: the tokens of one turn are one microbatch). Stages > 0 need every chunk of a
+  trajectory, so all ranks of a pipeline must see the same chunk stream (they do: same source on every rank).
 * The incremental forward re-implements the layer wiring (norm → qkv → RoPE → attention → proj → residual → norm →
   MLP → residual) from megatron's own submodules; attention itself is plain torch (rectangular causal mask over the
   cached keys). Exactness against megatron's full forward is what the tests check.
 * ``seq-mean-token-mean`` needs T_i before the backward: fine for one backward at the end, refused with ``head_first``.
 * Memory: every exact streaming scheme keeps the trajectory's activations alive through its tool calls; counted as
-  ``peak_graph_bytes`` (tensors saved for backward, parameters excluded, deduplicated by storage).
+  ``peak_graph_bytes`` (tensors saved for backward, parameters excluded, deduplicated by storage; under PP per
+  stage, this rank's own layers plus the chunk outputs it keeps for the pipeline backward).
 """
 
 from __future__ import annotations
@@ -48,6 +57,7 @@ from megatron_tsync.algorithms.opd import opd_loss
 from megatron_tsync.algorithms.policy_loss import PolicyLossConfig
 from megatron_tsync.streaming.ready_queue import Sample
 from megatron_tsync.training.logprobs import _AllReduceSum, _tp_group_and_size, vocab_parallel_logprobs
+from megatron_tsync.training.opd_pipeline import StageGraph, StageLink, stage_backward, stage_forward
 from megatron_tsync.training.optimizer import finalize_and_scale
 from megatron_tsync.training.stream_fb import BatchShape, LossConfig
 
@@ -86,7 +96,8 @@ class TurnChunk:
 
     token_ids / loss_mask / teacher_logp / behaviour_logp: (end,) with the ``Sample`` conventions (entry t is about
     token t; t = 0 has no prediction). teacher_logits: (end − max(start, 1), V) full-vocabulary teacher logits that
-    predict tokens [max(start, 1), end), or None. ``last``: the trajectory ends with this chunk (it may add no tokens).
+    predict tokens [max(start, 1), end), or None (stream-turn sets it to None once the chunk's forward ran).
+    ``last``: the trajectory ends with this chunk (it may add no tokens).
     """
 
     traj_id: str
@@ -167,33 +178,40 @@ class ListChunkSource:
 
 # ---------------------------------------------------------------------------------------------------- forward
 class IncrementalGPT:
-    """Forward of a single-stage megatron ``GPTModel`` over a growing sequence (batch 1).
+    """Forward of one pipeline stage of a megatron ``GPTModel`` over a growing sequence (batch 1).
 
-    ``extend(ids_new, start)`` runs the decoder on the new tokens only, attending to the K/V of all earlier tokens,
-    which are kept as ordinary autograd tensors (no in-place cache): under grad the chunks share one graph, under
-    ``torch.no_grad`` it is a plain KV-cached scorer (the teacher). Returns the decoder output before the final norm,
-    (s, 1, h); ``head(h)`` applies final norm + output layer: (s, 1, h) -> (1, s, V/tp).
+    ``extend(ids_new, start)`` runs this stage's layers on the new tokens only, attending to the K/V of all earlier
+    tokens, which are kept as ordinary autograd tensors (no in-place cache): under grad the chunks share one graph,
+    under ``torch.no_grad`` it is a plain KV-cached scorer (the teacher). The first stage embeds ``ids_new``; a later
+    stage takes the previous stage's output for the same tokens as ``hidden`` (s, 1, h). Returns the stage's output
+    before the final norm, (s, 1, h); on the last stage ``head(h)`` applies final norm + output layer:
+    (s, 1, h) -> (1, s, V/tp). The p2p between stages is ``training.opd_pipeline``'s.
     """
 
-    def __init__(self, model):
+    def __init__(self, model, *, whole: bool = True):
         from megatron_tsync.training.model import unwrap
 
         self.m = unwrap(model)
-        if not (self.m.pre_process and self.m.post_process):
-            raise ValueError("IncrementalGPT needs the whole model on one pipeline stage (PP = 1)")
+        if whole and not (self.m.pre_process and self.m.post_process):
+            raise ValueError("IncrementalGPT(whole=True) needs the whole model on one pipeline stage (PP = 1)")
         self.kv: list[tuple[torch.Tensor, torch.Tensor]] = []  # per layer: (sk, 1, ng, hn) each
         self.length = 0
 
-    def extend(self, ids_new: torch.Tensor, start: int) -> torch.Tensor:
+    def extend(self, ids_new: torch.Tensor, start: int, hidden: torch.Tensor | None = None) -> torch.Tensor:
         from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 
         if start != self.length:
             raise ValueError(f"chunk starts at {start}, but {self.length} tokens were seen")
         m, s = self.m, int(ids_new.shape[0])
         dev = next(m.parameters()).device
-        ids = ids_new.to(dev).unsqueeze(0)  # (1, s)
-        pos = torch.arange(start, start + s, device=dev).unsqueeze(0)  # (1, s)
-        x = m.embedding(input_ids=ids, position_ids=pos)  # (s, 1, h)
+        if m.pre_process:
+            ids = ids_new.to(dev).unsqueeze(0)  # (1, s)
+            pos = torch.arange(start, start + s, device=dev).unsqueeze(0)  # (1, s)
+            x = m.embedding(input_ids=ids, position_ids=pos)  # (s, 1, h)
+        elif hidden is None or hidden.shape[0] != s:
+            raise ValueError(f"a later pipeline stage needs the previous stage's output for the {s} new tokens")
+        else:
+            x = hidden  # (s, 1, h)
         freqs = m.rotary_pos_emb(start + s)[start:]  # (s, 1, 1, d)
         qi = torch.arange(start, start + s, device=dev).unsqueeze(1)
         masked = (torch.arange(start + s, device=dev).unsqueeze(0) > qi).view(1, s, start + s)  # (1, s, sk)
@@ -297,7 +315,7 @@ class SavedBytes:
 # ---------------------------------------------------------------------------------------------------- learner
 @dataclasses.dataclass
 class OPDStepResult:
-    mode: str  # the mode actually run (stream-turn falls back to stream-trajectory under PP)
+    mode: str  # the mode actually run (stream-turn falls back to stream-trajectory under PP without a pp_group)
     step_s: float
     busy_s: float
     idle_frac: float
@@ -311,9 +329,10 @@ class OPDStepResult:
     full_vocab_kl: float | None
     last_arrival_s: float
     tail_s: float  # work after the last chunk arrived, barrier included
-    peak_graph_bytes: int  # activations kept alive at once (stream-turn: all open trajectories together)
+    peak_graph_bytes: int  # activations kept alive at once on this rank (stream-turn: all open trajectories)
     max_traj_graph_bytes: int
     busy_intervals: list
+    p2p_messages: int = 0  # stream-turn under PP: per-chunk p2p messages this stage sent/received (0: no PP path)
 
 
 @dataclasses.dataclass
@@ -322,6 +341,7 @@ class _Traj:
     end: int = 0
     n_act: int = 0
     inc: IncrementalGPT | None = None
+    stage: StageGraph | None = None  # PP: received inputs / sent outputs per chunk (opd_pipeline)
     terms: list = dataclasses.field(default_factory=list)  # per-chunk loss sums (graph kept) | head-first bodies
     last_h: torch.Tensor | None = None
     mem: SavedBytes | None = None
@@ -331,16 +351,22 @@ class OPDLearner:
     """One optimizer step per ``train_step``; mirrors ``training.learner.Learner`` (schedule / DDP buffer / barrier)."""
 
     def __init__(self, ddp_model, optimizer, cfg: OPDLearnerConfig, *, dp_rank: int = 0, pp_size: int = 1,
-                 dp_group=None):
+                 dp_group=None, pp_group=None):
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         self.model, self.opt, self.cfg = ddp_model, optimizer, cfg
+        if pp_group is not None:
+            pp_size = dist.get_world_size(pp_group)
         self.dp_rank, self.pp_size, self.dp_group = dp_rank, pp_size, dp_group
         self.mode = cfg.mode
+        self.link: StageLink | None = None  # stream-turn under PP: this stage's p2p (opd_pipeline)
         if cfg.mode == "stream-turn" and pp_size > 1:
-            log.warning("stream-turn needs one pipeline stage (the incremental forward keeps each chunk's graph on "
-                        "one stage); PP=%d: falling back to stream-trajectory", pp_size)
-            self.mode = "stream-trajectory"
+            if pp_group is None:
+                log.warning("stream-turn with PP=%d needs the pipeline group (OPDLearner(pp_group=...)) for its "
+                            "per-chunk p2p; none given: falling back to stream-trajectory", pp_size)
+                self.mode = "stream-trajectory"
+            else:
+                self.link = StageLink(pp_group)
         self.fb = get_forward_backward_func()
         self.grad_hook = None  # callable(ddp_model) after normalisation, before clipping
         self.sync_order: list[str] | None = None  # sync mode: microbatch order (permutation control)
@@ -354,6 +380,7 @@ class OPDLearner:
         self._busy: list[tuple[float, float]] = []
         self._open_bytes = self._peak_bytes = self._max_traj_bytes = 0
         self._full_kl_seen = False
+        msgs0 = self.link.messages if self.link is not None else 0
         pending: list[_Traj] = []
         n_chunks = 0
         t0 = last = time.perf_counter()
@@ -409,6 +436,7 @@ class OPDLearner:
             full_vocab_kl=float(stats[3]) / ntok_seen if self._full_kl_seen else None,
             last_arrival_s=last - t0, tail_s=t_end - last, peak_graph_bytes=self._peak_bytes,
             max_traj_graph_bytes=self._max_traj_bytes, busy_intervals=busy,
+            p2p_messages=(self.link.messages - msgs0) if self.link is not None else 0,
         )
 
     def _accept(self, c: TurnChunk) -> _Traj:
@@ -501,32 +529,52 @@ class OPDLearner:
     # ------------------------------------------------------------------ stream-turn (incremental forward)
     def _turn_forward(self, tr: _Traj, c: TurnChunk) -> None:
         if tr.inc is None:
-            tr.inc, tr.mem = IncrementalGPT(self.model), SavedBytes(self.model.parameters())
-        before = tr.mem.bytes
+            tr.inc, tr.mem = IncrementalGPT(self.model, whole=self.link is None), SavedBytes(self.model.parameters())
+            tr.stage = StageGraph()
+        before = tr.mem.bytes + tr.stage.output_bytes
         if c.end > c.start:
             with tr.mem():
-                h = tr.inc.extend(c.token_ids[c.start : c.end], c.start)  # (s, 1, hid)
-            body = h
-            if self.cfg.head_first:
-                h = h.detach().requires_grad_()
-                tr.terms.append((body, h))
-            # head positions [lo − 1, end − 1) predict tokens [lo, end)
-            hin = h[:-1] if tr.last_h is None else torch.cat([tr.last_h, h[:-1]])
-            tr.last_h = h[-1:]
-            if hin.shape[0] > 0:
-                head_mem = SavedBytes(self.model.parameters()) if self.cfg.head_first else tr.mem
-                with head_mem():  # head-first: freed by the head backward below, not counted as kept
-                    term = self._terms(tr.inc.head(hin), c, c.lo, c.end, c.teacher_logits)
-                if self.cfg.head_first:
-                    head = self._nu(0) * term  # ν_i does not depend on T_i here (config check)
-                    self._stats[0] += float(head.detach())
-                    head.backward()  # LM head → main_grad now; the body's gradient waits in h.grad
-                else:
-                    tr.terms.append(term)
-        self._open_bytes += tr.mem.bytes - before
+                if self.link is None:
+                    h = tr.inc.extend(c.token_ids[c.start : c.end], c.start)  # (s, 1, hid)
+                else:  # PP: receive from the previous stage, run this stage's layers, send on
+                    h = stage_forward(tr.inc, self.link, tr.stage, c.token_ids[c.start : c.end], c.start)
+            if self.link is None or self.link.is_last:
+                self._turn_head(tr, c, h)
+        c.teacher_logits = None  # (tokens, V): used by the head above, or never needed on this stage
+        self._open_bytes += tr.mem.bytes + tr.stage.output_bytes - before
         self._peak_bytes = max(self._peak_bytes, self._open_bytes)
 
+    def _turn_head(self, tr: _Traj, c: TurnChunk, h: torch.Tensor) -> None:
+        """Last stage: the chunk's loss terms (kept in the graph), or with head_first the head backward now."""
+        body = h
+        if self.cfg.head_first:
+            h = h.detach().requires_grad_()
+            tr.terms.append((body, h))
+        # head positions [lo − 1, end − 1) predict tokens [lo, end)
+        hin = h[:-1] if tr.last_h is None else torch.cat([tr.last_h, h[:-1]])
+        tr.last_h = h[-1:]
+        if hin.shape[0] > 0:
+            head_mem = SavedBytes(self.model.parameters()) if self.cfg.head_first else tr.mem
+            with head_mem():  # head-first: freed by the head backward below, not counted as kept
+                term = self._terms(tr.inc.head(hin), c, c.lo, c.end, c.teacher_logits)
+            if self.cfg.head_first:
+                head = self._nu(0) * term  # ν_i does not depend on T_i here (config check)
+                self._stats[0] += float(head.detach())
+                head.backward()  # LM head → main_grad now; the body's gradient waits in h.grad
+            else:
+                tr.terms.append(term)
+
     def _turn_backward(self, tr: _Traj) -> None:
+        kept = (tr.mem.bytes if tr.mem is not None else 0) + (tr.stage.output_bytes if tr.stage is not None else 0)
+        if self.link is None or self.link.is_last:
+            self._turn_loss_backward(tr)
+        if self.link is not None:  # PP: the gradients of each stage's received inputs go down, stage by stage
+            stage_backward(self.link, tr.stage)
+        self._max_traj_bytes = max(self._max_traj_bytes, kept)
+        self._open_bytes -= kept
+        tr.inc = tr.terms = tr.last_h = tr.stage = None  # frees the graph's remains
+
+    def _turn_loss_backward(self, tr: _Traj) -> None:
         if self.cfg.head_first:
             pairs = [(b, h.grad) for b, h in tr.terms if h.grad is not None]
             if pairs:
@@ -536,10 +584,6 @@ class OPDLearner:
             self._stats[0] += float(total.detach())
             if total.requires_grad:
                 total.backward()
-        kept = tr.mem.bytes if tr.mem is not None else 0
-        self._max_traj_bytes = max(self._max_traj_bytes, kept)
-        self._open_bytes -= kept
-        tr.inc = tr.terms = tr.last_h = None  # frees the graph's remains
 
 
 def _device() -> torch.device:

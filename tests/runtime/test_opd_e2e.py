@@ -52,3 +52,31 @@ def test_opd_stream_turn_reverse_kl_falls(tmp_path):
     ea = EventAccumulator(glob.glob(str(tb / "events*"))[0])
     ea.Reload()
     assert len(ea.Scalars("opd/reverse_kl")) == 8
+
+
+@pytest.mark.slow
+def test_opd_full_vocab_stream_turn_pp2_matches_one_process(tmp_path):
+    """``--opd-objective full-vocab --rl-mode stream-turn``, live rollouts: one process and PP=2 (torchrun, gloo: rank 0
+    owns the rollout plane and broadcasts the chunks, each stage runs its layers per turn) train the same first step."""
+    from tests.conftest import free_port
+
+    root = tmp_path / "models"
+    _run([os.path.join(ROOT, "examples", "opd", "make_models.py"), str(root), "--teacher-steps", "30",
+          "--student-steps", "5"], tmp_path)
+    flags = ["megatron_tsync.train", "--rl-algorithm", "opd", "--teacher-model", str(root / "teacher"), "--model",
+             str(root / "student"), "--rl-mode", "stream-turn", "--opd-objective", "full-vocab", "--group-size", "2",
+             "--global-batch-size", "4", "--rollout-workers", "1", "--max-turns", "3", "--max-new-tokens", "16",
+             "--seq-length", "128", "--lr", "1e-3", "--train-iters", "2", "--no-progress"]
+    hist = {}
+    for name, launch in (("pp1", ["-m"]), ("pp2", ["-m", "torch.distributed.run", "--nproc_per_node=2",
+                                                   f"--master_port={free_port()}", "-m"])):
+        tb = tmp_path / f"tb_{name}"
+        extra = ["--pipeline-model-parallel-size", "2"] if name == "pp2" else []
+        out = _run([*launch, *flags, *extra, "--tensorboard-dir", str(tb)], tmp_path)
+        assert "opd summary: mode stream-turn, 2 steps" in out, out
+        hist[name] = json.loads((tb / "history.json").read_text())
+    a, b = hist["pp1"][0], hist["pp2"][0]  # same θ0, same rollouts
+    assert a["full_vocab_kl"] is not None and a["chunks"] == b["chunks"]
+    for key in ("reverse_kl", "full_vocab_kl", "grad_norm", "loss"):
+        assert abs(a[key] - b[key]) <= 1e-5 * abs(a[key]), (key, a[key], b[key])
+    assert all(h["mode"] == "stream-turn" for h in hist["pp1"] + hist["pp2"])

@@ -3,8 +3,10 @@
 float64, multi-turn trajectories with tool-output tokens (loss_mask 0) between turns, turns of different trajectories
 interleaved: the gradient after the barrier of ``stream-turn`` (incremental forward, graph kept, one backward per
 trajectory), ``stream-turn`` with ``head_first`` and ``stream-trajectory`` equals the batch (``sync``) gradient to
-≤ 1e-12 relative; the control that detaches the prefix at each turn is off by ≫ 1e-12. One process, then TP=2 and
-PP=2 under torchrun (PP: stream-turn falls back to stream-trajectory, which must say so and stay exact).
+≤ 1e-12 relative; the control that detaches the prefix at each turn is off by ≫ 1e-12. One process, then TP=2,
+PP=2 and TP=2 × PP=2 under torchrun. Under PP, stream-turn runs the per-chunk p2p path (``training.opd_pipeline``) on
+every rank (no fallback: the mode that ran and the p2p message count are checked per rank), and each rank's own
+gradient shard is exact, not only the whole.
 """
 
 import os
@@ -36,11 +38,13 @@ def _check(report, *, pp=1):
         for mode in ("stream-trajectory", "stream-turn", "stream-turn-head-first"):
             if mode in row:
                 assert row[mode]["rel"] <= EXACT, (case, mode, row[mode])
-        if pp > 1:
-            assert row["stream-turn"]["ran"] == "stream-trajectory", row
-        else:
-            assert row["stream-turn"]["ran"] == "stream-turn", row
-            assert row["cut"]["rel"] > 1e-3, (case, row["cut"])  # the control: not exact, so the test can fail
+                assert max(row[mode]["rel_this_rank"]) <= EXACT, (case, mode, row[mode])
+        for mode in ("stream-turn", "stream-turn-head-first", "cut"):
+            if mode in row:
+                assert set(row[mode]["ran"]) == {"stream-turn"}, (case, mode, row[mode])  # no fallback, any rank
+                msgs = row[mode]["p2p_messages"]
+                assert (min(msgs) > 0) if pp > 1 else (max(msgs) == 0), (case, mode, msgs)  # the PP path ran
+        assert row["cut"]["rel"] > 1e-3, (case, row["cut"])  # the control: not exact, so the test can fail
 
 
 def test_stream_turn_exact_single_process(megatron_single):
@@ -83,8 +87,21 @@ def test_timeline_model_orders_tails():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+@pytest.mark.parametrize("layout", ["tp2", "pp2", "tp2pp2"])
 def test_stream_turn_exact_parallel(layout, tmp_path):
-    args = {"tp2": ["--tp", "2"], "pp2": ["--pp", "2"]}[layout]
-    rep = torchrun(WORKER, [*args, "--out", str(tmp_path / "r.json")], out_json=str(tmp_path / "r.json"))
-    _check(rep, pp=2 if layout == "pp2" else 1)
+    tp, pp = {"tp2": (2, 1), "pp2": (1, 2), "tp2pp2": (2, 2)}[layout]
+    rep = torchrun(WORKER, ["--tp", str(tp), "--pp", str(pp), "--out", str(tmp_path / "r.json")], nproc=tp * pp,
+                   out_json=str(tmp_path / "r.json"))
+    _check(rep, pp=pp)
+    if pp > 1:  # the kept activations of each stage (stream-turn keeps all open trajectories' graphs)
+        peak = rep["token-mean"]["stream-turn"]["peak_graph_bytes"]
+        assert all(b > 0 for b in peak), peak
+
+
+def test_pp_stream_turn_without_group_falls_back(megatron_single, caplog):
+    """The one remaining fallback: PP > 1 but no pipeline group to address the neighbour stages."""
+    from megatron_tsync.training.opd_learner import OPDLearner
+
+    with caplog.at_level("WARNING"):
+        L = OPDLearner(None, None, OPDLearnerConfig(mode="stream-turn"), pp_size=2)
+    assert L.mode == "stream-trajectory" and L.link is None and "pp_group" in caplog.text

@@ -1,12 +1,13 @@
-"""OPD exactness cases, shared by tests/training/test_opd_exactness.py (one process) and torchrun (TP=2 / PP=2).
+"""OPD exactness cases, shared by tests/training/test_opd_exactness.py (one process) and torchrun (TP=2, PP=2, both).
 
 Float64 gradients after the barrier (finalize + explicit divisor) of the same batch of multi-turn trajectories
 (prompt, turns, tool-output tokens with loss_mask 0 between them), per learner mode, compared with ``sync`` (each
 trajectory one microbatch of megatron's schedule = the batch OPD gradient). ``cut`` is the control that detaches
-the prefix K/V at every turn boundary (per-turn backward): it must NOT match.
+the prefix K/V at every turn boundary (per-turn backward; under PP on every stage): it must NOT match.
 
-As a script: ``python -m torch.distributed.run --nproc_per_node=2 opd_worker.py --tp 2 --out R.json`` (or --pp 2);
-rank 0 writes {case: {mode: relative error}}.
+As a script: ``python -m torch.distributed.run --nproc_per_node=2 opd_worker.py --tp 2 --out R.json`` (or --pp 2;
+4 processes for --tp 2 --pp 2); rank 0 writes {case: {mode: {"rel": whole-model relative error, and per-rank lists
+"ran", "rel_this_rank", "peak_graph_bytes", "p2p_messages"}}}.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from megatron_tsync.training.opd_learner import (  # noqa: E402
     OPDLearnerConfig,
     chunks_from_sample,
 )
+from megatron_tsync.training.opd_pipeline import stage_backward  # noqa: E402
 from megatron_tsync.training.optimizer import OptimConfig, build_optimizer, wrap_ddp  # noqa: E402
 from megatron_tsync.training.stream_fb import BatchShape, LossConfig  # noqa: E402
 
@@ -96,18 +98,23 @@ def grads(mode: str, case: dict, samples, ends, dims, *, head_first=False, seed=
     ddp = wrap_ddp(model)
     opt = build_optimizer(ddp, OptimConfig(optimizer="sgd", lr=0.0, clip_grad=0))
     cfg = OPDLearnerConfig(mode=mode if mode != "cut" else "stream-turn", head_first=head_first, **case)
-    L = OPDLearner(ddp, opt, cfg, dp_rank=dims.dp_rank if dims else 0, pp_size=dims.pp if dims else 1)
+    L = OPDLearner(ddp, opt, cfg, dp_rank=dims.dp_rank if dims else 0, pp_size=dims.pp if dims else 1,
+                   pp_group=dims.pp_group() if dims else None)
     got = {}
     L.grad_hook = lambda d: got.setdefault("g", torch.cat([b.grad_data.clone() for b in d.buffers]))
     if mode == "cut":
         _cut_turns(L)
     shape = BatchShape(num_sequences=len(samples), max_len=max(s.token_ids.shape[0] for s in samples))
     res = L.train_step(ListChunkSource(all_chunks(samples, ends, seed)), shape)
+    assert mode == "cut" or L._open_bytes == 0, L._open_bytes  # every kept graph was counted out again
     return got["g"], res
 
 
 def _cut_turns(L: OPDLearner) -> None:
-    """The inexact control: backward each turn at once and detach the prefix K/V (the gradient is cut at turns)."""
+    """The inexact control: backward each turn at once and detach the prefix K/V (the gradient is cut at turns).
+
+    Under PP every stage detaches its own K/V, and the turn's backward runs down the pipeline right away.
+    """
     fwd = L._turn_forward
 
     def cut_forward(tr, c):
@@ -115,8 +122,11 @@ def _cut_turns(L: OPDLearner) -> None:
         if tr.terms:
             (L._nu(tr.n_act if c.last else 0) * torch.stack(tr.terms).sum()).backward()
             tr.terms = []
+        if L.link is not None:
+            stage_backward(L.link, tr.stage)
         tr.inc.kv = [(k.detach(), v.detach()) for k, v in tr.inc.kv]
-        tr.last_h = tr.last_h.detach()
+        if tr.last_h is not None:
+            tr.last_h = tr.last_h.detach()
 
     L._turn_forward = cut_forward
 
@@ -139,9 +149,20 @@ def run_cases(dims, modes=("stream-trajectory", "stream-turn", "stream-turn-head
             if hf and case["loss"].aggregation == "seq-mean-token-mean":
                 continue
             g, res = grads(m.replace("-head-first", ""), case, S, E, dims, head_first=hf, seed=11 + ci)
-            row[m] = {"rel": rel(g, ref, dims), "ran": res.mode, "peak_graph_bytes": res.peak_graph_bytes}
+            row[m] = {"rel": rel(g, ref, dims), **_per_rank(ran=res.mode, rel_this_rank=rel(g, ref),
+                                                             peak_graph_bytes=res.peak_graph_bytes,
+                                                             p2p_messages=res.p2p_messages)}
         report[name] = row
     return report
+
+
+def _per_rank(**kw) -> dict:
+    """{key: [value of rank 0, rank 1, ...]} (one process: [value])."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return {k: [v] for k, v in kw.items()}
+    allv = [None] * dist.get_world_size()
+    dist.all_gather_object(allv, kw)
+    return {k: [a[k] for a in allv] for k in kw}
 
 
 def main():
@@ -154,9 +175,7 @@ def main():
 
     torch.set_num_threads(1)
     dims = initialize_parallel(a.tp, a.pp)
-    modes = ("stream-trajectory", "stream-turn", "stream-turn-head-first", "cut") if a.pp == 1 else \
-        ("stream-trajectory", "stream-turn")
-    report = run_cases(dims, modes)
+    report = run_cases(dims)
     if dims.rank == 0:
         with open(a.out, "w") as f:
             json.dump(report, f, indent=1)
