@@ -91,7 +91,19 @@ def register_task(name: str) -> Callable[[Callable[..., Task]], Callable[..., Ta
 
 
 def get_task(name: str, **kwargs: Any) -> Task:
-    """A new instance of the task registered as `name` (kwargs go to its constructor: difficulty, verifier ...)."""
+    """A new instance of the task registered as `name` (kwargs go to its constructor: difficulty, verifier ...).
+
+    ``"some.module:task-name"`` first imports ``some.module`` (which registers its tasks with :func:`register_task`),
+    then looks up ``task-name``: how recipes outside the package (``examples/``) bring their own tasks, in the trainer
+    and in every rollout worker alike (the module must be importable there: run from the repository root).
+    """
+    if name not in _REGISTRY and ":" in name:
+        import importlib
+
+        module, _, key = name.partition(":")
+        importlib.import_module(module)
+        if key in _REGISTRY:
+            return _REGISTRY[key](**kwargs)
     try:
         factory = _REGISTRY[name]
     except KeyError:

@@ -268,3 +268,48 @@ def dist_checkpointing_load(sharded_state_dict, directory: str):
     from megatron.core import dist_checkpointing
 
     return dist_checkpointing.load(sharded_state_dict, directory)
+
+
+def install_per_token_rope(gpt_model) -> bool:
+    """Let the executor give RoPE explicit per-token positions (sequence packing on the local layer spec).
+
+    megatron-core 0.16's ``RotaryEmbedding`` ignores ``position_ids``: ``GPTModel`` asks it for the frequencies of
+    positions 0..S-1 of the whole (packed) sequence. For a packed microbatch each segment must restart at 0. This
+    wraps the model's rotary module once: while ``rope_positions(gpt_model, pos)`` is active it returns the rows
+    ``emb[pos]`` ((S, 1, 1, D), bitwise the rows an unpacked sequence gets); otherwise it is the original. The
+    Transformer Engine path does not need it (THD ``PackedSeqParams`` restart RoPE per segment). Returns False when
+    the model has no rotary module on this stage.
+    """
+    rope = getattr(gpt_model, "rotary_pos_emb", None)
+    if rope is None:
+        return False
+    if getattr(rope, "_tsync_positions", "absent") != "absent":
+        return True  # already installed
+    original = rope.forward
+    rope._tsync_positions = None
+
+    def forward(max_seq_len, offset=0, packed_seq=False, cp_group=None):
+        pos = rope._tsync_positions
+        if pos is None:
+            return original(max_seq_len, offset, packed_seq, cp_group)
+        if int(max_seq_len) != pos.numel():
+            raise RuntimeError(f"per-token RoPE: sequence length {max_seq_len} != {pos.numel()} positions")
+        emb = original(int(pos.max()) + 1, offset, packed_seq, cp_group)  # (P, 1, 1, D)
+        return emb[pos.to(emb.device)]  # (S, 1, 1, D)
+
+    rope.forward = forward
+    return True
+
+
+@contextlib.contextmanager
+def rope_positions(gpt_model, positions: torch.Tensor | None):
+    """Within the block, RoPE of ``gpt_model`` uses ``positions`` ((S,) long) when installed (see above)."""
+    rope = getattr(gpt_model, "rotary_pos_emb", None)
+    if rope is None or positions is None or not hasattr(rope, "_tsync_positions"):
+        yield
+        return
+    rope._tsync_positions = positions
+    try:
+        yield
+    finally:
+        rope._tsync_positions = None

@@ -2,7 +2,10 @@
 
 Each :class:`~megatron_tsync.streaming.planner.WorkItem` is one microbatch (one trajectory, micro-batch size 1)
 of ``get_forward_backward_func()`` — no pipelining on one stage, 1F1B with variable sequence lengths under
-pipeline parallelism. Every PP stage and TP rank runs the same items in the same order.
+pipeline parallelism. Every PP stage and TP rank runs the same items in the same order. With sequence packing
+(``max_packed_tokens``) items that share their gradient destination (``training.packing.share_key``) are
+concatenated into one microbatch: block-diagonal causal attention (a T×T mask on the local spec, THD
+``PackedSeqParams`` on Transformer Engine), positions restarting per segment, one loss term per segment.
 
 Where a microbatch's gradient lands is decided at *backward time*: ``forward_step`` registers a pre-hook on
 its output's ``grad_fn``, which fires on every stage right before that microbatch's backward reaches the
@@ -31,7 +34,12 @@ from megatron_tsync.algorithms.policy_loss import PolicyLossConfig, policy_loss,
 from megatron_tsync.streaming.accumulator import GroupBuckets
 from megatron_tsync.streaming.planner import Dest, StepPlanner, TrajMeta, WorkItem
 from megatron_tsync.streaming.ready_queue import Sample
+from megatron_tsync.training import compat
 from megatron_tsync.training.logprobs import vocab_parallel_entropy, vocab_parallel_logprobs
+from megatron_tsync.training.model import unwrap
+from megatron_tsync.training.packing import layout_for, plan_microbatches, uses_te_attention
+
+THETA0_LOGP = "theta0_logp"  # Sample.meta key: (T-1,) trainer log-probs of tokens 1..T-1 at θ0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +52,7 @@ class LossConfig:
     entropy_coef: float = 0.0
     temperature: float = 1.0
     old_logprobs: str = "trainer"  # "trainer": π_old = π_θ0 (ratio 1 at the first minibatch) | "engine"
+    # (internal) "theta0": π_θ0 log-probs the learner kept in ``Sample.meta[THETA0_LOGP]`` (minibatches ≥ 2, epochs ≥ 2)
 
     @property
     def has_aux(self) -> bool:
@@ -61,19 +70,30 @@ class BatchShape:
 class StreamExecutor:
     """Runs work items for one rank; owns nothing but the per-step bookkeeping of busy time."""
 
-    def __init__(self, ddp_model, buckets: GroupBuckets, loss_cfg: LossConfig):
+    def __init__(self, ddp_model, buckets: GroupBuckets, loss_cfg: LossConfig, *, max_packed_tokens: int | None = None):
+        """``max_packed_tokens``: pack items that share a gradient destination into microbatches of at most this many
+        tokens (``training.packing``); None = one trajectory per microbatch."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         self.model = ddp_model
         self.buckets = buckets
         self.cfg = loss_cfg
         self.fb = get_forward_backward_func()
+        self.max_packed_tokens = max_packed_tokens
+        gpt = unwrap(ddp_model)
+        self._gpt = gpt
+        self._thd = bool(max_packed_tokens) and uses_te_attention(gpt)
+        self._align = 16 if self._thd and getattr(gpt.config, "fp8", None) else 1  # FP8 GEMMs want T % 16 == 0
+        if max_packed_tokens and not self._thd:
+            compat.install_per_token_rope(gpt)
         self.samples: dict[str, Sample] = {}
         self.planner: StepPlanner | None = None
         self.shape: BatchShape | None = None
         self.busy: list[tuple[float, float]] = []  # (start, end) perf_counter of each schedule call
         self.losses: list[float] = []
         self.microbatches = 0
+        self.packed_items = 0  # items that shared a microbatch with others
+        self.keep_theta0 = False  # store π_θ0 of each forward at θ0 in Sample.meta[THETA0_LOGP]
 
     def begin_step(self, planner: StepPlanner, shape: BatchShape) -> None:
         self.planner, self.shape = planner, shape
@@ -81,6 +101,7 @@ class StreamExecutor:
         self.busy.clear()
         self.losses.clear()
         self.microbatches = 0
+        self.packed_items = 0
 
     def begin_phase(self, planner: StepPlanner, shape: BatchShape, loss_cfg: LossConfig) -> None:
         """A new minibatch/epoch of the same step: new planner, denominators and loss config; samples are kept."""
@@ -94,19 +115,26 @@ class StreamExecutor:
         if not items:
             return
         t0 = time.perf_counter()
-        seq = max(self.samples[it.traj_id].token_ids.shape[0] for it in items)
+        packs = plan_microbatches(items, lambda it: self.samples[it.traj_id].token_ids.shape[0],
+                                  self.max_packed_tokens)
+        seq = max(self._pack_tokens(p) for p in packs)
         self.fb(
             forward_step_func=self._forward_step,
-            data_iterator=iter(items),
+            data_iterator=iter(packs),
             model=[self.model],
-            num_microbatches=len(items),
+            num_microbatches=len(packs),
             seq_length=seq,
             micro_batch_size=1,
             forward_only=False,
         )
         self.buckets.route_accumulator()
-        self.microbatches += len(items)
+        self.microbatches += len(packs)
+        self.packed_items += sum(len(p) for p in packs if len(p) > 1)
         self.busy.append((t0, time.perf_counter()))
+
+    def _pack_tokens(self, pack: list[WorkItem]) -> int:
+        n = sum(self.samples[it.traj_id].token_ids.shape[0] for it in pack)
+        return n if len(pack) == 1 else n + (-n) % self._align
 
     def close(self, closes) -> None:
         t0 = time.perf_counter()
@@ -116,18 +144,34 @@ class StreamExecutor:
             self.busy.append((t0, time.perf_counter()))
 
     def _forward_step(self, data_iterator, model):
-        item: WorkItem = next(data_iterator)
-        s = self.samples[item.traj_id]
-        ids = s.token_ids.to(_device()).unsqueeze(0)  # (1, T)
-        pos = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)
-        out = model(ids, pos, None)  # last stage: (1, T, V/tp) logits; other stages: hidden states
-        state = {"deferred": False}
+        pack: list[WorkItem] = next(data_iterator)
+        samples = [self.samples[it.traj_id] for it in pack]
+        states = [{"deferred": False} for _ in pack]
+        dev = _device()
+        if len(pack) == 1:  # one trajectory: plain causal attention, as without packing
+            ids = samples[0].token_ids.to(dev).unsqueeze(0)  # (1, T)
+            pos = torch.arange(ids.shape[1], device=dev).unsqueeze(0)
+            out = model(ids, pos, None)  # last stage: (1, T, V/tp) logits; other stages: hidden states
+            layout = None
+        else:
+            layout = layout_for([s.token_ids.shape[0] for s in samples], align=self._align)
+            parts = [s.token_ids for s in samples] + ([torch.zeros(layout.pad, dtype=torch.long)] if layout.pad else [])
+            ids = torch.cat(parts).to(dev).unsqueeze(0)  # (1, T) all segments (+ padding)
+            pos = layout.position_ids(dev)  # (T,) restarting per segment
+            if self._thd:
+                out = model(ids, pos.unsqueeze(0), None, packed_seq_params=layout.packed_seq_params(dev))
+            else:
+                with compat.rope_positions(self._gpt, pos):
+                    out = model(ids, pos.unsqueeze(0), layout.block_causal_mask(dev))
         if out.grad_fn is not None:
-            out.grad_fn.register_prehook(functools.partial(self._before_backward, item, state))
-        return out, functools.partial(self._loss, item, s, state)
+            out.grad_fn.register_prehook(functools.partial(self._before_backward, pack[0], states))
+        return out, functools.partial(self._loss, pack, samples, states, layout)
 
-    def _before_backward(self, item: WorkItem, state: dict, grad_outputs):
-        if item.dest is Dest.BUCKET and item.policy and not state["deferred"]:
+    def _before_backward(self, item: WorkItem, states: list[dict], grad_outputs):
+        """Route the microbatch's gradient. Items of one microbatch share the destination (``packing.share_key``):
+        an accumulator pack, or bucket items of one group with one reward. A bucket pack whose items all deferred
+        contributes zero and enters no bucket (as an unpacked deferred item)."""
+        if item.dest is Dest.BUCKET and item.policy and not all(st["deferred"] for st in states):
             alpha = self.planner.alpha_known(self.planner.groups[item.group_id].size)
             self.buckets.enter(item.group_id, item.reward, alpha)
         else:
@@ -135,7 +179,22 @@ class StreamExecutor:
         return None
 
     # ------------------------------------------------------------------ loss
-    def _loss(self, item: WorkItem, s: Sample, state: dict, logits: torch.Tensor):
+    def _loss(self, pack: list[WorkItem], samples: list[Sample], states: list[dict], layout, logits: torch.Tensor):
+        """Sum of the segments' loss terms; logits (1, T, V/tp) of the whole (packed) microbatch."""
+        if layout is None:
+            total, n_act = self._segment_loss(pack[0], samples[0], states[0], logits)
+        else:
+            total, n_act = logits.new_zeros(()), 0
+            for it, s, st, (a, b) in zip(pack, samples, states, layout.segments()):
+                term, n = self._segment_loss(it, s, st, logits[:, a:b])  # (1, T_k, V/tp): this segment only
+                total, n_act = total + term, n_act + n
+        if not total.requires_grad:  # every term deferred: keep the graph alive, contribute exactly zero
+            total = total + 0.0 * logits.sum()
+        report = total.detach().clone()
+        return total, torch.tensor(n_act, dtype=torch.int), {"loss": report}
+
+    def _segment_loss(self, item: WorkItem, s: Sample, state: dict, logits: torch.Tensor):
+        """One trajectory's loss term from its own logits (1, T_i, V/tp); returns (term, action tokens)."""
         cfg = self.cfg
         ids = s.token_ids.to(logits.device).unsqueeze(0)
         logp = vocab_parallel_logprobs(logits[:, :-1], ids[:, 1:], temperature=cfg.temperature)  # (1, T-1)
@@ -149,8 +208,15 @@ class StreamExecutor:
             if beh is None:
                 raise ValueError(f"trajectory {s.traj_id}: --old-logprobs engine needs behaviour log-probs")
             old = beh
+        elif cfg.old_logprobs == "theta0":  # π_θ0 kept by the learner (minibatches ≥ 2, later epochs; §5)
+            old = s.meta.get(THETA0_LOGP)
+            if old is None:
+                raise AssertionError(f"trajectory {s.traj_id}: no θ0 log-probs were kept for it")
+            old = old.to(logp).unsqueeze(0)
         else:
             old = logp.detach()
+            if self.keep_theta0:  # this forward runs at θ0: keep π_θ0 for later minibatches / epochs
+                s.meta[THETA0_LOGP] = old[0].clone()
         total = logits.new_zeros(())
         if item.policy:
             if item.advantage is not None:
@@ -174,11 +240,8 @@ class StreamExecutor:
             if cfg.entropy_coef != 0.0:
                 ent = vocab_parallel_entropy(logits[:, :-1], temperature=cfg.temperature)  # (1, T-1)
                 total = total - nu * cfg.entropy_coef * (ent * w).sum()
-        if not total.requires_grad:  # deferred: keep the graph alive, contribute exactly zero
-            total = total + 0.0 * logits.sum()
-        report = total.detach().clone()
-        self.losses.append(float(report))
-        return total, torch.tensor(n_act, dtype=torch.int), {"loss": report}
+        self.losses.append(float(total.detach()))
+        return total, n_act
 
 
 def _meta(s: Sample) -> TrajMeta:

@@ -25,5 +25,6 @@ def test_gpu_smoke_skips_on_cpu(tmp_path):
     r = json.loads(out.read_text())
     assert r["device"] == "CPU only"
     assert {x["check"] for x in r["results"]} >= {"te-spec", "stream-exact-bf16", "stream-exact-fp8", "learner-mfu",
-                                                  "vllm-cuda", "nccl-weight-sync"}
+                                                  "vllm-cuda", "nccl-weight-sync", "packed-thd-bf16",
+                                                  "packed-thd-fp8"}
     assert all(x["status"] == "skip" and x["detail"] for x in r["results"])

@@ -27,6 +27,18 @@ def test_float64_stream_equals_sync(layout, tmp_path):
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_float64_packed_equals_unpacked_sync(layout, tmp_path):
+    """Sequence packing on: sync, stream-trajectory and stream-group vs the unpacked sync gradient ≤ 1e-12."""
+    rep = torchrun(WORKER, [*LAYOUTS[layout], "--check", "packed", "--out", str(tmp_path / "p.json")],
+                   out_json=str(tmp_path / "p.json"))
+    for row in rep["result"]:
+        for mode in ("sync", "stream-trajectory", "stream-group"):
+            assert row[mode] < 1e-12, (mode, row)
+        mb = row["microbatches"]
+        assert mb["sync"] < mb["sync-unpacked"], row  # packing really packed
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_float32_three_steps(layout, tmp_path):
     """SGD (momentum 0.9), 3 steps: streaming is as close to the exact float64 update as float32 sync is.
 

@@ -1,0 +1,137 @@
+"""The GPU recipes (examples/qwen_swe, examples/qwen_terminal) on CPU: what can be checked without a GPU.
+
+- each config.yaml parses into the frozen TrainConfig and passes its validation (FP8 / Transformer Engine are only
+  needed when the model is built, never by parsing), alone and with the flags slurm/train_grpo.sh adds;
+- the README's sbatch variables agree with the config file (the script's flags override the file);
+- the JSONL task module loads through ``--task module:name`` and its sample problems' reference solutions score 1.0
+  with the unit_tests verifier (wrong ones 0.0);
+- the bucket-memory figures the READMEs quote.
+"""
+
+import asyncio
+import json
+import os
+import re
+
+import pytest
+
+from megatron_tsync.arguments import parse_args
+from megatron_tsync.config import TrainConfig
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RECIPES = {"qwen_swe": dict(tp=4, pp=1, world=16, task="swe-jsonl"),
+           "qwen_terminal": dict(tp=4, pp=2, world=16, task="terminal-jsonl")}
+# Public Hugging Face config.json values of the two policies (the parts the model builder reads).
+HF_CONFIGS = {
+    "qwen_swe": {"model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
+                 "num_attention_heads": 28, "num_key_value_heads": 4, "vocab_size": 152064,
+                 "tie_word_embeddings": False, "rope_theta": 1000000.0, "max_position_embeddings": 32768,
+                 "rms_norm_eps": 1e-06},
+    "qwen_terminal": {"model_type": "qwen2", "hidden_size": 5120, "intermediate_size": 13824, "num_hidden_layers": 48,
+                      "num_attention_heads": 40, "num_key_value_heads": 8, "vocab_size": 152064,
+                      "tie_word_embeddings": False, "rope_theta": 1000000.0, "max_position_embeddings": 32768,
+                      "rms_norm_eps": 1e-06},
+}
+# sbatch variable -> (TrainConfig path, how the config value reads)
+SBATCH_VARS = {"TP": "parallel.tensor_model_parallel_size", "PP": "parallel.pipeline_model_parallel_size",
+               "GROUP_SIZE": "rl.group_size", "RL_MODE": "learner.mode", "ROLLOUT_ENGINE": "rollout.engine",
+               "ROLLOUT_WORKERS": "rollout.num_workers", "SEQ_LENGTH": "rl.seq_length", "MAX_TURNS": "rl.max_turns",
+               "MAX_NEW_TOKENS": "rl.max_new_tokens", "TRAIN_ITERS": "rl.train_iters",
+               "SAVE_INTERVAL": "checkpoint.save_interval"}
+
+
+def _config(name):
+    return os.path.join(ROOT, "examples", name, "config.yaml")
+
+
+def _get(cfg, path):
+    for part in path.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_recipe_parses_and_validates(name):
+    r = RECIPES[name]
+    cfg = parse_args(["--config", _config(name)], world_size=r["world"])
+    assert isinstance(cfg, TrainConfig)
+    assert cfg.precision.bf16 and cfg.precision.fp8_format == "hybrid"
+    assert cfg.learner.sequence_packing and cfg.learner.max_packed_tokens >= cfg.rl.seq_length
+    assert cfg.parallel.use_distributed_optimizer and cfg.optim.use_distributed_optimizer
+    assert (cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size) == (r["tp"], r["pp"])
+    assert cfg.parallel.data_parallel_size(r["world"]) >= 2
+    assert cfg.rollout.engine == "vllm" and cfg.learner.mode == "stream-trajectory"
+    assert cfg.learner.reward_spec.kind == "bounded" and cfg.learner.max_open_groups >= 1
+    assert cfg.rollout.task == f"examples.jsonl_tasks:{r['task']}"
+    assert TrainConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_readme_sbatch_matches_config(name):
+    """The sbatch command of the README sets the script's variables to the config file's values, and the command
+    line that slurm/common.sh builds from them (flags after --config) parses to the same configuration."""
+    text = open(os.path.join(ROOT, "examples", name, "README.md")).read()
+    block = text[text.index("sbatch --nodes=4 --gpus-per-node"):]
+    block = block[: block.index("slurm/train_grpo.sh")].replace("\\\n", "")
+    env = dict(re.findall(r"([A-Z_]+)=([^,\s\"]+)", block))
+    assert f"--config examples/{name}/config.yaml" in block
+    cfg = parse_args(["--config", _config(name)], world_size=16)
+    for var, path in SBATCH_VARS.items():
+        assert var in env, var
+        assert str(_get(cfg, path)) == env[var], (var, env[var], _get(cfg, path))
+    assert int(env["GLOBAL_BATCH_SIZE"]) == cfg.rl.sequences_per_step
+    assert int(env["TRAINER_NODES"]) * int(env["GPUS_PER_NODE"]) == 16
+    documented = open(os.path.join(ROOT, "slurm", "common.sh")).read()
+    for var in env:
+        if var not in ("MODEL", "SAVE"):
+            assert re.search(rf"\${{{var}\b|\b{var}=", documented), f"{var} is not read by slurm/common.sh"
+    argv = ["--config", _config(name), "--model", "/m", "--rl-algorithm", "grpo", "--rl-mode", env["RL_MODE"],
+            "--tensor-model-parallel-size", env["TP"], "--pipeline-model-parallel-size", env["PP"],
+            "--train-iters", env["TRAIN_ITERS"], "--group-size", env["GROUP_SIZE"],
+            "--global-batch-size", env["GLOBAL_BATCH_SIZE"], "--rollout-engine", env["ROLLOUT_ENGINE"],
+            "--rollout-endpoint", "tcp://head:20001", "--secret-file", "/s/secret.hex", "--save", "/ck",
+            "--save-interval", env["SAVE_INTERVAL"], "--load", "/ck", "--tensorboard-dir", "/ck/tb", "--no-progress",
+            "--rollout-workers", env["ROLLOUT_WORKERS"], "--rollout-launch", "external", "--rollout-dir", "/ck/rp",
+            "--seq-length", env["SEQ_LENGTH"], "--max-turns", env["MAX_TURNS"],
+            "--max-new-tokens", env["MAX_NEW_TOKENS"]]
+    full = parse_args(argv, world_size=16)
+    assert full.learner == cfg.learner and full.parallel == cfg.parallel and full.precision == cfg.precision
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_recipe_task_and_verifier(name, monkeypatch):
+    from megatron_tsync.rollout.verifiers import get_verifier
+    from megatron_tsync.runtime.tasks import get_task
+
+    monkeypatch.setenv("TSYNC_TASK_FILE", os.path.join(ROOT, "examples", name, "sample_tasks.jsonl"))
+    cfg = parse_args(["--config", _config(name)], world_size=16)
+    task = get_task(cfg.rollout.task, verifier=cfg.rollout.verifier)
+    assert task.reward_spec == cfg.learner.reward_spec
+    a, b = task.sample_prompts(3, 4, seed=7), task.sample_prompts(3, 4, seed=7)
+    assert [i.meta["id"] for i in a] == [i.meta["id"] for i in b]  # deterministic in (step, group, seed)
+    assert a[0].prompt_text.startswith("<|im_start|>system")
+    verifier = get_verifier(task.verifier, **task.verifier_kwargs)
+    for rec in task.records("train")[:2]:
+        inst = task.instance(rec)
+        answer = task.demonstration(inst)[len(inst.prompt_text):]
+        good = asyncio.run(verifier.evaluate(answer, inst.verifier_task()))
+        bad = asyncio.run(verifier.evaluate("<answer>\n```\nexit 1\n```\n</answer>", inst.verifier_task()))
+        assert good.reward == 1.0, (rec["id"], good)
+        assert bad.reward == 0.0, (rec["id"], bad)
+
+
+@pytest.mark.parametrize("name,estimator,k,vector_gib,bucket_gib", [("qwen_swe", "dr_grpo", 8, 7.1, 56.7),
+                                                                     ("qwen_terminal", "grpo", 3, 6.9, 41.3)])
+def test_bucket_memory_figures(name, estimator, k, vector_gib, bucket_gib):
+    from examples.bucket_memory import estimate, params_per_rank
+
+    from megatron_tsync.training.model import ModelArch
+
+    arch = ModelArch.from_hf_config(HF_CONFIGS[name])
+    total = params_per_rank(arch, 1, 1)
+    assert abs(total / 1e9 - {"qwen_swe": 7.62, "qwen_terminal": 14.77}[name]) < 0.01  # the published sizes
+    cfg = parse_args(["--config", _config(name)], world_size=16)
+    assert cfg.learner.estimator == estimator and cfg.learner.max_open_groups == k
+    e = estimate(arch, cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size, estimator, k)
+    assert round(e["vector_bytes"] / 2**30, 1) == vector_gib
+    assert round(e["bucket_bytes"] / 2**30, 1) == bucket_gib
