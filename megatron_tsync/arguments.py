@@ -96,6 +96,10 @@ _FLAGS: tuple[_Flag, ...] = (
        help="when gradients are computed: sync (after the batch), stream-group (per closed group), "
             "stream-trajectory (per arriving trajectory), async (off-policy by <= --max-staleness steps), "
             "stream-turn (per turn; opd only)"),
+    _f("--opd-objective", "rl.opd_objective", _G_RL, choices=C.OPD_OBJECTIVES,
+       help="opd: sampled (reverse KL on the sampled tokens; teacher log-probs) or full-vocab (exact reverse KL over "
+            "the vocabulary; the teacher's full logits per token are kept until the learner uses them: tokens x "
+            "vocab x 4 bytes per open trajectory, e.g. 8k x 152k = 5 GB; fine for small vocabularies)"),
     _f("--max-staleness", "rl.max_staleness", _G_RL, type=int, metavar="K",
        help="async mode: policy versions a trajectory may lag the trainer (required > 0 with --rl-mode async)"),
     _f("--advantage-estimator", "learner.estimator", _G_RL, choices=C.ADVANTAGE_ESTIMATORS,
@@ -128,6 +132,14 @@ _FLAGS: tuple[_Flag, ...] = (
        help="π_old of the ratio: the trainer's (ratio 1 at the first minibatch) or the engine's log-probs"),
     _f("--max-open-groups", "learner.max_open_groups", _G_RL, type=int, metavar="N",
        help="gradient buckets open at once (>= 1; default unlimited)"),
+    _f("--max-device-buckets", "learner.max_device_buckets", _G_RL, type=int, metavar="N",
+       help="bucket vectors kept on the accelerator (>= 2); idle ones beyond N move to pinned host memory "
+            "(default: all on the accelerator)"),
+    _f("--sequence-packing", "learner.sequence_packing", _G_BATCH, **_SWITCH,
+       help="pack several trajectories into one microbatch (block-diagonal causal attention; THD on Transformer "
+            "Engine) when their gradients go to the same place; the update is unchanged"),
+    _f("--max-packed-tokens", "learner.max_packed_tokens", _G_BATCH, type=int, metavar="N",
+       help="tokens per packed microbatch at most (with --sequence-packing; longer trajectories run alone)"),
     _f("--reward-kind", (), _G_RL, choices=C.REWARD_KINDS,
        help="what the learner may assume about rewards (default: declared by the --verifier)"),
     _f("--reward-range", (), _G_RL, type=float, nargs=2, metavar=("LO", "HI"),
@@ -159,6 +171,11 @@ _FLAGS: tuple[_Flag, ...] = (
     _f("--sandbox-timeout", "rollout.sandbox_timeout_s", _G_ROLL, type=float, metavar="S",
        help="wall-clock limit of one sandboxed tool call, seconds"),
     _f("--teacher-model", "rollout.teacher_model", _G_ROLL, metavar="HF_DIR", help="teacher model (opd)"),
+    _f("--weight-sync", "rollout.weight_sync", _G_ROLL, choices=C.WEIGHT_SYNCS,
+       help="how weights reach the engines after each step: signed safetensors files in --rollout-dir, or a "
+            "broadcast from trainer rank 0 (gloo on CPU, NCCL with vLLM on GPUs)"),
+    _f("--weight-sync-bucket-mb", "rollout.weight_sync_bucket_mb", _G_ROLL, type=int, metavar="MB",
+       help="bucket size of the weight broadcast, MiB"),
     # ---- model
     _f("--model", "model.path", _G_MODEL, metavar="HF_DIR", help="Hugging Face model folder of the policy"),
     _f("--init-tiny-model", "model.init_tiny_model", _G_MODEL, **_SWITCH,

@@ -53,6 +53,7 @@ __all__ = [
     "RLConfig",
     "ROLLOUT_ENGINES",
     "RolloutConfig",
+    "WEIGHT_SYNCS",
     "TrainConfig",
     "reward_spec_for_verifier",
 ]
@@ -62,6 +63,7 @@ __all__ = [
 # the argument parser needs no torch import.
 RL_ALGORITHMS = ("grpo", "opd")
 RL_MODES = ("sync", "stream-group", "stream-trajectory", "async", "stream-turn")
+OPD_OBJECTIVES = ("sampled", "full-vocab")
 ADVANTAGE_ESTIMATORS = ("grpo", "grpo_unbiased", "dr_grpo", "rloo", "grpo_batch_std")
 POLICY_LOSSES = ("ppo_clip", "none")
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
@@ -75,6 +77,7 @@ FP8_FORMATS = ("e4m3", "hybrid")
 FP8_RECIPES = ("delayed", "tensorwise", "mxfp8", "blockwise")
 REWARD_KINDS = ("binary", "bounded", "continuous")
 ROLLOUT_ENGINES = ("embedded", "vllm")
+WEIGHT_SYNCS = ("file", "broadcast")
 LATENCY_PROFILES = ("none", "uniform", "swe-like", "independent")
 
 
@@ -152,6 +155,11 @@ class RLConfig:
     algorithm: str = "grpo"
     """"grpo" (group-relative policy optimisation on verifier rewards) or "opd" (on-policy distillation from
     ``rollout.teacher_model``)."""
+    opd_objective: str = "sampled"
+    """OPD only: "sampled" (per-token reverse KL on the sampled tokens, needs teacher log-probs) or "full-vocab"
+    (Σ_v π_s(v)(log π_s(v) − log π_t(v)) per token: needs the teacher's full logits, scored by
+    ``rollout.teacher_model`` on the learner side and kept until the turn's forward: tokens × vocab floats per open
+    trajectory, e.g. 8k tokens × 152k vocab × 4 B ≈ 5 GB)."""
     train_iters: int = 100
     """Optimizer steps to train for."""
     group_size: int = 8
@@ -173,6 +181,8 @@ class RLConfig:
     def __post_init__(self) -> None:
         _check(self.algorithm in RL_ALGORITHMS, f"rl.algorithm must be one of {RL_ALGORITHMS}, got {self.algorithm!r}",
                "rl.algorithm")
+        _check(self.opd_objective in OPD_OBJECTIVES,
+               f"rl.opd_objective must be one of {OPD_OBJECTIVES}, got {self.opd_objective!r}", "rl.opd_objective")
         for name in ("train_iters", "group_size", "groups_per_step", "max_turns", "max_new_tokens", "seq_length"):
             value = getattr(self, name)
             _check(value >= 1, f"rl.{name} must be >= 1, got {value}", f"rl.{name}")
@@ -224,6 +234,12 @@ class RolloutConfig:
     for workers started elsewhere (srun on rollout nodes) with ``python -m megatron_tsync.runtime.worker SPEC``."""
     run_dir: str | None = None
     """Rollout-plane directory (specs, secret, weight versions, worker logs); None = ``SAVE/rollout_plane``."""
+    weight_sync: str = "file"
+    """How each version's weights reach the engines: "file" (signed safetensors in ``run_dir``, a shared
+    filesystem) or "broadcast" (a process group of the trainer's rank 0 and the workers: gloo with CPU tensors;
+    NCCL when the engines are vLLM on GPUs, not run on a GPU yet). See ``transport/weight_broadcast.py``."""
+    weight_sync_bucket_mb: int = 256
+    """Broadcast bucket size in MiB (the sender's staging buffer; tensors larger than a bucket are split)."""
 
     def __post_init__(self) -> None:
         _check(self.launch in ("local", "external"), f"rollout.launch must be 'local' or 'external', got "
@@ -246,6 +262,10 @@ class RolloutConfig:
                f"rollout.latency_scale must be >= 0, got {self.latency_scale}", "rollout.latency_scale")
         _check(self.sandbox_timeout_s > 0, f"rollout.sandbox_timeout_s must be > 0, got {self.sandbox_timeout_s}",
                "rollout.sandbox_timeout_s")
+        _check(self.weight_sync in WEIGHT_SYNCS, f"rollout.weight_sync must be one of {WEIGHT_SYNCS}, got "
+               f"{self.weight_sync!r}", "rollout.weight_sync")
+        _check(1 <= self.weight_sync_bucket_mb <= 16384, f"rollout.weight_sync_bucket_mb must be in [1, 16384], got "
+               f"{self.weight_sync_bucket_mb}", "rollout.weight_sync_bucket_mb")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -366,8 +386,16 @@ class TrainConfig:
                "precision.params_dtype")
         _check(lr.max_open_groups is None or lr.max_open_groups >= 1,
                f"learner.max_open_groups must be >= 1, got {lr.max_open_groups}", "learner.max_open_groups")
+        _check(lr.max_device_buckets is None or lr.max_device_buckets >= 2,
+               f"learner.max_device_buckets must be >= 2 (an origin shift touches P and Q at once), got "
+               f"{lr.max_device_buckets}", "learner.max_device_buckets")
         _check(lr.estimator_eps >= 0, f"learner.estimator_eps must be >= 0, got {lr.estimator_eps}",
                "learner.estimator_eps")
+        _check(lr.max_packed_tokens >= 1, f"learner.max_packed_tokens must be >= 1, got {lr.max_packed_tokens}",
+               "learner.max_packed_tokens")
+        _check(not (lr.sequence_packing and self.rl.algorithm == "opd"),
+               "learner.sequence_packing is implemented for rl.algorithm grpo only (the OPD learner runs one "
+               "trajectory per microbatch)", "learner.sequence_packing", "rl.algorithm")
 
         f64 = pr.params_dtype == torch.float64
         _check(not (f64 and self.optim.clip_grad > 0),
@@ -379,6 +407,11 @@ class TrainConfig:
         _check(not (f64 and pr.fp8_format is not None),
                f"precision.fp8_format {pr.fp8_format} contradicts precision.params_dtype float64",
                "precision.fp8_format", "precision.params_dtype")
+        _check(not (pr.fp8_format is not None and lc.old_logprobs == "trainer"
+                    and (lr.num_minibatches > 1 or lr.epochs > 1)),
+               "precision.fp8_format with several optimizer steps per batch needs learner.loss.old_logprobs engine: "
+               "π_θ0 for minibatches ≥ 2 swaps θ0 weights in, which does not refresh Transformer Engine's cached FP8 "
+               "weights (not verified on a GPU)", "precision.fp8_format", "learner.loss.old_logprobs")
         _check(self.optim.use_distributed_optimizer == self.parallel.use_distributed_optimizer,
                "optim.use_distributed_optimizer and parallel.use_distributed_optimizer disagree",
                "optim.use_distributed_optimizer", "parallel.use_distributed_optimizer")
@@ -393,6 +426,11 @@ class TrainConfig:
                or self.logging.replay_rollouts is not None,
                "rl.algorithm opd needs rollout.teacher_model (or logging.replay_rollouts with recorded teacher "
                "log-probs)", "rl.algorithm", "rollout.teacher_model")
+        _check(self.rl.opd_objective == "sampled" or (self.rl.algorithm == "opd"
+                                                      and self.rollout.teacher_model is not None),
+               "rl.opd_objective full-vocab needs rl.algorithm opd and rollout.teacher_model (the teacher's full "
+               "logits are scored on the learner side; recorded rollouts only carry log-probs of sampled tokens)",
+               "rl.opd_objective", "rollout.teacher_model")
         _check(lc.temperature == self.rollout.temperature,
                f"learner.loss.temperature {lc.temperature} differs from rollout.temperature "
                f"{self.rollout.temperature}: the learner's log-probs must use the sampling temperature",
@@ -400,6 +438,9 @@ class TrainConfig:
         _check(lc.kl_mode != "none" or lc.kl_coef == 0.0,
                f"learner.loss.kl_coef {lc.kl_coef} has no effect with learner.loss.kl_mode none "
                "(choose loss or reward)", "learner.loss.kl_coef", "learner.loss.kl_mode")
+        _check(self.rollout.weight_sync != "broadcast" or lr.mode != "async",
+               "rollout.weight_sync broadcast is a collective every worker joins for every version, so workers cannot "
+               "run ahead: use rollout.weight_sync file with learner.mode async", "rollout.weight_sync", "learner.mode")
         _check(self.logging.replay_rollouts is None or self.rollout.num_workers == 0,
                f"logging.replay_rollouts trains on recorded rollouts: rollout.num_workers must be 0, "
                f"got {self.rollout.num_workers}", "logging.replay_rollouts", "rollout.num_workers")

@@ -19,15 +19,16 @@ EXPECTED_FLAGS = [
     "--dual-clip", "--dump-grads", "--dump-rollouts", "--entropy-coef", "--finetune", "--fp8-format", "--fp8-recipe",
     "--global-batch-size", "--group-size", "--groups-per-step", "--help", "--init-tiny-model", "--kl-coef",
     "--kl-estimator", "--kl-mode", "--latency-profile", "--latency-scale", "--load", "--log-interval",
-    "--loss-aggregation", "--lr", "--max-new-tokens", "--max-open-groups", "--max-staleness", "--max-turns",
-    "--micro-batch-size", "--min-lr", "--model", "--no-progress", "--num-minibatches", "--num-samples-per-prompt", "--old-logprobs",
+    "--loss-aggregation", "--lr", "--max-device-buckets", "--max-new-tokens", "--max-open-groups", "--max-staleness", "--max-turns",
+    "--micro-batch-size", "--min-lr", "--model", "--no-progress", "--num-minibatches", "--num-samples-per-prompt", "--old-logprobs", "--opd-objective",
     "--optimizer", "--params-dtype", "--pipeline-model-parallel-size", "--policy-loss", "--ppo-epochs", "--replay-rollouts",
     "--replay-shuffle-seed",
     "--reward-kind", "--reward-range", "--rl-algorithm", "--rl-mode", "--rollout-endpoint", "--rollout-engine",
     "--rollout-dir", "--rollout-launch", "--rollout-workers", "--sandbox-timeout", "--save", "--save-interval", "--secret-file", "--seed", "--seq-length",
+    "--sequence-packing", "--max-packed-tokens",
     "--sft-warmup-steps", "--sgd-momentum", "--task", "--teacher-model", "--temperature",
     "--tensor-model-parallel-size", "--tensorboard-dir", "--tis-cap", "--top-k", "--top-p", "--train-iters",
-    "--use-distributed-optimizer", "--verifier", "--weight-decay", "-h",
+    "--use-distributed-optimizer", "--verifier", "--weight-decay", "--weight-sync", "--weight-sync-bucket-mb", "-h",
 ]
 
 
@@ -87,6 +88,12 @@ def test_flags_land_in_their_fields():
     assert cfg.rollout.num_workers == 3 and cfg.rollout.sandbox_timeout_s == 2.5
 
 
+def test_sequence_packing_flags():
+    cfg = parse_args(["--sequence-packing", "--max-packed-tokens", "8192"])
+    assert cfg.learner.sequence_packing and cfg.learner.max_packed_tokens == 8192
+    assert not parse_args([]).learner.sequence_packing
+
+
 def test_every_field_flag_maps_back():
     from megatron_tsync.arguments import _FLAGS
 
@@ -106,6 +113,12 @@ def test_reward_flags():
     assert (spec.kind, spec.lo, spec.hi) == ("bounded", 0.0, 5.0)
 
 
+def test_weight_sync_flags():
+    cfg = parse_args(["--weight-sync", "broadcast", "--weight-sync-bucket-mb", "64"])
+    assert (cfg.rollout.weight_sync, cfg.rollout.weight_sync_bucket_mb) == ("broadcast", 64)
+    assert parse_args([]).rollout.weight_sync == "file"
+
+
 def test_replay_needs_no_workers():
     cfg = parse_args(["--replay-rollouts", "dir"])
     assert cfg.rollout.num_workers == 0
@@ -115,7 +128,9 @@ def test_replay_needs_no_workers():
 def test_async_and_opd_modes():
     assert parse_args(["--rl-mode", "async", "--max-staleness", "2"]).rl.max_staleness == 2
     cfg = parse_args(["--rl-algorithm", "opd", "--teacher-model", "t", "--rl-mode", "stream-turn"])
-    assert cfg.rl.algorithm == "opd" and cfg.learner.mode == "stream-turn"
+    assert cfg.rl.algorithm == "opd" and cfg.learner.mode == "stream-turn" and cfg.rl.opd_objective == "sampled"
+    cfg = parse_args(["--rl-algorithm", "opd", "--teacher-model", "t", "--opd-objective", "full-vocab"])
+    assert cfg.rl.opd_objective == "full-vocab"
     assert parse_args(["--rl-algorithm", "opd", "--replay-rollouts", "d"]).rollout.teacher_model is None
     assert parse_args(["--dump-grads", "g", "--pipeline-model-parallel-size", "2"]).logging.dump_grads == "g"
 
@@ -139,6 +154,9 @@ BAD = [
     (["--rl-mode", "async", "--max-staleness", "0"], ["--max-staleness", "> 0"]),
     (["--replay-rollouts", "d", "--rollout-workers", "2"], ["--replay-rollouts", "--rollout-workers"]),
     (["--max-open-groups", "0"], ["--max-open-groups"]),
+    (["--max-device-buckets", "1"], ["--max-device-buckets"]),
+    (["--sequence-packing", "--max-packed-tokens", "0"], ["--max-packed-tokens"]),
+    (["--sequence-packing", "--rl-algorithm", "opd", "--teacher-model", "t"], ["--sequence-packing", "--rl-algorithm"]),
     (["--clip-ratio-low", "1.5"], ["--clip-ratio-low"]),
     (["--clip-ratio-high", "-0.1"], ["--clip-ratio-high"]),
     (["--dual-clip", "0.5"], ["--dual-clip"]),
@@ -155,6 +173,8 @@ BAD = [
     (["--latency-profile", "bursty"], ["--latency-profile"]),
     (["--dump-rollouts", "d", "--replay-rollouts", "d"], ["--dump-rollouts", "--replay-rollouts"]),
     (["--save-interval", "0"], ["--save-interval"]),
+    (["--weight-sync", "broadcast", "--rl-mode", "async", "--max-staleness", "1"], ["--weight-sync", "--rl-mode"]),
+    (["--weight-sync-bucket-mb", "0"], ["--weight-sync-bucket-mb"]),
     (["--group-size", "0"], ["--group-size"]),
     (["--rl-mode", "streaming"], ["--rl-mode", "invalid choice"]),
     (["--tensor-model"], ["unrecognized arguments"]),  # no abbreviations: the surface is exactly the list above

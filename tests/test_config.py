@@ -101,6 +101,9 @@ def _cfg(**sections):
     (dict(learner={"mode": "async"}), {"rl.max_staleness"}),
     (dict(rl={"max_staleness": 3}), {"rl.max_staleness"}),
     (dict(rl={"algorithm": "opd"}), {"rollout.teacher_model"}),
+    (dict(rl={"algorithm": "opd", "opd_objective": "full-vocab"}, logging={"replay_rollouts": "d"},
+          rollout={"num_workers": 0}), {"rl.opd_objective", "rollout.teacher_model"}),
+    (dict(rl={"opd_objective": "full-vocab"}, rollout={"teacher_model": "t"}), {"rl.opd_objective"}),
     (dict(learner={"loss": {"temperature": 0.5}}), {"learner.loss.temperature", "rollout.temperature"}),
     (dict(learner={"loss": {"kl_coef": 0.1}}), {"learner.loss.kl_mode"}),
     (dict(learner={"max_open_groups": 0}), {"learner.max_open_groups"}),
@@ -125,6 +128,7 @@ def test_valid_combinations():
     assert _cfg(learner={"mode": "async"}, rl={"max_staleness": 2}).rl.max_staleness == 2
     assert _cfg(rl={"algorithm": "opd"}, logging={"replay_rollouts": "d"}, rollout={"num_workers": 0})
     assert _cfg(rl={"algorithm": "opd"}, rollout={"teacher_model": "t"}, learner={"mode": "stream-turn"})
+    assert _cfg(rl={"algorithm": "opd", "opd_objective": "full-vocab"}, rollout={"teacher_model": "t"})
     assert _cfg(learner={"loss": {"kl_coef": 0.1, "kl_mode": "reward"}})
 
 
@@ -178,6 +182,9 @@ def test_choices_match_the_registries():
     assert C.POLICY_LOSSES == POLICY_LOSS_KINDS
     assert C.REWARD_KINDS == REWARD_KINDS
     assert set(MODES) <= set(C.RL_MODES)  # async and stream-turn are run-level modes on top of the planner's
+    from megatron_tsync.training.opd_learner import OPD_OBJECTIVES
+
+    assert C.OPD_OBJECTIVES == OPD_OBJECTIVES
 
 
 def test_reused_sections_are_the_owners_classes():

@@ -183,6 +183,9 @@ class Trainer:
             sandbox_timeout_s=cfg.rollout.sandbox_timeout_s, engine=cfg.rollout.engine,
             max_staleness=cfg.rl.max_staleness if cfg.learner.mode == "async" else 0,
             stream_turns=cfg.rl.algorithm == "opd" and cfg.learner.mode == "stream-turn",
+            weight_sync=cfg.rollout.weight_sync, weight_sync_bucket_mb=cfg.rollout.weight_sync_bucket_mb,
+            # NCCL only between GPUs: the trainer on CUDA and vLLM engines (the embedded engine receives CPU tensors)
+            weight_sync_backend="nccl" if cfg.rollout.engine == "vllm" and torch.cuda.is_available() else "gloo",
         )
         fleet = RolloutFleet(spec, run_dir, launch=cfg.rollout.launch == "local")
         if cfg.rollout.launch == "external":
@@ -284,6 +287,8 @@ class Trainer:
             "events_rejected": fleet.receiver.rejected if fleet is not None else 0,
             "staleness": max((k - s.policy_version) for s in samples) if samples else 0,
             "trajectories": res.num_trajectories, **{f"plan_{a}": b for a, b in res.planner_stats.items()},
+            "theta0_forwards": getattr(getattr(self.learner, "theta0", None), "forwards", 0),
+            **{f"offload_{a}": b for a, b in (res.offload or {}).items()},
         }
         self.history.append(row)
         if self.tb is not None:

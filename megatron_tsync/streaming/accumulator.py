@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 
 from megatron_tsync.streaming.buckets import BucketPool, GradRouter, GradVector
+from megatron_tsync.streaming.offload import Residency
 
 
 @dataclasses.dataclass
@@ -28,11 +29,31 @@ class _Bucket:
 
 
 class GroupBuckets:
-    def __init__(self, router: GradRouter, pool: BucketPool):
+    """``residency``: optional host offload of idle vectors (``streaming/offload.py``); None keeps all on the device."""
+
+    def __init__(self, router: GradRouter, pool: BucketPool, residency: Residency | None = None):
         self.router = router
         self.pool = pool
         self.accumulator = router.accumulator
         self.buckets: dict[str, _Bucket] = {}
+        self.residency = residency
+
+    def _acquire(self, tag: str, keep: tuple[GradVector, ...] = ()) -> GradVector:
+        if self.residency is None:
+            return self.pool.acquire(tag)
+        self.residency.reserve(1, keep)
+        v = self.pool.acquire(tag)
+        self.residency.admit(v)
+        return v
+
+    def _need(self, *vs: GradVector) -> None:
+        if self.residency is not None:
+            self.residency.need(*vs)
+
+    def _release(self, v: GradVector) -> None:
+        if self.residency is not None:
+            self.residency.forget(v)
+        self.pool.release(v)
 
     @property
     def open_groups(self) -> int:
@@ -42,17 +63,20 @@ class GroupBuckets:
         """Prepare for a backward of a trajectory of ``group_id`` with ``reward`` and route grads into Q."""
         b = self.buckets.get(group_id)
         if b is None:
-            b = _Bucket(q=self.pool.acquire(f"Q:{group_id}"), p=None, rho=float(reward), alpha_known=alpha_known)
+            b = _Bucket(q=self._acquire(f"Q:{group_id}"), p=None, rho=float(reward), alpha_known=alpha_known)
             self.buckets[group_id] = b
         elif reward != b.rho:
             shift = b.rho - float(reward)
             if b.alpha_known is not None:
+                self._need(b.q)
                 self.accumulator.add_(b.q, alpha=b.alpha_known * shift)
             else:
                 if b.p is None:
-                    b.p = self.pool.acquire(f"P:{group_id}")
+                    b.p = self._acquire(f"P:{group_id}", keep=(b.q,))
+                self._need(b.p, b.q)
                 b.p.add_(b.q, alpha=shift)
             b.rho = float(reward)
+        self._need(b.q)
         self.router.route(b.q)
 
     def route_accumulator(self) -> None:
@@ -68,10 +92,12 @@ class GroupBuckets:
         if b.alpha_known is not None and alpha != b.alpha_known:
             raise AssertionError(f"group {group_id}: α changed from {b.alpha_known} to {alpha}")
         if b.p is not None:
+            self._need(b.p)
             self.accumulator.add_(b.p, alpha=alpha)
-            self.pool.release(b.p)
+            self._release(b.p)
+        self._need(b.q)
         self.accumulator.add_(b.q, alpha=float(q_coefficient(b.rho)))
-        self.pool.release(b.q)
+        self._release(b.q)
 
     def vectors_in_use(self) -> int:
         return self.pool.stats.in_use

@@ -67,8 +67,9 @@ class BucketPool:
     1 + 2k / 1 + k minimum).
     """
 
-    def __init__(self, accumulator: GradVector):
+    def __init__(self, accumulator: GradVector, *, keep_free: bool = True):
         self.accumulator = accumulator
+        self.keep_free = keep_free  # False with host offload: released vectors go back to the allocator
         self._free: list[GradVector] = []
         self.stats = BucketStats(bytes_per_vector=accumulator.nbytes())
 
@@ -85,7 +86,8 @@ class BucketPool:
 
     def release(self, v: GradVector) -> None:
         self.stats.in_use -= 1
-        self._free.append(v)
+        if self.keep_free:
+            self._free.append(v)
 
     def reset_peak(self) -> None:
         self.stats.peak_in_use = self.stats.in_use
@@ -116,6 +118,12 @@ class GradRouter:
             views = [v.parts[bi][s:e].view(shape) for (_, bi, s, e, shape) in self._slots]
             self._views[id(v)] = views
         return views
+
+    def drop_views(self, v: GradVector) -> None:
+        """Forget the cached ``main_grad`` views of ``v`` (its parts moved to new storage)."""
+        if v is self.current:
+            raise AssertionError("cannot move the vector gradients are routed into")
+        self._views.pop(id(v), None)
 
     def route(self, v: GradVector) -> None:
         if v is self.current:

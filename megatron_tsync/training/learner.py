@@ -16,8 +16,10 @@ from megatron_tsync.algorithms.aggregation import barrier_divisor
 from megatron_tsync.algorithms.streamability import RewardSpec, describe_config
 from megatron_tsync.streaming.accumulator import GroupBuckets
 from megatron_tsync.streaming.buckets import BucketPool, GradRouter
+from megatron_tsync.streaming.offload import Residency
 from megatron_tsync.streaming.planner import StepPlanner, TrajMeta
 from megatron_tsync.streaming.ready_queue import ArrivalSource, Sample
+from megatron_tsync.training.old_logprobs import Theta0Logprobs
 from megatron_tsync.training.optimizer import finalize_and_scale
 from megatron_tsync.training.stream_fb import BatchShape, LossConfig, StreamExecutor
 
@@ -33,9 +35,12 @@ class LearnerConfig:
     reward_spec: RewardSpec = RewardSpec.binary()
     aux_strategy: str = "second-backward"  # how KL/entropy loss terms stream: "second-backward" | "defer"
     max_open_groups: int | None = None
+    max_device_buckets: int | None = None  # bucket vectors kept on the accelerator; idle ones beyond go to host memory
     poll_timeout_s: float = 0.05
     num_minibatches: int = 1  # optimizer steps per batch, minibatches fixed by group index (design note §5)
     epochs: int = 1  # passes over the batch; epochs after the first are synchronous
+    sequence_packing: bool = False  # several trajectories per microbatch when their gradient destination agrees
+    max_packed_tokens: int = 4096  # tokens per packed microbatch at most (with sequence_packing)
 
 
 @dataclasses.dataclass
@@ -55,6 +60,7 @@ class StepResult:
     busy_intervals: list  # (start, end) seconds since step start
     last_arrival_s: float
     work_after_last_arrival_s: float
+    offload: dict | None = None  # host offload of bucket vectors (--max-device-buckets): peaks and moves
 
 
 class Learner:
@@ -66,9 +72,12 @@ class Learner:
         self.pp_size = pp_size
         self.estimator = get_advantage_estimator(cfg.estimator, eps=cfg.estimator_eps)
         self.router = GradRouter(ddp_model)
-        self.pool = BucketPool(self.router.accumulator)
-        self.buckets = GroupBuckets(self.router, self.pool)
-        self.exec = StreamExecutor(ddp_model, self.buckets, cfg.loss)
+        self.pool = BucketPool(self.router.accumulator, keep_free=cfg.max_device_buckets is None)
+        residency = None if cfg.max_device_buckets is None else Residency(self.router, cfg.max_device_buckets)
+        self.buckets = GroupBuckets(self.router, self.pool, residency)
+        self.exec = StreamExecutor(ddp_model, self.buckets, cfg.loss,
+                                   max_packed_tokens=cfg.max_packed_tokens if cfg.sequence_packing else None)
+        self.theta0 = Theta0Logprobs(ddp_model, cfg.loss.temperature)
         self._described = False
         self.grad_hook = None  # callable(ddp_model) run after normalisation, before clipping (--dump-grads)
         self.sync_order: list[str] | None = None  # sync mode: microbatch order (permutation control)
@@ -103,10 +112,12 @@ class Learner:
 
         Minibatch membership is fixed by group index (group i of the batch → minibatch i mod M), never by arrival
         order. Minibatch 1 of epoch 1 streams at θ0 (ratio 1 with trainer log-probs); minibatch j streams after step
-        j − 1: its trajectories that already arrived run at once, later ones as they land, with the exact clip rule
-        and π_old = the engine's log-probs (π_θ0 up to engine numerics; a θ0 forward on arrival is not kept).
-        Later epochs are ordinary synchronous passes. Each minibatch has its own denominators (its sequences /
-        tokens). With M = E = 1 this is the single-step streaming update.
+        j − 1: its trajectories that already arrived run at once, later ones as they land, with the exact clip rule.
+        π_old after the first step: with ``old_logprobs="trainer"`` the trainer's π_θ0 — kept from minibatch 1's own
+        forward, or a forward-only pass on arrival (under a θ0 snapshot if it lands after the first step;
+        ``training/old_logprobs.py``); with ``"engine"`` the engine's log-probs. Later epochs are ordinary synchronous
+        passes. Each minibatch has its own denominators (its sequences / tokens). With M = E = 1 this is the
+        single-step streaming update.
         """
         self._describe_once()
         cfg = self.cfg
@@ -115,6 +126,11 @@ class Learner:
         if M < 1 or E < 1 or M > len(gids):  # (flags: --num-minibatches, --ppo-epochs)
             raise ValueError(f"num_minibatches={M} / epochs={E}: need 1 ≤ minibatches ≤ groups ({len(gids)}), epochs ≥ 1")
         mb_of = {g: i % M for i, g in enumerate(gids)}
+        theta0 = (M > 1 or E > 1) and cfg.loss.old_logprobs == "trainer"
+        later_lc = dataclasses.replace(cfg.loss, old_logprobs="theta0" if theta0 else "engine")
+        self.theta0.begin_batch()
+        self.exec.keep_theta0 = theta0
+        first_step = True
         expected = [sum(n for g, n in group_sizes.items() if mb_of[g] == j) for j in range(M)]
         buffered: list[list[Sample]] = [[] for _ in range(M)]
         seen: list[list[Sample]] = [[] for _ in range(M)]
@@ -128,7 +144,7 @@ class Learner:
         for e in range(E):
             for j in range(M):
                 sizes = {g: group_sizes[g] for g in gids if mb_of[g] == j}
-                lc = cfg.loss if (e == 0 and j == 0) else dataclasses.replace(cfg.loss, old_logprobs="engine")
+                lc = cfg.loss if (e == 0 and j == 0) else later_lc
                 mode = cfg.mode if e == 0 else "sync"
                 planner = self._planner(sizes, mode, lc)
                 self.exec.begin_phase(planner, BatchShape(expected[j] if M > 1 else shape.num_sequences,
@@ -143,7 +159,8 @@ class Learner:
                         raise RuntimeError(f"step ended with {sum(map(len, seen))} trajectories, expected "
                                            f"{sum(expected)} (minibatch {j} has {len(seen[j])}/{expected[j]})")
                     feed = []
-                    for s_ in source.poll(cfg.poll_timeout_s):
+                    landed = source.poll(cfg.poll_timeout_s)
+                    for s_ in landed:
                         last_arrival = time.perf_counter()
                         self.exec.add_sample(s_)
                         n_tok_all += s_.num_action_tokens
@@ -152,6 +169,8 @@ class Learner:
                             raise ValueError(f"trajectory {s_.traj_id} of group {s_.group_id!r}: not in this batch")
                         seen[k].append(s_)
                         (feed if k == j else buffered[k]).append(s_)
+                    if theta0:  # π_θ0 on arrival for everything outside minibatch 1 (its own forward keeps it)
+                        self.theta0.score([s_ for s_ in landed if mb_of[s_.group_id] > 0 and s_.dp_rank == self.dp_rank])
                 closes, held = planner.finish()
                 if mode == "sync" and self.sync_order is not None:
                     rank = {tid: i for i, tid in enumerate(self.sync_order)}
@@ -164,6 +183,10 @@ class Learner:
                     stats[k_] = stats.get(k_, 0) + v
                 # ---- barrier: one DP reduction, explicit denominator, clip, step
                 t_b = time.perf_counter()
+                if theta0 and first_step:
+                    self.exec.keep_theta0 = False
+                    self.theta0.before_first_step(all_scored=sum(map(len, seen)) == sum(expected))
+                first_step = False
                 n_tok = sum(s_.num_action_tokens for s_ in seen[j])
                 self.last_divisor = barrier_divisor(lc.aggregation, n_tok)
                 finalize_and_scale(self.model, self.last_divisor)
@@ -174,8 +197,9 @@ class Learner:
                 self.model.zero_grad_buffer()
                 self.opt.zero_grad()
                 barrier_busy.append((t_b, time.perf_counter()))
+        self.theta0.end_batch()
         t_end = time.perf_counter()
-        busy = [(a - t_start, b - t_start) for a, b in self.exec.busy + barrier_busy]
+        busy = [(a - t_start, b - t_start) for a, b in self.exec.busy + self.theta0.busy + barrier_busy]
         busy_s = sum(b - a for a, b in busy)
         step_s = t_end - t_start
         la = last_arrival - t_start
@@ -195,6 +219,7 @@ class Learner:
             busy_intervals=busy,
             last_arrival_s=la,
             work_after_last_arrival_s=step_s - la,
+            offload=None if self.buckets.residency is None else dataclasses.asdict(self.buckets.residency.stats),
         )
 
     def _feed(self, planner: StepPlanner, samples: list[Sample]) -> None:

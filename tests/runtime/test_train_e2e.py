@@ -58,6 +58,60 @@ def test_live_stream_trajectory_checkpoint_and_resume(tiny_model, tmp_path):
     assert (ck / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
 
 
+@pytest.mark.slow
+def test_live_weight_sync_broadcast_equals_file(tiny_model, tmp_path):
+    """--weight-sync broadcast with two rollout workers started separately (--rollout-launch external, as srun
+    would: they find the trainer's weight-sync store in their spec) vs the same run with --weight-sync file. Step 0
+    starts from the same weights with the same seeds, so its trajectories must be token-for-token those of the file
+    hand-off (the broadcast delivers the weights bit-identically); every event carries the policy version it was
+    sampled with and none is rejected; nothing goes through the weights directory."""
+    from tests.conftest import free_port
+
+    common = ["--model", tiny_model, "--group-size", "2", "--global-batch-size", "4", "--rollout-workers", "2",
+              "--max-turns", "2", "--max-new-tokens", "16", "--seq-length", "128", "--lr", "1e-4",
+              "--rl-mode", "stream-trajectory", "--no-progress"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", MASTER_PORT=str(free_port()))
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        env.pop(k, None)
+    plane = tmp_path / "plane_broadcast"
+    logs = [open(tmp_path / f"worker{w}.log", "w") for w in (0, 1)]
+    workers = [subprocess.Popen([sys.executable, "-m", "megatron_tsync.runtime.worker", str(plane / f"worker{w}.json")],
+                                cwd=tmp_path, env=env, stdout=logs[w], stderr=subprocess.STDOUT) for w in (0, 1)]
+    runs = {}
+    try:
+        for sync, iters, launch in (("broadcast", 2, ["--rollout-launch", "external", "--rollout-dir", str(plane)]),
+                                    ("file", 1, [])):
+            ck, dump = tmp_path / f"ck_{sync}", tmp_path / f"dump_{sync}"
+            out = _train([*common, *launch, "--weight-sync", sync, "--weight-sync-bucket-mb", "1", "--train-iters",
+                          str(iters), "--save", str(ck), "--dump-rollouts", str(dump)], tmp_path)
+            assert f"summary: mode stream-trajectory, {iters} steps" in out
+            hist = json.loads((ck / "history.json").read_text())
+            assert all(h["events_rejected"] == 0 and h["staleness"] == 0 for h in hist), hist
+            runs[sync] = dump
+            if sync == "broadcast":
+                for w, p in enumerate(workers):
+                    assert p.wait(timeout=120) == 0, (tmp_path / f"worker{w}.log").read_text()[-3000:]
+    finally:
+        for w, f in zip(workers, logs):
+            if w.poll() is None:
+                w.kill()
+            f.close()
+    assert not os.listdir(plane / "weights")  # nothing went through files
+    spec = json.loads((plane / "worker1.json").read_text())
+    assert spec["weight_sync"] == "broadcast" and spec["weight_sync_world_size"] == 3 and spec["weight_sync_addr"]
+    for k in (0, 1):
+        meta = json.loads((runs["broadcast"] / f"step_{k:07d}" / "rollouts.json").read_text())
+        assert len(meta["trajectories"]) == 4 and all(t["policy_version"] == k for t in meta["trajectories"])
+
+    def tokens(dump):
+        from megatron_tsync.runtime.rollout_io import load_rollouts
+
+        samples, _ = load_rollouts(str(dump), 0)
+        return {s.traj_id: s.token_ids.tolist() for s in samples}
+
+    assert tokens(runs["broadcast"]) == tokens(runs["file"])
+
+
 def _synthetic_dump(root, model_dir, steps=2, groups=3, G=4, seed=0):
     """A rollout dump with varied rewards (a random tiny model would score 0 everywhere)."""
     from megatron_tsync.runtime.rollout_io import dump_rollouts
@@ -98,12 +152,14 @@ def _hf_export(ck, out, cwd):
     return load_file(os.path.join(out, "model.safetensors"))
 
 
-def test_replay_sync_equals_stream_float64(tiny_model, tmp_path):
+@pytest.mark.parametrize("extra", [[], ["--num-minibatches", "3", "--ppo-epochs", "2", "--max-device-buckets", "2"]],
+                         ids=["one-step", "minibatches-offload"])
+def test_replay_sync_equals_stream_float64(tiny_model, tmp_path, extra):
     dump = tmp_path / "dump"
     _synthetic_dump(str(dump), tiny_model)
     common = ["--model", tiny_model, "--replay-rollouts", str(dump), "--train-iters", "2", "--group-size", "4",
               "--global-batch-size", "12", "--params-dtype", "float64", "--optimizer", "sgd", "--lr", "0.5",
-              "--clip-grad", "0", "--seq-length", "64", "--no-progress"]
+              "--clip-grad", "0", "--seq-length", "64", "--no-progress", *extra]
     _train([*common, "--rl-mode", "sync", "--save", str(tmp_path / "ck_sync"), "--dump-grads", str(tmp_path / "g_sync")],
            tmp_path)
     _train([*common, "--rl-mode", "stream-trajectory", "--replay-shuffle-seed", "7", "--save",

@@ -1,6 +1,8 @@
 """Multi-process streaming exactness worker (run by torchrun from tests/training/test_streaming_parallel.py).
 
---check f64: for several configs, streamed vs sync gradient (after the barrier) in float64 on this layout.
+--check f64: for several configs, streamed vs sync gradient (after the barrier) in float64 on this layout; and
+several minibatches / epochs per batch (weights after the whole step, π_θ0 kept by the trainer).
+--check packed: sequence packing on (sync, stream-trajectory, stream-group) vs unpacked sync, float64.
 --check f32: 3 Adam steps per mode in float32; Δ_k of stream-trajectory / stream-group vs sync next to the
 permutation control (sync with microbatches reordered).
 Rank 0 writes a JSON report to --out.
@@ -39,19 +41,30 @@ F64_CASES = [
 ]
 
 
+# Sequence packing (several trajectories per microbatch): packed runs against the *unpacked* sync gradient.
+PACKED_CASES = [
+    dict(estimator="grpo", reward="binary", loss={}),
+    dict(estimator="grpo_unbiased", reward="bounded", loss={"aggregation": "seq-mean-token-mean", "old_logprobs": "engine",
+                                                            "policy": PolicyLossConfig(dual_clip=3.0)}),
+    dict(estimator="dr_grpo", reward="binary", loss={"kl_mode": "loss", "kl_coef": 0.1, "entropy_coef": 0.01}),
+]
+PACK_TOKENS = 72
+
+
 def assign_dp(samples, dp):
     for i, s in enumerate(samples):
         s.dp_rank = i % dp
     return samples
 
 
-def make_learner(dims, dtype, oc, mode, case, seed=0):
+def make_learner(dims, dtype, oc, mode, case, seed=0, packing=None):
     model = build_model(TINY, PrecisionConfig(params_dtype=dtype), seed=seed)
     ddp = wrap_ddp(model)
     opt = build_optimizer(ddp, oc)
     lc = LossConfig(**case.get("loss", {}))
     cfg = LearnerConfig(mode=mode, estimator=case["estimator"], loss=lc, reward_spec=spec_for(case["reward"]),
-                        aux_strategy=case.get("aux", "second-backward"))
+                        aux_strategy=case.get("aux", "second-backward"), sequence_packing=packing is not None,
+                        max_packed_tokens=packing or 4096)
     return ddp, Learner(ddp, opt, cfg, dp_rank=dims.dp_rank, pp_size=dims.pp)
 
 
@@ -85,6 +98,72 @@ def run_f64(dims):
                "stats": grads["stream-trajectory"][1].planner_stats}
         for mode in ("stream-trajectory", "stream-group"):
             row[mode] = global_rel(grads[mode][0], grads["sync"][0], dims)
+        out.append(row)
+    return out + run_f64_minibatches(dims)
+
+
+MB_CASES = [  # several optimizer steps per batch (§5): weights after the whole step, stream vs sync
+    dict(estimator="grpo", reward="binary", M=2, E=2, loss={"policy": PolicyLossConfig()}),  # π_θ0 from the trainer
+    dict(estimator="dr_grpo", reward="continuous", M=3, E=1,
+         loss={"policy": PolicyLossConfig(dual_clip=3.0), "aggregation": "seq-mean-token-mean"}),
+]
+
+
+def run_f64_minibatches(dims):
+    out = []
+    for ci, case in enumerate(MB_CASES):
+        weights = {}
+        for mode, order_seed in (("sync", None), ("stream-trajectory", 31 + ci), ("stream-group", 41 + ci)):
+            model = build_model(TINY, PrecisionConfig(params_dtype=torch.float64), seed=0)
+            ddp = wrap_ddp(model)
+            opt = build_optimizer(ddp, OptimConfig(optimizer="sgd", lr=0.05, clip_grad=0))
+            cfg = LearnerConfig(mode=mode, estimator=case["estimator"], loss=LossConfig(**case["loss"]),
+                                reward_spec=spec_for(case["reward"]), num_minibatches=case["M"], epochs=case["E"])
+            L = Learner(ddp, opt, cfg, dp_rank=dims.dp_rank, pp_size=dims.pp)
+            theta0 = params_flat(ddp)
+            S = make_samples(300 + ci, num_groups=4, reward_kind=case["reward"])
+            order = S if order_seed is None else arrival_order(S, order_seed)
+            assign_dp(order, dims.dp)
+            sizes, shape = shape_for(S)
+            L.train_step(ListSource(order), sizes, shape)
+            weights[mode] = params_flat(ddp)
+        moved = weights["sync"] - theta0
+        row = {"case": f"minibatches M={case['M']} E={case['E']}", "estimator": case["estimator"],
+               "reward": case["reward"], "theta0_forwards": L.theta0.forwards}
+        for mode in ("stream-trajectory", "stream-group"):
+            t = torch.tensor([float((weights[mode] - weights["sync"]).pow(2).sum()), float(moved.pow(2).sum())],
+                             dtype=torch.float64)
+            dist.all_reduce(t, group=dims.model_parallel_group())
+            row[mode] = (t[0].sqrt() / t[1].sqrt()).item()
+        out.append(row)
+    return out
+
+
+def run_packed(dims):
+    """float64: sync / stream-trajectory / stream-group with packing vs sync without, on this layout. Arrivals come
+    four per poll so that streaming has several ready items to pack."""
+    out = []
+    for ci, case in enumerate(PACKED_CASES):
+        grads = {}
+        runs = (("sync-unpacked", "sync", None, None), ("sync", "sync", None, PACK_TOKENS),
+                ("stream-trajectory", "stream-trajectory", 31 + ci, PACK_TOKENS),
+                ("stream-group", "stream-group", 43 + ci, PACK_TOKENS))
+        for name, mode, order_seed, packing in runs:
+            ddp, L = make_learner(dims, torch.float64, OptimConfig(optimizer="sgd", lr=0.0, clip_grad=0), mode, case,
+                                  packing=packing)
+            S = make_samples(300 + ci, num_groups=4, reward_kind=case["reward"], with_ref=True)
+            order = S if order_seed is None else arrival_order(S, order_seed)
+            assign_dp(order, dims.dp)
+            got = {}
+            L.grad_hook = lambda d: got.setdefault("g", torch.cat([b.grad_data.clone() for b in d.buffers]))
+            sizes, shape = shape_for(S)
+            res = L.train_step(ListSource(order, batch=4), sizes, shape)
+            grads[name] = (got["g"], res)
+        row = {"case": ci, "estimator": case["estimator"], "reward": case["reward"],
+               "microbatches": {k: v[1].microbatches for k, v in grads.items()},
+               "stats": grads["stream-trajectory"][1].planner_stats}
+        for name in ("sync", "stream-trajectory", "stream-group"):
+            row[name] = global_rel(grads[name][0], grads["sync-unpacked"][0], dims)
         out.append(row)
     return out
 
@@ -141,13 +220,16 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
-    ap.add_argument("--check", choices=["f64", "f32"], required=True)
+    ap.add_argument("--check", choices=["f64", "f32", "packed"], required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--optimizer", default="adam", choices=["adam", "sgd"])
     a = ap.parse_args()
     dims = initialize_parallel(a.tp, a.pp)
-    res = run_f64(dims) if a.check == "f64" else run_f32(dims, seed=a.seed, optimizer=a.optimizer)
+    if a.check == "packed":
+        res = run_packed(dims)
+    else:
+        res = run_f64(dims) if a.check == "f64" else run_f32(dims, seed=a.seed, optimizer=a.optimizer)
     if dims.rank == 0:
         with open(a.out, "w") as f:
             json.dump({"tp": dims.tp, "pp": dims.pp, "dp": dims.dp, "result": res}, f, indent=1)
