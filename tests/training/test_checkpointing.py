@@ -60,11 +60,9 @@ def test_resume_is_bitwise_tp2(hf_dir, tmp_path):
     _resume_case(hf_dir, tmp_path, 2, ["--tp", "2"])
 
 
-@pytest.mark.skip(reason="megatron-core 0.16 DistributedOptimizer + torch Adam (no TE/apex, CPU): saves and loads "
-                  "(dp_reshardable) but the resumed steps are not yet bitwise; fully_reshardable load fails (KeyError "
-                  "'step'). Open item, see the report.")
-def test_resume_is_bitwise_dp2_distributed_optimizer(hf_dir, tmp_path):
-    _resume_case(hf_dir, tmp_path, 2, ["--dist-opt", "--optim-sharding", "dp_reshardable"])
+@pytest.mark.parametrize("sharding", ["dp_reshardable", "fully_reshardable"])
+def test_resume_is_bitwise_dp2_distributed_optimizer(hf_dir, tmp_path, sharding):
+    _resume_case(hf_dir, tmp_path, 2, ["--dist-opt", "--optim-sharding", sharding])
 
 
 def test_latest_step_and_meta(tmp_path):
