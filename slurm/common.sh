@@ -34,6 +34,7 @@
 #   RL_MODE            sync | stream-group | stream-trajectory | async | stream-turn (opd)   stream-trajectory
 #   ROLLOUT_WORKERS    rollout worker processes (started by the trainer)                      1 / 8
 #   ROLLOUT_ENGINE     embedded | vllm                                                        embedded / vllm
+#   ROLLOUT_GPUS_PER_WORKER  GPUs per rollout worker on rollout nodes (its vLLM tensor-parallel size)  - / 1
 #   SEQ_LENGTH, MAX_TURNS, MAX_NEW_TOKENS                                                     128, 2, 16 / trainer's
 #   TASK               task name                                                              trainer's default
 #   TENSORBOARD_DIR                                                        $SAVE/tensorboard
@@ -69,6 +70,7 @@ tsync_config() {
     GLOBAL_BATCH_SIZE=${GLOBAL_BATCH_SIZE:-4}
     ROLLOUT_WORKERS=${ROLLOUT_WORKERS:-1}
     ROLLOUT_ENGINE=${ROLLOUT_ENGINE:-embedded}
+    ROLLOUT_GPUS_PER_WORKER=0
     SEQ_LENGTH=${SEQ_LENGTH:-128}
     MAX_TURNS=${MAX_TURNS:-2}
     MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-16}
@@ -84,6 +86,7 @@ tsync_config() {
     GLOBAL_BATCH_SIZE=${GLOBAL_BATCH_SIZE:-256}
     ROLLOUT_WORKERS=${ROLLOUT_WORKERS:-8}
     ROLLOUT_ENGINE=${ROLLOUT_ENGINE:-vllm}
+    ROLLOUT_GPUS_PER_WORKER=${ROLLOUT_GPUS_PER_WORKER:-1}
     export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}  # Megatron TP overlap ordering
     export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}
     export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
@@ -238,8 +241,9 @@ tsync_main() {
     # one task per rollout worker, spread over the rollout nodes; each waits for its spec from the trainer
     local rollout_nodelist
     rollout_nodelist=$(IFS=,; echo "${NODES[*]:$TRAINER_NODES:$ROLLOUT_NODES}")
-    srun --overlap --nodes="$ROLLOUT_NODES" --nodelist="$rollout_nodelist" --ntasks="$ROLLOUT_WORKERS" \
-      bash -c "exec \"$PY\" -m megatron_tsync.runtime.worker \"$ROLLOUT_DIR/worker\${SLURM_PROCID}.json\"" \
+    TSYNC_CPU=$TSYNC_CPU ROLLOUT_GPUS_PER_WORKER=$ROLLOUT_GPUS_PER_WORKER \
+      srun --overlap --nodes="$ROLLOUT_NODES" --nodelist="$rollout_nodelist" --ntasks="$ROLLOUT_WORKERS" \
+      bash "$TSYNC_HOME/slurm/launch_node.sh" rollout "$PY" "$ROLLOUT_DIR" \
       > "$RUN_DIR/rollout_workers.log" 2>&1 &
     tsync_log "rollout workers: $ROLLOUT_WORKERS task(s) on $rollout_nodelist (log $RUN_DIR/rollout_workers.log)"
   fi

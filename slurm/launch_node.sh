@@ -11,10 +11,11 @@
 #                                             init_process_group, waiting for an agent store that does not exist.)
 #   launch_node.sh rank PYTHON ARGS...        records this rank's PID in $PID_DIR/<host>.<LOCAL_RANK>.pid, then
 #                                             exec's PYTHON ARGS (so the PID is the trainer rank's)
+#   launch_node.sh rollout PYTHON SPEC_DIR    one srun task per rollout worker: pins its GPUs, runs the worker
 #   launch_node.sh signal SIG PID_DIR N       sends SIG to this node's N recorded ranks once all N have a handler
 #                                             for it installed (/proc/PID/status SigCgt); exit 1 if not yet
 set -euo pipefail
-mode=${1:?usage: launch_node.sh trainer|rank|signal ...}
+mode=${1:?usage: launch_node.sh trainer|rank|rollout|signal ...}
 shift
 host=$(hostname -s)
 
@@ -35,6 +36,19 @@ case $mode in
   rank)
     echo $$ >"$PID_DIR/$host.${LOCAL_RANK:-0}.pid"
     exec "$@"
+    ;;
+  rollout)
+    # one srun task per rollout worker: task SLURM_LOCALID of this node gets GPUs
+    # [LOCALID*G, LOCALID*G + G) (G = ROLLOUT_GPUS_PER_WORKER; 0 or TSYNC_CPU=1: no GPU), and its engine
+    # tensor-parallel size is G (TSYNC_ENGINE_TP, read by the worker)
+    py=$1 dir=$2
+    g=${ROLLOUT_GPUS_PER_WORKER:-1}
+    if [ "${TSYNC_CPU:-0}" != 1 ] && [ "$g" -gt 0 ]; then
+      first=$(( ${SLURM_LOCALID:-0} * g ))
+      CUDA_VISIBLE_DEVICES=$(seq -s, "$first" $((first + g - 1)))
+      export CUDA_VISIBLE_DEVICES TSYNC_ENGINE_TP=$g
+    fi
+    exec "$py" -m megatron_tsync.runtime.worker "$dir/worker${SLURM_PROCID:-0}.json"
     ;;
   signal)
     sig=$1 dir=$2 want=$3

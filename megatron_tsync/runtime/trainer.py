@@ -181,6 +181,7 @@ class Trainer:
             max_turns=cfg.rl.max_turns, max_new_tokens=cfg.rl.max_new_tokens, max_total_tokens=cfg.rl.seq_length,
             latency_profile=cfg.rollout.latency_profile, latency_scale=cfg.rollout.latency_scale,
             sandbox_timeout_s=cfg.rollout.sandbox_timeout_s, engine=cfg.rollout.engine,
+            engine_dtype="bfloat16" if cfg.precision.bf16 else "float32",
             max_staleness=cfg.rl.max_staleness if cfg.learner.mode == "async" else 0,
             stream_turns=cfg.rl.algorithm == "opd" and cfg.learner.mode == "stream-turn",
             weight_sync=cfg.rollout.weight_sync, weight_sync_bucket_mb=cfg.rollout.weight_sync_bucket_mb,

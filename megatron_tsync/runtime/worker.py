@@ -49,6 +49,7 @@ class WorkerSpec:
     latency_scale: float = 1.0
     sandbox_timeout_s: float = 10.0
     engine: str = "embedded"
+    engine_dtype: str = "float32"  # vLLM weights/activations: "bfloat16" when the trainer trains in bf16
     weight_timeout_s: float = 3600.0
     teacher_model: str | None = None
     max_staleness: int = 0  # async mode: roll out step k with any weights of version ≥ k − max_staleness
@@ -80,7 +81,12 @@ def _make_engine(spec: WorkerSpec):
     if spec.engine == "vllm":
         from megatron_tsync.rollout.vllm_engine import VLLMEngine
 
-        return VLLMEngine.from_hf_dir(spec.model_dir, seed=spec.seed)
+        # context = the trainer's --seq-length; tensor-parallel size = the GPUs slurm/launch_node.sh gave this worker
+        # (TP > 1 runs vLLM's engine core in its own processes; not run on GPUs here)
+        tp = int(os.environ.get("TSYNC_ENGINE_TP", "1"))
+        extra = {} if tp == 1 else {"tensor_parallel_size": tp, "in_process": False}
+        return VLLMEngine.from_hf_dir(spec.model_dir, seed=spec.seed, dtype=spec.engine_dtype,
+                                      max_model_len=spec.max_total_tokens, **extra)
     import socket
 
     from megatron_tsync.rollout.embedded_engine import EmbeddedEngine
