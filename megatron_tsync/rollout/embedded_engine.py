@@ -44,7 +44,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from megatron_tsync.rollout.engine import Completion, SamplingConfig, derive_seed
+from megatron_tsync.rollout.engine import Completion, SamplingConfig, check_request, derive_seed
 
 def temperature_logprobs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """log softmax(logits / T) with the trainer's formula (``vocab_parallel_logprobs`` at TP=1): (R, V) -> (R, V)."""
@@ -219,20 +219,10 @@ class EmbeddedEngine:
         *,
         seeds: Sequence[int] | None = None,
     ) -> list[list[Completion]]:
-        if n < 1:
-            raise ValueError(f"n must be ≥ 1, got {n}")
-        if seeds is not None and len(seeds) != len(prompts):
-            raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
-        if sampling.stop_strings and self.detokenize is None:
-            raise ValueError("stop_strings need an engine built with detokenize=...")
-        for i, p in enumerate(prompts):
-            if len(p) == 0:
-                raise ValueError(f"prompt {i} is empty")
-            if len(p) + sampling.max_new_tokens > self.max_seq_len:
-                raise ValueError(
-                    f"prompt {i}: {len(p)} tokens + max_new_tokens {sampling.max_new_tokens} exceed the model's "
-                    f"max_position_embeddings {self.max_seq_len}"
-                )
+        check_request(prompts, sampling, n, seeds, max_len=self.max_seq_len,
+                      max_len_name="the model's max_position_embeddings",
+                      can_stop_on_strings=self.detokenize is not None,
+                      stop_strings_hint="an engine built with detokenize=...")
         rows: list[tuple[list[int], random.Random]] = []
         for i, p in enumerate(prompts):
             for j in range(n):

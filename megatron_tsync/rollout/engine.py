@@ -109,6 +109,24 @@ class RolloutEngine(Protocol):
         ...
 
 
+def check_request(prompts: Sequence[Sequence[int]], sampling: SamplingConfig, n: int,
+                  seeds: Sequence[int] | None, *, max_len: int, max_len_name: str,
+                  can_stop_on_strings: bool, stop_strings_hint: str) -> None:
+    """The argument checks every engine's ``generate`` makes before any work (clear errors, nothing started)."""
+    if n < 1:
+        raise ValueError(f"n must be ≥ 1, got {n}")
+    if seeds is not None and len(seeds) != len(prompts):
+        raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
+    if sampling.stop_strings and not can_stop_on_strings:
+        raise ValueError(f"stop_strings need {stop_strings_hint}")
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            raise ValueError(f"prompt {i} is empty")
+        if len(p) + sampling.max_new_tokens > max_len:
+            raise ValueError(f"prompt {i}: {len(p)} tokens + max_new_tokens {sampling.max_new_tokens} exceed "
+                             f"{max_len_name} {max_len}")
+
+
 _U64 = (1 << 64) - 1
 
 

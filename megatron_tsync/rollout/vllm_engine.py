@@ -77,7 +77,7 @@ import threading
 from pathlib import Path
 from typing import Any, Sequence
 
-from megatron_tsync.rollout.engine import Completion, FinishReason, SamplingConfig, derive_seed
+from megatron_tsync.rollout.engine import Completion, FinishReason, SamplingConfig, check_request, derive_seed
 
 __all__ = ["VLLMEngine", "vllm_available", "megatron_to_hf_names"]
 
@@ -216,20 +216,9 @@ class VLLMEngine:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        if n < 1:
-            raise ValueError(f"n must be ≥ 1, got {n}")
-        if seeds is not None and len(seeds) != len(prompts):
-            raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
-        if sampling.stop_strings and not self.has_tokenizer:
-            raise ValueError("stop_strings need a VLLMEngine built with load_tokenizer=True")
-        for i, p in enumerate(prompts):
-            if len(p) == 0:
-                raise ValueError(f"prompt {i} is empty")
-            if len(p) + sampling.max_new_tokens > self.max_model_len:
-                raise ValueError(
-                    f"prompt {i}: {len(p)} tokens + max_new_tokens {sampling.max_new_tokens} exceed max_model_len "
-                    f"{self.max_model_len}"
-                )
+        check_request(prompts, sampling, n, seeds, max_len=self.max_model_len, max_len_name="max_model_len",
+                      can_stop_on_strings=self.has_tokenizer,
+                      stop_strings_hint="a VLLMEngine built with load_tokenizer=True")
         enders = list(dict.fromkeys(sampling.stop_token_ids + sampling.tool_token_ids))
         common = dict(
             n=1,
