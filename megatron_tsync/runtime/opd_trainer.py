@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import time
 
 import torch
 
 from megatron_tsync.runtime.fleet import TransportSource
-from megatron_tsync.runtime.trainer import Trainer, _bar
+from megatron_tsync.runtime.trainer import Trainer, _bar, save_history, write_scalars
 from megatron_tsync.training.opd_learner import TurnChunk, chunks_from_sample
 
 log = logging.getLogger("megatron_tsync")
@@ -254,14 +253,11 @@ class OPDTrainer(Trainer):
         }
         self.history.append(row)
         if self.tb is not None:
-            for key, tag in {"reverse_kl": "opd/reverse_kl", "full_vocab_kl": "opd/full_vocab_kl",
-                             "reward": "rollout/reward", "loss": "train/loss",
-                             "grad_norm": "train/grad_norm", "step_time_s": "perf/step_time_s",
-                             "tail_after_last_arrival_s": "perf/tail_s", "teacher_s": "opd/teacher_s",
-                             "graph_peak_bytes": "opd/graph_peak_bytes"}.items():
-                if row[key] is not None:
-                    self.tb.add_scalar(tag, row[key], k)
-            self.tb.flush()
+            write_scalars(self.tb, row, {
+                "reverse_kl": "opd/reverse_kl", "full_vocab_kl": "opd/full_vocab_kl", "reward": "rollout/reward",
+                "loss": "train/loss", "grad_norm": "train/grad_norm", "step_time_s": "perf/step_time_s",
+                "tail_after_last_arrival_s": "perf/tail_s", "teacher_s": "opd/teacher_s",
+                "graph_peak_bytes": "opd/graph_peak_bytes"}, k)
         if self.dims.is_logging_rank and k % max(self.cfg.logging.log_interval, 1) == 0:
             eta = elapsed / max(done, 1) * (self.cfg.rl.train_iters - self.step)
             bar = _bar(self.step, self.cfg.rl.train_iters) if self.cfg.logging.progress else f"step {self.step}"
@@ -272,8 +268,6 @@ class OPDTrainer(Trainer):
     def _summary_opd(self) -> None:
         if not self.history or not self.dims.is_logging_rank:
             return
-        import json
-
         h = self.history
         n = max(1, min(3, len(h) // 2))
         first = sum(r["reverse_kl"] for r in h[:n]) / n
@@ -283,8 +277,4 @@ class OPDTrainer(Trainer):
               f"{h[0]['reward']:.3f} → {h[-1]['reward']:.3f}, mean step "
               f"{sum(r['step_time_s'] for r in h) / len(h):.2f}s, mean tail "
               f"{sum(r['tail_after_last_arrival_s'] for r in h) / len(h):.2f}s", flush=True)
-        out = self.cfg.checkpoint.save or self.cfg.logging.tensorboard_dir
-        if out:
-            os.makedirs(out, exist_ok=True)
-            with open(os.path.join(out, "history.json"), "w") as f:
-                json.dump(h, f, indent=1)
+        save_history(self.cfg, h)

@@ -297,10 +297,7 @@ class Trainer:
                      "grad_norm": "train/grad_norm", "step_time_s": "perf/step_time_s", "idle_frac": "perf/learner_idle_frac",
                      "open_groups_peak_vectors": "stream/bucket_vectors_peak", "bucket_peak_bytes": "stream/bucket_bytes_peak",
                      "events_rejected": "transport/events_rejected", "staleness": "rollout/staleness"}
-            for key, tag in names.items():
-                if row[key] is not None:
-                    self.tb.add_scalar(tag, row[key], k)
-            self.tb.flush()
+            write_scalars(self.tb, row, names, k)
         if self.dims.is_logging_rank and (k % max(self.cfg.logging.log_interval, 1) == 0):
             left = self.cfg.rl.train_iters - self.step
             eta = elapsed / max(done, 1) * left
@@ -320,11 +317,24 @@ class Trainer:
         print(f"[tsync] summary: mode {self.cfg.learner.mode}, {len(h)} steps, success {first:.2f} → {last:.2f} "
               f"(first/last {n} steps), reward {h[0]['reward']:.3f} → {h[-1]['reward']:.3f}, "
               f"mean step {mean_step:.2f}s, learner idle {sum(r['idle_frac'] for r in h) / len(h):.0%}", flush=True)
-        out = self.cfg.checkpoint.save or self.cfg.logging.tensorboard_dir
-        if out:
-            os.makedirs(out, exist_ok=True)
-            with open(os.path.join(out, "history.json"), "w") as f:
-                json.dump(h, f, indent=1)
+        save_history(self.cfg, h)
+
+
+def write_scalars(tb, row: dict, names: dict[str, str], k: int) -> None:
+    """TensorBoard: ``row[key]`` under ``names[key]`` at step ``k`` (None values skipped)."""
+    for key, tag in names.items():
+        if row.get(key) is not None:
+            tb.add_scalar(tag, row[key], k)
+    tb.flush()
+
+
+def save_history(cfg: TrainConfig, history: list[dict]) -> None:
+    """Per-step metrics as ``history.json`` next to the checkpoints (or the TensorBoard folder)."""
+    out = cfg.checkpoint.save or cfg.logging.tensorboard_dir
+    if out:
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, "history.json"), "w") as f:
+            json.dump(history, f, indent=1)
 
 
 def _bar(done: int, total: int, width: int = 20) -> str:
