@@ -34,17 +34,6 @@ def parallel():
     return initialize_parallel(1, 1, seed=0)
 
 
-@pytest.fixture(scope="session")
-def tiny_dir(tmp_path_factory):
-    """A tiny HF Llama + tokenizer, made once per session (shared with the agent-loop tests)."""
-    from megatron_tsync.training.tiny_model import make_tiny_model
-
-    d = tmp_path_factory.getbasetemp() / "tiny_llama_rollout"
-    if not (d / "config.json").exists():
-        make_tiny_model(str(d), seed=0)
-    return str(d)
-
-
 @pytest.fixture(scope="module")
 def setup(parallel, tiny_dir):
     """(engine, trainer model, hf state): both built from the same HF folder."""
