@@ -15,7 +15,7 @@ import argparse
 import json
 import sys
 
-from megatron_tsync.training.model import ModelArch
+from megatron_tsync.model.builder import ModelArch
 
 PER_GROUP = {"grpo": 2, "grpo_unbiased": 2, "grpo_batch_std": 2, "dr_grpo": 1, "rloo": 1}
 

@@ -1,7 +1,7 @@
 """The typed configuration of a training run: frozen dataclasses, built once at the entry point.
 
 ``TrainConfig`` is the one object a run is configured by. Its sections reuse the dataclasses of the modules that
-consume them — ``PrecisionConfig`` (training/model.py), ``OptimConfig`` (training/optimizer.py), ``LearnerConfig``
+consume them — ``PrecisionConfig`` (model/builder.py), ``OptimConfig`` (training/optimizer.py), ``LearnerConfig``
 with its ``LossConfig`` / ``PolicyLossConfig`` / ``RewardSpec`` (training/learner.py and algorithms/) — and add the
 sections that have no other home yet: ``ModelConfig``, ``ParallelConfig``, ``RLConfig``, ``RolloutConfig``,
 ``CheckpointConfig`` and ``LoggingConfig``, defined here.
@@ -318,7 +318,7 @@ class LoggingConfig:
 # ------------------------------------------------------------------------------------------------------ the run
 # Sections owned by modules that import torch: loaded on first use.
 _FOREIGN = {
-    "PrecisionConfig": "megatron_tsync.training.model",
+    "PrecisionConfig": "megatron_tsync.model.builder",
     "OptimConfig": "megatron_tsync.training.optimizer",
     "LearnerConfig": "megatron_tsync.training.learner",
     "LossConfig": "megatron_tsync.training.stream_fb",
@@ -344,7 +344,7 @@ class TrainConfig:
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
     """TP / PP / CP sizes and the distributed optimizer."""
     precision: PrecisionConfig = _default("PrecisionConfig")
-    """Parameter dtype, bf16, FP8 (``training.model.PrecisionConfig``)."""
+    """Parameter dtype, bf16, FP8 (``model.builder.PrecisionConfig``)."""
     optim: OptimConfig = _default("OptimConfig")
     """Optimizer, learning rate, clipping (``training.optimizer.OptimConfig``)."""
     learner: LearnerConfig = _default("LearnerConfig")
@@ -556,5 +556,5 @@ def reward_spec_for_verifier(name: str):
 
 if typing.TYPE_CHECKING:  # pragma: no cover - names of the lazily loaded sections, for type checkers
     from megatron_tsync.training.learner import LearnerConfig
-    from megatron_tsync.training.model import PrecisionConfig
+    from megatron_tsync.model.builder import PrecisionConfig
     from megatron_tsync.training.optimizer import OptimConfig

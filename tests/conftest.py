@@ -26,7 +26,7 @@ def megatron_single():
         os.environ["MASTER_PORT"] = str(free_port())
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         os.environ.pop(k, None)
-    from megatron_tsync.training.parallel import initialize_parallel
+    from megatron_tsync.model.parallel import initialize_parallel
 
     return initialize_parallel(1, 1)
 
@@ -34,7 +34,7 @@ def megatron_single():
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory):
     """A tiny HF Llama + local tokenizer shared by the rollout/runtime tests (made once per session)."""
-    from megatron_tsync.training.tiny_model import make_tiny_model
+    from megatron_tsync.model.tiny_model import make_tiny_model
 
     d = tmp_path_factory.getbasetemp() / "tiny_llama_rollout"
     if not (d / "config.json").exists():

@@ -189,7 +189,7 @@ def test_choices_match_the_registries():
 
 def test_reused_sections_are_the_owners_classes():
     from megatron_tsync.training.learner import LearnerConfig
-    from megatron_tsync.training.model import PrecisionConfig
+    from megatron_tsync.model.builder import PrecisionConfig
     from megatron_tsync.training.optimizer import OptimConfig
 
     cfg = TrainConfig()

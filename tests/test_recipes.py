@@ -125,7 +125,7 @@ def test_recipe_task_and_verifier(name, monkeypatch):
 def test_bucket_memory_figures(name, estimator, k, vector_gib, bucket_gib):
     from examples.bucket_memory import estimate, params_per_rank
 
-    from megatron_tsync.training.model import ModelArch
+    from megatron_tsync.model.builder import ModelArch
 
     arch = ModelArch.from_hf_config(HF_CONFIGS[name])
     total = params_per_rank(arch, 1, 1)

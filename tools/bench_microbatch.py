@@ -58,11 +58,11 @@ def main(argv=None) -> dict:
     from megatron_tsync.streaming.buckets import BucketPool, GradRouter
     from megatron_tsync.streaming.planner import StepPlanner
     from megatron_tsync.streaming.ready_queue import Sample
-    from megatron_tsync.training.hf_conversion import load_hf_into_model
-    from megatron_tsync.training.logprobs import token_logprobs
-    from megatron_tsync.training.model import ModelArch, build_model
+    from megatron_tsync.model.hf_conversion import load_hf_into_model
+    from megatron_tsync.model.logprobs import token_logprobs
+    from megatron_tsync.model.builder import ModelArch, build_model
     from megatron_tsync.training.optimizer import wrap_ddp
-    from megatron_tsync.training.parallel import initialize_parallel
+    from megatron_tsync.model.parallel import initialize_parallel
     from megatron_tsync.training.stream_fb import BatchShape, LossConfig, StreamExecutor
     from megatron_tsync.algorithms.advantages import get_advantage_estimator
     from megatron_tsync.streaming.planner import Dest, WorkItem

@@ -63,9 +63,9 @@ def main(argv=None) -> dict:
     torch.set_num_threads(1)
     from megatron_tsync.streaming.ready_queue import ListSource
     from megatron_tsync.training.learner import Learner, LearnerConfig, shape_for
-    from megatron_tsync.training.model import ModelArch, build_model
+    from megatron_tsync.model.builder import ModelArch, build_model
     from megatron_tsync.training.optimizer import OptimConfig, build_optimizer, wrap_ddp
-    from megatron_tsync.training.parallel import initialize_parallel
+    from megatron_tsync.model.parallel import initialize_parallel
 
     initialize_parallel(1, 1)
     arch = ModelArch(family="llama", vocab_size=512, hidden_size=128, ffn_hidden_size=352, num_layers=2,

@@ -87,8 +87,8 @@ class Harness:
     def __init__(self, args):
         import torch
 
-        from megatron_tsync.training.model import ModelArch, PrecisionConfig, build_model
-        from megatron_tsync.training.parallel import initialize_parallel
+        from megatron_tsync.model.builder import ModelArch, PrecisionConfig, build_model
+        from megatron_tsync.model.parallel import initialize_parallel
 
         torch.set_num_threads(1)
         initialize_parallel(1, 1)
@@ -107,7 +107,7 @@ class Harness:
         from megatron_tsync.algorithms.policy_loss import PolicyLossConfig
         from megatron_tsync.algorithms.streamability import RewardSpec
         from megatron_tsync.training.learner import Learner, LearnerConfig
-        from megatron_tsync.training.model import build_model
+        from megatron_tsync.model.builder import build_model
         from megatron_tsync.training.optimizer import OptimConfig, build_optimizer, wrap_ddp
         from megatron_tsync.training.stream_fb import LossConfig
 

@@ -46,8 +46,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def _hf_to_megatron(a: argparse.Namespace) -> None:
     from megatron_tsync.training.checkpointing import save_checkpoint
-    from megatron_tsync.training.hf_conversion import load_hf_dir, load_hf_into_model
-    from megatron_tsync.training.model import PrecisionConfig, build_model
+    from megatron_tsync.model.hf_conversion import load_hf_dir, load_hf_into_model
+    from megatron_tsync.model.builder import PrecisionConfig, build_model
 
     arch, state = load_hf_dir(a.load)
     dtype = next(iter(state.values())).dtype
@@ -61,8 +61,8 @@ def _megatron_to_hf(a: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     from megatron_tsync.training import checkpointing as ck
-    from megatron_tsync.training.hf_conversion import megatron_to_hf, save_hf_dir
-    from megatron_tsync.training.model import PrecisionConfig, build_model
+    from megatron_tsync.model.hf_conversion import megatron_to_hf, save_hf_dir
+    from megatron_tsync.model.builder import PrecisionConfig, build_model
 
     meta = ck.read_meta(a.load, a.step)
     arch = ck.arch_from_checkpoint(a.load, meta["step"])
@@ -83,7 +83,7 @@ def _megatron_to_hf(a: argparse.Namespace) -> None:
 
 def run(a: argparse.Namespace) -> None:
     """Convert in this process (one rank of a launcher or of :func:`_spawn_local`)."""
-    from megatron_tsync.training.parallel import destroy_parallel, initialize_parallel
+    from megatron_tsync.model.parallel import destroy_parallel, initialize_parallel
 
     initialize_parallel(a.target_tensor_parallel_size, a.target_pipeline_model_parallel_size, seed=0)
     try:

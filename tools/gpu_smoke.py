@@ -68,7 +68,7 @@ def _te():
 
 
 def _arch():
-    from megatron_tsync.training.model import ModelArch
+    from megatron_tsync.model.builder import ModelArch
 
     return ModelArch(family="llama", vocab_size=32000, hidden_size=1024, ffn_hidden_size=2816, num_layers=8,
                      num_attention_heads=16, num_kv_heads=4, head_dim=64, max_position_embeddings=4096)
@@ -79,7 +79,7 @@ def _grad(mode, precision, samples, order, packing=None):
 
     from megatron_tsync.streaming.ready_queue import ListSource
     from megatron_tsync.training.learner import Learner, LearnerConfig, shape_for
-    from megatron_tsync.training.model import build_model
+    from megatron_tsync.model.builder import build_model
     from megatron_tsync.training.optimizer import OptimConfig, build_optimizer, wrap_ddp
 
     m = build_model(_arch(), precision, seed=0)
@@ -123,8 +123,8 @@ def te_spec():
         return "skip", "Transformer Engine not importable"
     import torch
 
-    from megatron_tsync.training.logprobs import token_logprobs
-    from megatron_tsync.training.model import PrecisionConfig, build_model, choose_layer_spec
+    from megatron_tsync.model.logprobs import token_logprobs
+    from megatron_tsync.model.builder import PrecisionConfig, build_model, choose_layer_spec
 
     spec, name = choose_layer_spec(PrecisionConfig(bf16=True))
     m = build_model(_arch(), PrecisionConfig(bf16=True), seed=0)
@@ -149,7 +149,7 @@ def _exact(precision, tol):
 def exact_bf16():
     if not (_cuda() and _te()):
         return "skip", "needs CUDA + Transformer Engine"
-    from megatron_tsync.training.model import PrecisionConfig
+    from megatron_tsync.model.builder import PrecisionConfig
 
     return _exact(PrecisionConfig(bf16=True), 2e-2)
 
@@ -162,7 +162,7 @@ def exact_fp8():
         return "skip", "needs CUDA + Transformer Engine"
     if torch.cuda.get_device_capability() < (8, 9):
         return "skip", f"FP8 needs compute capability ≥ 8.9, device has {torch.cuda.get_device_capability()}"
-    from megatron_tsync.training.model import PrecisionConfig
+    from megatron_tsync.model.builder import PrecisionConfig
 
     return _exact(PrecisionConfig(bf16=True, fp8_format="hybrid"), 5e-2)
 
@@ -192,7 +192,7 @@ def _packed(precision, tol):
 def packed_bf16():
     if not (_cuda() and _te()):
         return "skip", "needs CUDA + Transformer Engine"
-    from megatron_tsync.training.model import PrecisionConfig
+    from megatron_tsync.model.builder import PrecisionConfig
 
     return _packed(PrecisionConfig(bf16=True), 2e-2)
 
@@ -205,7 +205,7 @@ def packed_fp8():
         return "skip", "needs CUDA + Transformer Engine"
     if torch.cuda.get_device_capability() < (8, 9):
         return "skip", f"FP8 needs compute capability ≥ 8.9, device has {torch.cuda.get_device_capability()}"
-    from megatron_tsync.training.model import PrecisionConfig
+    from megatron_tsync.model.builder import PrecisionConfig
 
     return _packed(PrecisionConfig(bf16=True, fp8_format="hybrid"), 5e-2)
 
@@ -216,7 +216,7 @@ def mfu():
         return "skip", "no CUDA device"
     import torch
 
-    from megatron_tsync.training.model import PrecisionConfig
+    from megatron_tsync.model.builder import PrecisionConfig
 
     S = _samples(n_groups=8, G=8, T=1024)
     _grad("stream-trajectory", PrecisionConfig(bf16=True), S[:4], S[:4])  # warm-up
@@ -242,7 +242,7 @@ def vllm_cuda(hf_dir):
     except Exception:
         return "skip", "vllm not importable"
     if hf_dir is None:
-        from megatron_tsync.training.tiny_model import make_tiny_model
+        from megatron_tsync.model.tiny_model import make_tiny_model
 
         hf_dir = make_tiny_model("/tmp/tsync_gpu_smoke_model", seed=0)
     from megatron_tsync.rollout.engine import SamplingConfig
@@ -314,7 +314,7 @@ def main(argv=None):
     ap.add_argument("--json", default=None)
     ap.add_argument("--hf-model", default=None)
     a = ap.parse_args(argv)
-    from megatron_tsync.training.parallel import initialize_parallel
+    from megatron_tsync.model.parallel import initialize_parallel
 
     initialize_parallel(1, 1)
     te_spec()

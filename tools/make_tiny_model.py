@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from megatron_tsync.training.tiny_model import make_tiny_model
+from megatron_tsync.model.tiny_model import make_tiny_model
 
 
 def main(argv=None) -> None:

@@ -42,11 +42,11 @@ def main(argv=None) -> int:
     import torch
 
     from megatron_tsync.streaming.ready_queue import Sample
-    from megatron_tsync.training.model import ModelArch, build_model
+    from megatron_tsync.model.builder import ModelArch, build_model
     from megatron_tsync.training.opd_learner import (ListChunkSource, OPDLearner, OPDLearnerConfig,
                                                      chunks_from_sample, simulate_opd_timeline)
     from megatron_tsync.training.optimizer import OptimConfig, build_optimizer, wrap_ddp
-    from megatron_tsync.training.parallel import initialize_parallel
+    from megatron_tsync.model.parallel import initialize_parallel
     from megatron_tsync.training.stream_fb import BatchShape
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))

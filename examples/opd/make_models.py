@@ -21,11 +21,11 @@ def sft_to_dir(base: str, out: str, steps: int, *, lr: float = 1e-3, seed: int =
     """Load ``base``, ``steps`` supervised steps on the task's demonstrations, save to ``out`` (HF folder)."""
     from transformers import AutoTokenizer
 
-    from megatron_tsync.rollout.agent_loop import TokenizerCodec
+    from megatron_tsync.model.tokenizer import TokenizerCodec
     from megatron_tsync.runtime.sft import sft_warmup
     from megatron_tsync.runtime.tasks import get_task
-    from megatron_tsync.training.hf_conversion import load_hf_dir, load_hf_into_model, megatron_to_hf, save_hf_dir
-    from megatron_tsync.training.model import build_model
+    from megatron_tsync.model.hf_conversion import load_hf_dir, load_hf_into_model, megatron_to_hf, save_hf_dir
+    from megatron_tsync.model.builder import build_model
     from megatron_tsync.training.optimizer import OptimConfig, build_optimizer, wrap_ddp
 
     arch, state = load_hf_dir(base)
@@ -53,8 +53,8 @@ def main(argv=None) -> int:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             os.environ["MASTER_PORT"] = str(s.getsockname()[1])
-    from megatron_tsync.training.parallel import destroy_parallel, initialize_parallel
-    from megatron_tsync.training.tiny_model import make_tiny_model
+    from megatron_tsync.model.parallel import destroy_parallel, initialize_parallel
+    from megatron_tsync.model.tiny_model import make_tiny_model
 
     initialize_parallel(1, 1, seed=a.seed)
     base = os.path.join(a.root, "base")

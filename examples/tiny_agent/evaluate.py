@@ -24,7 +24,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 def agent_config(codec, *, temperature: float = 1.0, seed: int | None = 0, max_new_tokens: int = 32,
                  max_turns: int = 3, max_total_tokens: int = 128):
     """The agent-loop limits of the tiny task: turns end at ``</tool>``; ``</answer>`` or ``</s>`` stop."""
-    from megatron_tsync.rollout.agent_loop import AgentConfig, tag_token_id
+    from megatron_tsync.rollout.agent_loop import AgentConfig
+    from megatron_tsync.model.tokenizer import tag_token_id
     from megatron_tsync.rollout.engine import SamplingConfig
 
     sampling = SamplingConfig(
@@ -87,9 +88,9 @@ def load_engine(args):
     ``hf_assets``)."""
     from tokenizers import Tokenizer
 
-    from megatron_tsync.rollout.agent_loop import TokenizerCodec
+    from megatron_tsync.model.tokenizer import TokenizerCodec
     from megatron_tsync.rollout.embedded_engine import EmbeddedEngine
-    from megatron_tsync.training.parallel import initialize_parallel
+    from megatron_tsync.model.parallel import initialize_parallel
 
     if "MASTER_PORT" not in os.environ:  # a private single-process group: any free port
         import socket
@@ -103,7 +104,7 @@ def load_engine(args):
         tok_dir = args.tokenizer or args.hf_dir
     else:
         from megatron_tsync.training.checkpointing import arch_from_checkpoint, load_checkpoint
-        from megatron_tsync.training.model import build_model
+        from megatron_tsync.model.builder import build_model
 
         model = build_model(arch_from_checkpoint(args.load), seed=0)
         if load_checkpoint(args.load, model, load_rng=False) is None:

@@ -33,8 +33,9 @@ import contextvars
 import dataclasses
 import inspect
 import time
-from typing import Any, Awaitable, Callable, Protocol, Sequence
+from typing import Any, Awaitable, Callable, Sequence
 
+from megatron_tsync.model.tokenizer import TextCodec
 from megatron_tsync.rollout.engine import Completion, RolloutEngine, SamplingConfig, derive_seed
 
 # ------------------------------------------------------------------------------------------------ records
@@ -97,35 +98,6 @@ class Trajectory:
 
 
 # ------------------------------------------------------------------------------------------------ text + tools
-
-
-class TextCodec(Protocol):
-    def encode(self, text: str) -> list[int]: ...
-
-    def decode(self, ids: Sequence[int]) -> str: ...
-
-
-@dataclasses.dataclass(frozen=True)
-class TokenizerCodec:
-    """A :class:`TextCodec` over a ``tokenizers.Tokenizer`` or a transformers tokenizer; special tokens are kept
-    on decode (the tool parser needs ``<tool>``) and no BOS/EOS is added on encode."""
-
-    tokenizer: Any
-
-    def encode(self, text: str) -> list[int]:
-        enc = self.tokenizer.encode(text, add_special_tokens=False)
-        return list(enc.ids if hasattr(enc, "ids") else enc)
-
-    def decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(ids), skip_special_tokens=False)
-
-
-def tag_token_id(codec: TextCodec, tag: str) -> int:
-    """The single token id of a special tag such as ``</tool>``; raises when the tokenizer splits it."""
-    ids = codec.encode(tag)
-    if len(ids) != 1:
-        raise ValueError(f"{tag!r} is not a single token for this tokenizer: {ids}")
-    return ids[0]
 
 
 ToolExecutor = Callable[[str], "ToolStep | Awaitable[ToolStep]"]

@@ -1,8 +1,8 @@
 """The embedded rollout engine: batched sampling with the policy's own Megatron ``GPTModel`` in-process.
 
 The default engine where there is no GPU (vLLM's CUDA build cannot run). It runs a TP=1 ``GPTModel`` built
-by :func:`megatron_tsync.training.model.build_model` — the same modules as the learner — so its per-token
-log-probs equal :func:`megatron_tsync.training.logprobs.token_logprobs` up to float rounding (measured ≤ 1e-6 in
+by :func:`megatron_tsync.model.builder.build_model` — the same modules as the learner — so its per-token
+log-probs equal :func:`megatron_tsync.model.logprobs.token_logprobs` up to float rounding (measured ≤ 1e-6 in
 float32).
 
 Why not ``megatron.core.inference``'s static engine (evaluated on the tiny model): it
@@ -150,7 +150,7 @@ class EmbeddedEngine:
         detokenize: Callable[[list[int]], str] | None = None,
         version: int = 0,
     ):
-        from megatron_tsync.training.model import unwrap
+        from megatron_tsync.model.builder import unwrap
 
         self.model = unwrap(model)
         self.model.eval()
@@ -171,14 +171,14 @@ class EmbeddedEngine:
     @classmethod
     def from_arch(cls, arch, precision=None, *, seed: int | None = 0, **kwargs) -> "EmbeddedEngine":
         """Build the policy's architecture (TP=1; parallel state must be initialised) and wrap it."""
-        from megatron_tsync.training.model import build_model
+        from megatron_tsync.model.builder import build_model
 
         return cls(build_model(arch, precision, seed=seed), **kwargs)
 
     @classmethod
     def from_hf_dir(cls, path: str, precision=None, **kwargs) -> "EmbeddedEngine":
         """Build the architecture of a Hugging Face Llama/Qwen2 folder and load its weights."""
-        from megatron_tsync.training.hf_conversion import load_hf_dir
+        from megatron_tsync.model.hf_conversion import load_hf_dir
 
         arch, state = load_hf_dir(path)
         engine = cls.from_arch(arch, precision, seed=0, **kwargs)
@@ -204,9 +204,9 @@ class EmbeddedEngine:
                         own[k].copy_(v.to(own[k].dtype))
             else:
                 try:
-                    from megatron_tsync.training.hf_conversion import load_hf_into_model
+                    from megatron_tsync.model.hf_conversion import load_hf_into_model
                 except ImportError as e:  # pragma: no cover - depends on the conversion module being present
-                    raise ImportError("Hugging Face weights need megatron_tsync.training.hf_conversion") from e
+                    raise ImportError("Hugging Face weights need megatron_tsync.model.hf_conversion") from e
                 load_hf_into_model(self.model, sd)
             self._version = int(version)
 
@@ -245,7 +245,7 @@ class EmbeddedEngine:
     def _ensure_thread(self) -> None:
         """megatron's CPU support (a torch function mode) is per thread: enter it once in each calling thread."""
         if not getattr(self._thread_ready, "done", False):
-            from megatron_tsync.training import compat
+            from megatron_tsync.model import compat
 
             if threading.current_thread() is not threading.main_thread():
                 compat.ensure_cpu_mode_in_thread()

@@ -4,7 +4,7 @@ offers the agent loop, plus a contract check any implementation can be run again
 Log-prob convention (the one the learner's importance ratios rely on):
 
 - ``Completion.logprobs[t]`` is ``log softmax(logits_t / T)[token_t]``: the temperature-scaled distribution over
-  the **whole** vocabulary — exactly what ``training.logprobs.token_logprobs(model, ids, temperature=T)``
+  the **whole** vocabulary — exactly what ``model.logprobs.token_logprobs(model, ids, temperature=T)``
   recomputes for the same weights. This is what the learner compares against (behaviour log-probs).
 - With top-k / top-p the token is drawn from the truncated, renormalised distribution. Its log-prob under that
   distribution is returned separately in ``Completion.sampling_logprobs`` (``None`` when no truncation was

@@ -95,7 +95,7 @@ def _is_megatron_state(state: dict[str, Any]) -> bool:
 
 def megatron_to_hf_names(state: dict[str, Any], arch) -> dict[str, Any]:
     """A full (TP=1, single-stage) Megatron local-spec state dict with Hugging Face names (pure re-slicing)."""
-    from megatron_tsync.training.hf_conversion import _megatron_full_to_hf
+    from megatron_tsync.model.hf_conversion import megatron_full_to_hf
 
     full = {}
     for k, v in state.items():
@@ -103,7 +103,7 @@ def megatron_to_hf_names(state: dict[str, Any], arch) -> dict[str, Any]:
         if "_extra_state" in k or not hasattr(v, "shape"):
             continue
         full[k] = [v] if k.endswith("mlp.linear_fc1.weight") else v  # fc1 is given per TP rank
-    return _megatron_full_to_hf(full, arch, 0, 1)
+    return megatron_full_to_hf(full, arch, 0, 1)
 
 
 class VLLMEngine:
@@ -270,7 +270,7 @@ class VLLMEngine:
             else:
                 state = dict(state_dict)
                 if _is_megatron_state(state):
-                    from megatron_tsync.training.model import ModelArch
+                    from megatron_tsync.model.builder import ModelArch
 
                     state = megatron_to_hf_names(state, ModelArch.from_hf_dir(self.model_dir))
                 if self.in_process:

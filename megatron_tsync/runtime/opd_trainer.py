@@ -173,7 +173,7 @@ class OPDTrainer(Trainer):
             pp_group=self.dims.pp_group())
         self.teacher = None
         if cfg.rollout.teacher_model:
-            from megatron_tsync.rollout.teacher import TeacherScorer
+            from megatron_tsync.training.teacher import TeacherScorer
 
             self.teacher = TeacherScorer.from_hf_dir(cfg.rollout.teacher_model, cfg.precision, seed=cfg.rl.seed)
             student_vocab = self.ddp.module.arch.vocab_size if hasattr(self.ddp.module, "arch") else None

@@ -105,7 +105,7 @@ def grads_to_hf(ddp_model) -> dict[str, torch.Tensor]:
     Uses the conversion's own name/layout mapping by presenting each gradient as the parameter's data for the
     duration of the call (restored afterwards).
     """
-    from megatron_tsync.training.hf_conversion import megatron_to_hf
+    from megatron_tsync.model.hf_conversion import megatron_to_hf
 
     saved = []
     params = [p for p in ddp_model.parameters() if getattr(p, "main_grad", None) is not None]

@@ -32,7 +32,7 @@ __all__ = ["demonstration_tokens", "collate", "sft_warmup", "timed_sft_warmup", 
 def as_codec(tokenizer_or_codec: Any):
     """A text codec (``encode(str) -> list[int]``, ``decode``): a ``TokenizerCodec`` is returned as is, a raw
     ``tokenizers.Tokenizer`` / transformers tokenizer is wrapped in one."""
-    from megatron_tsync.rollout.agent_loop import TokenizerCodec
+    from megatron_tsync.model.tokenizer import TokenizerCodec
 
     if isinstance(tokenizer_or_codec, TokenizerCodec):
         return tokenizer_or_codec
@@ -118,8 +118,8 @@ def sft_warmup(
         pad_id: right-padding id (never trained on).
         log: ``log(step, loss)`` after every step.
     """
-    from megatron_tsync.training.logprobs import token_logprobs
-    from megatron_tsync.training.model import unwrap
+    from megatron_tsync.model.logprobs import token_logprobs
+    from megatron_tsync.model.builder import unwrap
     from megatron_tsync.training.optimizer import finalize_and_scale
 
     if getattr(unwrap(ddp_model), "pre_process", True) is False or getattr(unwrap(ddp_model), "post_process", True) is False:

@@ -51,7 +51,7 @@ def _model_dir(cfg: TrainConfig, rank: int) -> str:
         if not cfg.model.init_tiny_model:
             raise FileNotFoundError(f"--model {path}: no config.json (pass --init-tiny-model to create a tiny one)")
         if rank == 0:
-            from megatron_tsync.training.tiny_model import make_tiny_model
+            from megatron_tsync.model.tiny_model import make_tiny_model
 
             log.info("creating a tiny model at %s", path)
             make_tiny_model(path, seed=cfg.rl.seed)
@@ -73,11 +73,11 @@ def _learner_cfg(cfg: TrainConfig, reward_spec):
 class Trainer:
     def __init__(self, cfg: TrainConfig):
         from megatron_tsync.runtime.tasks import get_task
-        from megatron_tsync.training.hf_conversion import load_hf_dir, load_hf_into_model
+        from megatron_tsync.model.hf_conversion import load_hf_dir, load_hf_into_model
         from megatron_tsync.training.learner import Learner
-        from megatron_tsync.training.model import build_model
+        from megatron_tsync.model.builder import build_model
         from megatron_tsync.training.optimizer import build_optimizer, wrap_ddp
-        from megatron_tsync.training.parallel import initialize_parallel
+        from megatron_tsync.model.parallel import initialize_parallel
 
         self.cfg = cfg
         if cfg.learner.num_minibatches > cfg.rl.groups_per_step:
@@ -139,7 +139,7 @@ class Trainer:
     def _sft(self) -> None:
         from transformers import AutoTokenizer
 
-        from megatron_tsync.rollout.agent_loop import TokenizerCodec
+        from megatron_tsync.model.tokenizer import TokenizerCodec
         from megatron_tsync.runtime.sft import sft_warmup
         from megatron_tsync.training.optimizer import OptimConfig, build_optimizer
 
@@ -197,7 +197,7 @@ class Trainer:
         return fleet
 
     def _publish(self, fleet, version: int) -> None:
-        from megatron_tsync.training.hf_conversion import megatron_to_hf
+        from megatron_tsync.model.hf_conversion import megatron_to_hf
 
         state = megatron_to_hf(self.ddp)  # collective over TP/PP: every rank calls it
         if fleet is not None:
@@ -359,7 +359,7 @@ def run(cfg: TrainConfig) -> list[dict]:
             raise ValueError("--rl-mode stream-turn is for --rl-algorithm opd")
         t = Trainer(cfg)
     hist = t.train()
-    from megatron_tsync.training.parallel import destroy_parallel
+    from megatron_tsync.model.parallel import destroy_parallel
 
     destroy_parallel()
     return hist

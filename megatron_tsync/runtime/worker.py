@@ -90,7 +90,7 @@ def _make_engine(spec: WorkerSpec):
     import socket
 
     from megatron_tsync.rollout.embedded_engine import EmbeddedEngine
-    from megatron_tsync.training.parallel import initialize_parallel
+    from megatron_tsync.model.parallel import initialize_parallel
 
     # the embedded engine is a megatron model of its own: a private single-process group (gloo, TP=1)
     for k in list(os.environ):
@@ -143,7 +143,8 @@ class RolloutWorker:
     def __init__(self, spec: WorkerSpec):
         from transformers import AutoTokenizer
 
-        from megatron_tsync.rollout.agent_loop import AgentConfig, AgentLoop, RegistryTools, TokenizerCodec
+        from megatron_tsync.rollout.agent_loop import AgentConfig, AgentLoop, RegistryTools
+        from megatron_tsync.model.tokenizer import TokenizerCodec
         from megatron_tsync.rollout.engine import SamplingConfig
         from megatron_tsync.rollout.sandbox import Sandbox, SandboxConfig
         from megatron_tsync.rollout.verifiers import get_verifier

@@ -33,8 +33,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_tsync.training import compat
-from megatron_tsync.training.model import ModelArch, unwrap
+from megatron_tsync.model import compat
+from megatron_tsync.model.builder import ModelArch, unwrap
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +133,7 @@ def _write_atomic(path: str, text: str) -> None:
 
 
 def _copy_hf_assets(src: str, root: str) -> None:
-    from megatron_tsync.training.hf_conversion import TOKENIZER_FILES
+    from megatron_tsync.model.hf_conversion import TOKENIZER_FILES
 
     dst = os.path.join(root, HF_ASSETS)
     os.makedirs(dst, exist_ok=True)

@@ -28,7 +28,7 @@ import time
 import torch
 
 from megatron_tsync.streaming.ready_queue import Sample
-from megatron_tsync.training.logprobs import vocab_parallel_logprobs
+from megatron_tsync.model.logprobs import vocab_parallel_logprobs
 from megatron_tsync.training.stream_fb import THETA0_LOGP
 
 

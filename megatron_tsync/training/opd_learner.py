@@ -45,7 +45,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import math
 import time
 from typing import Protocol
 
@@ -55,8 +54,9 @@ import torch.distributed as dist
 from megatron_tsync.algorithms.aggregation import barrier_divisor, sequence_weight
 from megatron_tsync.algorithms.opd import opd_loss
 from megatron_tsync.algorithms.policy_loss import PolicyLossConfig
+from megatron_tsync.model.incremental import IncrementalGPT
 from megatron_tsync.streaming.ready_queue import Sample
-from megatron_tsync.training.logprobs import _AllReduceSum, _tp_group_and_size, vocab_parallel_logprobs
+from megatron_tsync.model.logprobs import _AllReduceSum, _tp_group_and_size, vocab_parallel_logprobs
 from megatron_tsync.training.opd_pipeline import StageGraph, StageLink, stage_backward, stage_forward
 from megatron_tsync.training.optimizer import finalize_and_scale
 from megatron_tsync.training.stream_fb import BatchShape, LossConfig
@@ -174,91 +174,6 @@ class ListChunkSource:
 
     def exhausted(self) -> bool:
         return self.i >= len(self.chunks)
-
-
-# ---------------------------------------------------------------------------------------------------- forward
-class IncrementalGPT:
-    """Forward of one pipeline stage of a megatron ``GPTModel`` over a growing sequence (batch 1).
-
-    ``extend(ids_new, start)`` runs this stage's layers on the new tokens only, attending to the K/V of all earlier
-    tokens, which are kept as ordinary autograd tensors (no in-place cache): under grad the chunks share one graph,
-    under ``torch.no_grad`` it is a plain KV-cached scorer (the teacher). The first stage embeds ``ids_new``; a later
-    stage takes the previous stage's output for the same tokens as ``hidden`` (s, 1, h). Returns the stage's output
-    before the final norm, (s, 1, h); on the last stage ``head(h)`` applies final norm + output layer:
-    (s, 1, h) -> (1, s, V/tp). The p2p between stages is ``training.opd_pipeline``'s.
-    """
-
-    def __init__(self, model, *, whole: bool = True):
-        from megatron_tsync.training.model import unwrap
-
-        self.m = unwrap(model)
-        if whole and not (self.m.pre_process and self.m.post_process):
-            raise ValueError("IncrementalGPT(whole=True) needs the whole model on one pipeline stage (PP = 1)")
-        self.kv: list[tuple[torch.Tensor, torch.Tensor]] = []  # per layer: (sk, 1, ng, hn) each
-        self.length = 0
-
-    def extend(self, ids_new: torch.Tensor, start: int, hidden: torch.Tensor | None = None) -> torch.Tensor:
-        from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
-
-        if start != self.length:
-            raise ValueError(f"chunk starts at {start}, but {self.length} tokens were seen")
-        m, s = self.m, int(ids_new.shape[0])
-        dev = next(m.parameters()).device
-        if m.pre_process:
-            ids = ids_new.to(dev).unsqueeze(0)  # (1, s)
-            pos = torch.arange(start, start + s, device=dev).unsqueeze(0)  # (1, s)
-            x = m.embedding(input_ids=ids, position_ids=pos)  # (s, 1, h)
-        elif hidden is None or hidden.shape[0] != s:
-            raise ValueError(f"a later pipeline stage needs the previous stage's output for the {s} new tokens")
-        else:
-            x = hidden  # (s, 1, h)
-        freqs = m.rotary_pos_emb(start + s)[start:]  # (s, 1, 1, d)
-        qi = torch.arange(start, start + s, device=dev).unsqueeze(1)
-        masked = (torch.arange(start + s, device=dev).unsqueeze(0) > qi).view(1, s, start + s)  # (1, s, sk)
-        for li, layer in enumerate(m.decoder.layers):
-            attn = layer.self_attention
-            h = layer.input_layernorm(x)
-            q, k, v = attn.get_query_key_value_tensors(h)  # (s, 1, np, hn), (s, 1, ng, hn) ×2
-            cp = getattr(getattr(attn, "pg_collection", None), "cp", None)
-            q = apply_rotary_pos_emb(q, freqs, config=attn.config, cp_group=cp)
-            k = apply_rotary_pos_emb(k, freqs, config=attn.config, cp_group=cp)
-            if li < len(self.kv):
-                k = torch.cat([self.kv[li][0], k])  # (sk, 1, ng, hn)
-                v = torch.cat([self.kv[li][1], v])
-                self.kv[li] = (k, v)
-            else:
-                self.kv.append((k, v))
-            ctx = _attention(q, k, v, masked, _softmax_scale(attn))  # (s, 1, np·hn)
-            out, bias = attn.linear_proj(ctx)
-            x = x + (out if bias is None else out + bias)
-            out, bias = layer.mlp(layer.pre_mlp_layernorm(x))
-            x = x + (out if bias is None else out + bias)
-        self.length += s
-        return x
-
-    def head(self, h: torch.Tensor) -> torch.Tensor:
-        m = self.m
-        h = m.decoder.final_layernorm(h)
-        w = m.shared_embedding_or_output_weight() if m.share_embeddings_and_output_weights else None
-        logits, _ = m.output_layer(h, weight=w)  # (s, 1, V/tp)
-        return logits.transpose(0, 1)  # (1, s, V/tp)
-
-
-def _softmax_scale(attn) -> float:
-    sc = getattr(getattr(attn, "core_attention", None), "softmax_scale", None)
-    return float(sc) if sc is not None else 1.0 / math.sqrt(attn.hidden_size_per_attention_head)
-
-
-def _attention(q, k, v, masked, scale: float) -> torch.Tensor:
-    """Causal attention of s new queries over sk cached keys. q (s,1,np,hn), k/v (sk,1,ng,hn), masked (1,s,sk)."""
-    rep = q.shape[2] // k.shape[2]
-    if rep > 1:  # GQA, the layout megatron's DotProductAttention uses
-        k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
-    qh, kh, vh = q[:, 0].transpose(0, 1), k[:, 0].transpose(0, 1), v[:, 0].transpose(0, 1)  # (np, s|sk, hn)
-    scores = torch.matmul(qh, kh.transpose(1, 2)) * scale  # (np, s, sk)
-    probs = torch.softmax(scores.masked_fill(masked, -10000.0), dim=-1)
-    ctx = torch.matmul(probs, vh)  # (np, s, hn)
-    return ctx.transpose(0, 1).reshape(q.shape[0], 1, -1)  # (s, 1, np·hn)
 
 
 def vocab_parallel_reverse_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, *,

@@ -12,7 +12,7 @@ import dataclasses
 
 import torch
 
-from megatron_tsync.training import compat
+from megatron_tsync.model import compat
 
 
 @dataclasses.dataclass(frozen=True)

@@ -34,9 +34,9 @@ from megatron_tsync.algorithms.policy_loss import PolicyLossConfig, policy_loss,
 from megatron_tsync.streaming.accumulator import GroupBuckets
 from megatron_tsync.streaming.planner import Dest, StepPlanner, TrajMeta, WorkItem
 from megatron_tsync.streaming.ready_queue import Sample
-from megatron_tsync.training import compat
-from megatron_tsync.training.logprobs import vocab_parallel_entropy, vocab_parallel_logprobs
-from megatron_tsync.training.model import unwrap
+from megatron_tsync.model import compat
+from megatron_tsync.model.logprobs import vocab_parallel_entropy, vocab_parallel_logprobs
+from megatron_tsync.model.builder import unwrap
 from megatron_tsync.training.packing import layout_for, plan_microbatches, uses_te_attention
 
 THETA0_LOGP = "theta0_logp"  # Sample.meta key: (T-1,) trainer log-probs of tokens 1..T-1 at θ0

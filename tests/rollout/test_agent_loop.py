@@ -15,11 +15,10 @@ from megatron_tsync.rollout.agent_loop import (  # noqa: E402
     AgentConfig,
     AgentLoop,
     FunctionTools,
-    TokenizerCodec,
     ToolStep,
     Trajectory,
-    tag_token_id,
 )
+from megatron_tsync.model.tokenizer import TokenizerCodec, tag_token_id  # noqa: E402
 from megatron_tsync.rollout.engine import Completion, SamplingConfig  # noqa: E402
 
 
@@ -224,9 +223,9 @@ def real(tiny_dir):
     import torch.distributed as dist
 
     from megatron_tsync.rollout.embedded_engine import EmbeddedEngine
-    from megatron_tsync.training.hf_conversion import load_hf_dir, load_hf_into_model
-    from megatron_tsync.training.model import build_model
-    from megatron_tsync.training.parallel import initialize_parallel
+    from megatron_tsync.model.hf_conversion import load_hf_dir, load_hf_into_model
+    from megatron_tsync.model.builder import build_model
+    from megatron_tsync.model.parallel import initialize_parallel
 
     if not dist.is_initialized():
         os.environ["MASTER_PORT"] = _free_port()
@@ -241,7 +240,7 @@ def real(tiny_dir):
 def test_real_engine_concurrent_rollouts_match_trainer(real, codec, ids):
     """The tiny random model, made to end turns often (a slice of the vocabulary acts as </tool> or as a stop),
     with a trivial tool of real latency; behaviour log-probs must equal the trainer's on the final sequences."""
-    from megatron_tsync.training.logprobs import token_logprobs
+    from megatron_tsync.model.logprobs import token_logprobs
 
     engine, trainer = real
     sampling = SamplingConfig(

@@ -27,7 +27,7 @@ def _free_port() -> str:
 def parallel():
     import torch.distributed as dist
 
-    from megatron_tsync.training.parallel import initialize_parallel
+    from megatron_tsync.model.parallel import initialize_parallel
 
     if not dist.is_initialized():
         os.environ["MASTER_PORT"] = _free_port()
@@ -38,8 +38,8 @@ def parallel():
 def setup(parallel, tiny_dir):
     """(engine, trainer model, hf state): both built from the same HF folder."""
     from megatron_tsync.rollout.embedded_engine import EmbeddedEngine
-    from megatron_tsync.training.hf_conversion import load_hf_dir, load_hf_into_model
-    from megatron_tsync.training.model import build_model
+    from megatron_tsync.model.hf_conversion import load_hf_dir, load_hf_into_model
+    from megatron_tsync.model.builder import build_model
 
     arch, state = load_hf_dir(tiny_dir)
     engine = EmbeddedEngine.from_hf_dir(tiny_dir)
@@ -51,7 +51,7 @@ def setup(parallel, tiny_dir):
 
 def reference(model):
     """The trainer's log-probs (token_logprobs) of a completion given its prompt."""
-    from megatron_tsync.training.logprobs import token_logprobs
+    from megatron_tsync.model.logprobs import token_logprobs
 
     def f(prompt, toks, temperature):
         with torch.no_grad():
@@ -80,14 +80,14 @@ def tokens(out):
 
 
 def restore(engine, trainer, state):
-    from megatron_tsync.training.hf_conversion import load_hf_into_model
+    from megatron_tsync.model.hf_conversion import load_hf_into_model
 
     load_hf_into_model(trainer, state)
     engine.update_weights(state, 0)
 
 
 def test_logprobs_match_trainer_before_and_after_update(setup):
-    from megatron_tsync.training.hf_conversion import megatron_to_hf
+    from megatron_tsync.model.hf_conversion import megatron_to_hf
 
     engine, trainer, state = setup
     ref = reference(trainer)
@@ -134,7 +134,7 @@ def test_update_by_broadcast_matches_file_update(setup, tmp_path):
     same weights, and match the trainer's log-probs."""
     import threading
 
-    from megatron_tsync.training.hf_conversion import megatron_to_hf
+    from megatron_tsync.model.hf_conversion import megatron_to_hf
     from megatron_tsync.transport.weight_broadcast import (
         BroadcastWeightPublisher,
         BroadcastWeightSubscriber,
@@ -181,7 +181,7 @@ def test_update_by_broadcast_matches_file_update(setup, tmp_path):
 def test_stops_on_tool_close_and_eos(setup, tiny_dir):
     """Greedy decode; then make `</tool>` (or EOS) the argmax at step 3 by swapping output rows: generation must
     end right there with the stop token kept and the right finish reason."""
-    from megatron_tsync.rollout.agent_loop import TokenizerCodec, tag_token_id
+    from megatron_tsync.model.tokenizer import TokenizerCodec, tag_token_id
     from tokenizers import Tokenizer
 
     engine, trainer, state = setup
@@ -214,7 +214,7 @@ def test_stops_on_tool_close_and_eos(setup, tiny_dir):
 
 
 def test_stop_strings(setup, tiny_dir):
-    from megatron_tsync.rollout.agent_loop import TokenizerCodec
+    from megatron_tsync.model.tokenizer import TokenizerCodec
     from megatron_tsync.rollout.embedded_engine import EmbeddedEngine
     from tokenizers import Tokenizer
 
@@ -266,7 +266,7 @@ def test_top_k_top_p(setup):
     out = engine.generate(prompts, cfg, n=4)
     ref = reference(trainer)
     assert max_diff(prompts, out, ref, 0.8) <= ATOL  # logprobs: untruncated T-scaled distribution
-    from megatron_tsync.training.logprobs import model_logits
+    from megatron_tsync.model.logprobs import model_logits
 
     for p, comps in zip(prompts, out):
         for c in comps:
@@ -288,7 +288,7 @@ def test_engine_contract(setup):
     for k, v in new.items():
         if v.is_floating_point():
             v.add_(0.05 * torch.randn(v.shape, generator=g, dtype=v.dtype))
-    from megatron_tsync.training.model import build_model
+    from megatron_tsync.model.builder import build_model
 
     new_model = build_model(trainer.arch, seed=2)
     new_model.load_state_dict(new, strict=False)

@@ -34,7 +34,7 @@ def _free_port() -> str:
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
-    from megatron_tsync.training.tiny_model import make_tiny_model
+    from megatron_tsync.model.tiny_model import make_tiny_model
 
     return make_tiny_model(str(tmp_path_factory.mktemp("vllm") / "tiny_llama"), seed=0)
 
@@ -53,9 +53,9 @@ def trainer(engine, tiny_dir):
     """The trainer's model (megatron GPTModel, TP=1) with the folder's weights; built after vLLM (which binds threads)."""
     import torch.distributed as dist
 
-    from megatron_tsync.training.hf_conversion import load_hf_dir, load_hf_into_model
-    from megatron_tsync.training.model import build_model
-    from megatron_tsync.training.parallel import initialize_parallel
+    from megatron_tsync.model.hf_conversion import load_hf_dir, load_hf_into_model
+    from megatron_tsync.model.builder import build_model
+    from megatron_tsync.model.parallel import initialize_parallel
 
     if not dist.is_initialized():
         os.environ["MASTER_PORT"] = _free_port()
@@ -71,7 +71,7 @@ def trainer(engine, tiny_dir):
 
 def reference(model):
     """(prompt, completion, T) -> the trainer's token_logprobs of the completion tokens."""
-    from megatron_tsync.training.logprobs import token_logprobs
+    from megatron_tsync.model.logprobs import token_logprobs
 
     def f(prompt, toks, temperature):
         with torch.no_grad():
@@ -108,7 +108,7 @@ def test_vllm_available():
 
 def test_logprobs_match_trainer_before_and_after_update(engine, trainer):
     model, arch, state = trainer
-    from megatron_tsync.training.hf_conversion import load_hf_into_model
+    from megatron_tsync.model.hf_conversion import load_hf_into_model
 
     prompts = prompts_of([5, 9, 3, 12])
     cfg = SamplingConfig(max_new_tokens=16, seed=11)
@@ -136,7 +136,7 @@ def test_logprobs_match_trainer_before_and_after_update(engine, trainer):
 
     # Megatron names are accepted too (converted to HF); then back to the original weights via a file path
     # (the multiprocess / hand-off route).
-    from megatron_tsync.training.hf_conversion import hf_to_megatron
+    from megatron_tsync.model.hf_conversion import hf_to_megatron
 
     engine.update_weights(hf_to_megatron(state, arch), v0 + 2)
     load_hf_into_model(model, state)
@@ -149,7 +149,7 @@ def test_logprobs_match_trainer_before_and_after_update(engine, trainer):
 
 def test_update_from_handoff_file(engine, trainer, tmp_path):
     """The trainer's weight hand-off file (``weights-v<version>.safetensors``, HF names) loads by path."""
-    from megatron_tsync.training.hf_conversion import load_hf_into_model
+    from megatron_tsync.model.hf_conversion import load_hf_into_model
     from megatron_tsync.transport.weights import WeightSubscriber, publish_weights
 
     model, _, state = trainer
@@ -178,7 +178,7 @@ def test_update_by_broadcast_through_worker_extension(engine, trainer, tmp_path)
     samples equal those after the same weights loaded from a dict."""
     import threading
 
-    from megatron_tsync.training.hf_conversion import load_hf_into_model
+    from megatron_tsync.model.hf_conversion import load_hf_into_model
     from megatron_tsync.transport import write_secret_file
     from megatron_tsync.transport.weight_broadcast import BroadcastWeightPublisher, WeightSyncGroup
 
@@ -230,7 +230,7 @@ def test_update_by_broadcast_through_worker_extension(engine, trainer, tmp_path)
 def test_truncated_sampling_logprobs(engine, trainer):
     """top-k/top-p: sampling_logprobs are the truncated distribution's; logprobs (re-scored) the trainer's."""
     from megatron_tsync.rollout.embedded_engine import temperature_logprobs, truncate_logprobs
-    from megatron_tsync.training.logprobs import model_logits
+    from megatron_tsync.model.logprobs import model_logits
 
     model, _, _ = trainer
     prompts = prompts_of([6, 10], seed=4)
@@ -272,8 +272,8 @@ def test_stops_and_finish_reasons(engine):
 
 
 def test_engine_contract(engine, trainer):
-    from megatron_tsync.training.hf_conversion import load_hf_into_model
-    from megatron_tsync.training.model import build_model
+    from megatron_tsync.model.hf_conversion import load_hf_into_model
+    from megatron_tsync.model.builder import build_model
 
     model, arch, state = trainer
     new_state = perturbed(state, seed=9)

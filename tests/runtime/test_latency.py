@@ -113,14 +113,15 @@ def test_latency_tools_delay_real_sandboxed_calls(tmp_path_factory):
 
     from tokenizers import Tokenizer
 
-    from megatron_tsync.rollout.agent_loop import AgentConfig, AgentLoop, TokenizerCodec, tag_token_id
+    from megatron_tsync.rollout.agent_loop import AgentConfig, AgentLoop
+    from megatron_tsync.model.tokenizer import TokenizerCodec, tag_token_id
     from megatron_tsync.rollout.engine import SamplingConfig
     from megatron_tsync.runtime.tasks import ArithmeticCalculatorTask
     from tests.runtime.test_tasks import ScriptedEngine
 
     d = tmp_path_factory.getbasetemp() / "tiny_llama_rollout"
     if not (d / "config.json").exists():
-        from megatron_tsync.training.tiny_model import make_tiny_model
+        from megatron_tsync.model.tiny_model import make_tiny_model
 
         make_tiny_model(str(d), seed=0)
     codec = TokenizerCodec(Tokenizer.from_file(os.path.join(d, "tokenizer.json")))

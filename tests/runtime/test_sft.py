@@ -16,14 +16,14 @@ from megatron_tsync.runtime.tasks import ArithmeticCalculatorTask
 def codec(tiny_dir):
     from tokenizers import Tokenizer
 
-    from megatron_tsync.rollout.agent_loop import TokenizerCodec
+    from megatron_tsync.model.tokenizer import TokenizerCodec
 
     return TokenizerCodec(Tokenizer.from_file(os.path.join(tiny_dir, "tokenizer.json")))
 
 
 def fresh_learner(tiny_dir, lr=1e-3):
-    from megatron_tsync.training.hf_conversion import load_hf_dir, load_hf_into_model
-    from megatron_tsync.training.model import build_model
+    from megatron_tsync.model.hf_conversion import load_hf_dir, load_hf_into_model
+    from megatron_tsync.model.builder import build_model
     from megatron_tsync.training.optimizer import OptimConfig, build_optimizer, wrap_ddp
 
     arch, state = load_hf_dir(tiny_dir)
@@ -57,7 +57,7 @@ def test_mask_excludes_prompt_and_tool_output(codec):
 
 
 def test_sft_lowers_loss_deterministically_on_action_tokens(megatron_single, tiny_dir, codec):
-    from megatron_tsync.training.logprobs import token_logprobs
+    from megatron_tsync.model.logprobs import token_logprobs
 
     task = ArithmeticCalculatorTask()
     ddp, opt = fresh_learner(tiny_dir)

@@ -18,7 +18,7 @@ from megatron_tsync.runtime.tasks import (
 def codec(tiny_dir):
     from tokenizers import Tokenizer
 
-    from megatron_tsync.rollout.agent_loop import TokenizerCodec
+    from megatron_tsync.model.tokenizer import TokenizerCodec
 
     return TokenizerCodec(Tokenizer.from_file(os.path.join(tiny_dir, "tokenizer.json")))
 
@@ -128,7 +128,8 @@ def test_demonstration_agrees_with_sandboxed_calculator_and_verifier():
 def test_demonstration_tokens_equal_agent_loop_trajectory(codec):
     """Segment-wise tokenisation (what SFT trains on) == the tokens and loss mask of an agent-loop rollout that
     generates the demonstration's actions with the real sandboxed calculator."""
-    from megatron_tsync.rollout.agent_loop import AgentConfig, AgentLoop, tag_token_id
+    from megatron_tsync.rollout.agent_loop import AgentConfig, AgentLoop
+    from megatron_tsync.model.tokenizer import tag_token_id
     from megatron_tsync.rollout.engine import SamplingConfig
     from megatron_tsync.runtime.sft import demonstration_tokens
 

@@ -33,7 +33,7 @@ def _train(args, tmp, timeout=900):
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    from megatron_tsync.training.tiny_model import make_tiny_model
+    from megatron_tsync.model.tiny_model import make_tiny_model
 
     d = str(tmp_path_factory.mktemp("tiny") / "model")
     make_tiny_model(d, seed=0)

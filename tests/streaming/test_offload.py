@@ -10,7 +10,7 @@ import torch
 
 from megatron_tsync.streaming.ready_queue import ListSource
 from megatron_tsync.training.learner import Learner, LearnerConfig, shape_for
-from megatron_tsync.training.model import PrecisionConfig, build_model
+from megatron_tsync.model.builder import PrecisionConfig, build_model
 from megatron_tsync.training.optimizer import OptimConfig, build_optimizer, wrap_ddp
 
 from ..training.stream_cases import TINY, make_samples, spec_for

@@ -23,7 +23,7 @@ def models(tmp_path_factory):
 @pytest.mark.parametrize("family,tp,pp", [("qwen2", 2, 1), ("llama", 1, 2)])
 def test_hf_megatron_hf_bit_identical(models, tmp_path, family, tp, pp):
     from megatron_tsync.training import checkpointing as ck
-    from megatron_tsync.training.hf_conversion import load_hf_dir
+    from megatron_tsync.model.hf_conversion import load_hf_dir
 
     src, mc, dst = models[family], str(tmp_path / "mcore"), str(tmp_path / "hf")
     rc, log, t1 = common.run_isolated([TOOL, "--direction", "hf-to-megatron", "--load", src, "--save", mc,

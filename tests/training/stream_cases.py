@@ -8,7 +8,7 @@ import torch
 
 from megatron_tsync.algorithms.streamability import RewardSpec
 from megatron_tsync.streaming.ready_queue import Sample
-from megatron_tsync.training.model import ModelArch
+from megatron_tsync.model.builder import ModelArch
 
 TINY = ModelArch(family="llama", vocab_size=256, hidden_size=64, ffn_hidden_size=128, num_layers=2,
                  num_attention_heads=4, num_kv_heads=2, head_dim=16)

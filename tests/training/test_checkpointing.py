@@ -22,7 +22,7 @@ WORKER = os.path.join(common.WORKERS, "ckpt_resume_worker.py")
 
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
-    from megatron_tsync.training.tiny_model import make_tiny_model
+    from megatron_tsync.model.tiny_model import make_tiny_model
 
     return make_tiny_model(str(tmp_path_factory.mktemp("tiny") / "llama"), family="llama", seed=3)
 

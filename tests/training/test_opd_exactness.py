@@ -21,8 +21,8 @@ WORKER = os.path.join(os.path.dirname(__file__), "_workers", "opd_worker.py")
 sys.path.insert(0, os.path.dirname(WORKER))
 import opd_worker as W  # noqa: E402
 
+from megatron_tsync.model.incremental import IncrementalGPT  # noqa: E402
 from megatron_tsync.training.opd_learner import (  # noqa: E402
-    IncrementalGPT,
     OPDLearnerConfig,
     TurnChunk,
     chunks_from_sample,
@@ -52,7 +52,7 @@ def test_stream_turn_exact_single_process(megatron_single):
 
 
 def test_incremental_forward_matches_full_forward(megatron_single):
-    from megatron_tsync.training.model import PrecisionConfig, build_model
+    from megatron_tsync.model.builder import PrecisionConfig, build_model
 
     model = build_model(W.TINY, PrecisionConfig(params_dtype=torch.float64), seed=1)
     ids = torch.randint(0, 256, (23,), generator=torch.Generator().manual_seed(0))

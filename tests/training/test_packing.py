@@ -14,8 +14,8 @@ from megatron_tsync.algorithms.policy_loss import PolicyLossConfig
 from megatron_tsync.streaming.planner import Dest, WorkItem
 from megatron_tsync.streaming.ready_queue import ListSource
 from megatron_tsync.training.learner import Learner, LearnerConfig, shape_for
-from megatron_tsync.training.logprobs import token_logprobs
-from megatron_tsync.training.model import PrecisionConfig, build_model, unwrap
+from megatron_tsync.model.logprobs import token_logprobs
+from megatron_tsync.model.builder import PrecisionConfig, build_model, unwrap
 from megatron_tsync.training.optimizer import OptimConfig, build_optimizer, wrap_ddp
 from megatron_tsync.training.packing import layout_for, plan_microbatches, share_key
 from megatron_tsync.training.stream_fb import LossConfig
@@ -81,7 +81,7 @@ def test_share_key_and_plan():
 
 def test_packed_forward_equals_unpacked_logprobs(model64):
     """The model itself: a packed forward's per-segment log-probs equal each trajectory's own forward."""
-    from megatron_tsync.training import compat
+    from megatron_tsync.model import compat
 
     ddp, _ = model64
     gpt = unwrap(ddp)
@@ -94,7 +94,7 @@ def test_packed_forward_equals_unpacked_logprobs(model64):
         logits = gpt(ids, pos.unsqueeze(0), lay.block_causal_mask())
     with torch.no_grad():
         ref = [token_logprobs(gpt, s.token_ids.unsqueeze(0))[0] for s in S]
-        from megatron_tsync.training.logprobs import vocab_parallel_logprobs
+        from megatron_tsync.model.logprobs import vocab_parallel_logprobs
 
         for (a, b), s, r in zip(lay.segments(), S, ref):
             got = vocab_parallel_logprobs(logits[:, a:b - 1], s.token_ids[1:].unsqueeze(0))[0]

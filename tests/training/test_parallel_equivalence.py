@@ -15,7 +15,7 @@ WORKER = os.path.join(os.path.dirname(__file__), "_workers", "parallel_equiv_wor
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    from megatron_tsync.training.tiny_model import make_tiny_model
+    from megatron_tsync.model.tiny_model import make_tiny_model
 
     d = tmp_path_factory.mktemp("peq")
     model = str(d / "model")

@@ -14,7 +14,7 @@ import torch
 from megatron_tsync.algorithms.policy_loss import PolicyLossConfig
 from megatron_tsync.streaming.ready_queue import ListSource
 from megatron_tsync.training.learner import Learner, LearnerConfig, shape_for
-from megatron_tsync.training.model import PrecisionConfig, build_model
+from megatron_tsync.model.builder import PrecisionConfig, build_model
 from megatron_tsync.training.optimizer import OptimConfig, build_optimizer, wrap_ddp
 from megatron_tsync.training.stream_fb import LossConfig
 

@@ -33,11 +33,11 @@ def main():
     a = p.parse_args()
 
     from megatron_tsync.training import checkpointing as ck
-    from megatron_tsync.training.hf_conversion import load_hf_dir, load_hf_into_model
-    from megatron_tsync.training.logprobs import token_logprobs
-    from megatron_tsync.training.model import build_model
+    from megatron_tsync.model.hf_conversion import load_hf_dir, load_hf_into_model
+    from megatron_tsync.model.logprobs import token_logprobs
+    from megatron_tsync.model.builder import build_model
     from megatron_tsync.training.optimizer import OptimConfig, build_optimizer, finalize_and_scale, wrap_ddp
-    from megatron_tsync.training.parallel import destroy_parallel, initialize_parallel
+    from megatron_tsync.model.parallel import destroy_parallel, initialize_parallel
 
     dims = initialize_parallel(a.tp, 1, seed=1234)
     arch, state = load_hf_dir(a.hf)

@@ -69,7 +69,7 @@ def _kill_session(pgid: int) -> None:
 
 def make_models(root: str) -> dict[str, str]:
     """Tiny test models: Llama (untied, GQA 4/2) and Qwen2 (qkv bias, tied, MQA 4/1 so TP=2 splits a group)."""
-    from megatron_tsync.training.tiny_model import make_tiny_model
+    from megatron_tsync.model.tiny_model import make_tiny_model
 
     return {
         "llama": make_tiny_model(os.path.join(root, "llama"), family="llama", kv_heads=2, seed=1),

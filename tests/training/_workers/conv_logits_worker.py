@@ -19,10 +19,10 @@ def main():
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from megatron_tsync.training.hf_conversion import load_hf_dir, load_hf_into_model, megatron_to_hf
-    from megatron_tsync.training.logprobs import gather_vocab_parallel_logits, model_logits
-    from megatron_tsync.training.model import build_model
-    from megatron_tsync.training.parallel import destroy_parallel, initialize_parallel, launcher_env
+    from megatron_tsync.model.hf_conversion import load_hf_dir, load_hf_into_model, megatron_to_hf
+    from megatron_tsync.model.logprobs import gather_vocab_parallel_logits, model_logits
+    from megatron_tsync.model.builder import build_model
+    from megatron_tsync.model.parallel import destroy_parallel, initialize_parallel, launcher_env
 
     _, world, _ = launcher_env()
     layouts = [(1, 1)] if world == 1 else [(2, 1), (1, 2)]

@@ -28,7 +28,7 @@ from stream_cases import TINY  # noqa: E402
 
 from megatron_tsync.algorithms.policy_loss import PolicyLossConfig  # noqa: E402
 from megatron_tsync.streaming.ready_queue import Sample  # noqa: E402
-from megatron_tsync.training.model import PrecisionConfig, build_model  # noqa: E402
+from megatron_tsync.model.builder import PrecisionConfig, build_model  # noqa: E402
 from megatron_tsync.training.opd_learner import (  # noqa: E402
     ListChunkSource,
     OPDLearner,
@@ -171,7 +171,7 @@ def main():
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
-    from megatron_tsync.training.parallel import destroy_parallel, initialize_parallel
+    from megatron_tsync.model.parallel import destroy_parallel, initialize_parallel
 
     torch.set_num_threads(1)
     dims = initialize_parallel(a.tp, a.pp)

@@ -10,11 +10,11 @@ import torch
 import torch.distributed as dist
 
 from megatron_tsync.runtime.rollout_io import grads_to_hf
-from megatron_tsync.training.hf_conversion import load_hf_dir, load_hf_into_model, megatron_to_hf
-from megatron_tsync.training.logprobs import vocab_parallel_logprobs
-from megatron_tsync.training.model import PrecisionConfig, build_model
+from megatron_tsync.model.hf_conversion import load_hf_dir, load_hf_into_model, megatron_to_hf
+from megatron_tsync.model.logprobs import vocab_parallel_logprobs
+from megatron_tsync.model.builder import PrecisionConfig, build_model
 from megatron_tsync.training.optimizer import OptimConfig, build_optimizer, finalize_and_scale, wrap_ddp
-from megatron_tsync.training.parallel import destroy_parallel, initialize_parallel
+from megatron_tsync.model.parallel import destroy_parallel, initialize_parallel
 
 
 def batch(vocab, n=4, T=24, seed=0):

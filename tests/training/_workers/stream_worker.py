@@ -24,9 +24,9 @@ from stream_cases import TINY, arrival_order, make_samples, spec_for  # noqa: E4
 from megatron_tsync.algorithms.policy_loss import PolicyLossConfig  # noqa: E402
 from megatron_tsync.streaming.ready_queue import ListSource  # noqa: E402
 from megatron_tsync.training.learner import Learner, LearnerConfig, shape_for  # noqa: E402
-from megatron_tsync.training.model import PrecisionConfig, build_model  # noqa: E402
+from megatron_tsync.model.builder import PrecisionConfig, build_model  # noqa: E402
 from megatron_tsync.training.optimizer import OptimConfig, build_optimizer, wrap_ddp  # noqa: E402
-from megatron_tsync.training.parallel import destroy_parallel, initialize_parallel  # noqa: E402
+from megatron_tsync.model.parallel import destroy_parallel, initialize_parallel  # noqa: E402
 from megatron_tsync.training.stream_fb import LossConfig  # noqa: E402
 
 F64_CASES = [

@@ -106,7 +106,7 @@ _MODE: _CudaToCpuMode | None = None
 def install_cpu_support() -> bool:
     """Make megatron-core usable on a CPU-only torch. Idempotent; returns True when it installed anything.
 
-    Must run before megatron builds models or process groups; :func:`megatron_tsync.training.parallel.
+    Must run before megatron builds models or process groups; :func:`megatron_tsync.model.parallel.
     initialize_parallel` calls it. The function mode is per-thread in torch: megatron code that runs in other
     threads (none of the paths we use) would not see it.
     """

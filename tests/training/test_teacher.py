@@ -1,4 +1,4 @@
-"""The OPD teacher (rollout/teacher.py): chunked scoring with full-vocabulary logits, their use by
+"""The OPD teacher (training/teacher.py): chunked scoring with full-vocabulary logits, their use by
 ``--opd-objective full-vocab`` through the trainer's scorer, and the whole teacher on every pipeline stage (PP=2)."""
 
 import os
@@ -17,8 +17,8 @@ import _teacher_pp_worker as TW  # noqa: E402
 
 @pytest.fixture(scope="module")
 def teacher(megatron_single, tiny_dir):
-    from megatron_tsync.rollout.teacher import TeacherScorer
-    from megatron_tsync.training.model import PrecisionConfig
+    from megatron_tsync.training.teacher import TeacherScorer
+    from megatron_tsync.model.builder import PrecisionConfig
 
     return TeacherScorer.from_hf_dir(tiny_dir, PrecisionConfig(params_dtype=torch.float64))
 
@@ -54,7 +54,7 @@ def test_full_vocab_objective_from_teacher_chunks(teacher, tiny_dir):
     import opd_worker as W
 
     from megatron_tsync.runtime.opd_trainer import _TeacherChunks
-    from megatron_tsync.training.model import ModelArch, PrecisionConfig, build_model
+    from megatron_tsync.model.builder import ModelArch, PrecisionConfig, build_model
     from megatron_tsync.training.opd_learner import OPDLearnerConfig
     from megatron_tsync.training.stream_fb import BatchShape
 

@@ -11,11 +11,11 @@ import os
 import pytest
 import torch
 
-from megatron_tsync.training import hf_conversion as hc
-from megatron_tsync.training.model import ModelArch
+from megatron_tsync.model import hf_conversion as hc
+from megatron_tsync.model.builder import ModelArch
 
 _spec = importlib.util.spec_from_file_location(
-    "conv_common", os.path.join(os.path.dirname(__file__), "_workers", "conv_common.py"))
+    "conv_common", os.path.join(os.path.dirname(__file__), "..", "training", "_workers", "conv_common.py"))
 common = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(common)
 
@@ -42,7 +42,7 @@ def _gather_pure(shards: list[dict], pp_off: int, arch: ModelArch) -> dict:
             full[name] = parts[0]
         else:
             full[name] = torch.cat(parts, dim=0)
-    return hc._megatron_full_to_hf(full, arch, pp_off, len(shards))
+    return hc.megatron_full_to_hf(full, arch, pp_off, len(shards))
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
@@ -86,7 +86,7 @@ def test_save_load_hf_dir(models, tmp_path):
 def test_tiny_model_deterministic_and_tokenizer(models, tmp_path):
     from transformers import AutoTokenizer
 
-    from megatron_tsync.training.tiny_model import SPECIAL_TOKENS, make_tiny_model
+    from megatron_tsync.model.tiny_model import SPECIAL_TOKENS, make_tiny_model
 
     again = make_tiny_model(str(tmp_path / "again"), family="llama", kv_heads=2, seed=1)
     for fn in ("model.safetensors", "tokenizer.json", "config.json"):

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from megatron_tsync.training import compat
+from megatron_tsync.model import compat
 
 
 @dataclasses.dataclass(frozen=True)

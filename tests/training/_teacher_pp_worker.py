@@ -27,9 +27,9 @@ def chunked(scorer, ids):
 
 
 def main():
-    from megatron_tsync.rollout.teacher import TeacherScorer
-    from megatron_tsync.training.model import PrecisionConfig
-    from megatron_tsync.training.parallel import destroy_parallel, initialize_parallel
+    from megatron_tsync.training.teacher import TeacherScorer
+    from megatron_tsync.model.builder import PrecisionConfig
+    from megatron_tsync.model.parallel import destroy_parallel, initialize_parallel
 
     torch.set_num_threads(1)
     dims = initialize_parallel(1, 2)

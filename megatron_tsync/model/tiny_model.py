@@ -16,8 +16,8 @@ import random
 
 import torch
 
-from megatron_tsync.training.hf_conversion import save_hf_dir
-from megatron_tsync.training.model import ModelArch
+from megatron_tsync.model.hf_conversion import save_hf_dir
+from megatron_tsync.model.builder import ModelArch
 
 SPECIAL_TOKENS = ["<s>", "</s>", "<pad>", "<tool>", "</tool>", "<result>", "</result>", "<answer>", "</answer>"]
 BOS, EOS, PAD = "<s>", "</s>", "<pad>"
@@ -109,7 +109,7 @@ def make_tiny_model(
     """Write a tiny HF model + tokenizer to ``out_dir``; returns ``out_dir``."""
     from transformers import AutoModelForCausalLM
 
-    from megatron_tsync.training.hf_conversion import hf_config_dict
+    from megatron_tsync.model.hf_conversion import hf_config_dict
 
     if family not in ("llama", "qwen2"):
         raise ValueError(f"family must be 'llama' or 'qwen2', not {family!r}")

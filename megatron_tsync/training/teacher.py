@@ -2,7 +2,7 @@
 
 A teacher engine is a megatron ``GPTModel`` built from a Hugging Face folder (``--teacher-model``), run without
 gradients. ``TeacherScorer.score(token_ids, turn_spans)`` scores a whole trajectory; ``TeacherScorer.session()``
-scores it turn by turn with a KV cache (``training.opd_learner.IncrementalGPT`` under ``no_grad``), so a turn costs
+scores it turn by turn with a KV cache (``model.incremental.IncrementalGPT`` under ``no_grad``), so a turn costs
 a forward over its new tokens only and can run while the next turn is generated or the tool runs.
 
 Conventions (``streaming.ready_queue.Sample``): entry t of a (T,) log-prob array is log π_teacher(token t | tokens
@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import torch
 
-from megatron_tsync.training.logprobs import gather_vocab_parallel_logits, vocab_parallel_logprobs
+from megatron_tsync.model.logprobs import gather_vocab_parallel_logits, vocab_parallel_logprobs
 
 __all__ = ["TeacherScorer", "TeacherSession"]
 
 
 class TeacherScorer:
     def __init__(self, model, *, temperature: float = 1.0):
-        from megatron_tsync.training.model import unwrap
+        from megatron_tsync.model.builder import unwrap
 
         m = unwrap(model)
         if not (m.pre_process and m.post_process):
@@ -37,8 +37,8 @@ class TeacherScorer:
     def from_hf_dir(cls, path: str, precision=None, *, temperature: float = 1.0, seed: int = 0) -> "TeacherScorer":
         """Build the teacher (this rank's TP shard, all layers) from a transformers folder. Parallel state must be
         initialised; under PP every stage holds the whole teacher (no pipeline: it only runs forward, without grad)."""
-        from megatron_tsync.training.hf_conversion import load_hf_dir, load_hf_into_model
-        from megatron_tsync.training.model import build_model
+        from megatron_tsync.model.hf_conversion import load_hf_dir, load_hf_into_model
+        from megatron_tsync.model.builder import build_model
 
         arch, state = load_hf_dir(path)
         model = build_model(arch, precision, pre_process=True, post_process=True, seed=seed,
@@ -72,7 +72,7 @@ class TeacherSession:
     """One trajectory scored chunk by chunk; holds the teacher's K/V of the prefix until dropped."""
 
     def __init__(self, scorer: TeacherScorer, *, keep_logits: bool = False):
-        from megatron_tsync.training.opd_learner import IncrementalGPT
+        from megatron_tsync.model.incremental import IncrementalGPT
 
         self.scorer = scorer
         self.inc = IncrementalGPT(scorer.model)

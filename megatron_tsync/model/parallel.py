@@ -14,7 +14,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from megatron_tsync.training import compat
+from megatron_tsync.model import compat
 
 
 @dataclasses.dataclass(frozen=True)

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_tsync.training.model import ModelArch, unwrap
+from megatron_tsync.model.builder import ModelArch, unwrap
 
 _LOCAL_TO_TE = {
     "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
@@ -143,7 +143,7 @@ def hf_to_megatron(
     return out
 
 
-def _megatron_full_to_hf(full: dict[str, torch.Tensor], arch: ModelArch, layer_offset: int, tp_size: int):
+def megatron_full_to_hf(full: dict[str, torch.Tensor], arch: ModelArch, layer_offset: int, tp_size: int):
     """TP-gathered stage tensors -> HF names. ``full['...linear_fc1.weight']`` is the list of per-rank shards."""
     out: dict[str, torch.Tensor] = {}
     for name, t in full.items():
@@ -283,7 +283,7 @@ def megatron_to_hf(model, *, to_cpu: bool = True) -> dict[str, torch.Tensor]:
         elif canon.endswith("mlp.linear_fc1.weight"):
             t = [t]
         full[canon] = t
-    local_hf = _megatron_full_to_hf(full, arch, _layer_offset(m), tp_size)
+    local_hf = megatron_full_to_hf(full, arch, _layer_offset(m), tp_size)
     local_hf = {k: (v.cpu() if to_cpu else v).clone() for k, v in local_hf.items()}
     if pp_size == 1:
         return local_hf
