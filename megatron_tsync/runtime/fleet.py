@@ -102,6 +102,12 @@ class RolloutFleet:
             log.info("weights v%d broadcast: %s", version, self.weight_publisher.last_stats)
         self.version = version
 
+    def begin_step(self, step: int) -> None:
+        """Accept events of policy versions [step − max_staleness, step] from now on (async mode: a window)."""
+        lag = self.spec.max_staleness
+        if lag:
+            self.version = set(range(max(0, step - lag), step + 1))
+
     def check_alive(self) -> None:
         for w, p in enumerate(self.procs):
             rc = p.poll()
@@ -124,6 +130,41 @@ class RolloutFleet:
         if self.weight_publisher is not None:
             self.weight_publisher.close()
         self.receiver.close()
+
+
+def open_fleet(cfg, *, model_dir: str, start_step: int, reward_floor: float) -> RolloutFleet:
+    """The rollout plane of a training run (trainer rank 0 only): run directory, secret, worker specs, workers."""
+    run_dir = cfg.rollout.run_dir or os.path.join(cfg.checkpoint.save or os.path.join("runs", "tsync"),
+                                                  "rollout_plane")
+    os.makedirs(run_dir, exist_ok=True)
+    for name in os.listdir(run_dir):  # stale specs of a previous job must not start workers early
+        if name.startswith("worker") and name.endswith(".json"):
+            os.remove(os.path.join(run_dir, name))
+    secret = cfg.rollout.secret_file or make_run_secret(run_dir)
+    endpoint = cfg.rollout.endpoint or f"ipc://{os.path.abspath(run_dir)}/events.sock"
+    spec = WorkerSpec(
+        worker_id=0, num_workers=cfg.rollout.num_workers, endpoint=endpoint, secret_file=secret,
+        weights_dir=fresh_dir(os.path.join(run_dir, "weights")), model_dir=model_dir,
+        task=cfg.rollout.task, task_kwargs={"verifier": cfg.rollout.verifier}, group_size=cfg.rl.group_size,
+        groups_per_step=cfg.rl.groups_per_step, start_step=start_step, train_iters=cfg.rl.train_iters,
+        seed=cfg.rl.seed, temperature=cfg.rollout.temperature, top_k=cfg.rollout.top_k, top_p=cfg.rollout.top_p,
+        max_turns=cfg.rl.max_turns, max_new_tokens=cfg.rl.max_new_tokens, max_total_tokens=cfg.rl.seq_length,
+        latency_profile=cfg.rollout.latency_profile, latency_scale=cfg.rollout.latency_scale,
+        sandbox_timeout_s=cfg.rollout.sandbox_timeout_s, engine=cfg.rollout.engine,
+        engine_dtype="bfloat16" if cfg.precision.bf16 else "float32",
+        max_staleness=cfg.rl.max_staleness if cfg.learner.mode == "async" else 0,
+        stream_turns=cfg.rl.algorithm == "opd" and cfg.learner.mode == "stream-turn",
+        weight_sync=cfg.rollout.weight_sync, weight_sync_bucket_mb=cfg.rollout.weight_sync_bucket_mb,
+        # NCCL only between GPUs: the trainer on CUDA and vLLM engines (the embedded engine receives CPU tensors)
+        weight_sync_backend="nccl" if cfg.rollout.engine == "vllm" and torch.cuda.is_available() else "gloo",
+    )
+    fleet = RolloutFleet(spec, run_dir, launch=cfg.rollout.launch == "local")
+    if cfg.rollout.launch == "external":
+        print(f"[tsync] waiting for {spec.num_workers} external rollout worker(s): run "
+              f"`python -m megatron_tsync.runtime.worker {run_dir}/worker<w>.json` (w = 0..{spec.num_workers - 1})",
+              flush=True)
+    fleet.reward_floor = reward_floor
+    return fleet
 
 
 class TransportSource:

@@ -158,43 +158,12 @@ class Trainer:
 
     # ------------------------------------------------------------------ rollouts
     def _fleet(self):
-        from megatron_tsync.runtime.fleet import RolloutFleet, fresh_dir, make_run_secret
-        from megatron_tsync.runtime.worker import WorkerSpec
+        from megatron_tsync.runtime.fleet import open_fleet
 
-        cfg = self.cfg
         if self.dims.rank != 0:  # rank 0 owns the rollout plane and broadcasts what lands (BroadcastSource)
             return None
-        run_dir = cfg.rollout.run_dir or os.path.join(cfg.checkpoint.save or os.path.join("runs", "tsync"),
-                                                      "rollout_plane")
-        os.makedirs(run_dir, exist_ok=True)
-        for name in os.listdir(run_dir):  # stale specs of a previous job must not start workers early
-            if name.startswith("worker") and name.endswith(".json"):
-                os.remove(os.path.join(run_dir, name))
-        secret = cfg.rollout.secret_file or make_run_secret(run_dir)
-        endpoint = cfg.rollout.endpoint or f"ipc://{os.path.abspath(run_dir)}/events.sock"
-        spec = WorkerSpec(
-            worker_id=0, num_workers=cfg.rollout.num_workers, endpoint=endpoint, secret_file=secret,
-            weights_dir=fresh_dir(os.path.join(run_dir, "weights")), model_dir=self.model_dir,
-            task=cfg.rollout.task, task_kwargs={"verifier": cfg.rollout.verifier}, group_size=cfg.rl.group_size,
-            groups_per_step=cfg.rl.groups_per_step, start_step=self.step, train_iters=cfg.rl.train_iters,
-            seed=cfg.rl.seed, temperature=cfg.rollout.temperature, top_k=cfg.rollout.top_k, top_p=cfg.rollout.top_p,
-            max_turns=cfg.rl.max_turns, max_new_tokens=cfg.rl.max_new_tokens, max_total_tokens=cfg.rl.seq_length,
-            latency_profile=cfg.rollout.latency_profile, latency_scale=cfg.rollout.latency_scale,
-            sandbox_timeout_s=cfg.rollout.sandbox_timeout_s, engine=cfg.rollout.engine,
-            engine_dtype="bfloat16" if cfg.precision.bf16 else "float32",
-            max_staleness=cfg.rl.max_staleness if cfg.learner.mode == "async" else 0,
-            stream_turns=cfg.rl.algorithm == "opd" and cfg.learner.mode == "stream-turn",
-            weight_sync=cfg.rollout.weight_sync, weight_sync_bucket_mb=cfg.rollout.weight_sync_bucket_mb,
-            # NCCL only between GPUs: the trainer on CUDA and vLLM engines (the embedded engine receives CPU tensors)
-            weight_sync_backend="nccl" if cfg.rollout.engine == "vllm" and torch.cuda.is_available() else "gloo",
-        )
-        fleet = RolloutFleet(spec, run_dir, launch=cfg.rollout.launch == "local")
-        if cfg.rollout.launch == "external":
-            print(f"[tsync] waiting for {spec.num_workers} external rollout worker(s): run "
-                  f"`python -m megatron_tsync.runtime.worker {run_dir}/worker<w>.json` (w = 0..{spec.num_workers - 1})",
-                  flush=True)
-        fleet.reward_floor = float(self.task.reward_spec.lo)
-        return fleet
+        return open_fleet(self.cfg, model_dir=self.model_dir, start_step=self.step,
+                          reward_floor=float(self.task.reward_spec.lo))
 
     def _publish(self, fleet, version: int) -> None:
         from megatron_tsync.model.hf_conversion import megatron_to_hf
@@ -236,8 +205,8 @@ class Trainer:
 
                     from megatron_tsync.runtime.fleet import BroadcastSource
 
-                    if fleet is not None and cfg.learner.mode == "async":
-                        fleet.version = set(range(max(0, k - cfg.rl.max_staleness), k + 1))
+                    if fleet is not None:
+                        fleet.begin_step(k)
                     source = fleet.source(k, cfg.rl.seq_length) if fleet is not None else None
                     if self.dims.world_size > 1:
                         source = BroadcastSource(source, self.dims.dp)
