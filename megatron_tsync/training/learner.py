@@ -1,8 +1,12 @@
-"""One optimizer step of the learner: consume ready trajectories, close groups, barrier, step.
+"""One batch of the learner: consume ready trajectories, close groups, barrier, step — per minibatch and epoch.
 
-The same code runs the three modes (``sync``, ``stream-group``, ``stream-trajectory``); only the planner's
-decisions differ. The barrier is: fold what is still open, one DP reduction (``finalize_model_grads``),
-divide by the explicit denominator, optional gradient dump, clip + optimizer step (megatron's optimizer).
+The same code runs the three modes (``sync``, ``stream-group``, ``stream-trajectory``); the planner decides what runs
+when (``sync`` also takes its microbatch order from ``sync_order`` when set). Per minibatch (``train_step``): consume
+(feed landed trajectories to the planner, run what it releases, poll for more, π_θ0 forward-only scoring on
+arrival where needed), drain (run what the planner still holds, close every group: nothing may stay open), then the
+barrier shared with the OPD learner (``training.barrier.barrier_step``): one DP reduction (``finalize_model_grads``),
+division by the explicit denominator, optional gradient hook, megatron's optimizer step (clipping if configured),
+zeroed grads.
 """
 
 from __future__ import annotations
@@ -19,8 +23,8 @@ from megatron_tsync.streaming.buckets import BucketPool, GradRouter
 from megatron_tsync.streaming.offload import Residency
 from megatron_tsync.streaming.planner import StepPlanner, TrajMeta
 from megatron_tsync.streaming.ready_queue import ArrivalSource, Sample
+from megatron_tsync.training.barrier import barrier_step
 from megatron_tsync.training.old_logprobs import Theta0Logprobs
-from megatron_tsync.training.optimizer import finalize_and_scale
 from megatron_tsync.training.stream_fb import BatchShape, LossConfig, StreamExecutor
 
 log = logging.getLogger(__name__)
@@ -63,6 +67,31 @@ class StepResult:
     offload: dict | None = None  # host offload of bucket vectors (--max-device-buckets): peaks and moves
 
 
+@dataclasses.dataclass
+class _Batch:
+    """Bookkeeping of one ``Learner.train_step`` (M minibatches × E epochs of one batch)."""
+
+    group_sizes: dict[str, int]
+    mb_of: dict[str, int]  # group id → minibatch (group i of the batch → i mod M)
+    expected: list[int]  # trajectories per minibatch
+    theta0: bool  # π_θ0 is needed after the first step (M > 1 or E > 1 with trainer old log-probs)
+    later_lc: LossConfig  # loss config of every minibatch/epoch but the first (π_old = θ0 or the engine's)
+    buffered: list[list[Sample]]  # per minibatch: landed, not fed yet (its minibatch has not started)
+    seen: list[list[Sample]]  # per minibatch: every trajectory that landed
+    t_start: float  # perf_counter at the start of the step
+    last_arrival: float  # perf_counter of the last landed trajectory
+    n_tok_all: int = 0  # action tokens of every landed trajectory
+    stats: dict[str, int] = dataclasses.field(default_factory=dict)  # planner stats summed over minibatches/epochs
+    barrier_busy: list = dataclasses.field(default_factory=list)  # (start, end) perf_counter of each barrier
+    grad_norm: float | None = None  # of the last optimizer step
+    ok: bool = True  # every optimizer step succeeded
+    first_step: bool = True  # no optimizer step of this batch has run yet
+
+    def sizes(self, j: int) -> dict[str, int]:
+        """Group sizes of minibatch j, in batch order."""
+        return {g: n for g, n in self.group_sizes.items() if self.mb_of[g] == j}
+
+
 class Learner:
     def __init__(self, ddp_model, optimizer, cfg: LearnerConfig, *, dp_rank: int = 0, pp_size: int = 1):
         self.model = ddp_model
@@ -81,6 +110,7 @@ class Learner:
         self._described = False
         self.grad_hook = None  # callable(ddp_model) run after normalisation, before clipping (--dump-grads)
         self.sync_order: list[str] | None = None  # sync mode: microbatch order (permutation control)
+        self.last_divisor = 1.0  # the explicit denominator of the latest barrier (set before its grad hook runs)
 
     def _describe_once(self):
         if self._described:
@@ -118,8 +148,28 @@ class Learner:
         ``training/old_logprobs.py``); with ``"engine"`` the engine's log-probs. Later epochs are ordinary synchronous
         passes. Each minibatch has its own denominators (its sequences / tokens). With M = E = 1 this is the
         single-step streaming update.
+
+        Per minibatch and epoch: :meth:`_consume` (feed what landed, poll until the minibatch is complete),
+        :meth:`_drain` (what the planner still holds, close every group), :meth:`_barrier` (one optimizer step).
         """
         self._describe_once()
+        cfg = self.cfg
+        st = self._begin_batch(group_sizes, shape)
+        for e in range(cfg.epochs):
+            for j in range(cfg.num_minibatches):
+                lc = cfg.loss if (e == 0 and j == 0) else st.later_lc
+                mode = cfg.mode if e == 0 else "sync"
+                planner = self._planner(st.sizes(j), mode, lc)
+                n_seq = st.expected[j] if cfg.num_minibatches > 1 else shape.num_sequences
+                self.exec.begin_phase(planner, BatchShape(n_seq, shape.max_len), lc)
+                self._consume(st, source, planner, j, replay=e > 0)
+                self._drain(st, planner, mode)
+                self._barrier(st, j, lc)
+        self.theta0.end_batch()
+        return self._result(st)
+
+    def _begin_batch(self, group_sizes: dict[str, int], shape: BatchShape) -> _Batch:
+        """Check the minibatch/epoch counts, assign groups to minibatches, reset the per-step bookkeeping."""
         cfg = self.cfg
         M, E = cfg.num_minibatches, cfg.epochs
         gids = list(group_sizes)
@@ -130,92 +180,93 @@ class Learner:
         later_lc = dataclasses.replace(cfg.loss, old_logprobs="theta0" if theta0 else "engine")
         self.theta0.begin_batch()
         self.exec.keep_theta0 = theta0
-        first_step = True
         expected = [sum(n for g, n in group_sizes.items() if mb_of[g] == j) for j in range(M)]
-        buffered: list[list[Sample]] = [[] for _ in range(M)]
-        seen: list[list[Sample]] = [[] for _ in range(M)]
         self.exec.begin_step(None, BatchShape(shape.num_sequences, shape.max_len))
         self.pool.reset_peak()
         t_start = time.perf_counter()
-        last_arrival = t_start
-        n_tok_all = 0
-        stats: dict[str, int] = {}
-        barrier_busy, gnorm, ok = [], None, True
-        for e in range(E):
-            for j in range(M):
-                sizes = {g: group_sizes[g] for g in gids if mb_of[g] == j}
-                lc = cfg.loss if (e == 0 and j == 0) else later_lc
-                mode = cfg.mode if e == 0 else "sync"
-                planner = self._planner(sizes, mode, lc)
-                self.exec.begin_phase(planner, BatchShape(expected[j] if M > 1 else shape.num_sequences,
-                                                          shape.max_len), lc)
-                feed = seen[j] if e > 0 else buffered[j]
-                buffered[j] = []
-                while True:
-                    self._feed(planner, feed)
-                    if e > 0 or len(seen[j]) >= expected[j]:
-                        break
-                    if source.exhausted():
-                        raise RuntimeError(f"step ended with {sum(map(len, seen))} trajectories, expected "
-                                           f"{sum(expected)} (minibatch {j} has {len(seen[j])}/{expected[j]})")
-                    feed = []
-                    landed = source.poll(cfg.poll_timeout_s)
-                    for s_ in landed:
-                        last_arrival = time.perf_counter()
-                        self.exec.add_sample(s_)
-                        n_tok_all += s_.num_action_tokens
-                        k = mb_of.get(s_.group_id)
-                        if k is None:
-                            raise ValueError(f"trajectory {s_.traj_id} of group {s_.group_id!r}: not in this batch")
-                        seen[k].append(s_)
-                        (feed if k == j else buffered[k]).append(s_)
-                    if theta0:  # π_θ0 on arrival for everything outside minibatch 1 (its own forward keeps it)
-                        self.theta0.score([s_ for s_ in landed if mb_of[s_.group_id] > 0 and s_.dp_rank == self.dp_rank])
-                closes, held = planner.finish()
-                if mode == "sync" and self.sync_order is not None:
-                    rank = {tid: i for i, tid in enumerate(self.sync_order)}
-                    held.sort(key=lambda it: rank[it.traj_id])
-                self.exec.run(held)
-                self.exec.close(closes)
-                if self.buckets.open_groups:
-                    raise AssertionError(f"{self.buckets.open_groups} buckets still open at the barrier")
-                for k_, v in planner.stats.items():
-                    stats[k_] = stats.get(k_, 0) + v
-                # ---- barrier: one DP reduction, explicit denominator, clip, step
-                t_b = time.perf_counter()
-                if theta0 and first_step:
-                    self.exec.keep_theta0 = False
-                    self.theta0.before_first_step(all_scored=sum(map(len, seen)) == sum(expected))
-                first_step = False
-                n_tok = sum(s_.num_action_tokens for s_ in seen[j])
-                self.last_divisor = barrier_divisor(lc.aggregation, n_tok)
-                finalize_and_scale(self.model, self.last_divisor)
-                if self.grad_hook is not None:
-                    self.grad_hook(self.model)
-                ok_j, gnorm, _ = self.opt.step()
-                ok = ok and bool(ok_j)
-                self.model.zero_grad_buffer()
-                self.opt.zero_grad()
-                barrier_busy.append((t_b, time.perf_counter()))
-        self.theta0.end_batch()
+        return _Batch(group_sizes=group_sizes, mb_of=mb_of, expected=expected, theta0=theta0, later_lc=later_lc,
+                      buffered=[[] for _ in range(M)], seen=[[] for _ in range(M)],
+                      t_start=t_start, last_arrival=t_start)
+
+    def _consume(self, st: _Batch, source: ArrivalSource, planner: StepPlanner, j: int, *, replay: bool) -> None:
+        """Minibatch j: feed what already landed for it, then poll until all its trajectories have landed.
+
+        ``replay`` (epochs after the first): feed every trajectory of the minibatch once, no polling.
+        """
+        feed = st.seen[j] if replay else st.buffered[j]
+        st.buffered[j] = []
+        while True:
+            self._feed(planner, feed)
+            if replay or len(st.seen[j]) >= st.expected[j]:
+                return
+            if source.exhausted():
+                raise RuntimeError(f"step ended with {sum(map(len, st.seen))} trajectories, expected "
+                                   f"{sum(st.expected)} (minibatch {j} has {len(st.seen[j])}/{st.expected[j]})")
+            feed = self._route(st, source.poll(self.cfg.poll_timeout_s), j)
+
+    def _route(self, st: _Batch, landed: list[Sample], j: int) -> list[Sample]:
+        """Register landed trajectories; return minibatch j's, buffer the others'. π_θ0 on arrival where needed."""
+        feed: list[Sample] = []
+        for s in landed:
+            st.last_arrival = time.perf_counter()
+            self.exec.add_sample(s)
+            st.n_tok_all += s.num_action_tokens
+            k = st.mb_of.get(s.group_id)
+            if k is None:
+                raise ValueError(f"trajectory {s.traj_id} of group {s.group_id!r}: not in this batch")
+            st.seen[k].append(s)
+            (feed if k == j else st.buffered[k]).append(s)
+        if st.theta0:  # π_θ0 on arrival for everything outside minibatch 1 (its own forward keeps it)
+            self.theta0.score([s for s in landed if st.mb_of[s.group_id] > 0 and s.dp_rank == self.dp_rank])
+        return feed
+
+    def _drain(self, st: _Batch, planner: StepPlanner, mode: str) -> None:
+        """All of the minibatch has landed: run what the planner still holds, close every group, add its stats."""
+        closes, held = planner.finish()
+        if mode == "sync" and self.sync_order is not None:
+            rank = {tid: i for i, tid in enumerate(self.sync_order)}
+            held.sort(key=lambda it: rank[it.traj_id])
+        self.exec.run(held)
+        self.exec.close(closes)
+        if self.buckets.open_groups:
+            raise AssertionError(f"{self.buckets.open_groups} buckets still open at the barrier")
+        for k, v in planner.stats.items():
+            st.stats[k] = st.stats.get(k, 0) + v
+
+    def _barrier(self, st: _Batch, j: int, lc: LossConfig) -> None:
+        """Minibatch j's optimizer step: release θ0 bookkeeping before the first one, then the shared barrier."""
+        t_b = time.perf_counter()
+        if st.theta0 and st.first_step:
+            self.exec.keep_theta0 = False
+            self.theta0.before_first_step(all_scored=sum(map(len, st.seen)) == sum(st.expected))
+        st.first_step = False
+        n_tok = sum(s.num_action_tokens for s in st.seen[j])
+        self.last_divisor = barrier_divisor(lc.aggregation, n_tok)
+        res = barrier_step(self.model, self.opt, self.last_divisor, self.grad_hook)
+        st.ok = st.ok and res.update_ok
+        st.grad_norm = res.grad_norm
+        st.barrier_busy.append((t_b, res.end_s))
+
+    def _result(self, st: _Batch) -> StepResult:
         t_end = time.perf_counter()
-        busy = [(a - t_start, b - t_start) for a, b in self.exec.busy + self.theta0.busy + barrier_busy]
+        t_start = st.t_start
+        busy = [(a - t_start, b - t_start) for a, b in self.exec.busy + self.theta0.busy + st.barrier_busy]
         busy_s = sum(b - a for a, b in busy)
         step_s = t_end - t_start
-        la = last_arrival - t_start
+        la = st.last_arrival - t_start
         return StepResult(
             step_s=step_s,
             busy_s=busy_s,
             idle_frac=max(0.0, 1.0 - busy_s / step_s) if step_s > 0 else 0.0,
-            grad_norm=None if gnorm is None else float(gnorm),
-            update_ok=ok,
-            num_trajectories=sum(map(len, seen)),
-            num_action_tokens=n_tok_all,
+            grad_norm=st.grad_norm,
+            update_ok=st.ok,
+            num_trajectories=sum(map(len, st.seen)),
+            num_action_tokens=st.n_tok_all,
             microbatches=self.exec.microbatches,
             loss_sum=sum(self.exec.losses),
             peak_bucket_vectors=self.pool.stats.peak_in_use,
             peak_bucket_bytes=self.pool.stats.peak_bytes,
-            planner_stats=stats,
+            planner_stats=st.stats,
             busy_intervals=busy,
             last_arrival_s=la,
             work_after_last_arrival_s=step_s - la,
