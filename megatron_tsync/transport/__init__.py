@@ -1,6 +1,8 @@
 """The wire between rollout workers and the learner.
 
-* ``schema``  — event dataclasses (trajectory, reward, turn, control) and their validation;
+* ``schema``  — event dataclasses (trajectory, turn) and their validation;
+* ``ids``     — the group / trajectory id format (``s{step}g{g}``, ``{group_id}t{i}``);
+* ``versions`` — the accepted-version window (``VersionWindow``), one rule for the learner and the workers;
 * ``codec``   — signed msgpack frames (HMAC-SHA256), typed rejections, replay guard;
 * ``channel`` — ZeroMQ ROUTER/DEALER channel with credit-based backpressure, acks and resend (at-least-once + dedup);
 * ``weights`` — signed safetensors weight hand-off through a directory (imported lazily: it pulls in torch);
@@ -27,25 +29,18 @@ from .errors import (
     Unsigned,
     WrongVersion,
 )
-from .schema import (
-    CONTROL_KINDS,
-    ControlEvent,
-    RewardEvent,
-    SchemaError,
-    SchemaLimits,
-    TrajectoryEvent,
-    TurnEvent,
-)
+from .schema import SchemaError, SchemaLimits, TrajectoryEvent, TurnEvent
 from .secret import SecretError, generate_secret, load_secret, write_secret_file
+from .versions import VersionWindow
 
 _LAZY = {"publish_weights", "WeightSubscriber", "WeightPublisher", "FileWeightPublisher"}
 _LAZY_BROADCAST = {"BroadcastWeightPublisher", "BroadcastWeightSubscriber", "WeightSyncGroup", "WeightSyncError"}
 
 __all__ = [
-    "BackpressureTimeout", "BadSignature", "CONTROL_KINDS", "ControlEvent", "DEFAULT_MAX_BYTES", "EventReceiver",
+    "BackpressureTimeout", "BadSignature", "DEFAULT_MAX_BYTES", "EventReceiver",
     "EventSender", "FrameHeader", "Malformed", "Oversize", "REJECT_REASONS", "Replayed", "ReplayGuard",
-    "RewardEvent", "SchemaError", "SchemaLimits", "SecretError", "TrajectoryEvent", "TransportError", "TurnEvent",
-    "Unsigned", "WrongVersion", "decode", "decode_frame", "encode", "generate_secret", "load_secret",
+    "SchemaError", "SchemaLimits", "SecretError", "TrajectoryEvent", "TransportError", "TurnEvent",
+    "Unsigned", "VersionWindow", "WrongVersion", "decode", "decode_frame", "encode", "generate_secret", "load_secret",
     "write_secret_file", *sorted(_LAZY), *sorted(_LAZY_BROADCAST),
 ]
 

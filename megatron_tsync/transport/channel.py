@@ -39,8 +39,9 @@ last few are kept in ``receiver.recent_rejections``.  Accepted events are counte
 Threading: each object's socket is used only from the calling thread.  A frame handed to ZeroMQ is delivered by
 its I/O thread while the caller does something else (generation); reading acks, pinging and resending happen inside
 ``send``/``flush``/``pump``.  A worker that stops sending calls ``flush()`` before exiting (it returns once every
-event is acknowledged); ``close()`` alone drops what is unacknowledged.  Control/ping/ack frames carry no policy version and are never rejected
-for it; data events of a version other than ``expected_version_fn()`` are rejected as ``wrong_version``.
+event is acknowledged); ``close()`` alone drops what is unacknowledged.  Ping/ack frames carry no policy version and
+are never rejected for it; data events of a version other than ``expected_version_fn()`` are rejected as
+``wrong_version`` (the learner passes its ``versions.VersionWindow.accepted``).
 """
 
 from __future__ import annotations

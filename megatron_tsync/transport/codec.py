@@ -5,10 +5,10 @@ Frame layout (all integers little-endian)::
     offset  size  field
     0       4     magic b"TSYN"
     4       1     protocol version (1)
-    5       1     kind code (1 trajectory, 2 reward, 3 turn, 4 control, 16 ping, 17 ack)
+    5       1     kind code (1 trajectory, 3 turn, 16 ping, 17 ack; 2 and 4 are retired, never reuse them)
     6       1     auth scheme (1 = HMAC-SHA256; 0 = none, always rejected as ``Unsigned``)
     7       1     reserved (0)
-    8       8     policy version, int64 (-1 for version-free kinds: control, ping, ack)
+    8       8     policy version, int64 (-1 for the version-free channel messages: ping, ack)
     16      8     sequence number, uint64 (per sender epoch, starts at 1; 0 for ping/ack)
     24      8     sender epoch, uint64 (random per EventSender instance; see below)
     32      4     payload length, uint32
@@ -42,16 +42,7 @@ from typing import Any
 import msgpack
 
 from .errors import BadSignature, Malformed, Oversize, Replayed, Unsigned, WrongVersion
-from .schema import (
-    Ack,
-    ControlEvent,
-    Ping,
-    RewardEvent,
-    SchemaError,
-    SchemaLimits,
-    TrajectoryEvent,
-    TurnEvent,
-)
+from .schema import Ack, Ping, SchemaError, SchemaLimits, TrajectoryEvent, TurnEvent
 
 __all__ = [
     "MAGIC",
@@ -71,10 +62,11 @@ _AUTH_NONE, _AUTH_HMAC_SHA256 = 0, 1
 _FIXED = struct.Struct("<4sBBBBqQQIH")  # 38 bytes
 _MAX_SENDER_LEN = 255
 
-_KIND_TO_CODE: dict[type, int] = {TrajectoryEvent: 1, RewardEvent: 2, TurnEvent: 3, ControlEvent: 4, Ping: 16, Ack: 17}
+# codes 2 (a late reward) and 4 (worker control) were kinds no worker ever sent: retired, decoded as unknown
+_KIND_TO_CODE: dict[type, int] = {TrajectoryEvent: 1, TurnEvent: 3, Ping: 16, Ack: 17}
 _CODE_TO_KIND: dict[int, type] = {v: k for k, v in _KIND_TO_CODE.items()}
-_VERSIONED = (TrajectoryEvent, RewardEvent, TurnEvent)
-_SEQUENCED = (TrajectoryEvent, RewardEvent, TurnEvent, ControlEvent)  # replay-protected, acked
+_VERSIONED = (TrajectoryEvent, TurnEvent)
+_SEQUENCED = (TrajectoryEvent, TurnEvent)  # replay-protected, acked
 
 
 def check_key(key: Any) -> bytes:
@@ -232,8 +224,8 @@ def decode_frame(frame: Any, key: bytes, *, max_bytes: int, expected_version: in
     """Like :func:`decode` but also returns the authenticated :class:`FrameHeader`.
 
     ``expected_version``: ``None`` accepts any version; an int accepts exactly that one; a container (e.g. a
-    ``range`` for an async mode with bounded staleness) accepts its members.  Control, ping and ack frames carry no
-    version and are never rejected for it.
+    ``range`` for an async mode with bounded staleness) accepts its members.  Ping and ack frames carry no version and
+    are never rejected for it.
     """
     key = check_key(key)
     header, cls, payload = _parse_header(frame, key, max_bytes)

@@ -1,16 +1,17 @@
 """Event schema of the rollout → learner wire, and its validation.
 
-Four public event kinds (plus two internal channel messages):
+Two public event kinds (plus two internal channel messages):
 
 * :class:`TrajectoryEvent` — one finished (or failed) trajectory: the whole token sequence ``(T,)`` = prompt +
   generated turns + tool output, ``loss_mask`` ``(T,)`` (1 = action token trained on), behaviour ``logprobs`` ``(T,)``
-  (0 where the mask is 0), optional ``teacher_logprobs`` ``(T,)``, the generated ``turn_spans`` and the reward (or
-  ``None`` while the verifier runs; a :class:`RewardEvent` then follows).
-* :class:`RewardEvent` — a reward that finished after its trajectory was sent.
+  (0 where the mask is 0), optional ``teacher_logprobs`` ``(T,)``, the generated ``turn_spans`` and the reward (a
+  finite float: a worker scores a trajectory before it sends it; a failed one carries the task's lowest reward).
 * :class:`TurnEvent` — one generated turn for turn-level distillation.  Its arrays cover the *prefix* ``[0, end)`` of
   the sequence so the event is self-contained for a forward pass; the turn itself is ``[start, end)`` and ``loss_mask``
   is 0 outside it.
-* :class:`ControlEvent` — ``heartbeat`` / ``worker_error`` / ``worker_done`` from a worker (no policy version).
+
+Ids (``traj_id``, ``group_id``) are written by :mod:`megatron_tsync.transport.ids` when workers send them; the schema
+only checks that they are bounded non-empty strings.
 
 Every data event carries ``policy_version``; the receiver rejects other versions (see ``codec.decode``).
 
@@ -35,16 +36,12 @@ __all__ = [
     "SchemaError",
     "SchemaLimits",
     "TrajectoryEvent",
-    "RewardEvent",
     "TurnEvent",
-    "ControlEvent",
     "Ping",
     "Ack",
     "EVENT_TYPES",
-    "CONTROL_KINDS",
 ]
 
-CONTROL_KINDS = ("heartbeat", "worker_error", "worker_done")
 _INT64_MIN, _UINT64_MAX = -(2**63), 2**64 - 1
 
 # wire dtype strings (numpy ``dtype.str``), little-endian where byte order matters
@@ -63,9 +60,9 @@ class SchemaLimits:
     max_seq_len: int = 131072
     """Longest token sequence accepted (prompt + generated + tool output)."""
     max_id_len: int = 512
-    """Longest ``traj_id`` / ``group_id`` / ``worker_id`` / meta key, in characters."""
+    """Longest ``traj_id`` / ``group_id`` / meta key, in characters."""
     max_text_len: int = 65536
-    """Longest free text (error message, control message, meta string value)."""
+    """Longest free text (error message, meta string value)."""
     max_meta_items: int = 64
     """Most entries in ``meta``."""
     max_turns: int = 4096
@@ -325,7 +322,7 @@ class TrajectoryEvent(_WireMixin):
     prompt_len: int
     loss_mask: np.ndarray  # (T,) uint8|bool: 1 = action token trained on; 0 inside the prompt and tool output
     logprobs: np.ndarray  # (T,) float32: behaviour log-probs where loss_mask == 1, exactly 0 elsewhere
-    reward: float | None = None  # None while the verifier has not finished (a RewardEvent follows)
+    reward: float  # finite; a failed trajectory carries the task's lowest reward
     turn_spans: list[tuple[int, int]] = field(default_factory=list)  # [start, end) of each generated turn
     teacher_logprobs: np.ndarray | None = None  # (T,) float32, finite
     status: str = "ok"  # "ok" | "error": a failed trajectory is still accounted for in its group
@@ -357,8 +354,7 @@ class TrajectoryEvent(_WireMixin):
         if self.teacher_logprobs is not None:
             _check_array(c, "teacher_logprobs", self.teacher_logprobs, (_F32,), t, lim.max_seq_len)
             _check_finite_array(c, "teacher_logprobs", self.teacher_logprobs)
-        if self.reward is not None:
-            _check_finite_float(c, "reward", self.reward)
+        _check_finite_float(c, "reward", self.reward)
         spans = _check_spans(c, self.turn_spans, self.prompt_len, t, lim)
         covered = np.zeros(t, dtype=bool)
         for s, e in spans:
@@ -367,27 +363,6 @@ class TrajectoryEvent(_WireMixin):
         if outside.any():
             raise _fail(c, "loss_mask", f"is 1 at index {int(np.flatnonzero(outside)[0])}, outside every turn span "
                         "(only generated tokens may be trained on)")
-        _check_meta(c, self.meta, lim)
-
-
-@dataclass(eq=False)
-class RewardEvent(_WireMixin):
-    """A reward for a trajectory already sent with ``reward=None``."""
-
-    KIND: ClassVar[str] = "reward"
-
-    traj_id: str
-    group_id: str
-    policy_version: int
-    reward: float
-    meta: dict[str, str | int | float] = field(default_factory=dict)
-
-    def validate(self, limits: SchemaLimits | None = None) -> None:
-        lim, c = limits or _DEFAULT_LIMITS, "RewardEvent"
-        _check_str(c, "traj_id", self.traj_id, lim.max_id_len)
-        _check_str(c, "group_id", self.group_id, lim.max_id_len)
-        _check_int(c, "policy_version", self.policy_version, 0, 2**63 - 1)
-        _check_finite_float(c, "reward", self.reward)
         _check_meta(c, self.meta, lim)
 
 
@@ -432,24 +407,6 @@ class TurnEvent(_WireMixin):
             _check_array(c, "teacher_logprobs", self.teacher_logprobs, (_F32,), self.end, lim.max_seq_len)
             _check_finite_array(c, "teacher_logprobs", self.teacher_logprobs)
         _check_meta(c, self.meta, lim)
-
-
-@dataclass(eq=False)
-class ControlEvent(_WireMixin):
-    """Worker lifecycle: ``heartbeat``, ``worker_error`` (message says why), ``worker_done``.  Version-free."""
-
-    KIND: ClassVar[str] = "control"
-
-    kind: str
-    worker_id: str
-    message: str = ""
-
-    def validate(self, limits: SchemaLimits | None = None) -> None:
-        lim, c = limits or _DEFAULT_LIMITS, "ControlEvent"
-        if self.kind not in CONTROL_KINDS:
-            raise _fail(c, "kind", f"must be one of {CONTROL_KINDS}, got {self.kind!r}")
-        _check_str(c, "worker_id", self.worker_id, lim.max_id_len)
-        _check_str(c, "message", self.message, lim.max_text_len, nonempty=False)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -511,4 +468,4 @@ class Ack(_WireMixin):
             _check_int(c, "rejected.seq", r[0], 1, _UINT64_MAX)
 
 
-EVENT_TYPES: tuple[type, ...] = (TrajectoryEvent, RewardEvent, TurnEvent, ControlEvent)
+EVENT_TYPES: tuple[type, ...] = (TrajectoryEvent, TurnEvent)

@@ -5,7 +5,7 @@ import struct
 
 import msgpack
 import pytest
-from tsync_transport_helpers import KEY, make_control, make_reward, make_traj
+from tsync_transport_helpers import KEY, make_small, make_traj
 
 from megatron_tsync.transport import (
     BadSignature,
@@ -21,6 +21,7 @@ from megatron_tsync.transport import (
     encode,
 )
 from megatron_tsync.transport.codec import _seal
+from megatron_tsync.transport.schema import Ping
 
 MAX = 1 << 20
 
@@ -41,8 +42,8 @@ def test_header_fields_are_authenticated_and_returned() -> None:
 
 
 def test_unsigned() -> None:
-    payload = msgpack.packb(make_reward(0).to_wire(), use_bin_type=True)
-    frame = _seal(2, payload, KEY, sender_id="w", seq=1, epoch=1, policy_version=0, auth=0)
+    payload = msgpack.packb(make_small(0).to_wire(), use_bin_type=True)
+    frame = _seal(1, payload, KEY, sender_id="w", seq=1, epoch=1, policy_version=0, auth=0)
     _raises(Unsigned, frame, "no authentication tag")
 
 
@@ -75,12 +76,17 @@ def test_malformed_frames() -> None:
 
 
 @pytest.mark.parametrize("code, payload, match", [
-    (2, b"\xc1\xc1", "payload is not msgpack"),
-    (2, msgpack.packb([1, 2, 3]), "payload must be a map"),
-    (2, msgpack.packb({"traj_id": 3}), "missing field"),
-    (2, msgpack.packb({**make_reward(0).to_wire(), "reward": float("nan")}), "reward: must be finite"),
-    (2, msgpack.packb({**make_reward(0).to_wire(), "policy_version": 4}), "payload policy_version 4 != header 0"),
+    (1, b"\xc1\xc1", "payload is not msgpack"),
+    (1, msgpack.packb([1, 2, 3]), "payload must be a map"),
+    (1, msgpack.packb({"traj_id": 3}), "missing field"),
+    (1, msgpack.packb({**make_small(0).to_wire(), "reward": float("nan")}, use_bin_type=True), "reward: must be finite"),
+    (1, msgpack.packb({**make_small(0).to_wire(), "reward": None}, use_bin_type=True), "reward: expected float"),
+    (3, msgpack.packb({**make_small(0).to_wire()}, use_bin_type=True), "unknown field"),  # a trajectory sent as a turn
+    (1, msgpack.packb({**make_small(0).to_wire(), "policy_version": 4}, use_bin_type=True),
+     "payload policy_version 4 != header 0"),
     (1, msgpack.packb({**make_traj(0).to_wire(), "token_ids": ["<i4", 10**6, b"\0" * 8]}), "bytes != length"),
+    (2, msgpack.packb({}), "unknown kind code 2"),  # retired: a late reward (never sent by any worker)
+    (4, msgpack.packb({}), "unknown kind code 4"),  # retired: worker control
     (99, msgpack.packb({}), "unknown kind code 99"),
 ])
 def test_valid_hmac_but_bad_payload_is_malformed(code, payload, match) -> None:
@@ -102,8 +108,9 @@ def test_wrong_version() -> None:
     assert (err.got, err.expected, err.header.seq) == (4, 5, 1)
     assert decode(frame, KEY, max_bytes=MAX, expected_version=range(3, 6)).policy_version == 4  # bounded staleness
     assert decode(frame, KEY, max_bytes=MAX, expected_version=None).policy_version == 4
-    # control events carry no version and are never rejected for it
-    assert decode(encode(make_control(), KEY), KEY, max_bytes=MAX, expected_version=123).kind == "heartbeat"
+    # channel messages carry no version and are never rejected for it
+    ping = decode(encode(Ping(epoch=1, ping_id=1), KEY, seq=0), KEY, max_bytes=MAX, expected_version=123)
+    assert isinstance(ping, Ping) and ping.ping_id == 1
 
 
 def test_signature_checked_before_version() -> None:
@@ -113,12 +120,12 @@ def test_signature_checked_before_version() -> None:
 
 def test_replay_guard() -> None:
     g = ReplayGuard()
-    frames = [encode(make_reward(i), KEY, sender_id="w", seq=i + 1, epoch=7) for i in range(5)]
+    frames = [encode(make_small(i), KEY, sender_id="w", seq=i + 1, epoch=7) for i in range(5)]
     for f in (frames[0], frames[2], frames[1]):  # out of order (a resend overtaken by a later frame) is fine
         decode(f, KEY, max_bytes=MAX, replay_guard=g)
     for f in (frames[0], frames[1], frames[2]):
         _raises(Replayed, f, "already processed", replay_guard=g)
-    other_epoch = encode(make_reward(0), KEY, sender_id="w", seq=1, epoch=8)  # a restarted sender: new epoch
+    other_epoch = encode(make_small(0), KEY, sender_id="w", seq=1, epoch=8)  # a restarted sender: new epoch
     decode(other_epoch, KEY, max_bytes=MAX, replay_guard=g)
     g2 = ReplayGuard.from_state(g.state())  # carried across a receiver restart
     _raises(Replayed, frames[2], replay_guard=g2)
@@ -141,14 +148,14 @@ def test_replay_guard_bounds_memory() -> None:
 
 
 def test_sequence_zero_rejected_for_events() -> None:
-    err = _raises(Malformed, encode(make_reward(0), KEY, seq=0), "sequence number 0")
+    err = _raises(Malformed, encode(make_small(0), KEY, seq=0), "sequence number 0")
     assert err.header is not None
 
 
 def test_encode_refuses_invalid_events_and_short_keys() -> None:
-    ev = make_reward(0)
+    ev = make_small(0)
     ev.reward = float("nan")
     with pytest.raises(ValueError, match="reward: must be finite"):
         encode(ev, KEY)
     with pytest.raises(ValueError, match="length >= 16"):
-        encode(make_reward(0), b"short")
+        encode(make_small(0), b"short")

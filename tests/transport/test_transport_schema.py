@@ -5,11 +5,9 @@ import math
 import msgpack
 import numpy as np
 import pytest
-from tsync_transport_helpers import KEY, make_control, make_reward, make_traj, make_turn
+from tsync_transport_helpers import KEY, make_small, make_traj, make_turn
 
 from megatron_tsync.transport import (
-    ControlEvent,
-    RewardEvent,
     SchemaError,
     SchemaLimits,
     TrajectoryEvent,
@@ -40,8 +38,7 @@ def _assert_bit_exact(a, b) -> None:
     lambda: make_traj(3, version=7, T=2048),
     lambda: make_traj(4, version=0, T=17, teacher=False, mask_dtype=np.bool_),
     lambda: make_turn(5, version=2),
-    lambda: make_reward(6, version=9),
-    lambda: make_control("worker_error"),
+    lambda: make_small(6, version=9),
 ])
 def test_round_trip_every_kind_bit_exact(make) -> None:
     ev = make()
@@ -62,11 +59,16 @@ def test_round_trip_preserves_special_float_bits() -> None:
     assert math.copysign(1.0, float(out.teacher_logprobs[0])) == -1.0
 
 
-def test_failed_trajectory_and_pending_reward_are_valid() -> None:
+def test_failed_trajectory_is_valid_and_every_trajectory_has_a_reward() -> None:
     ev = TrajectoryEvent("t", "g", 2, 1, np.zeros(0, np.int32), 0, np.zeros(0, np.uint8), np.zeros(0, np.float32),
-                         reward=None, status="error", error="tool sandbox crashed: exit 137")
+                         reward=0.0, status="error", error="tool sandbox crashed: exit 137")
     ev.validate()
     assert decode(encode(ev, KEY), KEY, max_bytes=4096) == ev
+    with pytest.raises(TypeError, match="reward"):  # no pending rewards: a worker scores before it sends
+        TrajectoryEvent("t", "g", 2, 1, np.zeros(0, np.int32), 0, np.zeros(0, np.uint8), np.zeros(0, np.float32))
+    ev.reward = None
+    with pytest.raises(SchemaError, match="TrajectoryEvent.reward: expected float, got NoneType"):
+        ev.validate()
 
 
 def test_constructor_converts_lists_and_tensors_losslessly() -> None:
@@ -77,7 +79,7 @@ def test_constructor_converts_lists_and_tensors_losslessly() -> None:
     assert ev.token_ids.dtype == np.int32 and ev.loss_mask.dtype == np.uint8 and ev.logprobs.dtype == np.float32
     assert ev.turn_spans == [(2, 4)]
     with pytest.raises(SchemaError, match="token_ids: dtype"):
-        TrajectoryEvent("t", "g", 1, 0, [0.5, 1.5], 0, [0, 0], [0.0, 0.0]).validate()
+        TrajectoryEvent("t", "g", 1, 0, [0.5, 1.5], 0, [0, 0], [0.0, 0.0], 1.0).validate()
 
 
 def _bad(**changes):
@@ -142,11 +144,7 @@ def test_sequence_length_limit() -> None:
         ev.validate(SchemaLimits(max_seq_len=511))
 
 
-def test_other_kinds_validation() -> None:
-    with pytest.raises(SchemaError, match="RewardEvent.reward: must be finite"):
-        RewardEvent("t", "g", 0, float("-inf")).validate()
-    with pytest.raises(SchemaError, match="ControlEvent.kind: must be one of"):
-        ControlEvent("shutdown", "w").validate()
+def test_turn_validation() -> None:
     t = make_turn(0)
     t.loss_mask[0] = 1
     t.logprobs[0] = -0.1
@@ -159,13 +157,13 @@ def test_other_kinds_validation() -> None:
 
 
 def test_from_wire_missing_and_unknown_fields() -> None:
-    wire = make_reward(1).to_wire()
+    wire = make_small(1).to_wire()
     del wire["reward"]
     with pytest.raises(SchemaError, match=r"missing field\(s\) \['reward'\]"):
-        RewardEvent.from_wire(wire)
-    wire = make_reward(1).to_wire() | {"extra": 1}
+        TrajectoryEvent.from_wire(wire)
+    wire = make_small(1).to_wire() | {"extra": 1}
     with pytest.raises(SchemaError, match=r"unknown field\(s\) \['extra'\]"):
-        RewardEvent.from_wire(wire)
+        TrajectoryEvent.from_wire(wire)
     wire = make_traj(1, T=8).to_wire()
     wire["logprobs"][2] = wire["logprobs"][2][:-1]
     with pytest.raises(SchemaError, match=r"logprobs: 31 bytes != length 8 x itemsize 4"):

@@ -9,7 +9,7 @@ import tempfile
 
 import numpy as np
 
-from megatron_tsync.transport import ControlEvent, RewardEvent, TrajectoryEvent, TurnEvent
+from megatron_tsync.transport import TrajectoryEvent, TurnEvent
 
 KEY = bytes(range(32))
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -46,12 +46,9 @@ def make_turn(i: int, version: int = 0, end: int = 64) -> TurnEvent:
                      teacher_logprobs=(-rng.random(end)).astype(np.float32), meta={"x": 1.5})
 
 
-def make_reward(i: int, version: int = 0) -> RewardEvent:
-    return RewardEvent(traj_id=f"traj-{i}", group_id="g", policy_version=version, reward=0.25 * i, meta={"v": "ok"})
-
-
-def make_control(kind: str = "heartbeat", worker_id: str = "worker-0") -> ControlEvent:
-    return ControlEvent(kind=kind, worker_id=worker_id, message="hello")
+def make_small(i: int, version: int = 0) -> TrajectoryEvent:
+    """A cheap one-turn trajectory (16 tokens, no teacher log-probs): for tests about the channel, not the payload."""
+    return make_traj(i, version, 16, teacher=False, meta={"i": i})
 
 
 def short_tmpdir() -> str:

@@ -22,21 +22,17 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from tsync_transport_helpers import KEY, sender_cmd, short_tmpdir  # noqa: E402
 
-from megatron_tsync.transport import ControlEvent, EventReceiver  # noqa: E402
+from megatron_tsync.transport import EventReceiver  # noqa: E402
 
 
 def measure(endpoint: str, n: int, T: int, interval_s: float, warmup: int) -> np.ndarray:
     with EventReceiver(endpoint, KEY, credit=256) as rx:
         proc = subprocess.Popen(sender_cmd(rx.endpoint, "bench", str(n + warmup), "0", str(T), "--stamp",
                                            "--interval-s", str(interval_s)), stdout=subprocess.DEVNULL)
-        lat, done, nbytes = [], False, 0
-        while not done:
+        lat = []
+        while len(lat) < n + warmup:
             for ev in rx.poll(100):
-                now = time.monotonic_ns()
-                if isinstance(ev, ControlEvent):
-                    done = True
-                else:
-                    lat.append(now - ev.meta["t_ns"])
+                lat.append(time.monotonic_ns() - ev.meta["t_ns"])
         proc.wait(30)
     return np.asarray(lat[warmup:], dtype=np.float64) / 1e3  # µs
 

@@ -1,4 +1,4 @@
-"""Worker process for the channel tests / latency benchmark: sends trajectory events, then worker_done, then flushes.
+"""Worker process for the channel tests / latency benchmark: sends N trajectory events, then flushes.
 
 usage: tsync_transport_sender.py ENDPOINT SENDER_ID N VERSION T [--interval-s X] [--stamp]
 Prints one JSON line with the sender's stats on success.
@@ -14,7 +14,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from tsync_transport_helpers import KEY, make_control, make_traj  # noqa: E402
+from tsync_transport_helpers import KEY, make_traj  # noqa: E402
 
 from megatron_tsync.transport import EventSender  # noqa: E402
 
@@ -40,7 +40,6 @@ def main() -> None:
                 end = time.monotonic() + a.interval_s
                 while time.monotonic() < end:
                     s.pump(end - time.monotonic())
-        s.send(make_control("worker_done", a.sender_id), timeout_s=30)
         s.flush(timeout_s=30)
         print(json.dumps(s.stats), flush=True)
 
