@@ -9,7 +9,7 @@ import sys
 
 def main(argv=None) -> int:
     from megatron_tsync.arguments import parse_args
-    from megatron_tsync.runtime.trainer import run
+    from megatron_tsync.runtime.loop import run
 
     cfg = parse_args(argv)
     run(cfg)

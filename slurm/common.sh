@@ -215,8 +215,8 @@ tsync_main() {
   if [ "$RL_ALGORITHM" = opd ]; then
     if [ "$TSYNC_CPU" = 1 ]; then TEACHER_MODEL=${TEACHER_MODEL:-$TSYNC_RUNS/tiny-teacher}; fi
     [ -n "${TEACHER_MODEL:-}" ] || tsync_die "TEACHER_MODEL=<Hugging Face folder> is required for train_opd.sh"
-    "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('megatron_tsync.runtime.opd_trainer') is None)" \
-      || tsync_die "OPD trainer not available in this megatron_tsync (megatron_tsync.runtime.opd_trainer is missing)"
+    "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('megatron_tsync.runtime.opd') is None)" \
+      || tsync_die "OPD trainer not available in this megatron_tsync (megatron_tsync.runtime.opd is missing)"
   fi
   tsync_check_layout
   tsync_derive

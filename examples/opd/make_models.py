@@ -22,7 +22,7 @@ def sft_to_dir(base: str, out: str, steps: int, *, lr: float = 1e-3, seed: int =
     from transformers import AutoTokenizer
 
     from megatron_tsync.model.tokenizer import TokenizerCodec
-    from megatron_tsync.runtime.sft import sft_warmup
+    from megatron_tsync.training.sft import sft_warmup
     from megatron_tsync.runtime.tasks import get_task
     from megatron_tsync.model.hf_conversion import load_hf_dir, load_hf_into_model, megatron_to_hf, save_hf_dir
     from megatron_tsync.model.builder import build_model

@@ -2,7 +2,8 @@
 
 A :class:`Sample` is one finished trajectory with its reward (tensors on CPU). An :class:`ArrivalSource`
 hands samples to the learner as they become ready; :class:`ListSource` replays a fixed arrival order (tests,
-``--replay-rollouts``, the benchmark); the live trainer's sources are in ``runtime/fleet.py``.
+``--replay-rollouts``, the benchmark); the live trainer's sources are in ``runtime/fleet.py`` and
+``runtime/sources.py``. :class:`DataParallelAssigner` owns which DP rank trains each trajectory.
 """
 
 from __future__ import annotations
@@ -94,3 +95,31 @@ class ListSource:
 
     def exhausted(self) -> bool:
         return self.i >= len(self.samples)
+
+
+class DataParallelAssigner:
+    """The one owner of which data-parallel rank trains a trajectory: the i-th distinct trajectory to arrive (in the
+    order rank 0 saw it, which every rank replays identically) goes to DP rank ``i mod dp``. Sticky: every later
+    chunk of the same trajectory (turn-level OPD) gets the same rank. Arrival order, not group index, so the ranks'
+    loads stay balanced however the rewards land."""
+
+    def __init__(self, dp: int):
+        if dp < 1:
+            raise ValueError(f"data-parallel size must be >= 1, got {dp}")
+        self.dp = dp
+        self._rank: dict[str, int] = {}
+
+    def assign(self, traj_id: str) -> int:
+        r = self._rank.get(traj_id)
+        if r is None:
+            r = self._rank[traj_id] = len(self._rank) % self.dp
+        return r
+
+    def rank_of(self, traj_id: str, default: int = 0) -> int:
+        """The rank already assigned to ``traj_id`` (``default`` if it never arrived)."""
+        return self._rank.get(traj_id, default)
+
+    def assign_samples(self, samples: Iterable[Sample]) -> None:
+        """Set ``dp_rank`` on each sample, in order."""
+        for s in samples:
+            s.dp_rank = self.assign(s.traj_id)

@@ -25,6 +25,12 @@ import time
 from typing import Any, Callable, Sequence
 
 import torch
+import torch.distributed as dist
+
+from megatron_tsync.model.builder import unwrap
+from megatron_tsync.model.logprobs import token_logprobs
+from megatron_tsync.model.tokenizer import TokenizerCodec
+from megatron_tsync.training.optimizer import finalize_and_scale
 
 __all__ = ["demonstration_tokens", "collate", "sft_warmup", "timed_sft_warmup", "as_codec"]
 
@@ -32,8 +38,6 @@ __all__ = ["demonstration_tokens", "collate", "sft_warmup", "timed_sft_warmup", 
 def as_codec(tokenizer_or_codec: Any):
     """A text codec (``encode(str) -> list[int]``, ``decode``): a ``TokenizerCodec`` is returned as is, a raw
     ``tokenizers.Tokenizer`` / transformers tokenizer is wrapped in one."""
-    from megatron_tsync.model.tokenizer import TokenizerCodec
-
     if isinstance(tokenizer_or_codec, TokenizerCodec):
         return tokenizer_or_codec
     probe = tokenizer_or_codec.encode("a")
@@ -73,12 +77,10 @@ def collate(examples: Sequence[tuple[list[int], list[int]]], pad_id: int, loss_o
     return input_ids, mask[:, 1:]  # (B, S), (B, S-1)
 
 
-def _dp_coords() -> tuple[int, int, Any]:
-    from megatron.core import parallel_state as ps
-
-    if not ps.model_parallel_is_initialized():
+def _dp_coords(dp_group) -> tuple[int, int, Any]:
+    if dp_group is None:
         return 0, 1, None
-    return ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(), ps.get_data_parallel_group()
+    return dist.get_rank(dp_group), dist.get_world_size(dp_group), dp_group
 
 
 def _set_lr(optimizer, lr: float | None) -> list[float] | None:
@@ -104,6 +106,7 @@ def sft_warmup(
     lr: float | None = None,
     pad_id: int = 0,
     log: Callable[[int, float], None] | None = None,
+    dp_group=None,
 ) -> list[float]:
     """Train ``steps`` optimizer steps on ``task``'s demonstrations; returns the per-step loss (mean over loss tokens).
 
@@ -117,15 +120,13 @@ def sft_warmup(
         lr: optional learning rate for the warm start only (restored afterwards).
         pad_id: right-padding id (never trained on).
         log: ``log(step, loss)`` after every step.
+        dp_group: the data-parallel process group (``ParallelDims.dp_group()``); None = one replica. Each DP rank
+            trains on rows ``dp_rank::dp`` of every batch.
     """
-    from megatron_tsync.model.logprobs import token_logprobs
-    from megatron_tsync.model.builder import unwrap
-    from megatron_tsync.training.optimizer import finalize_and_scale
-
     if getattr(unwrap(ddp_model), "pre_process", True) is False or getattr(unwrap(ddp_model), "post_process", True) is False:
         raise ValueError("sft_warmup needs a single-stage model (pipeline parallelism is not supported here)")
     codec = as_codec(codec)
-    dp_rank, dp, dp_group = _dp_coords()
+    dp_rank, dp, dp_group = _dp_coords(dp_group)
     device = next(ddp_model.parameters()).device
     old_lr = _set_lr(optimizer, lr)
     losses: list[float] = []
@@ -140,7 +141,7 @@ def sft_warmup(
             num = -(lp.float() * mask).sum()
             stats = torch.stack([num.detach(), mask.sum()])  # global loss sum and token count, for logging/denominator
             if dp > 1:
-                torch.distributed.all_reduce(stats, group=dp_group)
+                dist.all_reduce(stats, group=dp_group)
             num.backward()
             finalize_and_scale(ddp_model, float(stats[1]))
             optimizer.step()

@@ -14,11 +14,14 @@ logits (``session(keep_logits=True)``, for ``--opd-objective full-vocab``) are g
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from megatron_tsync.model.logprobs import gather_vocab_parallel_logits, vocab_parallel_logprobs
+from megatron_tsync.training.opd_learner import TurnChunk
 
-__all__ = ["TeacherScorer", "TeacherSession"]
+__all__ = ["TeacherChunks", "TeacherScorer", "TeacherSession"]
 
 
 class TeacherScorer:
@@ -105,3 +108,34 @@ class TeacherSession:
         self.logp = torch.cat([self.logp, torch.zeros(lo - start, dtype=torch.float64), new])
         full = gather_vocab_parallel_logits(both)[0].cpu() if self.keep_logits else None
         return self.logp.clone(), full
+
+
+class TeacherChunks:
+    """Teacher-scores chunks as they pass (one ``TeacherSession`` per open trajectory); no-op without a teacher.
+
+    ``full_vocab``: also the teacher's full logits of the chunk's predicted tokens (``TurnChunk.teacher_logits``,
+    (end − max(start, 1), V)) for ``--opd-objective full-vocab``.
+    """
+
+    def __init__(self, teacher, *, full_vocab: bool = False):
+        if full_vocab and teacher is None:
+            raise ValueError("--opd-objective full-vocab needs --teacher-model (full teacher logits)")
+        self.teacher, self.full_vocab = teacher, full_vocab
+        self.sessions: dict = {}
+        self.busy_s = 0.0
+
+    def score(self, c: TurnChunk) -> TurnChunk:
+        if self.teacher is None:
+            if c.teacher_logp is None:
+                raise ValueError(f"trajectory {c.traj_id}: no teacher log-probs and no --teacher-model")
+            return c
+        t = time.perf_counter()
+        sess = self.sessions.get(c.traj_id) or self.sessions.setdefault(
+            c.traj_id, self.teacher.session(keep_logits=self.full_vocab))
+        c.teacher_logp, logits = sess.extend(c.token_ids, c.start)
+        if self.full_vocab:
+            c.teacher_logits = logits  # (end − max(start, 1), V) float, on the CPU; None for an empty chunk
+        if c.last:
+            self.sessions.pop(c.traj_id, None)
+        self.busy_s += time.perf_counter() - t
+        return c

@@ -131,7 +131,7 @@ def test_demonstration_tokens_equal_agent_loop_trajectory(codec):
     from megatron_tsync.rollout.agent_loop import AgentConfig, AgentLoop
     from megatron_tsync.model.tokenizer import tag_token_id
     from megatron_tsync.rollout.engine import SamplingConfig
-    from megatron_tsync.runtime.sft import demonstration_tokens
+    from megatron_tsync.training.sft import demonstration_tokens
 
     task = ArithmeticCalculatorTask()
     insts = task.sample_prompts(0, 4, seed=11)

@@ -119,7 +119,7 @@ def _wait_for(pattern: str, log: str, proc: subprocess.Popen, timeout: float) ->
 
 
 def _opd_available() -> bool:
-    return importlib.util.find_spec("megatron_tsync.runtime.opd_trainer") is not None
+    return importlib.util.find_spec("megatron_tsync.runtime.opd") is not None
 
 
 # ------------------------------------------------------------------------------------------------ the lifecycle
@@ -195,7 +195,7 @@ def test_grpo_sbatch_lifecycle(slurm, tmp_path):
 
 def test_opd_sbatch_lifecycle(slurm, tmp_path):
     if not _opd_available():
-        pytest.skip("OPD trainer not available (megatron_tsync.runtime.opd_trainer is missing)")
+        pytest.skip("OPD trainer not available (megatron_tsync.runtime.opd is missing)")
     _lifecycle("train_opd.sh", slurm, tmp_path, "tsync-opd")
 
 

@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from megatron_tsync.runtime.sft import collate, demonstration_tokens, sft_warmup
+from megatron_tsync.training.sft import collate, demonstration_tokens, sft_warmup
 from megatron_tsync.runtime.tasks import ArithmeticCalculatorTask
 
 

@@ -53,7 +53,7 @@ def test_full_vocab_objective_from_teacher_chunks(teacher, tiny_dir):
     (stream-turn, turns of 3 trajectories interleaved) equals the KL of full forwards, and its gradient equals sync."""
     import opd_worker as W
 
-    from megatron_tsync.runtime.opd_trainer import _TeacherChunks
+    from megatron_tsync.training.teacher import TeacherChunks
     from megatron_tsync.model.builder import ModelArch, PrecisionConfig, build_model
     from megatron_tsync.training.opd_learner import OPDLearnerConfig
     from megatron_tsync.training.stream_fb import BatchShape
@@ -66,7 +66,7 @@ def test_full_vocab_objective_from_teacher_chunks(teacher, tiny_dir):
         return build_model(arch, PrecisionConfig(params_dtype=torch.float64), seed=3)
 
     def chunks():
-        sc = _TeacherChunks(teacher, full_vocab=True)
+        sc = TeacherChunks(teacher, full_vocab=True)
         return [sc.score(c) for c in W.all_chunks(S, E, seed=4)]
 
     cs = chunks()
@@ -97,10 +97,10 @@ def test_full_vocab_objective_from_teacher_chunks(teacher, tiny_dir):
 
 
 def test_full_vocab_needs_a_teacher():
-    from megatron_tsync.runtime.opd_trainer import _TeacherChunks
+    from megatron_tsync.training.teacher import TeacherChunks
 
     with pytest.raises(ValueError, match="teacher-model"):
-        _TeacherChunks(None, full_vocab=True)
+        TeacherChunks(None, full_vocab=True)
 
 
 @pytest.mark.slow

@@ -1,0 +1,182 @@
+"""What every algorithm's run shares: topology, the policy (Megatron DDP + optimizer), the task, checkpoints, the
+weight hand-off to the rollout plane, signals and logs. The loop (``runtime/loop.py``) drives it; an algorithm
+(``runtime/grpo.py``, ``runtime/opd.py``) adds its learner and its event source.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import signal
+import time
+
+import torch.distributed as dist
+from transformers import AutoTokenizer
+
+from megatron_tsync.config import TrainConfig
+from megatron_tsync.model.builder import build_model
+from megatron_tsync.model.hf_conversion import load_hf_dir, load_hf_into_model, megatron_to_hf
+from megatron_tsync.model.parallel import ParallelDims, initialize_parallel
+from megatron_tsync.model.tiny_model import make_tiny_model
+from megatron_tsync.model.tokenizer import TokenizerCodec
+from megatron_tsync.runtime.fleet import RolloutFleet, open_fleet
+from megatron_tsync.runtime.tasks import get_task
+from megatron_tsync.training.checkpointing import load_checkpoint, save_checkpoint
+from megatron_tsync.training.optimizer import OptimConfig, build_optimizer, wrap_ddp
+from megatron_tsync.training.sft import sft_warmup
+
+log = logging.getLogger("megatron_tsync")
+
+
+class StopFlag:
+    """SIGTERM / SIGUSR1 (SLURM's pre-timeout signal) / SIGINT: finish the step, save, exit.
+
+    Installed at the very start of a run (``loop.run``), so a signal during start-up (model load, SFT) is honoured."""
+
+    def __init__(self):
+        self.stop = False
+        self.signum = None
+        for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
+            try:
+                signal.signal(s, self._handler)
+            except ValueError:  # not the main thread
+                pass
+
+    def _handler(self, signum, frame):
+        self.stop, self.signum = True, signum
+        log.warning("signal %d: will save a checkpoint after the current step and exit", signum)
+
+
+def model_dir(cfg: TrainConfig, rank: int) -> str:
+    """``--model``: a Hugging Face folder (created tiny and random with ``--init-tiny-model`` if missing)."""
+    path = cfg.model.path
+    if path is None:
+        raise ValueError("--model PATH (a Hugging Face folder) is required")
+    if not os.path.exists(os.path.join(path, "config.json")):
+        if not cfg.model.init_tiny_model:
+            raise FileNotFoundError(f"--model {path}: no config.json (pass --init-tiny-model to create a tiny one)")
+        if rank == 0:
+            log.info("creating a tiny model at %s", path)
+            make_tiny_model(path, seed=cfg.rl.seed)
+    if dist.is_initialized():
+        dist.barrier()
+    return path
+
+
+class RunContext:
+    """Start-up of a run: process groups, the policy from ``--model``, its optimizer, ``--load``, the SFT warm start.
+
+    Attributes the algorithms use: ``cfg``, ``dims`` (:class:`ParallelDims`), ``model_dir``, ``task``, ``ddp``,
+    ``opt``, ``step`` (the next optimizer step), ``state`` (trainer state saved with the checkpoint), ``stop``,
+    ``history`` (one row per step), ``tb`` (TensorBoard writer on the logging rank, else None).
+    """
+
+    def __init__(self, cfg: TrainConfig, stop: StopFlag):
+        if cfg.learner.num_minibatches > cfg.rl.groups_per_step:
+            raise ValueError(f"--num-minibatches {cfg.learner.num_minibatches} > {cfg.rl.groups_per_step} groups per "
+                             "step: minibatches are made of whole groups")
+        self.cfg, self.stop = cfg, stop
+        p = cfg.parallel
+        self.dims: ParallelDims = initialize_parallel(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
+                                                      p.context_parallel_size, seed=cfg.rl.seed)
+        self.model_dir = model_dir(cfg, self.dims.rank)
+        self.task = get_task(cfg.rollout.task, verifier=cfg.rollout.verifier)
+        arch, hf_state = load_hf_dir(self.model_dir)
+        model = build_model(arch, cfg.precision, seed=cfg.rl.seed)
+        load_hf_into_model(model, hf_state)
+        self.ddp = wrap_ddp(model, use_distributed_optimizer=p.use_distributed_optimizer)
+        self.opt = build_optimizer(self.ddp, dataclasses.replace(cfg.optim,
+                                                                 use_distributed_optimizer=p.use_distributed_optimizer))
+        self.step = 0
+        self.state: dict = {}
+        self.history: list[dict] = []
+        self._load()
+        if self.step == 0 and cfg.model.sft_warmup_steps > 0 and not self.state.get("sft_done"):
+            self._sft()
+        self.tb = None
+        if cfg.logging.tensorboard_dir and self.dims.is_logging_rank:
+            from torch.utils.tensorboard import SummaryWriter  # imports tensorboard: only when asked for
+
+            self.tb = SummaryWriter(cfg.logging.tensorboard_dir)
+
+    # ------------------------------------------------------------------ checkpoints
+    def _load(self) -> None:
+        ck = self.cfg.checkpoint
+        if not ck.load:
+            return
+        got = load_checkpoint(ck.load, self.ddp, None if ck.finetune else self.opt)
+        if got is None:
+            log.info("--load %s: no checkpoint yet, starting from the model", ck.load)
+            return
+        step, state = got
+        self.step = 0 if ck.finetune else step
+        self.state = state or {}
+        if self.dims.rank == 0:
+            print(f"[tsync] resumed from {ck.load} at step {self.step}", flush=True)
+
+    def save(self) -> None:
+        if not self.cfg.checkpoint.save:
+            return
+        self.state["history_tail"] = self.history[-5:]
+        path = save_checkpoint(self.cfg.checkpoint.save, self.step, self.ddp, self.opt, self.state,
+                               hf_assets_src=self.model_dir)
+        if self.dims.rank == 0:
+            print(f"[tsync] saved checkpoint {path}", flush=True)
+
+    def _sft(self) -> None:
+        t0 = time.perf_counter()
+        codec = TokenizerCodec(AutoTokenizer.from_pretrained(self.model_dir))
+        sft_opt = build_optimizer(self.ddp, OptimConfig(optimizer="adam", lr=1e-3, clip_grad=1.0))
+        losses = sft_warmup(self.ddp, sft_opt, codec, self.task, self.cfg.model.sft_warmup_steps, batch_size=16,
+                            seed=self.cfg.rl.seed + 1,  # not the RL prompts
+                            dp_group=self.dims.dp_group() if self.dims.dp > 1 else None)
+        # the RL optimizer's fp32 master copies (if any) must see the new weights
+        if hasattr(self.opt, "reload_model_params"):
+            self.opt.reload_model_params()
+        self.state["sft_done"] = True
+        if self.dims.rank == 0:
+            print(f"[tsync] supervised warm start: {len(losses)} steps, loss {losses[0]:.3f} → {losses[-1]:.3f} "
+                  f"({time.perf_counter() - t0:.0f}s)", flush=True)
+
+    # ------------------------------------------------------------------ rollout plane
+    def open_fleet(self) -> RolloutFleet | None:
+        """Trainer rank 0 owns the rollout plane (the other ranks get what lands by broadcast); None elsewhere."""
+        if self.dims.rank != 0:
+            return None
+        return open_fleet(self.cfg, model_dir=self.model_dir, start_step=self.step,
+                          reward_floor=float(self.task.reward_spec.lo))
+
+    def publish(self, fleet: RolloutFleet | None, version: int) -> None:
+        """Weights of ``version`` to the engines. Collective over TP/PP: every rank calls it."""
+        state = megatron_to_hf(self.ddp)
+        if fleet is not None:
+            fleet.publish(state, version)
+
+    # ------------------------------------------------------------------ logs
+    def write_scalars(self, row: dict, names: dict[str, str], k: int) -> None:
+        """TensorBoard: ``row[key]`` under ``names[key]`` at step ``k`` (None values skipped)."""
+        if self.tb is None:
+            return
+        for key, tag in names.items():
+            if row.get(key) is not None:
+                self.tb.add_scalar(tag, row[key], k)
+        self.tb.flush()
+
+    def save_history(self) -> None:
+        """Per-step metrics as ``history.json`` next to the checkpoints (or the TensorBoard folder)."""
+        out = self.cfg.checkpoint.save or self.cfg.logging.tensorboard_dir
+        if out:
+            os.makedirs(out, exist_ok=True)
+            with open(os.path.join(out, "history.json"), "w") as f:
+                json.dump(self.history, f, indent=1)
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+
+
+def progress_bar(done: int, total: int, width: int = 20) -> str:
+    fill = int(width * done / max(total, 1))
+    return f"[{'#' * fill}{'.' * (width - fill)}] {done}/{total}"

@@ -1,0 +1,137 @@
+"""GRPO (and every group-affine estimator) in the one training loop: the learner, its per-step event source, its log row.
+
+Per step ``k`` (zero staleness): the loop publishes weights version ``k`` → workers roll out step ``k`` with them and
+stream trajectory events → :class:`~megatron_tsync.training.learner.Learner` consumes them as they land
+(``--rl-mode``) → barrier and optimizer step → version ``k + 1``. ``async`` mode lets workers run up to
+``--max-staleness`` versions ahead and trains each batch synchronously with engine log-probs as π_old and truncated
+importance sampling (the off-policy baseline users would otherwise pick).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import torch.distributed as dist
+
+from megatron_tsync.runtime.context import RunContext, progress_bar
+from megatron_tsync.runtime.fleet import RolloutFleet, TransportSource
+from megatron_tsync.runtime.rollout_io import dump_grads, load_rollouts
+from megatron_tsync.runtime.spec import StepOutcome, TrainSpec
+from megatron_tsync.runtime.worker import group_ids
+from megatron_tsync.streaming.ready_queue import DataParallelAssigner, ListSource, Sample
+from megatron_tsync.training.learner import Learner, LearnerConfig
+from megatron_tsync.training.stream_fb import BatchShape
+
+TB_NAMES = {"reward": "rollout/reward", "success_rate": "rollout/success_rate", "loss": "train/loss",
+            "grad_norm": "train/grad_norm", "step_time_s": "perf/step_time_s", "idle_frac": "perf/learner_idle_frac",
+            "open_groups_peak_vectors": "stream/bucket_vectors_peak", "bucket_peak_bytes": "stream/bucket_bytes_peak",
+            "events_rejected": "transport/events_rejected", "staleness": "rollout/staleness"}
+
+
+def learner_config(cfg, reward_spec) -> LearnerConfig:
+    """The learner's section with the task's reward spec; ``async`` trains each batch synchronously on engine
+    log-probs (the learner itself knows no async mode)."""
+    lc = cfg.learner
+    mode, loss = lc.mode, lc.loss
+    if mode == "async":
+        mode = "sync"
+        loss = dataclasses.replace(loss, old_logprobs="engine")
+    return dataclasses.replace(lc, mode=mode, loss=loss, reward_spec=reward_spec)
+
+
+class BroadcastSource:
+    """Several trainer ranks: global rank 0 owns the receiver; every poll it broadcasts the newly landed samples (and
+    whether the step is complete) to all ranks, which feed identical inputs to their planners; the DP rank of each
+    sample is the :class:`DataParallelAssigner`'s. The broadcast is the trainer's own torch.distributed group (a
+    trusted channel between trainer ranks), not a socket exposed to workers."""
+
+    def __init__(self, inner: TransportSource | None, dp: int):
+        self.inner = inner
+        self.assigner = DataParallelAssigner(dp)
+        self._done = False
+        self.samples: list[Sample] = []
+
+    def poll(self, timeout_s: float) -> list[Sample]:
+        obj = [self.inner.poll(timeout_s), self.inner.exhausted()] if dist.get_rank() == 0 else [None, None]
+        dist.broadcast_object_list(obj, src=0)
+        got, self._done = obj
+        self.assigner.assign_samples(got)
+        self.samples.extend(got)
+        return got
+
+    def exhausted(self) -> bool:
+        return self._done
+
+
+class GRPO:
+    """The GRPO algorithm of the loop (``runtime.spec.Algorithm``)."""
+
+    tb_names = TB_NAMES
+
+    def __init__(self, ctx: RunContext):
+        if ctx.cfg.learner.mode == "stream-turn":
+            raise ValueError("--rl-mode stream-turn is for --rl-algorithm opd")
+        self.ctx = ctx
+        self.learner = Learner(ctx.ddp, ctx.opt, learner_config(ctx.cfg, ctx.task.reward_spec),
+                               dp_rank=ctx.dims.dp_rank, pp_size=ctx.dims.pp)
+
+    def _source(self, k: int, fleet: RolloutFleet | None):
+        """(arrival source, group sizes in batch order, () -> the step's samples in arrival order)."""
+        cfg, dims = self.ctx.cfg, self.ctx.dims
+        if cfg.logging.replay_rollouts:
+            samples, groups = load_rollouts(cfg.logging.replay_rollouts, k)
+            if cfg.logging.replay_shuffle_seed is not None:
+                random.Random(cfg.logging.replay_shuffle_seed * 1_000_003 + k).shuffle(samples)
+            DataParallelAssigner(dims.dp).assign_samples(samples)
+            return ListSource(samples), {g: samples[0].group_size for g in groups}, lambda: samples
+        source = fleet.source(k, cfg.rl.seq_length) if fleet is not None else None
+        if dims.world_size > 1:
+            source = BroadcastSource(source, dims.dp)
+        sizes = {g: cfg.rl.group_size for g in group_ids(k, cfg.rl.groups_per_step)}
+        return source, sizes, lambda: source.samples
+
+    def step(self, k: int, fleet: RolloutFleet | None) -> StepOutcome:
+        cfg = self.ctx.cfg
+        source, sizes, samples_of = self._source(k, fleet)
+        if cfg.logging.dump_grads:
+            root, learner, write = cfg.logging.dump_grads, self.learner, self.ctx.dims.rank == 0
+            learner.grad_hook = lambda m: dump_grads(root, k, m, divisor=learner.last_divisor, write=write)
+        shape = BatchShape(num_sequences=sum(sizes.values()), max_len=cfg.rl.seq_length)
+        res = self.learner.train_step(source, sizes, shape)
+        return StepOutcome(result=res, samples=samples_of(), group_order=list(sizes))
+
+    def row(self, k: int, out: StepOutcome, fleet: RolloutFleet | None) -> dict:
+        res, samples = out.result, out.samples
+        rewards = [s.reward for s in samples]
+        hi = self.ctx.task.reward_spec.hi
+        return {
+            "step": k, "reward": sum(rewards) / max(len(rewards), 1),
+            "success_rate": sum(1.0 if r >= hi else 0.0 for r in rewards) / max(len(rewards), 1),
+            "loss": res.loss_sum, "grad_norm": res.grad_norm, "step_time_s": res.step_s, "idle_frac": res.idle_frac,
+            "tail_after_last_arrival_s": res.work_after_last_arrival_s,
+            "open_groups_peak_vectors": res.peak_bucket_vectors, "bucket_peak_bytes": res.peak_bucket_bytes,
+            "events_rejected": fleet.receiver.rejected if fleet is not None else 0,
+            "staleness": max((k - s.policy_version) for s in samples) if samples else 0,
+            "trajectories": res.num_trajectories, **{f"plan_{a}": b for a, b in res.planner_stats.items()},
+            "theta0_forwards": getattr(getattr(self.learner, "theta0", None), "forwards", 0),
+            **{f"offload_{a}": b for a, b in (res.offload or {}).items()},
+        }
+
+    def line(self, row: dict, done: int, total: int, eta_s: float) -> str:
+        bar = progress_bar(done, total) if self.ctx.cfg.logging.progress else f"step {done}"
+        return (f"[tsync] {bar} reward {row['reward']:.3f} success {row['success_rate']:.2f} "
+                f"step {row['step_time_s']:5.2f}s idle {row['idle_frac']:4.0%} grad-norm {row['grad_norm'] or 0:.3f} "
+                f"rejected {row['events_rejected']} ETA {eta_s:5.0f}s")
+
+    def summary(self, h: list[dict]) -> str:
+        n = max(1, min(10, len(h) // 3))  # first / last third (≤ 10 steps): per-step success is noisy
+        first = sum(r["success_rate"] for r in h[:n]) / n
+        last = sum(r["success_rate"] for r in h[-n:]) / n
+        mean_step = sum(r["step_time_s"] for r in h) / len(h)
+        return (f"[tsync] summary: mode {self.ctx.cfg.learner.mode}, {len(h)} steps, success {first:.2f} → {last:.2f} "
+                f"(first/last {n} steps), reward {h[0]['reward']:.3f} → {h[-1]['reward']:.3f}, "
+                f"mean step {mean_step:.2f}s, learner idle {sum(r['idle_frac'] for r in h) / len(h):.0%}")
+
+
+GRPO_SPEC = TrainSpec(name="grpo", build=GRPO)
