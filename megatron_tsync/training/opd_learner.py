@@ -20,8 +20,8 @@ come from ``algorithms.aggregation`` (ν_i before backward, divisor once at the 
   stage backprops all its chunk outputs at once (``training.opd_pipeline``). ``head_first`` works under PP too (the
   head is on the last stage).
 
-Every gradient lands in megatron DDP's grad buffers (``main_grad``); the barrier is the GRPO learner's
-(``finalize_and_scale`` + optimizer step).
+Every gradient lands in megatron DDP's grad buffers (``main_grad``); the barrier is the one the GRPO learner uses
+(``training.barrier.barrier_step``: DP reduction, explicit divisor, grad hook, optimizer step, zeroed grads).
 
 Deviations / limits:
 
@@ -30,14 +30,16 @@ Deviations / limits:
   pipeline (interleaved model chunks) is not supported by this learner in any mode (it takes one model chunk).
 * Under PP the per-chunk p2p is blocking and in chunk order, so a stage waits for the previous one per chunk (no
   overlap of stages within a chunk: the tokens of one turn are one microbatch). Stages > 0 need every chunk of a
-  trajectory, so all ranks of a pipeline must see the same chunk stream (they do: same source on every rank).
+  trajectory, so all ranks of a pipeline must see the same chunk stream: the caller gives every rank the same source
+  (this learner does not check it).
 * The incremental forward re-implements the layer wiring (norm → qkv → RoPE → attention → proj → residual → norm →
   MLP → residual) from megatron's own submodules; attention itself is plain torch (rectangular causal mask over the
   cached keys). Exactness against megatron's full forward is what the tests check.
 * ``seq-mean-token-mean`` needs T_i before the backward: fine for one backward at the end, refused with ``head_first``.
 * Memory: every exact streaming scheme keeps the trajectory's activations alive through its tool calls; counted as
   ``peak_graph_bytes`` (tensors saved for backward, parameters excluded, deduplicated by storage; under PP per
-  stage, this rank's own layers plus the chunk outputs it keeps for the pipeline backward).
+  stage, this rank's own layers plus the chunk outputs it keeps for the pipeline backward). An estimate: storages are
+  told apart by address (``SavedBytes``), so the figure can move by a few KiB from run to run with the allocator.
 """
 
 from __future__ import annotations
@@ -57,8 +59,8 @@ from megatron_tsync.algorithms.policy_loss import PolicyLossConfig
 from megatron_tsync.model.incremental import IncrementalGPT
 from megatron_tsync.streaming.ready_queue import Sample
 from megatron_tsync.model.logprobs import _AllReduceSum, _tp_group_and_size, vocab_parallel_logprobs
+from megatron_tsync.training.barrier import barrier_step
 from megatron_tsync.training.opd_pipeline import StageGraph, StageLink, stage_backward, stage_forward
-from megatron_tsync.training.optimizer import finalize_and_scale
 from megatron_tsync.training.stream_fb import BatchShape, LossConfig
 
 log = logging.getLogger(__name__)
@@ -177,12 +179,14 @@ class ListChunkSource:
 
 
 def vocab_parallel_reverse_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, *,
-                              temperature: float = 1.0) -> torch.Tensor:
+                              temperature: float = 1.0, tp_group=None) -> torch.Tensor:
     """KL(π_s ‖ π_t) per position for vocab-sharded student logits (B, S, V/tp) and FULL teacher logits (B, S, V).
 
     Same value as ``algorithms.opd.full_vocab_reverse_kl`` on gathered logits; differentiable in the student. -> (B, S).
+    ``tp_group``: the group the vocabulary is sharded over; None = megatron's tensor-parallel group.
     """
-    group, tp, rank = _tp_group_and_size()
+    group, tp, rank = (_tp_group_and_size() if tp_group is None
+                       else (tp_group, dist.get_world_size(tp_group), dist.get_rank(tp_group)))
     vs = student_logits.shape[-1]
     t = teacher_logits[..., rank * vs : (rank + 1) * vs].to(student_logits)
     log_ps = _vp_log_softmax(student_logits / temperature, group, tp)
@@ -206,7 +210,11 @@ def _vp_log_softmax(x, group, tp):
 
 # ---------------------------------------------------------------------------------------------------- memory
 class SavedBytes:
-    """Counts the bytes autograd saves for backward inside the context (parameters excluded, one count per storage)."""
+    """Bytes autograd saves for backward inside the context (parameters excluded, one count per storage).
+
+    Storages are keyed by address and never removed: one freed inside the context (e.g. a dropped graph branch) still
+    counts until another is allocated at its address and replaces it, so the total depends on the allocator's
+    reuse; an estimate, not an exact count."""
 
     def __init__(self, params):
         self.param_ptrs = {p.untyped_storage().data_ptr() for p in params}
@@ -263,13 +271,18 @@ class _Traj:
 
 
 class OPDLearner:
-    """One optimizer step per ``train_step``; mirrors ``training.learner.Learner`` (schedule / DDP buffer / barrier)."""
+    """One optimizer step per ``train_step``: gradients into megatron DDP's grad buffers, then the barrier shared with
+    ``training.learner.Learner`` (``training.barrier``)."""
 
     def __init__(self, ddp_model, optimizer, cfg: OPDLearnerConfig, *, dp_rank: int = 0, pp_size: int = 1,
-                 dp_group=None, pp_group=None):
+                 dp_group=None, pp_group=None, tp_group=None):
+        """``dp_group``: the loss statistics are summed over it (None: this rank's own). ``pp_group``: stream-turn's
+        per-chunk p2p under PP (its size overrides ``pp_size``). ``tp_group``: the vocabulary shards of the loss
+        (None: megatron's tensor-parallel group). The model's own layers and the barrier use megatron's groups."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         self.model, self.opt, self.cfg = ddp_model, optimizer, cfg
+        self.tp_group = tp_group
         if pp_group is not None:
             pp_size = dist.get_world_size(pp_group)
         self.dp_rank, self.pp_size, self.dp_group = dp_rank, pp_size, dp_group
@@ -289,51 +302,19 @@ class OPDLearner:
 
     # ------------------------------------------------------------------ step
     def train_step(self, source: ChunkSource, shape: BatchShape) -> OPDStepResult:
-        self._shape = shape
-        self._trajs: dict[str, _Traj] = {}
-        self._stats = torch.zeros(4, dtype=torch.float64)  # loss, Σ(logp − teacher), n tokens, Σ full KL
-        self._busy: list[tuple[float, float]] = []
-        self._open_bytes = self._peak_bytes = self._max_traj_bytes = 0
-        self._full_kl_seen = False
+        """One optimizer step over every chunk of ``source``: :meth:`_consume` (each chunk's work as its mode allows),
+        :meth:`_drain` (check every trajectory ended; ``sync`` runs them all now), then the shared barrier
+        (``training.barrier.barrier_step``) with this step's divisor, and the loss statistics summed over DP."""
+        self._begin_step(shape)
         msgs0 = self.link.messages if self.link is not None else 0
-        pending: list[_Traj] = []
-        n_chunks = 0
-        t0 = last = time.perf_counter()
-        while not source.exhausted():
-            ready = source.poll(self.cfg.poll_timeout_s)
-            if ready:
-                last = time.perf_counter()
-            for c in ready:
-                n_chunks += 1
-                tr = self._accept(c)
-                mine = c.dp_rank == self.dp_rank
-                if self.mode == "stream-turn" and mine:
-                    self._timed(self._turn_forward, tr, c)
-                    if c.last:
-                        self._timed(self._turn_backward, tr)
-                elif c.last and mine:
-                    if self.mode == "stream-trajectory":
-                        self._timed(self._run_schedule, [tr])
-                    else:
-                        pending.append(tr)
-        open_ = [tid for tid, tr in self._trajs.items() if not tr.chunks or not tr.chunks[-1].last]
-        if open_:
-            raise RuntimeError(f"step ended with unfinished trajectories: {open_[:5]}")
-        if pending:
-            if self.sync_order is not None:
-                rank = {tid: i for i, tid in enumerate(self.sync_order)}
-                pending.sort(key=lambda tr: rank[tr.chunks[0].traj_id])
-            self._timed(self._run_schedule, pending)
+        t0 = time.perf_counter()
+        pending, n_chunks, last = self._consume(source, t0)
+        self._drain(pending)
         # ---- barrier
         tb = time.perf_counter()
         n_tok = sum(tr.n_act for tr in self._trajs.values())
         self.last_divisor = barrier_divisor(self.cfg.loss.aggregation, n_tok)
-        finalize_and_scale(self.model, self.last_divisor)
-        if self.grad_hook is not None:
-            self.grad_hook(self.model)
-        ok, gnorm, _ = self.opt.step()
-        self.model.zero_grad_buffer()
-        self.opt.zero_grad()
+        bar = barrier_step(self.model, self.opt, self.last_divisor, self.grad_hook)
         stats = self._stats
         if self.dp_group is not None and dist.get_world_size(self.dp_group) > 1:
             dist.all_reduce(stats, group=self.dp_group)
@@ -345,7 +326,7 @@ class OPDLearner:
         return OPDStepResult(
             mode=self.mode, step_s=step_s, busy_s=busy_s,
             idle_frac=max(0.0, 1.0 - busy_s / step_s) if step_s > 0 else 0.0,
-            grad_norm=None if gnorm is None else float(gnorm), update_ok=bool(ok),
+            grad_norm=bar.grad_norm, update_ok=bar.update_ok,
             num_trajectories=len(self._trajs), num_action_tokens=n_tok, num_chunks=n_chunks,
             loss_sum=float(stats[0]), reverse_kl=float(stats[1]) / ntok_seen,
             full_vocab_kl=float(stats[3]) / ntok_seen if self._full_kl_seen else None,
@@ -353,6 +334,54 @@ class OPDLearner:
             max_traj_graph_bytes=self._max_traj_bytes, busy_intervals=busy,
             p2p_messages=(self.link.messages - msgs0) if self.link is not None else 0,
         )
+
+    def _begin_step(self, shape: BatchShape) -> None:
+        self._shape = shape
+        self._trajs: dict[str, _Traj] = {}
+        self._stats = torch.zeros(4, dtype=torch.float64)  # loss, Σ(logp − teacher), n tokens, Σ full KL
+        self._busy: list[tuple[float, float]] = []
+        self._open_bytes = self._peak_bytes = self._max_traj_bytes = 0
+        self._full_kl_seen = False
+
+    def _consume(self, source: ChunkSource, t0: float) -> tuple[list[_Traj], int, float]:
+        """Poll until the source is exhausted. -> (trajectories held for ``sync``, chunks seen, last arrival time)."""
+        pending: list[_Traj] = []
+        n_chunks = 0
+        last = t0
+        while not source.exhausted():
+            ready = source.poll(self.cfg.poll_timeout_s)
+            if ready:
+                last = time.perf_counter()
+            for c in ready:
+                n_chunks += 1
+                self._on_chunk(c, pending)
+        return pending, n_chunks, last
+
+    def _on_chunk(self, c: TurnChunk, pending: list[_Traj]) -> None:
+        """Append the chunk to its trajectory; on this DP rank run what the mode allows now (module docstring)."""
+        tr = self._accept(c)
+        if c.dp_rank != self.dp_rank:
+            return
+        if self.mode == "stream-turn":
+            self._timed(self._turn_forward, tr, c)
+            if c.last:
+                self._timed(self._turn_backward, tr)
+        elif c.last:
+            if self.mode == "stream-trajectory":
+                self._timed(self._run_schedule, [tr])
+            else:
+                pending.append(tr)
+
+    def _drain(self, pending: list[_Traj]) -> None:
+        """Every trajectory must have ended; ``sync`` runs its held trajectories (in ``sync_order`` when set)."""
+        open_ = [tid for tid, tr in self._trajs.items() if not tr.chunks or not tr.chunks[-1].last]
+        if open_:
+            raise RuntimeError(f"step ended with unfinished trajectories: {open_[:5]}")
+        if pending:
+            if self.sync_order is not None:
+                rank = {tid: i for i, tid in enumerate(self.sync_order)}
+                pending.sort(key=lambda tr: rank[tr.chunks[0].traj_id])
+            self._timed(self._run_schedule, pending)
 
     def _accept(self, c: TurnChunk) -> _Traj:
         tr = self._trajs.setdefault(c.traj_id, _Traj())
@@ -380,14 +409,15 @@ class OPDLearner:
         lc = self.cfg.loss
         dev = logits.device
         tgt = c.token_ids[lo:hi].to(dev).unsqueeze(0)  # (1, n)
-        logp = vocab_parallel_logprobs(logits, tgt, temperature=lc.temperature)  # (1, n)
+        logp = vocab_parallel_logprobs(logits, tgt, temperature=lc.temperature, tp_group=self.tp_group)  # (1, n)
         w = c.loss_mask[lo:hi].to(logp).unsqueeze(0)  # (1, n)
         teacher = None if c.teacher_logp is None else c.teacher_logp[lo:hi].to(logp).unsqueeze(0)
         beh = None if c.behaviour_logp is None else c.behaviour_logp[lo:hi].to(logp).unsqueeze(0)
         if self.cfg.objective == "full-vocab":
             if t_logits is None:
                 raise ValueError(f"trajectory {c.traj_id}: the full-vocab objective needs teacher logits")
-            kl = vocab_parallel_reverse_kl(logits, t_logits.to(dev).unsqueeze(0), temperature=lc.temperature)
+            kl = vocab_parallel_reverse_kl(logits, t_logits.to(dev).unsqueeze(0), temperature=lc.temperature,
+                                           tp_group=self.tp_group)
             per = kl * w  # (1, n)
             self._stats[3] += float((kl.detach() * w).sum())
             self._full_kl_seen = True
