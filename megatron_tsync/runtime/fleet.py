@@ -310,36 +310,3 @@ def _tail(path: str, n: int = 30) -> str:
             return b"".join(f.readlines()[-n:]).decode(errors="replace")
     except OSError:
         return "(no log)"
-
-
-class BroadcastSource:
-    """Several trainer ranks: global rank 0 owns the receiver; every poll it broadcasts the newly landed samples
-    (and whether the step is complete) to all ranks, which feed identical inputs to their planners. Sample ``i``
-    in arrival order is assigned to data-parallel rank ``i mod DP``. The broadcast is the trainer's own
-    torch.distributed group (a trusted channel between trainer ranks), not a socket exposed to workers."""
-
-    def __init__(self, inner: "TransportSource | None", dp: int):
-        self.inner = inner
-        self.dp = dp
-        self._done = False
-        self.count = 0
-        self.samples: list[Sample] = []
-
-    def poll(self, timeout_s: float) -> list[Sample]:
-        import torch.distributed as dist
-
-        if dist.get_rank() == 0:
-            got = self.inner.poll(timeout_s)
-            obj = [got, self.inner.exhausted()]
-        else:
-            obj = [None, None]
-        dist.broadcast_object_list(obj, src=0)
-        got, self._done = obj
-        for s in got:
-            s.dp_rank = self.count % self.dp
-            self.count += 1
-        self.samples.extend(got)
-        return got
-
-    def exhausted(self) -> bool:
-        return self._done
