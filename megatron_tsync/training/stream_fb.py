@@ -68,7 +68,12 @@ class BatchShape:
 
 
 class StreamExecutor:
-    """Runs work items for one rank; owns nothing but the per-step bookkeeping of busy time."""
+    """Runs work items for one rank through megatron's schedule and routes each microbatch's gradient (module docstring).
+
+    Per step it keeps the landed samples by id, the current minibatch's planner, batch shape and loss config, and
+    its bookkeeping (busy intervals, per-trajectory loss terms, microbatch counts). It also writes into its inputs:
+    π_θ0 into ``Sample.meta[THETA0_LOGP]`` (``keep_theta0``) and deferrals into the planner. Gradient memory is not
+    its own: the DDP grad buffers and ``GroupBuckets`` hold it."""
 
     def __init__(self, ddp_model, buckets: GroupBuckets, loss_cfg: LossConfig, *, max_packed_tokens: int | None = None):
         """``max_packed_tokens``: pack items that share a gradient destination into microbatches of at most this many
