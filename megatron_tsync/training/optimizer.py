@@ -2,8 +2,8 @@
 
 ``DistributedDataParallel`` owns the contiguous grad buffers (``param.main_grad`` views) that the streaming
 buckets mirror; ``get_megatron_optimizer`` owns the step (Adam, or SGD for verification runs), with the
-distributed optimizer as an option. Gradient reduction is *not* overlapped with backward: the streaming
-learner reduces once, at the barrier, through :func:`finalize_model_grads`.
+distributed optimizer as an option. Gradient reduction is *not* overlapped with backward: the learners reduce once
+per optimizer step, at the barrier (``training.barrier``), through :func:`finalize_and_scale`.
 """
 
 from __future__ import annotations
@@ -80,7 +80,9 @@ def grad_buffers(ddp_model) -> list[torch.Tensor]:
 
 
 def finalize_and_scale(ddp_model, divisor: float) -> None:
-    """The barrier: one DP reduction (sum), embedding/TP-norm syncs, then divide by the explicit denominator."""
+    """The barrier's reduction: ``finalize_model_grads`` (DP reduction, embedding/TP-norm syncs), then one division by
+    the explicit denominator. The DP reduction is a sum when the model config has ``calculate_per_token_loss``
+    (``model.builder`` sets it). It uses megatron's ``parallel_state`` groups (no ``pg_collection`` is passed)."""
     compat.finalize_model_grads([ddp_model], None)
     if divisor != 1.0:
         ddp_model.scale_gradients(1.0 / divisor)
