@@ -1,0 +1,175 @@
+"""The package rules of ``shared/design/architecture.md``, enforced on the AST of every module.
+
+Every ``import`` / ``from ... import`` counts, at module level or inside a function (a function-local import is a
+dependency all the same), relative imports resolved. Rules:
+
+- each top-level package of ``megatron_tsync`` may import only the packages listed for it in :data:`ALLOWED`
+  (its own included); in particular ``rollout/`` never imports ``training/`` (rollout workers never load the learner)
+  and ``training/`` never imports ``rollout/``; both reach the network through ``model/``;
+- the pure packages import no third-party code of the kinds they must not touch (:data:`FORBIDDEN_EXTERNAL`);
+- no module imports ``examples`` or ``tools`` (they import the package, never the reverse);
+- no import cycle among the modules of ``runtime/``.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+
+import pytest
+
+ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "megatron_tsync")
+
+# top-level package (or root module) -> the megatron_tsync packages it may import
+ALLOWED: dict[str, set[str]] = {
+    "algorithms": {"algorithms"},
+    "streaming": {"streaming", "algorithms"},
+    "model": {"model"},
+    "transport": {"transport"},
+    "training": {"training", "model", "streaming", "algorithms"},
+    "rollout": {"rollout", "model", "transport", "algorithms"},
+    "runtime": {"runtime", "training", "rollout", "model", "streaming", "transport", "algorithms", "config"},
+    # the typed config reuses the sections of the modules that consume them (loaded lazily): no rule beyond "not the
+    # orchestration" (runtime/) and "not the wire" (transport/)
+    "config": {"config", "training", "model", "rollout", "streaming", "algorithms"},
+    "arguments": {"arguments", "config", "training", "model", "rollout", "streaming", "algorithms"},
+    "train": {"arguments", "runtime"},
+    "__init__": set(),
+}
+FORBIDDEN_EXTERNAL: dict[str, tuple[str, ...]] = {
+    "algorithms": ("megatron", "zmq", "socket", "msgpack", "transformers", "vllm"),
+    "streaming": ("zmq", "socket", "msgpack", "vllm"),
+    "transport": ("megatron", "vllm"),
+    "model": ("zmq", "msgpack", "vllm"),
+}
+
+
+def _modules() -> dict[str, str]:
+    """Dotted module name -> path, for every .py under megatron_tsync/."""
+    out = {}
+    for d, _, files in os.walk(ROOT):
+        for f in files:
+            if f.endswith(".py"):
+                path = os.path.join(d, f)
+                rel = os.path.relpath(path, os.path.dirname(ROOT))[:-3].split(os.sep)
+                if rel[-1] == "__init__":
+                    rel = rel[:-1]
+                out[".".join(rel)] = path
+    return out
+
+
+def imports_of(module: str, path: str) -> list[tuple[str, int]]:
+    """(imported dotted name, line) for every import statement in the file, function-local ones included."""
+    tree = ast.parse(open(path).read(), path)
+    package = module if path.endswith("__init__.py") else module.rpartition(".")[0]
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(a.name, node.lineno) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - node.level + 1]
+                name = ".".join(base + ([node.module] if node.module else []))
+            else:
+                name = node.module or ""
+            out.append((name, node.lineno))
+            # ``from megatron_tsync.x import y`` may import the submodule y
+            out += [(f"{name}.{a.name}", node.lineno) for a in node.names if a.name != "*"]
+    return out
+
+
+def _top(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+MODULES = _modules()
+
+
+def _own_imports(module: str) -> list[tuple[str, int]]:
+    """Imports of megatron_tsync modules that exist (``from pkg import name`` of a non-module dropped)."""
+    got = []
+    for name, line in imports_of(module, MODULES[module]):
+        if name.split(".")[0] != "megatron_tsync":
+            continue
+        while name not in MODULES and "." in name:
+            name = name.rpartition(".")[0]
+        if name in MODULES and name != "megatron_tsync":
+            got.append((name, line))
+    return got
+
+
+def boundary_violations() -> list[str]:
+    bad: list[str] = []
+    for module, path in sorted(MODULES.items()):
+        top = _top(module)
+        allowed = ALLOWED.get(top)
+        if allowed is None:
+            bad.append(f"{module}: package {top!r} has no rule in ALLOWED (add one)")
+            continue
+        for name, line in _own_imports(module):
+            if _top(name) not in allowed | {top}:
+                bad.append(f"{path}:{line}: {module} imports {name} ({top}/ may import only {sorted(allowed)})")
+        for name, line in imports_of(module, path):
+            first = name.split(".")[0]
+            if first in FORBIDDEN_EXTERNAL.get(top, ()):
+                bad.append(f"{path}:{line}: {module} imports {name} ({top}/ must not import {first})")
+            if first in ("examples", "tools"):
+                bad.append(f"{path}:{line}: {module} imports {name} (examples/ and tools/ are imported by nothing)")
+    return list(dict.fromkeys(bad))
+
+
+def runtime_cycles() -> list[list[str]]:
+    graph = {m: {n for n, _ in _own_imports(m) if n.startswith("megatron_tsync.runtime.") and n != m}
+             for m in MODULES if m.startswith("megatron_tsync.runtime.")}
+    cycles, state = [], {}
+
+    def visit(m, stack):
+        state[m] = 1
+        stack.append(m)
+        for n in sorted(graph.get(m, ())):
+            if state.get(n) == 1:
+                cycles.append(stack[stack.index(n):] + [n])
+            elif n not in state:
+                visit(n, stack)
+        stack.pop()
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [])
+    return cycles
+
+
+def test_every_package_imports_only_what_architecture_md_allows():
+    bad = boundary_violations()
+    assert not bad, "import boundary violations:\n" + "\n".join(bad)
+
+
+def test_no_import_cycle_in_runtime():
+    cycles = runtime_cycles()
+    assert not cycles, "import cycles in runtime/:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+@pytest.mark.parametrize("src, expect", [
+    ("from megatron_tsync.training.model import unwrap\n", "imports megatron_tsync.training"),
+    ("def f():\n    from megatron_tsync.training import compat\n", "imports megatron_tsync.training"),
+    ("def f():\n    from ..training.hf_conversion import load_hf_dir\n", "imports megatron_tsync.training"),
+    ("import megatron_tsync.training.logprobs as lp\n", "imports megatron_tsync.training"),
+])
+def test_the_checker_catches_a_rollout_to_training_import(tmp_path, monkeypatch, src, expect):
+    """Control: the same walk over a rollout module that imports training/ (as four of today's did) must fail."""
+    fake = tmp_path / "probe.py"
+    fake.write_text(src)
+    monkeypatch.setitem(MODULES, "megatron_tsync.rollout.probe", str(fake))
+    assert any(expect in b and "rollout.probe" in b for b in boundary_violations())
+
+
+def test_the_cycle_check_catches_a_cycle(tmp_path, monkeypatch):
+    a, b = tmp_path / "a.py", tmp_path / "b.py"
+    a.write_text("def f():\n    from megatron_tsync.runtime import b\n")
+    b.write_text("from megatron_tsync.runtime.a import f\n")
+    monkeypatch.setitem(MODULES, "megatron_tsync.runtime.a", str(a))
+    monkeypatch.setitem(MODULES, "megatron_tsync.runtime.b", str(b))
+    assert any("megatron_tsync.runtime.a" in c and "megatron_tsync.runtime.b" in c for c in runtime_cycles())
