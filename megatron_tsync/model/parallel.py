@@ -1,8 +1,16 @@
 """Process groups from torchrun or SLURM environment variables; the one owner of topology.
 
 gloo on CPU, NCCL on GPU. Tensor (TP), pipeline (PP), data (DP) and, on GPU, context (CP) parallelism via
-megatron-core's ``parallel_state``. Everything downstream receives a :class:`ParallelDims` instead of reading
-global state.
+megatron-core's ``parallel_state``. The run's orchestration and the learners receive a :class:`ParallelDims` (or the
+groups/ranks taken from it) explicitly: ``runtime/`` (context, grpo, opd), ``training.learner.Learner`` (dp_rank,
+pp_size), ``training.opd_learner.OPDLearner`` (dp/pp groups), ``training.sft.sft_warmup`` (dp_group), the planner.
+
+What still reads megatron-core's global ``parallel_state`` (as megatron-core's own ``GPTModel``, DDP and pipeline
+schedules do, so passing groups to these few helpers alone would not make the process stateless; megatron's
+``pg_collection`` API for that differs between 0.16 and newer releases): ``model.builder.build_model`` (TP/PP size,
+first/last stage), ``model.hf_conversion`` (TP/PP coordinates and groups of the weight gather),
+``model.logprobs`` (the TP group when none is passed), ``training.checkpointing`` (the layout recorded in the
+metadata), and :class:`ParallelDims`'s group accessors themselves.
 """
 
 from __future__ import annotations

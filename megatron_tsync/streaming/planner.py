@@ -1,6 +1,7 @@
 """Step planner: decides, for every trajectory as its reward lands, where its gradient goes and when.
 
-Pure bookkeeping — no tensors, no Megatron. The executor (``megatron_tsync.training.stream_fb``) runs the
+Bookkeeping — no model tensors, no Megatron (rewards go to the advantage estimator as small float64 CPU tensors,
+one entry per trajectory). The executor (``megatron_tsync.training.stream_fb``) runs the
 :class:`WorkItem` s it emits through Megatron's schedules and calls back into :class:`GroupBuckets` at
 backward time. The three modes of one trainer:
 
