@@ -70,8 +70,6 @@ class GRPO:
     tb_names = TB_NAMES
 
     def __init__(self, ctx: RunContext):
-        if ctx.cfg.learner.mode == "stream-turn":
-            raise ValueError("--rl-mode stream-turn is for --rl-algorithm opd")
         self.ctx = ctx
         self.learner = Learner(ctx.ddp, ctx.opt, learner_config(ctx.cfg, ctx.task.reward_spec),
                                dp_rank=ctx.dims.dp_rank, pp_size=ctx.dims.pp)
