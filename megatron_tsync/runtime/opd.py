@@ -150,7 +150,8 @@ class OPD:
         self.learner = OPDLearner(
             ctx.ddp, ctx.opt, OPDLearnerConfig(mode=lc.mode, loss=lc.loss, poll_timeout_s=lc.poll_timeout_s,
                                                objective=cfg.rl.opd_objective),
-            dp_rank=dims.dp_rank, pp_size=dims.pp, dp_group=dims.dp_group(), pp_group=dims.pp_group())
+            dp_rank=dims.dp_rank, pp_size=dims.pp, dp_group=dims.dp_group(), pp_group=dims.pp_group(),
+            tp_group=dims.tp_group())
         self.teacher = None
         if cfg.rollout.teacher_model:
             self.teacher = TeacherScorer.from_hf_dir(cfg.rollout.teacher_model, cfg.precision, seed=cfg.rl.seed)
