@@ -152,6 +152,8 @@ _FLAGS: tuple[_Flag, ...] = (
     _f("--top-k", "rollout.top_k", _G_ROLL, type=int, help="top-k sampling (0 = off)"),
     _f("--top-p", "rollout.top_p", _G_ROLL, type=float, help="nucleus sampling (1 = off)"),
     _f("--rollout-engine", "rollout.engine", _G_ROLL, choices=C.ROLLOUT_ENGINES, help="inference engine"),
+    _f("--rollout-tensor-parallel-size", "rollout.engine_tensor_parallel_size", _G_ROLL, type=int, metavar="TP",
+       help="tensor-parallel size of each rollout worker's vLLM engine (the GPUs one worker uses; vllm only)"),
     _f("--rollout-workers", "rollout.num_workers", _G_ROLL, type=int, metavar="N", help="rollout worker processes"),
     _f("--task", "rollout.task", _G_ROLL, help="task name (runtime.tasks registry)"),
     _f("--verifier", "rollout.verifier", _G_ROLL, help="verifier name (rollout.verifiers registry)"),
@@ -170,6 +172,8 @@ _FLAGS: tuple[_Flag, ...] = (
        help="shared transport key (default: a fresh key per run)"),
     _f("--sandbox-timeout", "rollout.sandbox_timeout_s", _G_ROLL, type=float, metavar="S",
        help="wall-clock limit of one sandboxed tool call, seconds"),
+    _f("--rollout-stall-timeout", "rollout.stall_timeout_s", _G_ROLL, type=float, metavar="S",
+       help="give up on a step when no trajectory arrived for S seconds while the workers are alive"),
     _f("--teacher-model", "rollout.teacher_model", _G_ROLL, metavar="HF_DIR", help="teacher model (opd)"),
     _f("--weight-sync", "rollout.weight_sync", _G_ROLL, choices=C.WEIGHT_SYNCS,
        help="how weights reach the engines after each step: signed safetensors files in --rollout-dir, or a "

@@ -94,6 +94,35 @@ def _check(ok: bool, message: str, *fields: str) -> None:
         raise ConfigError(message, *fields)
 
 
+def _check_sampling(section: Any, prefix: str) -> None:
+    """The section's fields named like a field of the engines' ``SamplingConfig`` (``rollout/engine.py``), checked by
+    ``SamplingConfig`` itself: its rules are written once, where they are used, and reported here by dotted path."""
+    from megatron_tsync.rollout.engine import SamplingConfig
+
+    own = {f.name for f in dataclasses.fields(section)}
+    names = [f.name for f in dataclasses.fields(SamplingConfig) if f.name in own]
+    try:
+        SamplingConfig(**{n: getattr(section, n) for n in names})
+    except ValueError as e:  # its messages start with the field's name
+        head = str(e).split(" ", 1)[0]
+        raise ConfigError(f"{prefix}.{e}", *([f"{prefix}.{head}"] if head in names else [])) from None
+
+
+class _Section:
+    """``to_dict`` / ``from_dict`` of one section on its own (what a rollout worker's spec carries)."""
+
+    _PATH: typing.ClassVar[str]
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict (JSON/YAML-safe), as in ``TrainConfig.to_dict``."""
+        return _to_plain(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]):
+        """Inverse of ``to_dict``; missing keys take their defaults, unknown keys are a ConfigError naming them."""
+        return _from_plain(cls, data, cls._PATH)
+
+
 # ------------------------------------------------------------------------------------------------------ sections
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
@@ -149,8 +178,10 @@ class ParallelConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class RLConfig:
+class RLConfig(_Section):
     """The RL loop: algorithm, step size in trajectories, trajectory limits."""
+
+    _PATH: typing.ClassVar[str] = "rl"
 
     algorithm: str = "grpo"
     """"grpo" (group-relative policy optimisation on verifier rewards) or "opd" (on-policy distillation from
@@ -169,7 +200,7 @@ class RLConfig:
     max_turns: int = 4
     """Generated turns per trajectory (a turn ends at a tool call, an answer, EOS or max_new_tokens)."""
     max_new_tokens: int = 64
-    """Generated tokens per turn at most."""
+    """Generated tokens per turn at most (the engines' ``SamplingConfig.max_new_tokens``)."""
     seq_length: int = 1024
     """Tokens per trajectory at most: prompt + every turn + tool results."""
     max_staleness: int = 0
@@ -183,9 +214,10 @@ class RLConfig:
                "rl.algorithm")
         _check(self.opd_objective in OPD_OBJECTIVES,
                f"rl.opd_objective must be one of {OPD_OBJECTIVES}, got {self.opd_objective!r}", "rl.opd_objective")
-        for name in ("train_iters", "group_size", "groups_per_step", "max_turns", "max_new_tokens", "seq_length"):
+        for name in ("train_iters", "group_size", "groups_per_step", "max_turns", "seq_length"):
             value = getattr(self, name)
             _check(value >= 1, f"rl.{name} must be >= 1, got {value}", f"rl.{name}")
+        _check_sampling(self, "rl")
         _check(self.max_staleness >= 0, f"rl.max_staleness must be >= 0, got {self.max_staleness}",
                "rl.max_staleness")
         _check(self.max_new_tokens <= self.seq_length,
@@ -199,11 +231,20 @@ class RLConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class RolloutConfig:
-    """Where trajectories come from: inference engine, task, verifier, simulated latency, transport."""
+class RolloutConfig(_Section):
+    """Where trajectories come from: inference engine, task, verifier, sampling, simulated latency, transport.
+
+    The sampling fields (``temperature``, ``top_k``, ``top_p``) carry the names of ``rollout.engine.SamplingConfig``'s
+    fields, which validates them and is built from them by name (``SamplingConfig.from_config``)."""
+
+    _PATH: typing.ClassVar[str] = "rollout"
 
     engine: str = "embedded"
     """"embedded" (the Megatron model itself generates) or "vllm"."""
+    engine_tensor_parallel_size: int = 1
+    """Tensor-parallel size of each rollout worker's vLLM engine: the GPUs one worker uses (``slurm/launch_node.sh``
+    gives a worker ``ROLLOUT_GPUS_PER_WORKER`` GPUs and ``slurm/common.sh`` passes that number). > 1 runs vLLM's
+    engine core in its own processes; needs ``engine`` "vllm"."""
     num_workers: int = 1
     """Rollout worker processes. Must be 0 when replaying recorded rollouts (``logging.replay_rollouts``)."""
     task: str = "arithmetic-calculator"
@@ -211,7 +252,7 @@ class RolloutConfig:
     verifier: str = "exact_answer"
     """Verifier name in ``rollout.verifiers``'s registry (the reward); passed to the task."""
     temperature: float = 1.0
-    """Sampling temperature (> 0); the learner's log-probs use the same temperature."""
+    """Sampling temperature (> 0; greedy is top_k 1); the learner's log-probs use the same temperature."""
     top_k: int = 0
     """Keep the k most likely tokens when sampling (0 = off)."""
     top_p: float = 1.0
@@ -240,6 +281,9 @@ class RolloutConfig:
     NCCL when the engines are vLLM on GPUs, not run on a GPU yet). See ``transport/weight_broadcast.py``."""
     weight_sync_bucket_mb: int = 256
     """Broadcast bucket size in MiB (the sender's staging buffer; tensors larger than a bucket are split)."""
+    stall_timeout_s: float = 1800.0
+    """The learner gives up on a step (TimeoutError naming the trajectories still missing) when no event arrived for
+    this many seconds while every worker process is alive."""
 
     def __post_init__(self) -> None:
         _check(self.launch in ("local", "external"), f"rollout.launch must be 'local' or 'external', got "
@@ -250,11 +294,12 @@ class RolloutConfig:
                "rollout.num_workers")
         _check(bool(self.task), "rollout.task must name a task", "rollout.task")
         _check(bool(self.verifier), "rollout.verifier must name a verifier", "rollout.verifier")
-        _check(self.temperature > 0 and math.isfinite(self.temperature),
-               f"rollout.temperature must be > 0 and finite (use rollout.top_k 1 for greedy), got {self.temperature}",
-               "rollout.temperature")
-        _check(self.top_k >= 0, f"rollout.top_k must be >= 0, got {self.top_k}", "rollout.top_k")
-        _check(0.0 < self.top_p <= 1.0, f"rollout.top_p must be in (0, 1], got {self.top_p}", "rollout.top_p")
+        _check(self.engine_tensor_parallel_size >= 1, f"rollout.engine_tensor_parallel_size must be >= 1, got "
+               f"{self.engine_tensor_parallel_size}", "rollout.engine_tensor_parallel_size")
+        _check(self.engine_tensor_parallel_size == 1 or self.engine == "vllm",
+               f"rollout.engine_tensor_parallel_size {self.engine_tensor_parallel_size} needs rollout.engine vllm "
+               f"(the {self.engine} engine runs on one device)", "rollout.engine_tensor_parallel_size", "rollout.engine")
+        _check_sampling(self, "rollout")
         _check(self.latency_profile in LATENCY_PROFILES or self.latency_profile.endswith(".json"),
                f"rollout.latency_profile must be one of {LATENCY_PROFILES} or a path to a .json profile, "
                f"got {self.latency_profile!r}", "rollout.latency_profile")
@@ -266,6 +311,8 @@ class RolloutConfig:
                f"{self.weight_sync!r}", "rollout.weight_sync")
         _check(1 <= self.weight_sync_bucket_mb <= 16384, f"rollout.weight_sync_bucket_mb must be in [1, 16384], got "
                f"{self.weight_sync_bucket_mb}", "rollout.weight_sync_bucket_mb")
+        _check(self.stall_timeout_s > 0, f"rollout.stall_timeout_s must be > 0, got {self.stall_timeout_s}",
+               "rollout.stall_timeout_s")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,7 +24,8 @@ EXPECTED_FLAGS = [
     "--optimizer", "--params-dtype", "--pipeline-model-parallel-size", "--policy-loss", "--ppo-epochs", "--replay-rollouts",
     "--replay-shuffle-seed",
     "--reward-kind", "--reward-range", "--rl-algorithm", "--rl-mode", "--rollout-endpoint", "--rollout-engine",
-    "--rollout-dir", "--rollout-launch", "--rollout-workers", "--sandbox-timeout", "--save", "--save-interval", "--secret-file", "--seed", "--seq-length",
+    "--rollout-dir", "--rollout-launch", "--rollout-stall-timeout", "--rollout-tensor-parallel-size",
+    "--rollout-workers", "--sandbox-timeout", "--save", "--save-interval", "--secret-file", "--seed", "--seq-length",
     "--sequence-packing", "--max-packed-tokens",
     "--sft-warmup-steps", "--sgd-momentum", "--task", "--teacher-model", "--temperature",
     "--tensor-model-parallel-size", "--tensorboard-dir", "--tis-cap", "--top-k", "--top-p", "--train-iters",
@@ -86,6 +87,12 @@ def test_flags_land_in_their_fields():
     assert cfg.model.path == "m" and not cfg.logging.progress
     assert (cfg.checkpoint.save, cfg.checkpoint.save_interval) == ("ck", 5)
     assert cfg.rollout.num_workers == 3 and cfg.rollout.sandbox_timeout_s == 2.5
+
+
+def test_rollout_engine_flags():
+    cfg = parse_args(["--rollout-engine", "vllm", "--rollout-tensor-parallel-size", "4", "--rollout-stall-timeout", "60"])
+    assert cfg.rollout.engine_tensor_parallel_size == 4 and cfg.rollout.stall_timeout_s == 60.0
+    assert parse_args([]).rollout.engine_tensor_parallel_size == 1  # the worker factory's use: tests/runtime
 
 
 def test_sequence_packing_flags():
@@ -175,6 +182,11 @@ BAD = [
     (["--save-interval", "0"], ["--save-interval"]),
     (["--weight-sync", "broadcast", "--rl-mode", "async", "--max-staleness", "1"], ["--weight-sync", "--rl-mode"]),
     (["--weight-sync-bucket-mb", "0"], ["--weight-sync-bucket-mb"]),
+    (["--rollout-tensor-parallel-size", "2"], ["--rollout-tensor-parallel-size", "--rollout-engine"]),
+    (["--rollout-engine", "vllm", "--rollout-tensor-parallel-size", "0"], ["--rollout-tensor-parallel-size"]),
+    (["--rollout-stall-timeout", "0"], ["--rollout-stall-timeout"]),
+    (["--top-k", "-1"], ["--top-k"]),
+    (["--max-new-tokens", "0"], ["--max-new-tokens"]),
     (["--group-size", "0"], ["--group-size"]),
     (["--rl-mode", "streaming"], ["--rl-mode", "invalid choice"]),
     (["--tensor-model"], ["unrecognized arguments"]),  # no abbreviations: the surface is exactly the list above

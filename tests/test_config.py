@@ -60,6 +60,10 @@ def test_defaults_valid_and_frozen(cls):
     (RolloutConfig, dict(latency_profile="bursty"), "rollout.latency_profile"),
     (RolloutConfig, dict(latency_scale=-1.0), "rollout.latency_scale"),
     (RolloutConfig, dict(sandbox_timeout_s=0.0), "rollout.sandbox_timeout_s"),
+    (RolloutConfig, dict(engine_tensor_parallel_size=0, engine="vllm"), "rollout.engine_tensor_parallel_size"),
+    (RolloutConfig, dict(engine_tensor_parallel_size=2), "rollout.engine_tensor_parallel_size"),
+    (RolloutConfig, dict(stall_timeout_s=0.0), "rollout.stall_timeout_s"),
+    (RLConfig, dict(max_new_tokens=0), "rl.max_new_tokens"),
     (CheckpointConfig, dict(save_interval=0), "checkpoint.save_interval"),
     (CheckpointConfig, dict(finetune=True), "checkpoint.load"),
     (LoggingConfig, dict(log_interval=0), "logging.log_interval"),
@@ -195,3 +199,32 @@ def test_reused_sections_are_the_owners_classes():
     cfg = TrainConfig()
     assert type(cfg.learner) is LearnerConfig and type(cfg.optim) is OptimConfig
     assert type(cfg.precision) is PrecisionConfig
+
+
+@pytest.mark.parametrize("section", [
+    RLConfig(group_size=3, max_turns=2, max_new_tokens=16, seq_length=128, max_staleness=1),
+    RolloutConfig(engine="vllm", engine_tensor_parallel_size=2, temperature=0.7, top_k=5, top_p=0.9,
+                  latency_profile="swe-like", stall_timeout_s=60.0, teacher_model=None),
+], ids=lambda s: type(s).__name__)
+def test_sections_round_trip_on_their_own(section):
+    """What a rollout worker's spec carries (runtime/worker.py: WorkerSpec)."""
+    import json
+
+    assert type(section).from_dict(json.loads(json.dumps(section.to_dict()))) == section
+    with pytest.raises(ConfigError) as exc:
+        type(section).from_dict({**section.to_dict(), "nope": 1})
+    assert f"{section._PATH}.nope" in str(exc.value)
+
+
+def test_sampling_fields_are_validated_by_the_engines_sampling_config():
+    """One set of rules for temperature / top_k / top_p / max_new_tokens: rollout.engine.SamplingConfig's."""
+    from megatron_tsync.rollout.engine import SamplingConfig
+
+    for section, kwargs in ((RolloutConfig, dict(temperature=float("nan"))), (RolloutConfig, dict(top_p=0.0)),
+                            (RLConfig, dict(max_new_tokens=-3))):
+        (name, value), = kwargs.items()
+        with pytest.raises(ValueError) as engine_err:
+            SamplingConfig(**kwargs)
+        with pytest.raises(ConfigError) as exc:
+            section(**kwargs)
+        assert str(exc.value) == f"{section._PATH}.{engine_err.value}" and exc.value.fields == (f"{section._PATH}.{name}",)

@@ -65,6 +65,34 @@ class SamplingConfig:
         """True when top-k/top-p change the sampling distribution."""
         return self.top_k > 0 or self.top_p < 1.0
 
+    @classmethod
+    def from_config(cls, *sections: Any, **runtime: Any) -> "SamplingConfig":
+        """The one place a run's sampling parameters are derived from its configuration.
+
+        Every field not in ``RUNTIME_FIELDS`` is read from the first of ``sections`` (config dataclasses:
+        ``RolloutConfig`` for temperature / top_k / top_p, ``RLConfig`` for max_new_tokens) that has a field of the
+        same name; ``runtime`` sets the others (the tokenizer's stop / tool token ids, the seed). A new sampling flag
+        is thus a field here (with its check in ``__post_init__``), a field of the same name in ``config.py`` (which
+        validates it through this class) and its row in ``arguments.py``. A field found in no section is a TypeError.
+        """
+        unknown = sorted(set(runtime) - set(RUNTIME_FIELDS))
+        if unknown:
+            raise TypeError(f"SamplingConfig.from_config: {unknown} are not run-time fields {RUNTIME_FIELDS}")
+        kw = dict(runtime)
+        for f in dataclasses.fields(cls):
+            if f.name in RUNTIME_FIELDS:
+                continue
+            owner = next((sec for sec in sections if f.name in {g.name for g in dataclasses.fields(sec)}), None)
+            if owner is None:
+                raise TypeError(f"SamplingConfig.{f.name} is a field of none of the config sections given "
+                                f"({', '.join(type(sec).__name__ for sec in sections)})")
+            kw[f.name] = getattr(owner, f.name)
+        return cls(**kw)
+
+
+RUNTIME_FIELDS = ("stop_token_ids", "tool_token_ids", "stop_strings", "seed")
+"""``SamplingConfig`` fields that come from the tokenizer / the step, not from the run's configuration."""
+
 
 @dataclasses.dataclass
 class Completion:

@@ -1,11 +1,19 @@
 """Learner side of the rollout plane: worker processes, the event receiver, the weight hand-off.
 
-:class:`RolloutFleet` starts the rollout workers as separate processes (or attaches to workers started by
-srun/torchrun beside the trainer), publishes the policy weights of each version (signed files, or with
-``weight_sync == "broadcast"`` a broadcast to every worker from a group whose store it hosts), and turns verified
-``TrajectoryEvent`` s into :class:`~megatron_tsync.streaming.ready_queue.Sample` s for the learner through
-:class:`TransportSource`. Events of any other policy version are rejected by the receiver and counted; a dead
-worker is a clear error naming the trajectories that will never arrive.
+:func:`open_fleet` writes one :class:`~megatron_tsync.runtime.worker.WorkerSpec` per worker (the run's ``rl`` and
+``rollout`` config sections plus this run's facts) and builds the :class:`RolloutFleet`, which starts the rollout
+workers as separate processes (or, with ``--rollout-launch external``, waits for workers started by srun elsewhere),
+publishes the policy weights of each version (signed files, or with ``weight_sync == "broadcast"`` a broadcast to
+every worker from a group whose store it hosts), and turns verified ``TrajectoryEvent`` s into
+:class:`~megatron_tsync.streaming.ready_queue.Sample` s for the learner through :class:`TransportSource`.
+
+Events of a policy version outside the fleet's :class:`~megatron_tsync.transport.versions.VersionWindow` are
+rejected by the receiver and counted (``receiver.rejected``). Failures: whenever a poll comes back empty, a worker
+process this fleet started that exited with a non-zero code raises :class:`WorkerDied` with the worker's id, exit
+code and the last lines of its log (it does not say which trajectories are lost). A worker that exits with code 0
+early, or an external worker that dies (the fleet has no handle on it), is noticed only by the stall timeout: no
+event for ``rollout.stall_timeout_s`` seconds raises a ``TimeoutError`` naming the count and a few of the step's
+missing trajectory ids.
 """
 
 from __future__ import annotations
@@ -20,8 +28,10 @@ import time
 
 import torch
 
-from megatron_tsync.runtime.worker import WorkerSpec, group_ids
+from megatron_tsync.runtime.worker import WEIGHT_SYNC_OP_TIMEOUT_S, WEIGHT_WAIT_S, WorkerSpec
 from megatron_tsync.streaming.ready_queue import Sample
+from megatron_tsync.transport.ids import parse_traj_id, traj_ids
+from megatron_tsync.transport.versions import VersionWindow
 
 log = logging.getLogger(__name__)
 
@@ -37,14 +47,15 @@ class RolloutFleet:
         self.spec = base_spec
         self.run_dir = run_dir
         self.key = load_secret(path=base_spec.secret_file)
-        self.version = base_spec.start_step
-        self.reward_floor = 0.0  # reward of a failed trajectory (the task's lowest reward)
+        # the policy versions accepted now: the one owner of that window; the receiver asks it for every frame
+        self.versions = VersionWindow(base_spec.start_step, base_spec.rl.max_staleness)
+        self.reward_floor = 0.0  # what a failed trajectory counts with (the task's lowest reward; set by open_fleet)
         self.receiver = EventReceiver(bind_address(base_spec.endpoint), self.key,
-                                      expected_version_fn=lambda: self.version)
+                                      expected_version_fn=self.versions.accepted)
         self.procs: list[subprocess.Popen] = []
         self.log_dir = log_dir or os.path.join(run_dir, "worker_logs")
         os.makedirs(self.log_dir, exist_ok=True)
-        self.weight_publisher = self._start_weight_sync() if base_spec.weight_sync == "broadcast" else None
+        self.weight_publisher = self._start_weight_sync() if base_spec.rollout.weight_sync == "broadcast" else None
         self.spec_paths = self._write_specs(launch)
         if launch:
             self._launch()
@@ -57,19 +68,19 @@ class RolloutFleet:
         from megatron_tsync.transport.weight_broadcast import BroadcastWeightPublisher, WeightSyncGroup
 
         spec = self.spec
-        host, world = weight_sync_host(spec.endpoint), 1 + spec.num_workers
+        host, world = weight_sync_host(spec.endpoint), 1 + spec.rollout.num_workers
         group = WeightSyncGroup.host(world, host=host, backend=spec.weight_sync_backend,
-                                     op_timeout_s=spec.weight_sync_timeout_s)
-        self.spec = dataclasses.replace(spec, weight_sync_addr=f"{host}:{group.port}", weight_sync_world_size=world)
-        return BroadcastWeightPublisher(group, self.key, bucket_bytes=spec.weight_sync_bucket_mb << 20,
-                                        poll_fn=self.check_alive, connect_timeout_s=spec.weight_timeout_s)
+                                     op_timeout_s=WEIGHT_SYNC_OP_TIMEOUT_S)
+        self.spec = dataclasses.replace(spec, weight_sync_addr=f"{host}:{group.port}")
+        return BroadcastWeightPublisher(group, self.key, bucket_bytes=spec.rollout.weight_sync_bucket_mb << 20,
+                                        poll_fn=self.check_alive, connect_timeout_s=WEIGHT_WAIT_S)
 
     def _write_specs(self, local: bool) -> list[str]:
         """``run_dir/worker{w}.json`` for every worker (written atomically: external workers wait for them)."""
         import dataclasses
 
         paths = []
-        for w in range(self.spec.num_workers):
+        for w in range(self.spec.rollout.num_workers):
             # local workers connect to the address actually bound (a tcp port chosen by the OS is resolved)
             endpoint = self.receiver.endpoint if local else self.spec.endpoint
             spec = dataclasses.replace(self.spec, worker_id=w, endpoint=endpoint)
@@ -100,13 +111,11 @@ class RolloutFleet:
                 self.check_alive()  # a dead worker is the likely cause: name it, with its log
                 raise
             log.info("weights v%d broadcast: %s", version, self.weight_publisher.last_stats)
-        self.version = version
+        self.versions.advance(version)
 
     def begin_step(self, step: int) -> None:
-        """Accept events of policy versions [step − max_staleness, step] from now on (async mode: a window)."""
-        lag = self.spec.max_staleness
-        if lag:
-            self.version = set(range(max(0, step - lag), step + 1))
+        """Accept events of policy versions [step − max_staleness, step] from now on (``self.versions``)."""
+        self.versions.advance(step)
 
     def check_alive(self) -> None:
         for w, p in enumerate(self.procs):
@@ -133,36 +142,33 @@ class RolloutFleet:
 
 
 def open_fleet(cfg, *, model_dir: str, start_step: int, reward_floor: float) -> RolloutFleet:
-    """The rollout plane of a training run (trainer rank 0 only): run directory, secret, worker specs, workers."""
+    """The rollout plane of a training run (trainer rank 0 only): run directory, secret, worker specs, workers.
+
+    ``cfg`` is the run's ``TrainConfig``: its ``rl`` and ``rollout`` sections go to the workers as they are; the
+    spec's other fields are derived here, once. ``reward_floor``: what a failed trajectory counts with."""
     run_dir = cfg.rollout.run_dir or os.path.join(cfg.checkpoint.save or os.path.join("runs", "tsync"),
                                                   "rollout_plane")
     os.makedirs(run_dir, exist_ok=True)
     for name in os.listdir(run_dir):  # stale specs of a previous job must not start workers early
         if name.startswith("worker") and name.endswith(".json"):
             os.remove(os.path.join(run_dir, name))
-    secret = cfg.rollout.secret_file or make_run_secret(run_dir)
-    endpoint = cfg.rollout.endpoint or f"ipc://{os.path.abspath(run_dir)}/events.sock"
     spec = WorkerSpec(
-        worker_id=0, num_workers=cfg.rollout.num_workers, endpoint=endpoint, secret_file=secret,
-        weights_dir=fresh_dir(os.path.join(run_dir, "weights")), model_dir=model_dir,
-        task=cfg.rollout.task, task_kwargs={"verifier": cfg.rollout.verifier}, group_size=cfg.rl.group_size,
-        groups_per_step=cfg.rl.groups_per_step, start_step=start_step, train_iters=cfg.rl.train_iters,
-        seed=cfg.rl.seed, temperature=cfg.rollout.temperature, top_k=cfg.rollout.top_k, top_p=cfg.rollout.top_p,
-        max_turns=cfg.rl.max_turns, max_new_tokens=cfg.rl.max_new_tokens, max_total_tokens=cfg.rl.seq_length,
-        latency_profile=cfg.rollout.latency_profile, latency_scale=cfg.rollout.latency_scale,
-        sandbox_timeout_s=cfg.rollout.sandbox_timeout_s, engine=cfg.rollout.engine,
+        rl=cfg.rl, rollout=cfg.rollout,
         engine_dtype="bfloat16" if cfg.precision.bf16 else "float32",
-        max_staleness=cfg.rl.max_staleness if cfg.learner.mode == "async" else 0,
         stream_turns=cfg.rl.algorithm == "opd" and cfg.learner.mode == "stream-turn",
-        weight_sync=cfg.rollout.weight_sync, weight_sync_bucket_mb=cfg.rollout.weight_sync_bucket_mb,
+        model_dir=model_dir, start_step=start_step, worker_id=0,
+        endpoint=cfg.rollout.endpoint or f"ipc://{os.path.abspath(run_dir)}/events.sock",
+        secret_file=cfg.rollout.secret_file or make_run_secret(run_dir),
+        weights_dir=fresh_dir(os.path.join(run_dir, "weights")),
+        weight_sync_addr="",  # broadcast: set by the fleet once it hosts the group's store
         # NCCL only between GPUs: the trainer on CUDA and vLLM engines (the embedded engine receives CPU tensors)
         weight_sync_backend="nccl" if cfg.rollout.engine == "vllm" and torch.cuda.is_available() else "gloo",
     )
     fleet = RolloutFleet(spec, run_dir, launch=cfg.rollout.launch == "local")
     if cfg.rollout.launch == "external":
-        print(f"[tsync] waiting for {spec.num_workers} external rollout worker(s): run "
-              f"`python -m megatron_tsync.runtime.worker {run_dir}/worker<w>.json` (w = 0..{spec.num_workers - 1})",
-              flush=True)
+        n = cfg.rollout.num_workers
+        print(f"[tsync] waiting for {n} external rollout worker(s): run "
+              f"`python -m megatron_tsync.runtime.worker {run_dir}/worker<w>.json` (w = 0..{n - 1})", flush=True)
     fleet.reward_floor = reward_floor
     return fleet
 
@@ -174,31 +180,19 @@ class TransportSource:
         self.fleet = fleet
         self.step = step
         self.max_seq_len = max_seq_len
-        spec = fleet.spec
-        self.expected = {f"{gid}t{i}" for gid in group_ids(step, spec.groups_per_step) for i in range(spec.group_size)}
+        rl = fleet.spec.rl
+        self.expected = set(traj_ids(step, rl.groups_per_step, rl.group_size))
         self.seen: set[str] = set()
         self.samples: list[Sample] = []  # in arrival order (for --dump-rollouts)
         self.t0 = time.perf_counter()
         self.errors = 0
-        self.waiting_reward: dict = {}
-        self.stall_timeout_s = float(os.environ.get("TSYNC_STALL_TIMEOUT", "1800"))
+        self.stall_timeout_s = fleet.spec.rollout.stall_timeout_s
         self.last_event = time.perf_counter()
 
     def poll(self, timeout_s: float) -> list[Sample]:
         out = []
         for ev in self.fleet.receiver.poll(int(timeout_s * 1000)):
-            kind = getattr(ev, "KIND", "")
-            if kind == "reward":  # a verifier that finished after its trajectory was sent
-                held = self.waiting_reward.pop(ev.traj_id, None)
-                if held is None:
-                    log.warning("reward for unknown/finished trajectory %s dropped", ev.traj_id)
-                    continue
-                held.reward = ev.reward
-                ev = held
-            elif kind != "trajectory":
-                continue
-            elif ev.reward is None and ev.status == "ok":
-                self.waiting_reward[ev.traj_id] = ev  # no backward before the reward lands
+            if getattr(ev, "KIND", "") != "trajectory":  # turn events: only the OPD source uses them
                 continue
             s = self._to_sample(ev)
             if s is not None:
@@ -216,7 +210,9 @@ class TransportSource:
 
     def _to_sample(self, ev) -> Sample | None:
         if ev.traj_id not in self.expected:
-            log.warning("dropping unexpected trajectory %s (not part of step %d)", ev.traj_id, self.step)
+            ids = parse_traj_id(ev.traj_id)
+            log.warning("dropping unexpected trajectory %s (%s; this is step %d)", ev.traj_id,
+                        "not a trajectory id" if ids is None else f"step {ids[0]} group {ids[1]}", self.step)
             return None
         if ev.traj_id in self.seen:
             log.warning("dropping duplicate trajectory %s", ev.traj_id)
@@ -225,10 +221,12 @@ class TransportSource:
         ids = torch.as_tensor(ev.token_ids.astype("int64"))
         mask = torch.as_tensor(ev.loss_mask.astype("float32"))
         beh = torch.as_tensor(ev.logprobs.astype("float64"))
+        reward = float(ev.reward)
         if ev.status != "ok":
             self.errors += 1
+            reward = self.fleet.reward_floor  # the learner's rule, whatever the worker sent
             log.warning("trajectory %s failed (%s); it counts with reward %s and no gradient", ev.traj_id,
-                        ev.error[:200], ev.reward)
+                        ev.error[:200], reward)
         if ids.numel() > self.max_seq_len:  # oversize: keep the group whole, train nothing from it
             log.warning("trajectory %s has %d tokens > --seq-length %d: kept in its group without gradient",
                         ev.traj_id, ids.numel(), self.max_seq_len)
@@ -238,7 +236,7 @@ class TransportSource:
             ids = torch.cat([ids, torch.zeros(n - ids.numel(), dtype=torch.long)])
             mask, beh = torch.zeros(n), torch.zeros(n, dtype=torch.float64)
         s = Sample(traj_id=ev.traj_id, group_id=ev.group_id, group_size=ev.group_size, token_ids=ids, loss_mask=mask,
-                   reward=float(ev.reward if ev.reward is not None else self.fleet.reward_floor),
+                   reward=reward,
                    policy_version=ev.policy_version, behaviour_logp=beh, arrival_s=time.perf_counter() - self.t0,
                    meta=dict(ev.meta))
         self.samples.append(s)

@@ -1,0 +1,142 @@
+"""The learner side of the rollout plane without rollouts: specs, the version window, TransportSource, failures.
+
+A fleet opened with ``--rollout-launch external`` starts no worker; a test plays the worker with an EventSender."""
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_tsync.arguments import parse_args
+from megatron_tsync.runtime.fleet import WorkerDied, open_fleet
+from megatron_tsync.runtime.worker import WorkerSpec
+from megatron_tsync.transport import EventSender, TrajectoryEvent, load_secret
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture
+def plane():
+    d = tempfile.mkdtemp(prefix="tsync-fleet-", dir="/tmp")  # ipc:// paths must stay short
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def _fleet(plane, *flags, start_step=0, reward_floor=-1.0):
+    cfg = parse_args(["--group-size", "2", "--groups-per-step", "2", "--rollout-workers", "2",
+                      "--rollout-launch", "external", "--rollout-dir", plane, *flags])
+    return cfg, open_fleet(cfg, model_dir="/models/m", start_step=start_step, reward_floor=reward_floor)
+
+
+def _traj(tid, version, reward=1.0, status="ok"):
+    gid = tid.rpartition("t")[0]
+    ok = status == "ok"
+    mask = np.array([0, 0, 1, 1] if ok else [0, 0, 0, 0], np.uint8)
+    return TrajectoryEvent(traj_id=tid, group_id=gid, group_size=2, policy_version=version,
+                           token_ids=np.array([3, 4, 5, 6], np.int32), prompt_len=2, loss_mask=mask,
+                           logprobs=np.where(mask == 1, -0.5, 0).astype(np.float32), reward=reward,
+                           turn_spans=[(2, 4)], status=status, error="" if ok else "sandbox crashed")
+
+
+def _poll_until(source, n, timeout_s=10.0):
+    out, deadline = [], time.monotonic() + timeout_s
+    while len(out) < n and time.monotonic() < deadline:
+        out += source.poll(0.05)
+    return out
+
+
+def test_specs_carry_the_config_sections(plane) -> None:
+    cfg, fleet = _fleet(plane, "--max-turns", "3", "--max-new-tokens", "8", "--seq-length", "64", "--top-p", "0.5",
+                        "--temperature", "0.8", "--latency-profile", "uniform", start_step=3)
+    try:
+        specs = [WorkerSpec.from_json(os.path.join(plane, f"worker{w}.json")) for w in (0, 1)]
+    finally:
+        fleet.close()
+    assert [s.worker_id for s in specs] == [0, 1]
+    for s in specs:
+        assert s.rl == cfg.rl and s.rollout == cfg.rollout  # the config itself: nothing copied by hand, nothing drifts
+        assert (s.start_step, s.model_dir, s.engine_dtype, s.stream_turns) == (3, "/models/m", "float32", False)
+        assert s.endpoint == f"ipc://{plane}/events.sock" and os.path.isdir(s.weights_dir)
+
+
+def test_the_fleet_owns_the_version_window(plane) -> None:
+    _, fleet = _fleet(plane, start_step=1)
+    try:
+        assert fleet.receiver._expected_version_fn == fleet.versions.accepted
+        assert fleet.versions.accepted() == 1
+        fleet.publish({"w": torch.zeros(2)}, 2)
+        fleet.begin_step(2)
+        assert fleet.versions.accepted() == 2
+    finally:
+        fleet.close()
+    _, fleet = _fleet(plane, "--rl-mode", "async", "--max-staleness", "2")
+    try:
+        fleet.begin_step(3)
+        assert fleet.versions.accepted() == range(1, 4)
+    finally:
+        fleet.close()
+
+
+def test_transport_source_takes_one_step_of_trajectories(plane) -> None:
+    _, fleet = _fleet(plane, reward_floor=-1.0)
+    try:
+        fleet.begin_step(0)
+        src = fleet.source(0, max_seq_len=64)
+        assert src.expected == {"s0g0t0", "s0g0t1", "s0g1t0", "s0g1t1"}
+        with EventSender(fleet.receiver.endpoint, load_secret(path=fleet.spec.secret_file), "worker0") as tx:
+            for ev in (_traj("s0g0t0", 0, reward=1.0),
+                       _traj("s0g0t1", 0, reward=0.5, status="error"),  # failed: counts with the learner's floor
+                       _traj("s1g0t0", 0),  # another step's id: dropped
+                       _traj("s0g1t0", 1),  # another policy version: rejected by the receiver, counted
+                       _traj("s0g0t0", 0)):  # a duplicate id: dropped
+                tx.send(ev, timeout_s=5)
+            got = _poll_until(src, 2)
+            tx.flush(5)
+            time.sleep(0.2)
+            got += src.poll(0.2)
+            assert [(s.traj_id, s.reward) for s in got] == [("s0g0t0", 1.0), ("s0g0t1", -1.0)]
+            assert float(got[1].loss_mask.sum()) == 0 and src.errors == 1 and not src.exhausted()
+            assert fleet.receiver.stats["wrong_version"] == 1
+            for tid in ("s0g1t0", "s0g1t1"):
+                tx.send(_traj(tid, 0), timeout_s=5)
+            got += _poll_until(src, 2)
+            tx.flush(5)
+        assert src.exhausted() and [s.traj_id for s in src.samples] == [s.traj_id for s in got]
+    finally:
+        fleet.close()
+
+
+def test_stall_timeout_comes_from_the_config(plane) -> None:
+    _, fleet = _fleet(plane, "--rollout-stall-timeout", "0.3")
+    try:
+        src = fleet.source(0, max_seq_len=64)
+        assert src.stall_timeout_s == 0.3
+        with pytest.raises(TimeoutError, match=r"step 0: no trajectory for 0s; 4 missing, e.g. \['s0g0t0'"):
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                src.poll(0.05)
+    finally:
+        fleet.close()
+
+
+def test_a_dead_worker_is_named_with_its_log(plane) -> None:
+    """What the fleet promises of a worker that died: its id, exit code and log tail (not the lost trajectories)."""
+    _, fleet = _fleet(plane)
+    try:
+        with open(os.path.join(fleet.log_dir, "worker1.log"), "w") as f:
+            f.write("loading weights\nRuntimeError: out of memory\n")
+        fleet.procs += [subprocess.Popen([sys.executable, "-c", "pass"]),
+                        subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(3)"])]
+        for p in fleet.procs:
+            p.wait(30)
+        src = fleet.source(0, max_seq_len=64)
+        with pytest.raises(WorkerDied, match=r"(?s)rollout worker 1 exited with code 3.*out of memory"):
+            src.poll(0.05)
+    finally:
+        fleet.close()
