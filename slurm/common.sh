@@ -34,7 +34,8 @@
 #   RL_MODE            sync | stream-group | stream-trajectory | async | stream-turn (opd)   stream-trajectory
 #   ROLLOUT_WORKERS    rollout worker processes (started by the trainer)                      1 / 8
 #   ROLLOUT_ENGINE     embedded | vllm                                                        embedded / vllm
-#   ROLLOUT_GPUS_PER_WORKER  GPUs per rollout worker on rollout nodes (its vLLM tensor-parallel size)  - / 1
+#   ROLLOUT_GPUS_PER_WORKER  GPUs per rollout worker on rollout nodes; with vllm also the trainer's
+#                      --rollout-tensor-parallel-size (the engine's TP, sent to the workers in their specs)  - / 1
 #   SEQ_LENGTH, MAX_TURNS, MAX_NEW_TOKENS                                                     128, 2, 16 / trainer's
 #   TASK               task name                                                              trainer's default
 #   TENSORBOARD_DIR                                                        $SAVE/tensorboard
@@ -91,7 +92,6 @@ tsync_config() {
     export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}
     export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
   fi
-  export TSYNC_STALL_TIMEOUT=${TSYNC_STALL_TIMEOUT:-1800}
   FORWARD_EVERY=${TSYNC_FORWARD_EVERY:-2}
 }
 
@@ -168,6 +168,10 @@ tsync_trainer_args() {
   if [ "$ROLLOUT_NODES" -gt 0 ]; then  # workers run as their own job step on the rollout nodes
     ROLLOUT_DIR=$RUN_DIR/rollout_plane
     ARGS+=(--rollout-launch external --rollout-dir "$ROLLOUT_DIR")
+    # launch_node.sh gives each worker ROLLOUT_GPUS_PER_WORKER GPUs: its vLLM engine spans them
+    if [ "$ROLLOUT_ENGINE" = vllm ] && [ "$TSYNC_CPU" != 1 ] && [ "$ROLLOUT_GPUS_PER_WORKER" -gt 1 ]; then
+      ARGS+=(--rollout-tensor-parallel-size "$ROLLOUT_GPUS_PER_WORKER")
+    fi
   fi
   [ "$TSYNC_CPU" = 1 ] && ARGS+=(--init-tiny-model)
   [ "$RL_ALGORITHM" = opd ] && ARGS+=(--teacher-model "$TEACHER_MODEL")

@@ -39,14 +39,15 @@ case $mode in
     ;;
   rollout)
     # one srun task per rollout worker: task SLURM_LOCALID of this node gets GPUs
-    # [LOCALID*G, LOCALID*G + G) (G = ROLLOUT_GPUS_PER_WORKER; 0 or TSYNC_CPU=1: no GPU), and its engine
-    # tensor-parallel size is G (TSYNC_ENGINE_TP, read by the worker)
+    # [LOCALID*G, LOCALID*G + G) (G = ROLLOUT_GPUS_PER_WORKER; 0 or TSYNC_CPU=1: no GPU). The engine's
+    # tensor-parallel size reaches the worker in its spec (the trainer's --rollout-tensor-parallel-size, which
+    # common.sh sets to the same G)
     py=$1 dir=$2
     g=${ROLLOUT_GPUS_PER_WORKER:-1}
     if [ "${TSYNC_CPU:-0}" != 1 ] && [ "$g" -gt 0 ]; then
       first=$(( ${SLURM_LOCALID:-0} * g ))
       CUDA_VISIBLE_DEVICES=$(seq -s, "$first" $((first + g - 1)))
-      export CUDA_VISIBLE_DEVICES TSYNC_ENGINE_TP=$g
+      export CUDA_VISIBLE_DEVICES
     fi
     exec "$py" -m megatron_tsync.runtime.worker "$dir/worker${SLURM_PROCID:-0}.json"
     ;;
