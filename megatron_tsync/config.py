@@ -298,7 +298,8 @@ class RolloutConfig(_Section):
                f"{self.engine_tensor_parallel_size}", "rollout.engine_tensor_parallel_size")
         _check(self.engine_tensor_parallel_size == 1 or self.engine == "vllm",
                f"rollout.engine_tensor_parallel_size {self.engine_tensor_parallel_size} needs rollout.engine vllm "
-               f"(the {self.engine} engine runs on one device)", "rollout.engine_tensor_parallel_size", "rollout.engine")
+               f"(the {self.engine} engine runs on one device)", "rollout.engine_tensor_parallel_size",
+               "rollout.engine")
         _check_sampling(self, "rollout")
         _check(self.latency_profile in LATENCY_PROFILES or self.latency_profile.endswith(".json"),
                f"rollout.latency_profile must be one of {LATENCY_PROFILES} or a path to a .json profile, "

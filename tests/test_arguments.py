@@ -90,7 +90,8 @@ def test_flags_land_in_their_fields():
 
 
 def test_rollout_engine_flags():
-    cfg = parse_args(["--rollout-engine", "vllm", "--rollout-tensor-parallel-size", "4", "--rollout-stall-timeout", "60"])
+    cfg = parse_args(["--rollout-engine", "vllm", "--rollout-tensor-parallel-size", "4",
+                      "--rollout-stall-timeout", "60"])
     assert cfg.rollout.engine_tensor_parallel_size == 4 and cfg.rollout.stall_timeout_s == 60.0
     assert parse_args([]).rollout.engine_tensor_parallel_size == 1  # the worker factory's use: tests/runtime
 

@@ -227,4 +227,5 @@ def test_sampling_fields_are_validated_by_the_engines_sampling_config():
             SamplingConfig(**kwargs)
         with pytest.raises(ConfigError) as exc:
             section(**kwargs)
-        assert str(exc.value) == f"{section._PATH}.{engine_err.value}" and exc.value.fields == (f"{section._PATH}.{name}",)
+        assert str(exc.value) == f"{section._PATH}.{engine_err.value}"
+        assert exc.value.fields == (f"{section._PATH}.{name}",)

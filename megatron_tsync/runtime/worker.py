@@ -90,7 +90,8 @@ class WorkerSpec:
         names = {f.name for f in dataclasses.fields(cls)}
         if set(data) != names:
             raise ValueError(f"{path}: missing {sorted(names - set(data))}, unknown {sorted(set(data) - names)}")
-        return cls(**{**data, "rl": RLConfig.from_dict(data["rl"]), "rollout": RolloutConfig.from_dict(data["rollout"])})
+        data.update(rl=RLConfig.from_dict(data["rl"]), rollout=RolloutConfig.from_dict(data["rollout"]))
+        return cls(**data)
 
 
 def _make_engine(spec: WorkerSpec):

@@ -87,7 +87,7 @@ def short_dir():
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_engine_factory_receives_the_tensor_parallel_flag(tp, short_dir, monkeypatch) -> None:
-    """--rollout-tensor-parallel-size → TrainConfig → worker spec file → the vLLM engine's constructor arguments."""
+    """--rollout-tensor-parallel-size → TrainConfig → worker spec file → the vLLM engine's constructor."""
     from megatron_tsync.rollout.vllm_engine import VLLMEngine
     from megatron_tsync.runtime.fleet import open_fleet
 

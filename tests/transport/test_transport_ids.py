@@ -11,7 +11,8 @@ def test_format_and_round_trip() -> None:
     assert group_ids(3, 2) == ["s3g0", "s3g1"] == [group_id(3, 0), group_id(3, 1)]
     assert traj_id("s3g1", 4) == "s3g1t4"
     assert traj_ids(2, 2, 3) == ["s2g0t0", "s2g0t1", "s2g0t2", "s2g1t0", "s2g1t1", "s2g1t2"]
-    assert all(parse_traj_id(t) == (7, g, i) for g in range(3) for i, t in enumerate(traj_ids(7, 3, 4)[4 * g:4 * g + 4]))
+    ids = traj_ids(7, 3, 4)
+    assert [parse_traj_id(t) for t in ids] == [(7, g, i) for g in range(3) for i in range(4)]
     assert parse_traj_id("s10g11t12") == (10, 11, 12)
     for bad in ("traj-0", "s1g2", "s1g2t", "xs1g2t3", "s1g2t3x", ""):
         assert parse_traj_id(bad) is None, bad
