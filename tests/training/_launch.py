@@ -28,3 +28,23 @@ def torchrun(script: str, args: list[str], *, nproc: int = 2, timeout: int = 900
         with open(out_json) as f:
             return json.load(f)
     return p
+
+
+def selected_params(request, key) -> list:
+    """key(item) for every test of the requesting module that this session will run (after -m / -k / node-id
+    selection), None results dropped, first-seen order, no repeats: what a module-scoped fixture must launch so
+    that one torchrun serves all of them."""
+    out = []
+    for item in request.session.items:
+        if getattr(item, "module", None) is not request.module:
+            continue
+        v = key(item)
+        if v is not None and v not in out:
+            out.append(v)
+    return out
+
+
+def item_param(item, name, default=None):
+    """The value of parametrize argument `name` of a collected test item (default when not parametrized)."""
+    cs = getattr(item, "callspec", None)
+    return cs.params.get(name, default) if cs is not None else default

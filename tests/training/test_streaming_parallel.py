@@ -4,33 +4,68 @@ float64: streamed vs sync gradient ≤ 1e-12 relative on every layout (estimator
 ratio ≠ 1, KL/entropy strategies; see ``_workers/stream_worker.py``). float32, 3 Adam steps: Δ_k of each
 streaming mode against sync is reported next to the permutation control, and every float32 run's distance to
 the float64 run from the same θ0 is asserted: streaming is as close to the exact update as float32 sync is.
+
+One torchrun serves the whole module: the ``stream_reports`` fixture launches the worker once with every
+(layout, check) that the selected tests need, layouts one after the other in the same 2 processes; each test
+reads its own report. The default tier (``-m "not slow"``) runs the float64 check on all three layouts; the
+packing and float32 checks are ``slow`` and join the same launch when selected.
 """
 
+import json
 import os
 
 import pytest
 
-from ._launch import torchrun
+from ._launch import item_param, selected_params, torchrun
 
 WORKER = os.path.join(os.path.dirname(__file__), "_workers", "stream_worker.py")
-LAYOUTS = {"tp2": ["--tp", "2"], "pp2": ["--pp", "2"], "dp2": []}
+LAYOUTS = ["tp2", "pp2", "dp2"]
+CHECK_OF = {  # test function -> the worker check it reads (layout from its `layout` parameter, else dp2)
+    "test_float64_stream_equals_sync": "f64",
+    "test_float64_packed_equals_unpacked_sync": "packed",
+    "test_float32_three_steps": "f32-sgd",
+    "test_float32_adam_delta_k_report": "f32-adam",
+}
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_float64_stream_equals_sync(layout, tmp_path):
-    rep = torchrun(WORKER, [*LAYOUTS[layout], "--check", "f64", "--out", str(tmp_path / "r.json")],
-                   out_json=str(tmp_path / "r.json"))
+def _pair(item):
+    check = CHECK_OF.get(getattr(item, "originalname", item.name))
+    return None if check is None else f"{item_param(item, 'layout', 'dp2')}:{check}"
+
+
+@pytest.fixture(scope="module")
+def stream_reports(request, tmp_path_factory):
+    """report(layout, check): the worker's JSON for that pair; one launch for every pair the session selected
+    (a pair asked for outside that plan gets a launch of its own)."""
+    out = tmp_path_factory.mktemp("stream_parallel")
+    planned = selected_params(request, _pair)
+    if planned:
+        torchrun(WORKER, ["--out-dir", str(out), "--checks", *planned])
+
+    def report(layout, check):
+        path = out / f"{layout}-{check}.json"
+        if not path.exists():
+            torchrun(WORKER, ["--out-dir", str(out), "--checks", f"{layout}:{check}"])
+        with open(path) as f:
+            return json.load(f)
+
+    return report
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_float64_stream_equals_sync(layout, stream_reports):
+    rep = stream_reports(layout, "f64")
     assert rep["tp"] * rep["pp"] * rep["dp"] == 2
     for row in rep["result"]:
         assert row["stream-trajectory"] < 1e-12, row
         assert row["stream-group"] < 1e-12, row
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_float64_packed_equals_unpacked_sync(layout, tmp_path):
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_float64_packed_equals_unpacked_sync(layout, stream_reports):
     """Sequence packing on: sync, stream-trajectory and stream-group vs the unpacked sync gradient ≤ 1e-12."""
-    rep = torchrun(WORKER, [*LAYOUTS[layout], "--check", "packed", "--out", str(tmp_path / "p.json")],
-                   out_json=str(tmp_path / "p.json"))
+    rep = stream_reports(layout, "packed")
     for row in rep["result"]:
         for mode in ("sync", "stream-trajectory", "stream-group"):
             assert row[mode] < 1e-12, (mode, row)
@@ -38,15 +73,16 @@ def test_float64_packed_equals_unpacked_sync(layout, tmp_path):
         assert mb["sync"] < mb["sync-unpacked"], row  # packing really packed
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_float32_three_steps(layout, tmp_path):
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_float32_three_steps(layout, stream_reports):
     """SGD (momentum 0.9), 3 steps: streaming is as close to the exact float64 update as float32 sync is.
 
     A reordering control leaves each microbatch's backward bit-identical; streaming backprops h_i and applies
     A_i later, so its rounding differs the way any other float32 implementation's would. The fair check is the
     distance to the float64 run from the same θ0.
     """
-    rep = torch_run_f32(layout, tmp_path, "sgd")
+    rep = stream_reports(layout, "f32-sgd")["result"]
     err = rep["error_vs_float64"]
     base = max(err["sync"], err["sync-permuted"])
     assert err["stream-trajectory"] <= 2.0 * base, err
@@ -54,16 +90,11 @@ def test_float32_three_steps(layout, tmp_path):
     assert rep["delta_k_permutation_control"] > 0  # the control really reorders
 
 
-def test_float32_adam_delta_k_report(tmp_path):
+@pytest.mark.slow
+def test_float32_adam_delta_k_report(stream_reports):
     """Adam, 3 steps, DP=2: Δ_k next to the permutation control (reported; Adam amplifies rounding of
     near-zero coordinates, so the figures are noisy: see the issue note). Sanity bound only."""
-    rep = torch_run_f32("dp2", tmp_path, "adam")
+    rep = stream_reports("dp2", "f32-adam")["result"]
     print("adam", rep)
     assert rep["delta_k"]["stream-trajectory"] < 1e-3
     assert rep["error_vs_float64"]["stream-trajectory"] < 1e-3
-
-
-def torch_run_f32(layout, tmp_path, optimizer):
-    out = str(tmp_path / f"{layout}-{optimizer}.json")
-    return torchrun(WORKER, [*LAYOUTS[layout], "--check", "f32", "--optimizer", optimizer, "--out", out],
-                    out_json=out)["result"]

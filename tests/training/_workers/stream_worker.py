@@ -1,17 +1,23 @@
 """Multi-process streaming exactness worker (run by torchrun from tests/training/test_streaming_parallel.py).
 
---check f64: for several configs, streamed vs sync gradient (after the barrier) in float64 on this layout; and
+One launch runs several checks on several layouts of the same 2 processes (``--checks LAYOUT:CHECK ...``, layouts
+tp2 / pp2 / dp2, run one after the other: model parallelism is re-initialised between layouts):
+
+f64: for several configs, streamed vs sync gradient (after the barrier) in float64 on this layout; and
 several minibatches / epochs per batch (weights after the whole step, π_θ0 kept by the trainer).
---check packed: sequence packing on (sync, stream-trajectory, stream-group) vs unpacked sync, float64.
---check f32: 3 Adam steps per mode in float32; Δ_k of stream-trajectory / stream-group vs sync next to the
+packed: sequence packing on (sync, stream-trajectory, stream-group) vs unpacked sync, float64.
+f32-sgd / f32-adam: 3 steps per mode in float32; Δ_k of stream-trajectory / stream-group vs sync next to the
 permutation control (sync with microbatches reordered).
-Rank 0 writes a JSON report to --out.
+Rank 0 writes one JSON report per pair, ``--out-dir``/LAYOUT-CHECK.json = {"tp", "pp", "dp", "result", "seconds"}.
+
+``python -m torch.distributed.run --nproc_per_node=2 stream_worker.py --out-dir D --checks tp2:f64 pp2:f64 dp2:f32-adam``
 """
 
 import argparse
 import json
 import os
 import sys
+import time
 import warnings
 
 warnings.filterwarnings("ignore")
@@ -216,23 +222,47 @@ def run_f32(dims, steps=3, seed=0, optimizer="adam"):
             "optimizer": optimizer}
 
 
+LAYOUTS = {"tp2": (2, 1), "pp2": (1, 2), "dp2": (1, 1)}  # (tp, pp) of 2 processes; dp = 2 / (tp × pp)
+CHECKS = {
+    "f64": run_f64,
+    "packed": run_packed,
+    "f32-sgd": lambda dims, seed: run_f32(dims, seed=seed, optimizer="sgd"),
+    "f32-adam": lambda dims, seed: run_f32(dims, seed=seed, optimizer="adam"),
+}
+
+
+def parse_run(pairs: list[str]) -> dict[str, list[str]]:
+    """["tp2:f64", "tp2:packed", "dp2:f64"] -> {"tp2": ["f64", "packed"], "dp2": ["f64"]} (first-seen order)."""
+    plan: dict[str, list[str]] = {}
+    for pair in pairs:
+        layout, check = pair.split(":")
+        if layout not in LAYOUTS or check not in CHECKS:
+            raise SystemExit(f"unknown LAYOUT:CHECK {pair!r}: layouts {list(LAYOUTS)}, checks {list(CHECKS)}")
+        plan.setdefault(layout, [])
+        if check not in plan[layout]:
+            plan[layout].append(check)
+    return plan
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--tp", type=int, default=1)
-    ap.add_argument("--pp", type=int, default=1)
-    ap.add_argument("--check", choices=["f64", "f32", "packed"], required=True)
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--checks", nargs="+", required=True, metavar="LAYOUT:CHECK")
+    ap.add_argument("--out-dir", required=True)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--optimizer", default="adam", choices=["adam", "sgd"])
     a = ap.parse_args()
-    dims = initialize_parallel(a.tp, a.pp)
-    if a.check == "packed":
-        res = run_packed(dims)
-    else:
-        res = run_f64(dims) if a.check == "f64" else run_f32(dims, seed=a.seed, optimizer=a.optimizer)
-    if dims.rank == 0:
-        with open(a.out, "w") as f:
-            json.dump({"tp": dims.tp, "pp": dims.pp, "dp": dims.dp, "result": res}, f, indent=1)
+    for layout, checks in parse_run(a.checks).items():
+        dims = initialize_parallel(*LAYOUTS[layout])
+        for check in checks:
+            t0 = time.time()
+            fn = CHECKS[check]
+            res = fn(dims) if check in ("f64", "packed") else fn(dims, a.seed)
+            if dims.rank == 0:
+                path = os.path.join(a.out_dir, f"{layout}-{check}.json")
+                with open(path + ".tmp", "w") as f:
+                    json.dump({"tp": dims.tp, "pp": dims.pp, "dp": dims.dp, "result": res,
+                               "seconds": round(time.time() - t0, 2)}, f, indent=1)
+                os.replace(path + ".tmp", path)
+                print(f"{layout}:{check} {time.time() - t0:.1f}s", flush=True)
     destroy_parallel()
 
 
