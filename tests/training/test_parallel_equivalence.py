@@ -1,28 +1,42 @@
 """TP=2, PP=2 and DP=2 (gloo, 2 processes) against one process, from the same Hugging Face weights (fp32):
 per-token log-probs, the gradient (under HF names, after the DP reduction and normalisation) and the weights
 after one Adam step. Tolerances: log-probs 1e-5 absolute, gradient and weights 1e-5 relative (different
-reduction orders in float32)."""
+reduction orders in float32).
+
+Two launches for the module: the one-process reference, and one 2-process torchrun that runs every selected
+layout one after the other (the ``runs`` fixture)."""
 
 import os
 
 import pytest
 import torch
 
-from ._launch import torchrun
+from ._launch import item_param, selected_params, torchrun
 
 WORKER = os.path.join(os.path.dirname(__file__), "_workers", "parallel_equiv_worker.py")
+LAYOUTS = ["tp2", "pp2", "dp2"]
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def runs(request, tmp_path_factory):
+    """(model dir, reference, load(layout)): the reference from 1 process; every layout the session selected from
+    one 2-process launch (a layout asked for outside that plan gets a launch of its own)."""
     from megatron_tsync.model.tiny_model import make_tiny_model
 
     d = tmp_path_factory.mktemp("peq")
     model = str(d / "model")
     make_tiny_model(model, seed=0)
-    out = str(d / "ref.pt")
-    torchrun(WORKER, ["--model", model, "--out", out], nproc=1)
-    return model, torch.load(out)
+    torchrun(WORKER, ["--model", model, "--out-dir", str(d), "--layouts", "single"], nproc=1)
+    planned = selected_params(request, lambda item: item_param(item, "layout"))
+    if planned:
+        torchrun(WORKER, ["--model", model, "--out-dir", str(d), "--layouts", *planned], nproc=2)
+
+    def load(layout):
+        if not (d / f"{layout}.pt").exists():
+            torchrun(WORKER, ["--model", model, "--out-dir", str(d), "--layouts", layout], nproc=2)
+        return torch.load(str(d / f"{layout}.pt"))
+
+    return model, torch.load(str(d / "single.pt")), load
 
 
 def _rel(a: dict, b: dict) -> float:
@@ -32,12 +46,11 @@ def _rel(a: dict, b: dict) -> float:
     return num / den
 
 
-@pytest.mark.parametrize("layout", [["--tp", "2"], ["--pp", "2"], []], ids=["tp2", "pp2", "dp2"])
-def test_layout_matches_single_process(reference, layout, tmp_path):
-    model, ref = reference
-    out = str(tmp_path / "r.pt")
-    torchrun(WORKER, ["--model", model, "--out", out, *layout], nproc=2)
-    got = torch.load(out)
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_layout_matches_single_process(runs, layout):
+    _, ref, load = runs
+    got = load(layout)
     assert set(got["logprobs"]) == set(ref["logprobs"])
     lp_err = max(float((got["logprobs"][k] - ref["logprobs"][k]).abs().max()) for k in ref["logprobs"])
     g_err, w_err = _rel(got["grads"], ref["grads"]), _rel(got["weights"], ref["weights"])

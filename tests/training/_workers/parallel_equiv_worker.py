@@ -1,8 +1,11 @@
 """Same HF weights, same data, any layout: per-token log-probs, the gradient (HF names) and the weights after one
-optimizer step, written by global rank 0 to --out (torch.save). Run with 1 process (reference) and with 2
-(TP=2, PP=2 or DP=2); tests/training/test_parallel_equivalence.py compares them."""
+optimizer step, written by global rank 0 to --out-dir/LAYOUT.pt (torch.save). Run with 1 process (``--layouts
+single``, the reference) and with 2 (``--layouts tp2 pp2 dp2``: the layouts one after the other in the same 2
+processes, model parallelism re-initialised between them); tests/training/test_parallel_equivalence.py compares
+them."""
 
 import argparse
+import os
 import warnings
 
 warnings.filterwarnings("ignore")
@@ -22,15 +25,11 @@ def batch(vocab, n=4, T=24, seed=0):
     return [torch.randint(0, vocab, (T - i,), generator=g) for i in range(n)]
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--tp", type=int, default=1)
-    ap.add_argument("--pp", type=int, default=1)
-    ap.add_argument("--out", required=True)
-    a = ap.parse_args()
-    dims = initialize_parallel(a.tp, a.pp)
-    arch, hf = load_hf_dir(a.model)
+LAYOUTS = {"single": (1, 1), "tp2": (2, 1), "pp2": (1, 2), "dp2": (1, 1)}  # (tp, pp); dp = world / (tp × pp)
+
+
+def run(model_dir, dims, out):
+    arch, hf = load_hf_dir(model_dir)
     model = build_model(arch, PrecisionConfig(), seed=0)
     load_hf_into_model(model, hf)
     ddp = wrap_ddp(model)
@@ -70,7 +69,18 @@ def main():
     for d in gathered:
         all_lp.update(d)
     if dims.rank == 0:
-        torch.save({"logprobs": all_lp, "grads": grads, "weights": weights}, a.out)
+        torch.save({"logprobs": all_lp, "grads": grads, "weights": weights}, out)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--layouts", nargs="+", required=True, choices=list(LAYOUTS))
+    ap.add_argument("--out-dir", required=True)
+    a = ap.parse_args()
+    for layout in a.layouts:
+        dims = initialize_parallel(*LAYOUTS[layout])
+        run(a.model, dims, os.path.join(a.out_dir, f"{layout}.pt"))
     destroy_parallel()
 
 
