@@ -125,6 +125,7 @@ def test_megatron_matches_transformers_tp1(models, tmp_path):
     print(f"worker wall time {secs:.1f}s")
 
 
+@pytest.mark.slow
 def test_megatron_matches_transformers_tp2_and_pp2_round_trip(models, tmp_path):
     out = str(tmp_path / "rep.json")
     rc, log, secs = common.run_isolated([WORKER, "--hf", models["llama"], models["qwen2"], "--out", out],

@@ -40,6 +40,7 @@ def tiny_model(tmp_path_factory):
     return d
 
 
+@pytest.mark.slow
 def test_live_stream_trajectory_checkpoint_and_resume(tiny_model, tmp_path):
     ck, tb, dump = tmp_path / "ck", tmp_path / "tb", tmp_path / "dump"
     common = ["--model", tiny_model, "--group-size", "2", "--global-batch-size", "4", "--rollout-workers", "2",
@@ -152,6 +153,7 @@ def _hf_export(ck, out, cwd):
     return load_file(os.path.join(out, "model.safetensors"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("extra", [[], ["--num-minibatches", "3", "--ppo-epochs", "2", "--max-device-buckets", "2"]],
                          ids=["one-step", "minibatches-offload"])
 def test_replay_sync_equals_stream_float64(tiny_model, tmp_path, extra):
@@ -182,6 +184,7 @@ def test_replay_sync_equals_stream_float64(tiny_model, tmp_path, extra):
     assert moved > 1e-6 and num / den < 1e-12, (num / den, moved)
 
 
+@pytest.mark.slow
 def test_live_rollouts_with_two_trainer_ranks(tiny_model, tmp_path):
     """TP=2 trainer under torchrun: rank 0 owns the rollout plane and broadcasts what lands; workers are not
     members of the trainer's process group (the launcher's rendezvous variables are stripped)."""
@@ -201,6 +204,7 @@ def test_live_rollouts_with_two_trainer_ranks(tiny_model, tmp_path):
     assert (tmp_path / "ck" / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
 
 
+@pytest.mark.slow
 def test_external_rollout_workers(tiny_model, tmp_path):
     """--rollout-launch external: the trainer only writes specs/secret/weights to --rollout-dir; a worker started
     separately (as srun would on a rollout node) picks up its spec and serves the run."""

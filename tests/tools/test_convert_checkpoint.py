@@ -20,6 +20,7 @@ def models(tmp_path_factory):
     return common.make_models(str(tmp_path_factory.mktemp("tiny")))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family,tp,pp", [("qwen2", 2, 1), ("llama", 1, 2)])
 def test_hf_megatron_hf_bit_identical(models, tmp_path, family, tp, pp):
     from megatron_tsync.training import checkpointing as ck
