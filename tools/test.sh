@@ -3,6 +3,7 @@
 #   bash tools/test.sh              # everything: main suite (.venv) + the vLLM CPU adapter tests (.venv-vllm)
 #   TSYNC_SKIP_VLLM=1 bash tools/test.sh    # skip the vLLM part (its venv is ~3.5 GB, several minutes to build)
 #   bash tools/test.sh -k stream    # extra arguments go to the main pytest run
+#   bash tools/test.sh -m "not slow"   # the fast tier only (a few minutes on 2 cores; skips the vLLM part too)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${TSYNC_VENV:-.venv}
@@ -13,7 +14,8 @@ fi
 "$VENV/bin/python" -m pip install -q -e ".[tests]" 2>&1 | grep -v "is ignored" || true
 "$VENV/bin/python" -c "import megatron_tsync, megatron.core, pytest" # the install must have worked
 export OMP_NUM_THREADS=1 PYTHONWARNINGS=ignore
-# 1. the main suite (the vLLM adapter tests skip here: vllm is not in this venv)
+# 1. the main suite, both tiers: the fast tier (`pytest -m "not slow"`) and the `slow` multi-process / end-to-end
+#    tests (the vLLM adapter tests skip here: vllm is not in this venv)
 "$VENV/bin/python" -m pytest -q "$@" tests
 # 2. the vLLM adapter against vLLM's CPU build, in its own venv (vLLM pins its own dependencies)
 if [ "${TSYNC_SKIP_VLLM:-0}" != "1" ] && [ $# -eq 0 ]; then
