@@ -50,6 +50,8 @@ class RolloutFleet:
         # the policy versions accepted now: the one owner of that window; the receiver asks it for every frame
         self.versions = VersionWindow(base_spec.start_step, base_spec.rl.max_staleness)
         self.reward_floor = 0.0  # what a failed trajectory counts with (the task's lowest reward; set by open_fleet)
+        # async mode: trajectories of a later step that arrived while an earlier one was trained (by step)
+        self.early: dict[int, list] = {}
         self.receiver = EventReceiver(bind_address(base_spec.endpoint), self.key,
                                       expected_version_fn=self.versions.accepted)
         self.procs: list[subprocess.Popen] = []
@@ -174,7 +176,11 @@ def open_fleet(cfg, *, model_dir: str, start_step: int, reward_floor: float) -> 
 
 
 class TransportSource:
-    """The learner's view of one step's trajectories as they arrive over the wire (arrival order)."""
+    """The learner's view of one step's trajectories as they arrive over the wire (arrival order).
+
+    In async mode a worker may finish a trajectory of step ``k + 1`` (sampled with weights the learner accepts now)
+    while the learner still trains step ``k``: the source of step ``k`` leaves it with the fleet (``fleet.early``)
+    and the source of step ``k + 1`` delivers it first — if its version is inside that step's window by then."""
 
     def __init__(self, fleet: RolloutFleet, step: int, max_seq_len: int):
         self.fleet = fleet
@@ -188,10 +194,22 @@ class TransportSource:
         self.errors = 0
         self.stall_timeout_s = fleet.spec.rollout.stall_timeout_s
         self.last_event = time.perf_counter()
+        self._early = []
+        for ev in fleet.early.pop(step, []):
+            if ev.policy_version in fleet.versions:
+                self._early.append(ev)
+            else:
+                log.warning("dropping early trajectory %s: policy version %d is outside %s of step %d", ev.traj_id,
+                            ev.policy_version, fleet.versions, step)
+
+    def _events(self, timeout_s: float) -> list:
+        """This step's events: those that arrived early (see the class docstring) first, then the receiver's."""
+        early, self._early = self._early, []
+        return early + self.fleet.receiver.poll(0 if early else int(timeout_s * 1000))
 
     def poll(self, timeout_s: float) -> list[Sample]:
         out = []
-        for ev in self.fleet.receiver.poll(int(timeout_s * 1000)):
+        for ev in self._events(timeout_s):
             if getattr(ev, "KIND", "") != "trajectory":  # turn events: only the OPD source uses them
                 continue
             s = self._to_sample(ev)
@@ -211,6 +229,9 @@ class TransportSource:
     def _to_sample(self, ev) -> Sample | None:
         if ev.traj_id not in self.expected:
             ids = parse_traj_id(ev.traj_id)
+            if ids is not None and ids[0] > self.step:  # async: a later step's, early
+                self.fleet.early.setdefault(ids[0], []).append(ev)
+                return None
             log.warning("dropping unexpected trajectory %s (%s; this is step %d)", ev.traj_id,
                         "not a trajectory id" if ids is None else f"step {ids[0]} group {ids[1]}", self.step)
             return None

@@ -44,11 +44,15 @@ def _traj(tid, version, reward=1.0, status="ok"):
                            turn_spans=[(2, 4)], status=status, error="" if ok else "sandbox crashed")
 
 
-def _poll_until(source, n, timeout_s=10.0):
+def _drain(source, tx, timeout_s=10.0):
+    """Polls the source (and services the sender, in this same thread) until every event sent was processed."""
     out, deadline = [], time.monotonic() + timeout_s
-    while len(out) < n and time.monotonic() < deadline:
+    while time.monotonic() < deadline:
         out += source.poll(0.05)
-    return out
+        tx.pump(0.01)
+        if tx.in_flight == 0:
+            return out
+    raise AssertionError(f"{tx.in_flight} events never processed")
 
 
 def test_specs_carry_the_config_sections(plane) -> None:
@@ -96,17 +100,13 @@ def test_transport_source_takes_one_step_of_trajectories(plane) -> None:
                        _traj("s0g1t0", 1),  # another policy version: rejected by the receiver, counted
                        _traj("s0g0t0", 0)):  # a duplicate id: dropped
                 tx.send(ev, timeout_s=5)
-            got = _poll_until(src, 2)
-            tx.flush(5)
-            time.sleep(0.2)
-            got += src.poll(0.2)
+            got = _drain(src, tx)
             assert [(s.traj_id, s.reward) for s in got] == [("s0g0t0", 1.0), ("s0g0t1", -1.0)]
             assert float(got[1].loss_mask.sum()) == 0 and src.errors == 1 and not src.exhausted()
             assert fleet.receiver.stats["wrong_version"] == 1
             for tid in ("s0g1t0", "s0g1t1"):
                 tx.send(_traj(tid, 0), timeout_s=5)
-            got += _poll_until(src, 2)
-            tx.flush(5)
+            got += _drain(src, tx)
         assert src.exhausted() and [s.traj_id for s in src.samples] == [s.traj_id for s in got]
     finally:
         fleet.close()
@@ -138,5 +138,28 @@ def test_a_dead_worker_is_named_with_its_log(plane) -> None:
         src = fleet.source(0, max_seq_len=64)
         with pytest.raises(WorkerDied, match=r"(?s)rollout worker 1 exited with code 3.*out of memory"):
             src.poll(0.05)
+    finally:
+        fleet.close()
+
+
+def test_async_early_trajectories_wait_for_their_step(plane) -> None:
+    """--rl-mode async: a worker may finish step k+1's rollouts (with weights v_k) while step k trains; they are
+    kept for step k+1 instead of being dropped (which left step k+1 short until the stall timeout)."""
+    _, fleet = _fleet(plane, "--rl-mode", "async", "--max-staleness", "1")
+    try:
+        fleet.begin_step(0)
+        src0 = fleet.source(0, max_seq_len=64)
+        with EventSender(fleet.receiver.endpoint, load_secret(path=fleet.spec.secret_file), "worker0") as tx:
+            for tid in ("s0g0t0", "s1g0t0", "s0g0t1", "s0g1t0", "s0g1t1", "s2g1t0"):
+                tx.send(_traj(tid, 0), timeout_s=5)
+            got = _drain(src0, tx)
+        assert sorted(s.traj_id for s in got) == sorted(src0.expected) and src0.exhausted()
+        assert {k: [e.traj_id for e in v] for k, v in fleet.early.items()} == {1: ["s1g0t0"], 2: ["s2g1t0"]}
+        fleet.begin_step(1)  # window [0, 1]: v0 still accepted
+        src1 = fleet.source(1, max_seq_len=64)
+        assert [(s.traj_id, s.policy_version) for s in src1.poll(5.0)] == [("s1g0t0", 0)]  # at once, no wait
+        fleet.begin_step(2)  # window [1, 2]: the v0 rollout of step 2 is too stale by now
+        src2 = fleet.source(2, max_seq_len=64)
+        assert src2._early == [] and fleet.early == {}
     finally:
         fleet.close()
