@@ -18,10 +18,10 @@ from megatron_tsync.runtime.context import RunContext, progress_bar
 from megatron_tsync.runtime.fleet import RolloutFleet, TransportSource
 from megatron_tsync.runtime.rollout_io import dump_grads, load_rollouts
 from megatron_tsync.runtime.spec import StepOutcome, TrainSpec
-from megatron_tsync.runtime.worker import group_ids
 from megatron_tsync.streaming.ready_queue import DataParallelAssigner, ListSource, Sample
 from megatron_tsync.training.learner import Learner, LearnerConfig
 from megatron_tsync.training.stream_fb import BatchShape
+from megatron_tsync.transport.ids import group_ids
 
 TB_NAMES = {"reward": "rollout/reward", "success_rate": "rollout/success_rate", "loss": "train/loss",
             "grad_norm": "train/grad_norm", "step_time_s": "perf/step_time_s", "idle_frac": "perf/learner_idle_frac",

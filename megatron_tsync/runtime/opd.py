@@ -44,16 +44,16 @@ class OPDTransportSource(TransportSource):
 
     def __init__(self, fleet, step: int, max_seq_len: int, teacher: TeacherChunks | None):
         super().__init__(fleet, step, max_seq_len)
-        self.teacher = teacher  # None: the chunks leave unscored (``_BroadcastChunks`` scores them on every rank)
+        self.teacher = teacher  # None: the chunks leave unscored (``BroadcastChunks`` scores them on every rank)
         self.delivered: dict[str, TurnChunk] = {}
 
     def poll(self, timeout_s: float) -> list[TurnChunk]:
         out = []
-        for ev in self.fleet.receiver.poll(int(timeout_s * 1000)):
+        for ev in self._events(timeout_s):  # early ones (async mode) first
             kind = getattr(ev, "KIND", "")
             if kind == "turn":
                 out += self._turn(ev)
-            elif kind == "trajectory":  # OPD does not wait for a late reward: it is only logged
+            elif kind == "trajectory":  # its reward is only logged: OPD trains on the teacher's scores
                 out += self._trajectory(ev)
         now = time.perf_counter()
         if out:

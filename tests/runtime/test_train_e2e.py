@@ -99,7 +99,7 @@ def test_live_weight_sync_broadcast_equals_file(tiny_model, tmp_path):
             f.close()
     assert not os.listdir(plane / "weights")  # nothing went through files
     spec = json.loads((plane / "worker1.json").read_text())
-    assert spec["weight_sync"] == "broadcast" and spec["weight_sync_world_size"] == 3 and spec["weight_sync_addr"]
+    assert spec["rollout"]["weight_sync"] == "broadcast" and spec["rollout"]["num_workers"] == 2 and spec["weight_sync_addr"]
     for k in (0, 1):
         meta = json.loads((runs["broadcast"] / f"step_{k:07d}" / "rollouts.json").read_text())
         assert len(meta["trajectories"]) == 4 and all(t["policy_version"] == k for t in meta["trajectories"])
