@@ -411,6 +411,12 @@ class TrainConfig:
 
     def _check_combinations(self) -> None:
         """Constraints that span sections, or fields of reused sections whose owners do not check them."""
+        self._check_reused_sections()
+        self._check_numerics()
+        self._check_run_combinations()
+
+    def _check_reused_sections(self) -> None:
+        """Fields of the sections owned by torch-importing modules (learner, optimizer, precision)."""
         import torch
 
         lr, lc, pr = self.learner, self.learner.loss, self.precision
@@ -445,6 +451,11 @@ class TrainConfig:
                "learner.sequence_packing is implemented for rl.algorithm grpo only (the OPD learner runs one "
                "trajectory per microbatch)", "learner.sequence_packing", "rl.algorithm")
 
+    def _check_numerics(self) -> None:
+        """float64 verification runs, FP8, the distributed optimizer."""
+        import torch
+
+        lr, lc, pr = self.learner, self.learner.loss, self.precision
         f64 = pr.params_dtype == torch.float64
         _check(not (f64 and self.optim.clip_grad > 0),
                f"precision.params_dtype float64 needs optim.clip_grad 0 (megatron's gradient clipping is "
@@ -464,6 +475,9 @@ class TrainConfig:
                "optim.use_distributed_optimizer and parallel.use_distributed_optimizer disagree",
                "optim.use_distributed_optimizer", "parallel.use_distributed_optimizer")
 
+    def _check_run_combinations(self) -> None:
+        """Modes against algorithms, rollouts and logging."""
+        lr, lc = self.learner, self.learner.loss
         _check(lr.mode != "stream-turn" or self.rl.algorithm == "opd",
                "learner.mode stream-turn needs rl.algorithm opd (a turn can only be trained before its trajectory "
                "ends when each token has its own teacher signal)", "learner.mode", "rl.algorithm")
