@@ -10,7 +10,7 @@ f32-sgd / f32-adam: 3 steps per mode in float32; Δ_k of stream-trajectory / str
 permutation control (sync with microbatches reordered).
 Rank 0 writes one JSON report per pair, ``--out-dir``/LAYOUT-CHECK.json = {"tp", "pp", "dp", "result", "seconds"}.
 
-``python -m torch.distributed.run --nproc_per_node=2 stream_worker.py --out-dir D --checks tp2:f64 pp2:f64 dp2:f32-adam``
+``python -m torch.distributed.run --nproc_per_node=2 stream_worker.py --out-dir D --checks tp2:f64 dp2:f32-adam``
 """
 
 import argparse
