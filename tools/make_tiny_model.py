@@ -1,24 +1,29 @@
-"""Create a tiny Hugging Face Llama/Qwen2 model with a locally trained tokenizer (no downloads).
+"""Create a tiny Hugging Face Llama/Qwen2/Qwen3 model with a locally trained tokenizer (no downloads).
 
-    python tools/make_tiny_model.py --out /tmp/tiny --family llama [--hidden 128 --layers 2 --heads 4
-        --kv-heads 2 --vocab 512 --tie --seed 0]
+    python tools/make_tiny_model.py --out /tmp/tiny --family llama|qwen2|qwen3|llama3 [--hidden 128 --layers 2
+        --heads 4 --kv-heads 2 --head-dim 64 --vocab 512 --tie --seed 0]
+
+llama3: a Llama config with Llama-3.1-style rope_scaling (rope_type llama3). qwen3: QK-norm, no QKV bias,
+head_dim 2·hidden/heads unless --head-dim says otherwise.
 """
 
 from __future__ import annotations
 
 import argparse
 
-from megatron_tsync.model.tiny_model import make_tiny_model
+from megatron_tsync.model.tiny_model import FAMILIES, make_tiny_model
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="output folder (created)")
-    p.add_argument("--family", choices=["llama", "qwen2"], default="llama")
+    p.add_argument("--family", choices=list(FAMILIES), default="llama")
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--head-dim", type=int, default=None,
+                   help="attention head size (default hidden/heads; qwen3: 2×hidden/heads)")
     p.add_argument("--vocab", type=int, default=512, help="model vocabulary (multiple of 8, ≥ tokenizer size)")
     p.add_argument("--ffn", type=int, default=None, help="MLP width (default 2×hidden)")
     p.add_argument("--tie", action="store_true", help="tie input and output embeddings")
@@ -26,7 +31,7 @@ def main(argv=None) -> None:
     a = p.parse_args(argv)
     out = make_tiny_model(
         a.out, family=a.family, hidden=a.hidden, layers=a.layers, heads=a.heads, kv_heads=a.kv_heads,
-        vocab=a.vocab, ffn=a.ffn, tie=a.tie, seed=a.seed,
+        vocab=a.vocab, ffn=a.ffn, tie=a.tie, seed=a.seed, head_dim=a.head_dim,
     )
     print(f"wrote {out}")
 

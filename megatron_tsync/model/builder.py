@@ -1,6 +1,8 @@
-"""Llama- and Qwen2-family models as Megatron ``GPTModel``.
+"""Llama-, Qwen2- and Qwen3-family models as Megatron ``GPTModel``.
 
-RMSNorm, SwiGLU, RoPE, GQA, tied or untied embeddings, optional QKV bias (Qwen2). The layer spec is chosen by
+RMSNorm, SwiGLU, RoPE (plain, or Llama-3.x ``rope_type: llama3`` scaling), GQA, tied or untied embeddings, optional
+QKV bias (Qwen2), per-head RMSNorm on queries and keys (Qwen3's QK-norm), ``head_dim`` independent of hidden/heads.
+The layer spec is chosen by
 capability: Transformer Engine's spec (with FP8 when asked) where TE is importable on a GPU, megatron-core's
 local spec otherwise (always on CPU). Asking for FP8 where it cannot run is a clear error, never a crash deep
 inside TE.
@@ -21,9 +23,9 @@ from megatron_tsync.model import compat
 
 @dataclasses.dataclass(frozen=True)
 class ModelArch:
-    """Architecture of a Llama/Qwen2-family decoder (the fields of a Hugging Face config we use)."""
+    """Architecture of a Llama/Qwen2/Qwen3-family decoder (the fields of a Hugging Face config we use)."""
 
-    family: str  # "llama" | "qwen2"
+    family: str  # "llama" | "qwen2" | "qwen3"
     vocab_size: int
     hidden_size: int
     ffn_hidden_size: int
@@ -36,21 +38,29 @@ class ModelArch:
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
     max_position_embeddings: int = 4096
+    qk_layernorm: bool = False  # per-head RMSNorm on q and k before RoPE (Qwen3 q_norm / k_norm)
+    rope_type: str = "default"  # "default" (plain RoPE) | "llama3" (Llama 3.1/3.2 frequency scaling)
+    rope_factor: float = 1.0  # llama3 only: the four rope_scaling values of the HF config
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_position_embeddings: int = 8192
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> "ModelArch":
-        """From a transformers ``config.json`` dict (LlamaConfig or Qwen2Config)."""
+        """From a transformers ``config.json`` dict (LlamaConfig, Qwen2Config or Qwen3Config)."""
         mt = cfg.get("model_type", "llama")
-        if mt not in ("llama", "qwen2"):
-            raise ValueError(f"unsupported model_type {mt!r}: megatron_tsync converts 'llama' and 'qwen2'")
+        if mt not in ("llama", "qwen2", "qwen3"):
+            raise ValueError(f"unsupported model_type {mt!r}: megatron_tsync converts 'llama', 'qwen2' and 'qwen3'")
+        if mt == "qwen3" and cfg.get("use_sliding_window"):
+            raise ValueError("Qwen3 with use_sliding_window=true is not supported (full causal attention only)")
         heads = cfg["num_attention_heads"]
         hd = cfg.get("head_dim") or cfg["hidden_size"] // heads
-        if cfg.get("rope_scaling"):
-            raise ValueError(f"rope_scaling {cfg['rope_scaling']!r} is not supported yet (plain RoPE only)")
         rope_theta = cfg.get("rope_theta")
         if rope_theta is None:  # transformers ≥ 5 keeps it under rope_parameters
             rope_theta = (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)
         return cls(
+            **_rope_scaling_fields(cfg),
+            qk_layernorm=mt == "qwen3",
             family=mt,
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
@@ -72,6 +82,40 @@ class ModelArch:
             return cls.from_hf_config(json.load(f))
 
 
+def _rope_scaling_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """ModelArch's rope_* fields from ``rope_scaling`` (transformers < 5, most hub configs) or ``rope_parameters``
+    (transformers ≥ 5). Plain RoPE and ``llama3`` are supported; other types are refused."""
+    scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type in (None, "default"):
+        return {}
+    if rope_type != "llama3":
+        raise ValueError(f"rope_scaling {scaling!r}: rope_type {rope_type!r} is not supported "
+                         "(plain RoPE and 'llama3' only)")
+    missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+               if k not in scaling]
+    if missing:
+        raise ValueError(f"rope_scaling {scaling!r} (llama3) lacks {missing}")
+    return dict(
+        rope_type="llama3",
+        rope_factor=float(scaling["factor"]),
+        rope_low_freq_factor=float(scaling["low_freq_factor"]),
+        rope_high_freq_factor=float(scaling["high_freq_factor"]),
+        rope_original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
+    )
+
+
+def rope_inv_freq(arch: ModelArch) -> torch.Tensor | None:
+    """The float32 inverse frequencies (head_dim/2,) that replace megatron's plain ones, or None (plain RoPE)."""
+    if arch.rope_type == "default":
+        return None
+    return compat.llama3_inv_freq(
+        arch.head_dim, arch.rope_theta, factor=arch.rope_factor, low_freq_factor=arch.rope_low_freq_factor,
+        high_freq_factor=arch.rope_high_freq_factor,
+        original_max_position_embeddings=arch.rope_original_max_position_embeddings,
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class PrecisionConfig:
     """Numerics of the learner. ``params_dtype`` float64 is for CPU verification runs."""
@@ -82,9 +126,9 @@ class PrecisionConfig:
     fp8_recipe: str = "delayed"  # "delayed" | "tensorwise" | "mxfp8" (TE/hardware dependent)
 
 
-def choose_layer_spec(precision: PrecisionConfig):
+def choose_layer_spec(precision: PrecisionConfig, *, qk_layernorm: bool = False):
     """TE spec when TE is usable (GPU), local spec otherwise. Returns (spec, name)."""
-    te = compat.te_layer_spec()
+    te = compat.te_layer_spec(qk_layernorm=qk_layernorm)
     if precision.fp8_format is not None and te is None:
         raise ValueError(
             f"--fp8-format {precision.fp8_format} needs Transformer Engine on a GPU; "
@@ -92,7 +136,7 @@ def choose_layer_spec(precision: PrecisionConfig):
         )
     if te is not None:
         return te, "transformer_engine"
-    return compat.local_layer_spec(), "local"
+    return compat.local_layer_spec(qk_layernorm=qk_layernorm), "local"
 
 
 def transformer_config(arch: ModelArch, precision: PrecisionConfig, *, tp: int = 1, pp: int = 1, **extra):
@@ -111,6 +155,7 @@ def transformer_config(arch: ModelArch, precision: PrecisionConfig, *, tp: int =
         activation_func=F.silu,
         add_bias_linear=False,
         add_qkv_bias=arch.qkv_bias,
+        qk_layernorm=arch.qk_layernorm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         bias_activation_fusion=False,
@@ -168,7 +213,7 @@ def build_model(
     if arch.num_layers % pp != 0:
         raise ValueError(f"{arch.num_layers} layers cannot be split evenly over PP={pp} stages")
     cfg = transformer_config(arch, precision, tp=tp, pp=pp, **config_overrides)
-    spec, _ = choose_layer_spec(precision)
+    spec, _ = choose_layer_spec(precision, qk_layernorm=arch.qk_layernorm)
     pre = ps.is_pipeline_first_stage() if pre_process is None else pre_process
     post = ps.is_pipeline_last_stage() if post_process is None else post_process
     if seed is not None:
@@ -193,6 +238,9 @@ def build_model(
         )
     finally:
         torch.set_default_dtype(old)
+    inv_freq = rope_inv_freq(arch)
+    if inv_freq is not None:
+        compat.set_rope_inv_freq(model, inv_freq)
     if float64:
         for mod in model.modules():
             if hasattr(mod, "inv_freq") and torch.is_tensor(mod.inv_freq):

@@ -234,13 +234,16 @@ def get_megatron_optimizer(opt_config, model_chunks):
     return _get(opt_config, model_chunks)
 
 
-def local_layer_spec():
+def local_layer_spec(*, qk_layernorm: bool = False):
+    """megatron-core's local layer spec with RMSNorm; ``qk_layernorm``: per-head RMSNorm on queries and keys
+    (Qwen3's ``q_norm`` / ``k_norm``: ``self_attention.{q,k}_layernorm``)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    return get_gpt_layer_local_spec(**_accepted(get_gpt_layer_local_spec, {"normalization": "RMSNorm"}))
+    kw = {"normalization": "RMSNorm", "qk_layernorm": qk_layernorm}
+    return get_gpt_layer_local_spec(**_accepted(get_gpt_layer_local_spec, kw))
 
 
-def te_layer_spec():
+def te_layer_spec(*, qk_layernorm: bool = False):
     """Transformer Engine layer spec, or None when TE is not importable (always None on CPU)."""
     if not cuda_available():
         return None
@@ -249,7 +252,49 @@ def te_layer_spec():
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
     except Exception:
         return None
-    return get_gpt_layer_with_transformer_engine_spec()
+    fn = get_gpt_layer_with_transformer_engine_spec
+    return fn(**_accepted(fn, {"qk_layernorm": qk_layernorm}))
+
+
+def llama3_inv_freq(head_dim: int, theta: float, *, factor: float, low_freq_factor: float, high_freq_factor: float,
+                    original_max_position_embeddings: int) -> torch.Tensor:
+    """RoPE inverse frequencies of ``rope_type: llama3`` (Llama 3.1/3.2), float32, (head_dim/2,).
+
+    The same operations in the same order as transformers' ``_compute_llama3_parameters`` (bitwise equal).
+    megatron-core's ``RotaryEmbedding(rope_scaling=True)`` takes only ``factor`` and hard-codes the other three
+    (1, 4, 8192), so models whose config differs would get other frequencies there; this reads them all.
+    """
+    import math
+
+    base = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).to(dtype=torch.float) / head_dim))
+    low_freq_wavelen = original_max_position_embeddings / low_freq_factor
+    high_freq_wavelen = original_max_position_embeddings / high_freq_factor
+    wavelen = 2 * math.pi / base
+    inv = torch.where(wavelen > low_freq_wavelen, base / factor, base)
+    smooth = (original_max_position_embeddings / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * inv / factor + smooth * inv
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, inv)
+
+
+def set_rope_inv_freq(gpt_model, inv_freq: torch.Tensor) -> bool:
+    """Give the model's megatron ``RotaryEmbedding`` these inverse frequencies ((head_dim/2,)), before any forward.
+
+    In megatron-core 0.16–0.19 ``inv_freq`` is a plain attribute (not a buffer: not in the state dict) read by
+    ``get_freqs_non_repeated``; ``forward`` is ``lru_cache``d per (module, length), so the cache is cleared.
+    Returns False when this stage has no rotary module.
+    """
+    rope = getattr(gpt_model, "rotary_pos_emb", None)
+    if rope is None:
+        return False
+    old = rope.inv_freq
+    if tuple(old.shape) != tuple(inv_freq.shape):
+        raise ValueError(f"inv_freq shape {tuple(inv_freq.shape)} != the rotary module's {tuple(old.shape)}")
+    rope.inv_freq = inv_freq.to(device=old.device, dtype=old.dtype)
+    clear = getattr(type(rope).forward, "cache_clear", None)
+    if clear is not None:
+        clear()
+    return True
 
 
 def finalize_model_grads(model_chunks, num_tokens=None):

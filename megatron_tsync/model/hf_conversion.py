@@ -1,4 +1,4 @@
-"""Hugging Face (Llama / Qwen2) ⇄ Megatron ``GPTModel`` weight conversion, exact (pure copies, no arithmetic).
+"""Hugging Face (Llama / Qwen2 / Qwen3) ⇄ Megatron ``GPTModel`` weight conversion, exact (pure copies, no arithmetic).
 
 Name and layout map (transformers → megatron-core local spec; verified against megatron-core 0.16.1):
 
@@ -8,6 +8,8 @@ Name and layout map (transformers → megatron-core local spec; verified against
 ``model.layers.i.self_attn.{q,k,v}_proj.{weight,bias}``      ``decoder.layers.j.self_attention.linear_qkv.*`` fused
                                                              per KV group: [ng, (q_per_group + 2)·hd, H] =
                                                              q heads of group g, then k_g, then v_g; rows split by TP
+``model.layers.i.self_attn.{q,k}_norm.weight`` (hd,)         ``...self_attention.{q,k}_layernorm.weight`` (Qwen3
+                                                             QK-norm, per head: replicated over TP)
 ``model.layers.i.self_attn.o_proj.weight`` (H, nh·hd)        ``...self_attention.linear_proj.weight`` cols split by TP
 ``model.layers.i.post_attention_layernorm.weight``           ``decoder.layers.j.pre_mlp_layernorm.weight``
 ``model.layers.i.mlp.{gate,up}_proj.weight`` (F, H)          ``...mlp.linear_fc1.weight``: TP rank r holds
@@ -129,6 +131,9 @@ def hf_to_megatron(
             out[m + "self_attention.linear_qkv.bias"] = col(
                 _qkv_merge(hf_state[a + "q_proj.bias"], hf_state[a + "k_proj.bias"], hf_state[a + "v_proj.bias"], arch)
             )
+        if arch.qk_layernorm:
+            out[m + "self_attention.q_layernorm.weight"] = hf_state[a + "q_norm.weight"].clone()
+            out[m + "self_attention.k_layernorm.weight"] = hf_state[a + "k_norm.weight"].clone()
         out[m + "self_attention.linear_proj.weight"] = row(hf_state[a + "o_proj.weight"])
         out[m + "pre_mlp_layernorm.weight"] = hf_state[h + "post_attention_layernorm.weight"].clone()
         gate, up = hf_state[h + "mlp.gate_proj.weight"], hf_state[h + "mlp.up_proj.weight"]
@@ -168,6 +173,8 @@ def megatron_full_to_hf(full: dict[str, torch.Tensor], arch: ModelArch, layer_of
                     out[h + f"self_attn.{p}_proj.{kind}"] = x.contiguous()
             elif sub == "self_attention.linear_proj.weight":
                 out[h + "self_attn.o_proj.weight"] = t
+            elif sub in ("self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight"):
+                out[h + f"self_attn.{sub[len('self_attention.')]}_norm.weight"] = t
             elif sub == "mlp.linear_fc1.weight":
                 halves = [s.chunk(2, dim=0) for s in t]  # per TP rank: [gate_r; up_r]
                 out[h + "mlp.gate_proj.weight"] = torch.cat([g for g, _ in halves], dim=0)
@@ -341,8 +348,12 @@ def load_hf_dir(path: str) -> tuple[ModelArch, dict[str, torch.Tensor]]:
 
 
 def hf_config_dict(arch: ModelArch, *, dtype: torch.dtype = torch.float32, extra: dict | None = None) -> dict:
-    """config.json content for ``arch`` (via transformers' LlamaConfig / Qwen2Config)."""
-    from transformers import LlamaConfig, Qwen2Config
+    """config.json content for ``arch`` (via transformers' LlamaConfig / Qwen2Config / Qwen3Config).
+
+    Llama-3.x RoPE scaling is written both as ``rope_scaling`` (what transformers < 5, vLLM and hub checkpoints
+    read) and as transformers ≥ 5's ``rope_parameters``, with the same values.
+    """
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
     kw = dict(
         vocab_size=arch.vocab_size,
@@ -357,18 +368,34 @@ def hf_config_dict(arch: ModelArch, *, dtype: torch.dtype = torch.float32, extra
         tie_word_embeddings=arch.tie_word_embeddings,
         max_position_embeddings=arch.max_position_embeddings,
     )
+    if arch.qk_layernorm != (arch.family == "qwen3"):
+        raise ValueError(f"{arch.family}: qk_layernorm={arch.qk_layernorm} has no Hugging Face config (Qwen3 only)")
+    scaling = None
+    if arch.rope_type == "llama3":
+        if arch.family != "llama":
+            raise ValueError(f"rope_type llama3 is a Llama-3.x scaling; {arch.family} configs do not carry it")
+        scaling = {"rope_type": "llama3", "factor": arch.rope_factor, "low_freq_factor": arch.rope_low_freq_factor,
+                   "high_freq_factor": arch.rope_high_freq_factor,
+                   "original_max_position_embeddings": arch.rope_original_max_position_embeddings}
+        kw["rope_scaling"] = dict(scaling)
+    elif arch.rope_type != "default":
+        raise ValueError(f"unsupported rope_type {arch.rope_type!r}")
     if arch.family == "llama":
-        cfg = LlamaConfig(attention_bias=arch.qkv_bias, **kw)
+        cfg, cls_name = LlamaConfig(attention_bias=arch.qkv_bias, **kw), "LlamaForCausalLM"
     elif arch.family == "qwen2":
         if not arch.qkv_bias:
             raise ValueError("Qwen2 checkpoints always have q/k/v biases (arch.qkv_bias=False)")
-        cfg = Qwen2Config(**kw)
+        cfg, cls_name = Qwen2Config(**kw), "Qwen2ForCausalLM"
+    elif arch.family == "qwen3":
+        cfg, cls_name = Qwen3Config(attention_bias=arch.qkv_bias, **kw), "Qwen3ForCausalLM"
     else:
         raise ValueError(f"unsupported family {arch.family!r}")
     d = cfg.to_diff_dict()  # without the generic PretrainedConfig defaults (id2label, ...)
-    d["architectures"] = ["LlamaForCausalLM" if arch.family == "llama" else "Qwen2ForCausalLM"]
+    d["architectures"] = [cls_name]
     d["head_dim"] = arch.head_dim
     d["rope_theta"] = arch.rope_theta  # transformers < 5 reads it here; ≥ 5 reads rope_parameters
+    if scaling is not None:
+        d["rope_scaling"] = scaling
     d["torch_dtype"] = d["dtype"] = str(dtype).replace("torch.", "")
     d.pop("transformers_version", None)
     d.update(extra or {})

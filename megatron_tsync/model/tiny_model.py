@@ -1,4 +1,4 @@
-"""Tiny Llama / Qwen2 models in Hugging Face format, made locally (no downloads) for tests, the quickstart and laptops.
+"""Tiny Llama / Qwen2 / Qwen3 models in Hugging Face format, made locally (no downloads) for tests, the quickstart and laptops.
 
 The tokenizer is a byte-level BPE trained with the ``tokenizers`` library on synthetic arithmetic / tool-use text
 ("Q: 12+7*3 <tool>calculator: 12+7*3</tool><result>33</result><answer>33</answer>"), digits split one per token.
@@ -6,6 +6,11 @@ Special tokens: ``<s>`` (BOS), ``</s>`` (EOS), ``<pad>``, and ``<tool> </tool> <
 </answer>`` (the calculator agent task). The model's vocabulary (``--vocab``) may exceed the tokenizer's
 (padding rows are never produced by the tokenizer). Weights are transformers' random init under ``seed``;
 everything is deterministic for a given seed.
+
+Families (:data:`FAMILIES`): ``llama`` (plain RoPE, θ 1e4), ``qwen2`` (QKV bias, θ 1e6), ``qwen3`` (QK-norm, no
+bias, θ 1e6, ``head_dim`` 2·hidden/heads by default: decoupled from hidden/heads as in Qwen3-4B) and ``llama3``
+(a Llama config with Llama-3.1-style ``rope_scaling`` — factor 8, low/high frequency factors 1/4, θ 5e5 — whose
+``original_max_position_embeddings`` is 64 so that short test sequences already cross the scaled wavelengths).
 """
 
 from __future__ import annotations
@@ -21,6 +26,9 @@ from megatron_tsync.model.builder import ModelArch
 
 SPECIAL_TOKENS = ["<s>", "</s>", "<pad>", "<tool>", "</tool>", "<result>", "</result>", "<answer>", "</answer>"]
 BOS, EOS, PAD = "<s>", "</s>", "<pad>"
+FAMILIES = ("llama", "qwen2", "qwen3", "llama3")
+_LLAMA3_SCALING = dict(rope_type="llama3", rope_factor=8.0, rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
+                       rope_original_max_position_embeddings=64)
 
 
 def _expression(rng: random.Random) -> str:
@@ -105,19 +113,22 @@ def make_tiny_model(
     tie: bool = False,
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
+    head_dim: int | None = None,
 ) -> str:
-    """Write a tiny HF model + tokenizer to ``out_dir``; returns ``out_dir``."""
+    """Write a tiny HF model + tokenizer to ``out_dir``; returns ``out_dir``. ``head_dim`` (default hidden/heads,
+    2·hidden/heads for qwen3) may differ from hidden/heads."""
     from transformers import AutoModelForCausalLM
 
     from megatron_tsync.model.hf_conversion import hf_config_dict
 
-    if family not in ("llama", "qwen2"):
-        raise ValueError(f"family must be 'llama' or 'qwen2', not {family!r}")
+    if family not in FAMILIES:
+        raise ValueError(f"family must be one of {FAMILIES}, not {family!r}")
     if hidden % heads or heads % kv_heads:
         raise ValueError(f"hidden {hidden} must divide by heads {heads}, and heads by kv_heads {kv_heads}")
-    head_dim = hidden // heads
+    if head_dim is None:
+        head_dim = (2 if family == "qwen3" else 1) * hidden // heads
     if head_dim < 32 or head_dim % 32:
-        raise ValueError(f"head_dim = hidden/heads = {head_dim}: vLLM's CPU attention needs 32, 64, 96, 128, ...")
+        raise ValueError(f"head_dim {head_dim}: vLLM's CPU attention needs 32, 64, 96, 128, ...")
     if vocab % 8:
         raise ValueError(f"vocab {vocab} must be divisible by 8")
     os.makedirs(out_dir, exist_ok=True)
@@ -126,7 +137,7 @@ def make_tiny_model(
         raise ValueError(f"tokenizer has {tok.get_vocab_size()} entries > vocab {vocab}")
     ids = _save_tokenizer(tok, out_dir)
     arch = ModelArch(
-        family=family,
+        family="llama" if family == "llama3" else family,
         vocab_size=vocab,
         hidden_size=hidden,
         ffn_hidden_size=ffn or 2 * hidden,
@@ -134,11 +145,13 @@ def make_tiny_model(
         num_attention_heads=heads,
         num_kv_heads=kv_heads,
         head_dim=head_dim,
-        rope_theta=10000.0 if family == "llama" else 1000000.0,
+        rope_theta={"llama": 10000.0, "llama3": 500000.0}.get(family, 1000000.0),
         rms_norm_eps=1e-6,
         tie_word_embeddings=tie,
         qkv_bias=family == "qwen2",
         max_position_embeddings=4096,
+        qk_layernorm=family == "qwen3",
+        **(_LLAMA3_SCALING if family == "llama3" else {}),
     )
     tokens = {"bos_token_id": ids[BOS], "eos_token_id": ids[EOS], "pad_token_id": ids[PAD]}
     from transformers import AutoConfig
