@@ -122,8 +122,40 @@ def install_cpu_support() -> bool:
         _MODE = _CudaToCpuMode()
         _MODE.__enter__()  # stays active for the life of the process
         _install_cpu_rng_tracker()
+        _install_cpu_streams()
         _INSTALLED = True
     return True
+
+
+class _CpuStream:
+    """Stand-in for ``torch.cuda.Stream`` (megatron's MoE all-to-all dispatcher makes a device-to-host stream)."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, other):
+        pass
+
+    def wait_event(self, event):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def record_event(self, event=None):
+        event = event or _CpuEvent()
+        event.record()
+        return event
+
+
+_CPU_STREAM = _CpuStream()
+
+
+def _install_cpu_streams() -> None:
+    """``torch.cuda.Stream`` / ``current_stream`` / ``stream(...)`` as no-ops (everything runs in program order)."""
+    torch.cuda.Stream = _CpuStream
+    torch.cuda.current_stream = lambda *a, **k: _CPU_STREAM
+    torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
 
 
 def ensure_cpu_mode_in_thread() -> None:
@@ -254,6 +286,38 @@ def te_layer_spec(*, qk_layernorm: bool = False):
         return None
     fn = get_gpt_layer_with_transformer_engine_spec
     return fn(**_accepted(fn, {"qk_layernorm": qk_layernorm}))
+
+
+def _fix_moe_without_te() -> None:
+    """megatron-core 0.16.1's ``moe_utils`` reads ``te_general_gemm`` in the router's gating linear but defines it
+    only when Transformer Engine imports (NameError without TE): define it as None (the torch matmul path)."""
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+def local_moe_layer_spec(num_experts: int, *, qk_layernorm: bool = False):
+    """Local layer spec with a MoE MLP of ``num_experts`` sequential experts (no grouped GEMM), RMSNorm."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    _fix_moe_without_te()
+    kw = {"normalization": "RMSNorm", "qk_layernorm": qk_layernorm, "num_experts": num_experts,
+          "moe_grouped_gemm": False}
+    return get_gpt_layer_local_spec(**_accepted(get_gpt_layer_local_spec, kw))
+
+
+def te_moe_layer_spec(num_experts: int, *, qk_layernorm: bool = False):
+    """Transformer Engine MoE layer spec (sequential experts: same parameter names as the local spec), or None."""
+    if not cuda_available():
+        return None
+    try:
+        import transformer_engine  # noqa: F401
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+    except Exception:
+        return None
+    fn = get_gpt_layer_with_transformer_engine_spec
+    return fn(**_accepted(fn, {"qk_layernorm": qk_layernorm, "num_experts": num_experts, "moe_grouped_gemm": False}))
 
 
 def llama3_inv_freq(head_dim: int, theta: float, *, factor: float, low_freq_factor: float, high_freq_factor: float,
