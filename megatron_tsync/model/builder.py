@@ -44,11 +44,20 @@ class ModelArch:
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_max_position_embeddings: int = 8192
+    num_experts: int = 0  # MoE (Qwen3-MoE, model/moe.py): experts per layer; 0 = dense MLP
+    moe_router_topk: int = 0  # experts per token
+    moe_ffn_hidden_size: int = 0  # one expert's SwiGLU width (HF moe_intermediate_size)
+    norm_topk_prob: bool = False  # renormalise the top-k routing weights to sum to 1
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> "ModelArch":
         """From a transformers ``config.json`` dict (LlamaConfig, Qwen2Config or Qwen3Config)."""
         mt = cfg.get("model_type", "llama")
+        if mt == "qwen3_moe":  # Qwen3 attention + an MoE MLP in every layer (model/moe.py)
+            from megatron_tsync.model import moe
+
+            dense = cls.from_hf_config({**cfg, "model_type": "qwen3"})
+            return dataclasses.replace(dense, family="qwen3_moe", **moe.arch_fields_from_hf_config(cfg))
         if mt not in ("llama", "qwen2", "qwen3"):
             raise ValueError(f"unsupported model_type {mt!r}: megatron_tsync converts 'llama', 'qwen2' and 'qwen3'")
         if mt == "qwen3" and cfg.get("use_sliding_window"):
@@ -139,7 +148,8 @@ def choose_layer_spec(precision: PrecisionConfig, *, qk_layernorm: bool = False)
     return compat.local_layer_spec(qk_layernorm=qk_layernorm), "local"
 
 
-def transformer_config(arch: ModelArch, precision: PrecisionConfig, *, tp: int = 1, pp: int = 1, **extra):
+def transformer_config(arch: ModelArch, precision: PrecisionConfig, *, tp: int = 1, pp: int = 1, ep: int = 1,
+                       **extra):
     """Megatron ``TransformerConfig`` for ``arch``. Dropout is 0: RL updates must be deterministic."""
     dtype = torch.bfloat16 if precision.bf16 else precision.params_dtype
     kw = dict(
@@ -179,6 +189,11 @@ def transformer_config(arch: ModelArch, precision: PrecisionConfig, *, tp: int =
     )
     if precision.fp8_format is not None:
         kw.update(fp8=precision.fp8_format, fp8_recipe=precision.fp8_recipe)
+    if arch.num_experts:
+        from megatron_tsync.model import moe
+
+        moe.check_overrides(arch, extra)
+        kw.update(moe.transformer_config_fields(arch, tp, ep))
     kw.update(extra)
     cfg, unknown = compat.make_transformer_config(**kw)
     if unknown:
@@ -212,8 +227,14 @@ def build_model(
         raise ValueError(f"vocab size {arch.vocab_size} must be divisible by TP={tp} (vocab-parallel embedding)")
     if arch.num_layers % pp != 0:
         raise ValueError(f"{arch.num_layers} layers cannot be split evenly over PP={pp} stages")
-    cfg = transformer_config(arch, precision, tp=tp, pp=pp, **config_overrides)
-    spec, _ = choose_layer_spec(precision, qk_layernorm=arch.qk_layernorm)
+    ep = ps.get_expert_model_parallel_world_size()
+    cfg = transformer_config(arch, precision, tp=tp, pp=pp, ep=ep, **config_overrides)
+    if arch.num_experts:
+        from megatron_tsync.model import moe
+
+        spec, _ = moe.layer_spec(arch, precision)
+    else:
+        spec, _ = choose_layer_spec(precision, qk_layernorm=arch.qk_layernorm)
     pre = ps.is_pipeline_first_stage() if pre_process is None else pre_process
     post = ps.is_pipeline_last_stage() if post_process is None else post_process
     if seed is not None:

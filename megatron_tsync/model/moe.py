@@ -1,0 +1,287 @@
+"""Qwen3-MoE on megatron-core's MoE layer: the config mapping, the layer spec and the expert weight conversion.
+
+A Qwen3-MoE decoder (``model_type`` "qwen3_moe") is Qwen3 attention (QK-norm, no QKV bias, ``head_dim`` from the
+config) with every MLP replaced by a sparse MoE block: a router ``mlp.gate`` (E, H) and E SwiGLU experts of width
+``moe_intermediate_size``; each token goes to its top-k experts.
+
+Routing, HF vs megatron (``TopKRouter``, score function softmax):
+
+- HF: ``p = softmax(x W_gᵀ)`` over all E experts in float32, take the top-k of ``p``; with ``norm_topk_prob`` the k
+  weights are renormalised to sum to 1, without it they are the raw softmax probabilities.
+- ``norm_topk_prob=True``  → ``moe_router_pre_softmax=False``: megatron takes the top-k of the logits and softmaxes
+  those k logits — ``exp(l_i) / Σ_topk exp(l_j) = p_i / Σ_topk p_j``, the renormalised weights (equal up to float32
+  rounding; the top-k of logits and of softmax probabilities are the same set).
+- ``norm_topk_prob=False`` → ``moe_router_pre_softmax=True``: softmax over all experts, then top-k, no renormalising.
+
+Experts run sequentially from the local spec on CPU (``moe_grouped_gemm=False``, ``SequentialMLP``); the Transformer
+Engine spec on GPU also uses ``SequentialMLP`` (TE linears, same parameter names), so one conversion serves both.
+Grouped GEMM (``TEGroupedMLP``: ``experts.linear_fc1.weight{e}``) is not wired up yet. Token dispatch is the
+all-to-all dispatcher (the allgather dispatcher rejects variable sequence lengths).
+
+**What each MoE option does to exactness** (streaming_math.md: every trajectory is its own microbatch; its backward
+runs when it arrives and is later scaled by its group's advantage coefficients):
+
+- **No load-balancing loss (``moe_aux_loss_coeff = 0``): supported, the only choice.** The router then gets its
+  gradient from the policy loss only, which streams exactly like any other parameter (tested in float64).
+- **Megatron's aux losses (``aux_loss``, ``seq_aux_loss``, ``global_aux_loss``) and the z-loss: refused.** The term is
+  computed per microbatch (= per trajectory, so ``aux_loss`` and ``seq_aux_loss`` are per-sequence losses), but its
+  gradient is injected by ``MoEAuxLossAutoScaler`` *inside the same backward* as the policy loss. A streamed
+  trajectory's backward is the vector h_i that the (P, Q, ρ) buckets later multiply by the group's advantage
+  coefficients (α_g r_i + β_g): the aux-loss gradient would be weighted by the trajectory's advantage instead of by 1
+  (in sync mode it is added once per microbatch with weight ``main_loss_backward_scale``). Exact support needs the
+  aux term's gradient in its own backward straight into the batch accumulator (the "second backward" of §4, for KL):
+  not built. ``global_aux_loss`` additionally keeps a running token count over the microbatches seen so far
+  (``global_tokens_per_expert`` / ``ga_steps``), so a trajectory's term depends on the arrival order — not exact in
+  any streaming scheme.
+- **Token dropping (``moe_expert_capacity_factor``): refused.** Capacity is per expert over all tokens of a
+  microbatch/rank and drops by score across them, coupling tokens (and, with packing or EP, trajectories).
+  Dropless routing only.
+- **Aux-loss-free expert bias (``moe_router_enable_expert_bias``): not offered.** It would be exact (integer token
+  counts summed over the step, bias updated at the barrier, order-independent), but megatron allows it only with the
+  sigmoid score function, and Qwen3-MoE routes with softmax and has no bias in its checkpoint.
+
+Weight layout (HF checkpoint names — transformers ≥ 5 keeps experts fused in memory, ``mlp.experts.gate_up_proj``
+(E, 2F, H) and ``mlp.experts.down_proj`` (E, H, F); both forms are read, the per-expert one is written):
+
+===============================================================  ==================================================
+``model.layers.i.mlp.gate.weight`` (E, H)                         ``decoder.layers.j.mlp.router.weight`` (replicated)
+``model.layers.i.mlp.experts.{e}.{gate,up}_proj.weight`` (F, H)   ``...mlp.experts.local_experts.{e_l}.linear_fc1
+                                                                  .weight``: [gate_r; up_r] of expert-TP rank r
+``model.layers.i.mlp.experts.{e}.down_proj.weight`` (H, F)        ``...local_experts.{e_l}.linear_fc2.weight`` cols
+                                                                  split by expert-TP
+===============================================================  ==================================================
+
+EP rank ``q`` of size ``ep`` holds the global experts ``e = q · E/ep + e_l`` (megatron's contiguous split); the expert
+tensor-parallel size equals TP. Supported HF configs: ``decoder_sparse_step`` 1 and no ``mlp_only_layers`` (every
+layer sparse, as in every released Qwen3-MoE), no sliding window.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+
+# TransformerConfig fields whose non-default values break streaming exactness (see the module docstring).
+_REFUSED = {
+    "moe_aux_loss_coeff": (0.0, "the load-balancing loss's gradient rides on the policy-loss backward, which "
+                                "streaming scales by the trajectory's advantage coefficients (not exact)"),
+    "moe_z_loss_coeff": (None, "the router z-loss's gradient rides on the policy-loss backward (not exact)"),
+    "moe_expert_capacity_factor": (None, "token dropping couples the tokens of a microbatch (dropless only)"),
+    "moe_router_enable_expert_bias": (False, "Qwen3-MoE routes with softmax and has no expert bias"),
+    "moe_input_jitter_eps": (None, "input jitter is random noise in the router (RL updates must be deterministic)"),
+}
+_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
+
+
+def arch_fields_from_hf_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """ModelArch's MoE fields from a Qwen3MoeConfig ``config.json`` dict; refuses layouts megatron_tsync cannot build."""
+    num_experts = cfg.get("num_experts") or cfg.get("num_local_experts")
+    if not num_experts or num_experts < 1:
+        raise ValueError("qwen3_moe config without num_experts")
+    step = int(cfg.get("decoder_sparse_step", 1) or 1)
+    if step != 1:
+        raise ValueError(f"qwen3_moe decoder_sparse_step {step} is not supported (every layer sparse only)")
+    if cfg.get("mlp_only_layers"):
+        raise ValueError(f"qwen3_moe mlp_only_layers {cfg['mlp_only_layers']} is not supported (every layer sparse)")
+    if cfg.get("shared_expert_intermediate_size"):
+        raise ValueError("shared experts are not supported (Qwen3-MoE has none)")
+    topk = int(cfg.get("num_experts_per_tok", 0))
+    if not 1 <= topk <= num_experts:
+        raise ValueError(f"qwen3_moe num_experts_per_tok {topk} must be in [1, num_experts={num_experts}]")
+    return dict(num_experts=int(num_experts), moe_router_topk=topk,
+                moe_ffn_hidden_size=int(cfg["moe_intermediate_size"]),
+                norm_topk_prob=bool(cfg.get("norm_topk_prob", False)))
+
+
+def check_overrides(arch, overrides: dict[str, Any]) -> None:
+    """``build_model`` / ``transformer_config`` overrides that contradict the checkpoint or break exactness."""
+    for name, (allowed, why) in _REFUSED.items():
+        if name in overrides and overrides[name] != allowed:
+            flag = "--" + name.replace("_", "-")
+            raise ValueError(f"{name}={overrides[name]!r} ({flag}) is refused: {why}; see megatron_tsync/model/moe.py")
+    for name, have in (("num_moe_experts", arch.num_experts), ("moe_router_topk", arch.moe_router_topk),
+                       ("moe_ffn_hidden_size", arch.moe_ffn_hidden_size)):
+        if name in overrides and overrides[name] != have:
+            raise ValueError(f"{name}={overrides[name]} contradicts the checkpoint's config.json ({have})")
+
+
+def transformer_config_fields(arch, tp: int, ep: int = 1) -> dict[str, Any]:
+    """TransformerConfig fields of a MoE ``arch`` (dropless, no aux loss, sequential experts, expert-TP = TP)."""
+    if arch.num_experts % ep:
+        raise ValueError(f"{arch.num_experts} experts cannot be split evenly over --expert-model-parallel-size {ep}")
+    return dict(
+        num_moe_experts=arch.num_experts,
+        moe_router_topk=arch.moe_router_topk,
+        moe_ffn_hidden_size=arch.moe_ffn_hidden_size,
+        moe_router_pre_softmax=not arch.norm_topk_prob,
+        moe_router_score_function="softmax",
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        moe_z_loss_coeff=None,
+        moe_expert_capacity_factor=None,
+        moe_grouped_gemm=False,
+        moe_token_dispatcher_type="alltoall",
+        moe_permute_fusion=False,
+        moe_router_fusion=False,
+        expert_tensor_parallel_size=tp,
+        expert_model_parallel_size=ep,
+    )
+
+
+def layer_spec(arch, precision):
+    """(spec, name): Transformer Engine MoE spec where TE is usable (GPU), the local spec otherwise."""
+    from megatron_tsync.model import compat
+
+    te = compat.te_moe_layer_spec(arch.num_experts, qk_layernorm=arch.qk_layernorm)
+    if precision.fp8_format is not None and te is None:
+        raise ValueError(f"--fp8-format {precision.fp8_format} needs Transformer Engine on a GPU")
+    if te is not None:
+        return te, "transformer_engine"
+    return compat.local_moe_layer_spec(arch.num_experts, qk_layernorm=arch.qk_layernorm), "local"
+
+
+# --------------------------------------------------------------------------------------------------
+# Pure conversion (full, unsharded HF tensors ⇄ one (TP, EP) rank's megatron tensors of one layer)
+# --------------------------------------------------------------------------------------------------
+
+
+def hf_expert(hf_state: dict[str, torch.Tensor], prefix: str, e: int, arch) -> tuple[torch.Tensor, ...]:
+    """(gate (F, H), up (F, H), down (H, F)) of expert ``e`` under ``prefix`` = ``model.layers.i.``; reads the
+    per-expert checkpoint names or transformers ≥ 5's fused ``mlp.experts.gate_up_proj`` / ``down_proj``."""
+    p = f"{prefix}mlp.experts."
+    if f"{p}{e}.gate_proj.weight" in hf_state:
+        return tuple(hf_state[f"{p}{e}.{n}_proj.weight"] for n in ("gate", "up", "down"))
+    gate_up = hf_state[p + "gate_up_proj"][e]  # (2F, H): gate rows first (transformers' Concatenate(dim=1))
+    f = arch.moe_ffn_hidden_size
+    return gate_up[:f], gate_up[f:], hf_state[p + "down_proj"][e]
+
+
+def hf_to_megatron_layer(hf_state, arch, hf_prefix: str, m_prefix: str, *, tp_rank: int = 0, tp_size: int = 1,
+                         ep_rank: int = 0, ep_size: int = 1) -> dict[str, torch.Tensor]:
+    """Router and this EP rank's experts of one layer, expert-TP-sharded like the dense MLP (fresh copies)."""
+    if arch.num_experts % ep_size:
+        raise ValueError(f"{arch.num_experts} experts cannot be split evenly over EP={ep_size}")
+    n_local = arch.num_experts // ep_size
+    out = {m_prefix + "mlp.router.weight": hf_state[hf_prefix + "mlp.gate.weight"].clone()}
+    for e_local in range(n_local):
+        gate, up, down = hf_expert(hf_state, hf_prefix, ep_rank * n_local + e_local, arch)
+        for t, dim in ((gate, 0), (down, 1)):
+            if t.shape[dim] % tp_size:
+                raise ValueError(f"moe_ffn_hidden_size {t.shape[dim]} is not divisible by TP={tp_size}")
+        q = f"{m_prefix}mlp.experts.local_experts.{e_local}."
+        out[q + "linear_fc1.weight"] = torch.cat([gate.chunk(tp_size, 0)[tp_rank], up.chunk(tp_size, 0)[tp_rank]])
+        out[q + "linear_fc2.weight"] = down.chunk(tp_size, 1)[tp_rank].clone()
+    return out
+
+
+def is_moe_param(sub: str) -> bool:
+    """``sub`` (the name below ``decoder.layers.j.``) is a router or expert parameter."""
+    return sub.startswith(("mlp.router.", "mlp.experts."))
+
+
+def megatron_to_hf_layer(sub: str, t, hf_prefix: str, expert_offset: int = 0) -> dict[str, torch.Tensor]:
+    """HF tensors of one router/expert parameter. ``t``: the full tensor, or for ``linear_fc1`` the list of its
+    expert-TP shards; ``expert_offset``: the global index of this EP rank's first expert."""
+    if sub == "mlp.router.weight":
+        return {hf_prefix + "mlp.gate.weight": t}
+    m = _EXPERT.match(sub)
+    if m is None:
+        raise KeyError(f"no Hugging Face name for megatron MoE parameter {sub!r}")
+    q = f"{hf_prefix}mlp.experts.{expert_offset + int(m.group(1))}."
+    if m.group(2) == "linear_fc2":
+        return {q + "down_proj.weight": t}
+    halves = [s.chunk(2, dim=0) for s in (t if isinstance(t, list) else [t])]
+    return {q + "gate_proj.weight": torch.cat([g for g, _ in halves]), q + "up_proj.weight": torch.cat([u for _, u in halves])}
+
+
+def unfuse_hf_experts(state: dict[str, torch.Tensor], arch) -> dict[str, torch.Tensor]:
+    """transformers ≥ 5 in-memory state (fused 3-D experts) → checkpoint names (one tensor per expert and proj)."""
+    out = {}
+    for k, v in state.items():
+        if k.endswith("mlp.experts.down_proj"):
+            continue
+        if k.endswith("mlp.experts.gate_up_proj"):
+            prefix = k[: -len("mlp.experts.gate_up_proj")]
+            for e in range(arch.num_experts):
+                for name, t in zip(("gate", "up", "down"), hf_expert(state, prefix, e, arch)):
+                    out[f"{prefix}mlp.experts.{e}.{name}_proj.weight"] = t.contiguous().clone()
+            continue
+        out[k] = v
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Model-level helpers (megatron's parallel state)
+# --------------------------------------------------------------------------------------------------
+
+
+def ep_coords() -> tuple[int, int]:
+    """(EP rank, EP size) from megatron's parallel state; (0, 1) when it is not initialised."""
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        return 0, 1
+    return ps.get_expert_model_parallel_rank(), ps.get_expert_model_parallel_world_size()
+
+
+def ep_allgather(local: dict[str, torch.Tensor], to_cpu: bool = True) -> dict[str, torch.Tensor]:
+    """Every EP rank sends the expert tensors it holds (global HF names) to the others; other tensors are
+    replicated over EP already and kept as they are. Collective over the expert-model-parallel group."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    _, ep_size = ep_coords()
+    if ep_size == 1:
+        return local
+    group = ps.get_expert_model_parallel_group()
+    mine = {k: v for k, v in local.items() if ".mlp.experts." in k}
+    gathered: list = [None] * ep_size
+    dist.all_gather_object(gathered, sorted((k, tuple(v.shape), v.dtype) for k, v in mine.items()), group=group)
+    dev = next(iter(mine.values())).device if mine else torch.device("cpu")
+    out = dict(local)
+    rank = ps.get_expert_model_parallel_rank()
+    ranks = dist.get_process_group_ranks(group)
+    for src, meta in enumerate(gathered):
+        for k, shape, dtype in meta:
+            buf = mine[k].contiguous() if src == rank else torch.empty(shape, dtype=dtype, device=dev)
+            dist.broadcast(buf, src=ranks[src], group=group)
+            if src != rank:
+                out[k] = buf.cpu() if to_cpu else buf
+    return out
+
+
+def expert_offset(arch) -> int:
+    """Global index of this EP rank's first expert."""
+    ep_rank, ep_size = ep_coords()
+    return ep_rank * (arch.num_experts // ep_size)
+
+
+def hf_config_dict(arch, *, dtype: torch.dtype = torch.float32, extra: dict | None = None) -> dict:
+    """config.json content of a Qwen3-MoE ``arch`` (via transformers' Qwen3MoeConfig)."""
+    from transformers import Qwen3MoeConfig
+
+    if arch.rope_type != "default":
+        raise ValueError(f"rope_type {arch.rope_type!r}: Qwen3-MoE configs carry plain RoPE only")
+    cfg = Qwen3MoeConfig(
+        vocab_size=arch.vocab_size, hidden_size=arch.hidden_size, intermediate_size=arch.ffn_hidden_size,
+        num_hidden_layers=arch.num_layers, num_attention_heads=arch.num_attention_heads,
+        num_key_value_heads=arch.num_kv_heads, head_dim=arch.head_dim, rope_theta=arch.rope_theta,
+        rms_norm_eps=arch.rms_norm_eps, tie_word_embeddings=arch.tie_word_embeddings,
+        max_position_embeddings=arch.max_position_embeddings, attention_bias=arch.qkv_bias,
+        num_experts=arch.num_experts, num_experts_per_tok=arch.moe_router_topk,
+        moe_intermediate_size=arch.moe_ffn_hidden_size, norm_topk_prob=arch.norm_topk_prob,
+        decoder_sparse_step=1, mlp_only_layers=[],
+    )
+    d = cfg.to_diff_dict()
+    d["architectures"] = ["Qwen3MoeForCausalLM"]
+    for k in ("head_dim", "num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+              "decoder_sparse_step", "mlp_only_layers"):
+        d[k] = getattr(cfg, k)
+    d.pop("num_local_experts", None)
+    d["rope_theta"] = arch.rope_theta
+    d["torch_dtype"] = d["dtype"] = str(dtype).replace("torch.", "")
+    d.pop("transformers_version", None)
+    d.update(extra or {})
+    return d
