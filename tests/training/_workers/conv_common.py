@@ -75,3 +75,16 @@ def make_models(root: str) -> dict[str, str]:
         "llama": make_tiny_model(os.path.join(root, "llama"), family="llama", kv_heads=2, seed=1),
         "qwen2": make_tiny_model(os.path.join(root, "qwen2"), family="qwen2", kv_heads=1, tie=True, seed=2),
     }
+
+
+def make_qwen3_models(root: str) -> dict[str, str]:
+    """Tiny Qwen3 (QK-norm; head_dim 64 ≠ hidden/heads = 32): untied GQA 4/2 and tied MQA 4/1 (TP=2 splits a
+    group), and a tiny Llama with llama3 RoPE scaling (original_max_position_embeddings 64, untied, GQA 4/2)."""
+    from megatron_tsync.model.tiny_model import make_tiny_model
+
+    return {
+        "qwen3": make_tiny_model(os.path.join(root, "qwen3"), family="qwen3", kv_heads=2, head_dim=64, seed=3),
+        "qwen3_tied": make_tiny_model(os.path.join(root, "qwen3_tied"), family="qwen3", kv_heads=1, head_dim=64,
+                                      tie=True, seed=4),
+        "llama3": make_tiny_model(os.path.join(root, "llama3"), family="llama3", kv_heads=2, seed=5),
+    }

@@ -37,7 +37,8 @@ def main():
             same_keys = sorted(back) == sorted(state)
             mismatched = [k for k in state if k not in back or not torch.equal(back[k], state[k])]
             r = {"path": path, "family": arch.family, "tie": arch.tie_word_embeddings, "tp": tp, "pp": pp,
-                 "same_keys": same_keys, "mismatched": mismatched, "max_abs_logit_diff": None}
+                 "same_keys": same_keys, "mismatched": mismatched, "max_abs_logit_diff": None,
+                 "qk_layernorm": arch.qk_layernorm, "rope_type": arch.rope_type}
             if pp == 1:
                 tok = AutoTokenizer.from_pretrained(path)
                 text = "Q: 12+7*3 <tool>calculator: 12+7*3</tool><result>33</result><answer>33</answer>"
