@@ -28,10 +28,14 @@ def main(argv=None) -> None:
     p.add_argument("--ffn", type=int, default=None, help="MLP width (default 2×hidden)")
     p.add_argument("--tie", action="store_true", help="tie input and output embeddings")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--experts", type=int, default=4, help="qwen3_moe: experts per layer")
+    p.add_argument("--topk", type=int, default=2, help="qwen3_moe: experts per token")
+    p.add_argument("--moe-ffn", type=int, default=None, help="qwen3_moe: expert MLP width (default hidden/2)")
     a = p.parse_args(argv)
     out = make_tiny_model(
         a.out, family=a.family, hidden=a.hidden, layers=a.layers, heads=a.heads, kv_heads=a.kv_heads,
         vocab=a.vocab, ffn=a.ffn, tie=a.tie, seed=a.seed, head_dim=a.head_dim,
+        experts=a.experts, topk=a.topk, moe_ffn=a.moe_ffn,
     )
     print(f"wrote {out}")
 

@@ -295,6 +295,26 @@ def _fix_moe_without_te() -> None:
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+    if not cuda_available():
+        _install_cpu_moe_splits()
+
+
+def _install_cpu_moe_splits() -> None:
+    """CPU: the all-to-all dispatcher's split sizes as numpy arrays, as on GPU. megatron converts them with
+    ``maybe_move_tensor_to_cpu(..., as_numpy=True)``, which only acts on CUDA tensors; a CPU tensor was passed on
+    to ``all_to_all_single`` as split sizes and gloo rejected it (EP > 1)."""
+    import megatron.core.transformer.moe.token_dispatcher as td
+
+    if getattr(td.maybe_move_tensor_to_cpu, "_tsync_cpu", False):
+        return
+
+    def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
+        if torch.is_tensor(tensor) and as_numpy:
+            return tensor.numpy()
+        return tensor
+
+    maybe_move_tensor_to_cpu._tsync_cpu = True
+    td.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
 
 
 def local_moe_layer_spec(num_experts: int, *, qk_layernorm: bool = False):

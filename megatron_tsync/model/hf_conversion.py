@@ -105,8 +105,10 @@ def hf_to_megatron(
     pp_size: int = 1,
     layer_offset: int | None = None,
     num_local_layers: int | None = None,
+    ep_rank: int = 0,
+    ep_size: int = 1,
 ) -> dict[str, torch.Tensor]:
-    """This (TP, PP) rank's megatron local-spec state dict from a full transformers state dict.
+    """This (TP, PP[, EP]) rank's megatron local-spec state dict from a full transformers state dict.
 
     ``layer_offset``/``num_local_layers`` override the even pipeline split (pass them from the model when it
     uses an uneven layout). Tensors are fresh copies in the dtype of ``hf_state``.
@@ -136,6 +138,12 @@ def hf_to_megatron(
             out[m + "self_attention.k_layernorm.weight"] = hf_state[a + "k_norm.weight"].clone()
         out[m + "self_attention.linear_proj.weight"] = row(hf_state[a + "o_proj.weight"])
         out[m + "pre_mlp_layernorm.weight"] = hf_state[h + "post_attention_layernorm.weight"].clone()
+        if arch.num_experts:  # router + this EP rank's experts (model/moe.py)
+            from megatron_tsync.model import moe
+
+            out.update(moe.hf_to_megatron_layer(hf_state, arch, h, m, tp_rank=tp_rank, tp_size=tp_size,
+                                                ep_rank=ep_rank, ep_size=ep_size))
+            continue
         gate, up = hf_state[h + "mlp.gate_proj.weight"], hf_state[h + "mlp.up_proj.weight"]
         out[m + "mlp.linear_fc1.weight"] = torch.cat([col(gate), col(up)], dim=0)
         out[m + "mlp.linear_fc2.weight"] = row(hf_state[h + "mlp.down_proj.weight"])
@@ -148,8 +156,10 @@ def hf_to_megatron(
     return out
 
 
-def megatron_full_to_hf(full: dict[str, torch.Tensor], arch: ModelArch, layer_offset: int, tp_size: int):
-    """TP-gathered stage tensors -> HF names. ``full['...linear_fc1.weight']`` is the list of per-rank shards."""
+def megatron_full_to_hf(full: dict[str, torch.Tensor], arch: ModelArch, layer_offset: int, tp_size: int,
+                        expert_offset: int = 0):
+    """TP-gathered stage tensors -> HF names. ``full['...linear_fc1.weight']`` is the list of per-rank shards.
+    ``expert_offset``: global index of this EP rank's first expert (MoE)."""
     out: dict[str, torch.Tensor] = {}
     for name, t in full.items():
         if name == "embedding.word_embeddings.weight":
@@ -181,6 +191,10 @@ def megatron_full_to_hf(full: dict[str, torch.Tensor], arch: ModelArch, layer_of
                 out[h + "mlp.up_proj.weight"] = torch.cat([u for _, u in halves], dim=0)
             elif sub == "mlp.linear_fc2.weight":
                 out[h + "mlp.down_proj.weight"] = t
+            elif arch.num_experts and sub.startswith(("mlp.router.", "mlp.experts.")):
+                from megatron_tsync.model import moe
+
+                out.update(moe.megatron_to_hf_layer(sub, t, h, expert_offset))
             else:
                 raise KeyError(f"no Hugging Face name for megatron parameter {name!r}")
         else:
@@ -204,6 +218,15 @@ def _parallel_coords() -> tuple[int, int, int, int]:
         ps.get_pipeline_model_parallel_rank(),
         ps.get_pipeline_model_parallel_world_size(),
     )
+
+
+def _ep_coords(arch: ModelArch) -> dict[str, int]:
+    if not arch.num_experts:
+        return {}
+    from megatron_tsync.model import moe
+
+    ep_rank, ep_size = moe.ep_coords()
+    return {"ep_rank": ep_rank, "ep_size": ep_size}
 
 
 def _local_param_names(model) -> dict[str, str]:
@@ -240,6 +263,7 @@ def load_hf_into_model(model, hf_state: dict[str, torch.Tensor], *, whole_model:
     local = hf_to_megatron(
         hf_state, arch, tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size,
         layer_offset=_layer_offset(m), num_local_layers=len(m.decoder.layers),
+        **_ep_coords(arch),
     )
     names = _local_param_names(m)
     params = dict(m.named_parameters())
@@ -286,12 +310,19 @@ def megatron_to_hf(model, *, to_cpu: bool = True) -> dict[str, torch.Tensor]:
         t = _tp_gather(p, tp_size, tp_group)
         if isinstance(t, list):
             dim = getattr(p, "partition_dim", 0)
-            t = t if canon.endswith("mlp.linear_fc1.weight") else torch.cat(t, dim=dim)
-        elif canon.endswith("mlp.linear_fc1.weight"):
+            t = t if canon.endswith("linear_fc1.weight") else torch.cat(t, dim=dim)
+        elif canon.endswith("linear_fc1.weight"):  # dense or expert fc1: [gate_r; up_r] per TP rank
             t = [t]
         full[canon] = t
-    local_hf = megatron_full_to_hf(full, arch, _layer_offset(m), tp_size)
+    expert_offset = 0
+    if arch.num_experts:
+        from megatron_tsync.model import moe
+
+        expert_offset = moe.expert_offset(arch)
+    local_hf = megatron_full_to_hf(full, arch, _layer_offset(m), tp_size, expert_offset)
     local_hf = {k: (v.cpu() if to_cpu else v).clone() for k, v in local_hf.items()}
+    if arch.num_experts:  # every EP rank gets the other ranks' experts
+        local_hf = moe.ep_allgather(local_hf, to_cpu)
     if pp_size == 1:
         return local_hf
     return _pp_allgather(local_hf, pp_rank, pp_size, to_cpu)
@@ -344,6 +375,10 @@ def load_hf_dir(path: str) -> tuple[ModelArch, dict[str, torch.Tensor]]:
     state = load_hf_state(path)
     if arch.tie_word_embeddings:
         state.pop("lm_head.weight", None)
+    if arch.num_experts:  # fused 3-D experts (transformers >= 5 save_original_format=False) -> per expert
+        from megatron_tsync.model import moe
+
+        state = moe.unfuse_hf_experts(state, arch)
     return arch, state
 
 
@@ -355,6 +390,10 @@ def hf_config_dict(arch: ModelArch, *, dtype: torch.dtype = torch.float32, extra
     """
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
+    if arch.num_experts:  # Qwen3-MoE (model/moe.py)
+        from megatron_tsync.model import moe
+
+        return moe.hf_config_dict(arch, dtype=dtype, extra=extra)
     kw = dict(
         vocab_size=arch.vocab_size,
         hidden_size=arch.hidden_size,

@@ -40,6 +40,8 @@ class ParallelDims:
     pp_rank: int
     dp_rank: int
     backend: str
+    ep: int = 1  # expert-parallel ranks (MoE): experts split over EP ranks taken from DP (x CP)
+    ep_rank: int = 0
 
     @property
     def is_first_stage(self) -> bool:
@@ -90,11 +92,15 @@ def initialize_parallel(
     pp: int = 1,
     cp: int = 1,
     *,
+    ep: int = 1,
     seed: int = 1234,
     backend: str | None = None,
     timeout_s: float = 600.0,
 ) -> ParallelDims:
-    """Initialise torch.distributed and megatron-core model parallelism. Idempotent for the same sizes."""
+    """Initialise torch.distributed and megatron-core model parallelism. Idempotent for the same sizes.
+
+    ``ep``: expert-model-parallel size (MoE); megatron carves it out of the data-parallel (× CP) ranks, so
+    world / (TP × PP) must divide by it (expert tensor parallelism = TP)."""
     from megatron.core import parallel_state as ps
 
     compat.install_cpu_support()
@@ -110,6 +116,11 @@ def initialize_parallel(
             f"world size {world} is not divisible by TP×PP×CP = {tp}×{pp}×{cp}; "
             "choose --tensor-model-parallel-size / --pipeline-model-parallel-size that divide the process count"
         )
+    if ep < 1 or (world // (tp * pp)) % ep != 0:
+        raise ValueError(
+            f"--expert-model-parallel-size {ep} must divide the data-parallel × context-parallel ranks "
+            f"world / (TP × PP) = {world // (tp * pp)}"
+        )
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29500")
@@ -117,11 +128,13 @@ def initialize_parallel(
             backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s)
         )
     if ps.model_parallel_is_initialized():
-        if ps.get_tensor_model_parallel_world_size() != tp or ps.get_pipeline_model_parallel_world_size() != pp:
+        if (ps.get_tensor_model_parallel_world_size() != tp or ps.get_pipeline_model_parallel_world_size() != pp
+                or ps.get_expert_model_parallel_world_size() != ep):
             ps.destroy_model_parallel()
     if not ps.model_parallel_is_initialized():
         ps.initialize_model_parallel(
-            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp
+            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp,
+            **({"expert_model_parallel_size": ep} if ep > 1 else {}),
         )
     compat.model_parallel_seed(seed)
     torch.manual_seed(seed)
@@ -144,6 +157,8 @@ def current_dims(backend: str | None = None) -> ParallelDims:
         pp_rank=ps.get_pipeline_model_parallel_rank(),
         dp_rank=ps.get_data_parallel_rank(),
         backend=backend or dist.get_backend(),
+        ep=ps.get_expert_model_parallel_world_size(),
+        ep_rank=ps.get_expert_model_parallel_rank(),
     )
 
 

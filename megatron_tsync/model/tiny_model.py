@@ -26,7 +26,7 @@ from megatron_tsync.model.builder import ModelArch
 
 SPECIAL_TOKENS = ["<s>", "</s>", "<pad>", "<tool>", "</tool>", "<result>", "</result>", "<answer>", "</answer>"]
 BOS, EOS, PAD = "<s>", "</s>", "<pad>"
-FAMILIES = ("llama", "qwen2", "qwen3", "llama3")
+FAMILIES = ("llama", "qwen2", "qwen3", "llama3", "qwen3_moe")
 _LLAMA3_SCALING = dict(rope_type="llama3", rope_factor=8.0, rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
                        rope_original_max_position_embeddings=64)
 
@@ -114,9 +114,14 @@ def make_tiny_model(
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
     head_dim: int | None = None,
+    experts: int = 4,
+    topk: int = 2,
+    moe_ffn: int | None = None,
 ) -> str:
     """Write a tiny HF model + tokenizer to ``out_dir``; returns ``out_dir``. ``head_dim`` (default hidden/heads,
-    2·hidden/heads for qwen3) may differ from hidden/heads."""
+    2·hidden/heads for qwen3 and qwen3_moe) may differ from hidden/heads. qwen3_moe: ``experts`` experts per layer,
+    ``topk`` per token, each of width ``moe_ffn`` (default hidden/2), normalised top-k weights; the router gets
+    N(0, 0.5²) weights (not transformers' zeros) so that routing is decisive, without near-ties."""
     from transformers import AutoModelForCausalLM
 
     from megatron_tsync.model.hf_conversion import hf_config_dict
@@ -126,7 +131,7 @@ def make_tiny_model(
     if hidden % heads or heads % kv_heads:
         raise ValueError(f"hidden {hidden} must divide by heads {heads}, and heads by kv_heads {kv_heads}")
     if head_dim is None:
-        head_dim = (2 if family == "qwen3" else 1) * hidden // heads
+        head_dim = (2 if family in ("qwen3", "qwen3_moe") else 1) * hidden // heads
     if head_dim < 32 or head_dim % 32:
         raise ValueError(f"head_dim {head_dim}: vLLM's CPU attention needs 32, 64, 96, 128, ...")
     if vocab % 8:
@@ -150,8 +155,10 @@ def make_tiny_model(
         tie_word_embeddings=tie,
         qkv_bias=family == "qwen2",
         max_position_embeddings=4096,
-        qk_layernorm=family == "qwen3",
+        qk_layernorm=family in ("qwen3", "qwen3_moe"),
         **(_LLAMA3_SCALING if family == "llama3" else {}),
+        **(dict(num_experts=experts, moe_router_topk=topk, moe_ffn_hidden_size=moe_ffn or hidden // 2,
+                norm_topk_prob=True) if family == "qwen3_moe" else {}),
     )
     tokens = {"bos_token_id": ids[BOS], "eos_token_id": ids[EOS], "pad_token_id": ids[PAD]}
     from transformers import AutoConfig
@@ -165,6 +172,12 @@ def make_tiny_model(
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
             elif name.endswith(".bias"):
                 p.copy_(0.02 * torch.randn_like(p))
+            elif name.endswith("mlp.gate.weight") and arch.num_experts:  # the MoE router
+                p.copy_(0.5 * torch.randn_like(p))
     state = {k: v for k, v in model.state_dict().items()}
+    if arch.num_experts:  # transformers >= 5 fuses the experts in memory; checkpoints keep one tensor each
+        from megatron_tsync.model.moe import unfuse_hf_experts
+
+        state = unfuse_hf_experts(state, arch)
     save_hf_dir(out_dir, state, arch, extra_config=tokens)
     return out_dir
