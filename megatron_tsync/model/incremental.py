@@ -47,12 +47,13 @@ class IncrementalGPT:
             raise ValueError(f"a later pipeline stage needs the previous stage's output for the {s} new tokens")
         else:
             x = hidden  # (s, 1, h)
-        freqs = m.rotary_pos_emb(start + s)[start:]  # (s, 1, 1, d)
+        freqs = m.rotary_pos_emb(start + s)[start:]  # (s, 1, 1, d); the model's inv_freq (llama3 scaling included)
         qi = torch.arange(start, start + s, device=dev).unsqueeze(1)
         masked = (torch.arange(start + s, device=dev).unsqueeze(0) > qi).view(1, s, start + s)  # (1, s, sk)
         for li, layer in enumerate(m.decoder.layers):
             attn = layer.self_attention
             h = layer.input_layernorm(x)
+            # applies the per-head q/k layernorms too (Qwen3 QK-norm), before RoPE as in the full forward
             q, k, v = attn.get_query_key_value_tensors(h)  # (s, 1, np, hn), (s, 1, ng, hn) ×2
             cp = getattr(getattr(attn, "pg_collection", None), "cp", None)
             q = apply_rotary_pos_emb(q, freqs, config=attn.config, cp_group=cp)

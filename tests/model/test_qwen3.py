@@ -163,7 +163,8 @@ def test_config_round_trip_through_transformers(models, name, tmp_path):
     if name.startswith("qwen3"):
         assert type(cfg).__name__ == "Qwen3Config" and arch.head_dim == 64 and arch.hidden_size // 4 == 32
     else:
-        assert cfg.rope_parameters["rope_type"] == "llama3" and cfg.rope_parameters["original_max_position_embeddings"] == 64
+        rp = cfg.rope_parameters
+        assert rp["rope_type"] == "llama3" and rp["original_max_position_embeddings"] == 64
         with open(tmp_path / "out" / "config.json") as f:
             assert json.load(f)["rope_scaling"]["rope_type"] == "llama3"  # what vLLM / transformers < 5 read
     with pytest.raises(ValueError, match="qk_layernorm"):
