@@ -11,8 +11,9 @@
   argmax of the full forward and its log-probs are the trainer's;
 - float64: streamed (stream-trajectory, stream-group) vs sync gradient ≤ 1e-12 relative.
 
-Slow tier: ``tools/convert_checkpoint.py`` round trips at TP=2 and PP=2, and the quickstart config trained 2 steps
-with ``--model`` a tiny Qwen3 made by ``tools/make_tiny_model.py --family qwen3``.
+Slow tier: ``tools/convert_checkpoint.py`` round trips at TP=2 and PP=2; TP=2 / PP=2 / DP=2 log-probs, gradient and
+post-step weights equal one process's (tests/training's parallel-equivalence worker on a tiny Qwen3); the quickstart
+config trained 2 steps with ``--model`` a tiny Qwen3 made by ``tools/make_tiny_model.py --family qwen3``.
 """
 
 import dataclasses
@@ -378,3 +379,34 @@ def test_quickstart_trains_tiny_qwen3(tmp_path):
 
     assert (tmp_path / "ck" / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
     assert ck.arch_from_checkpoint(str(tmp_path / "ck")) == ModelArch.from_hf_dir(model)  # the Qwen3 was trained
+
+
+@pytest.mark.slow
+def test_qwen3_tp2_pp2_dp2_match_single_process(models, tmp_path):
+    """tests/training's parallel-equivalence worker on the tied MQA Qwen3: log-probs, gradient (HF names) and
+    post-Adam-step weights of TP=2, PP=2 and DP=2 (one 2-process launch) equal one process's, with the same
+    tolerances as for the dense Llama (1e-5), and per tensor for the q/k norms (whose gradient megatron's
+    ``finalize_model_grads`` sums over TP: each TP rank sees only its own heads)."""
+    from tests.training._launch import torchrun
+
+    worker = os.path.join(common.WORKERS, "parallel_equiv_worker.py")
+    d, model = tmp_path, models["qwen3_tied"]
+    torchrun(worker, ["--model", model, "--out-dir", str(d), "--layouts", "single"], nproc=1)
+    torchrun(worker, ["--model", model, "--out-dir", str(d), "--layouts", "tp2", "pp2", "dp2"], nproc=2)
+    ref = torch.load(str(d / "single.pt"))
+
+    def rel(a, b, keys):
+        num = sum(float((a[k].double() - b[k].double()).pow(2).sum()) for k in keys) ** 0.5
+        return num / sum(float(b[k].double().pow(2).sum()) for k in keys) ** 0.5
+
+    qk = [k for k in ref["grads"] if k.endswith(("q_norm.weight", "k_norm.weight"))]
+    assert len(qk) == 4 and all(ref["grads"][k].abs().max() > 0 for k in qk)
+    for layout in ("tp2", "pp2", "dp2"):
+        got = torch.load(str(d / f"{layout}.pt"))
+        assert set(got["logprobs"]) == set(ref["logprobs"]) and set(got["grads"]) == set(ref["grads"])
+        lp = max(float((got["logprobs"][k] - ref["logprobs"][k]).abs().max()) for k in ref["logprobs"])
+        g = rel(got["grads"], ref["grads"], list(ref["grads"]))
+        w = rel(got["weights"], ref["weights"], list(ref["weights"]))
+        g_qk = max(rel(got["grads"], ref["grads"], [k]) for k in qk)
+        print(f"qwen3 {layout}: log-prob max abs {lp:.3g}, grad rel {g:.3g} (q/k norms {g_qk:.3g}), weights rel {w:.3g}")
+        assert lp < 1e-5 and g < 1e-5 and w < 1e-5 and g_qk < 1e-5
