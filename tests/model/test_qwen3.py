@@ -408,5 +408,6 @@ def test_qwen3_tp2_pp2_dp2_match_single_process(models, tmp_path):
         g = rel(got["grads"], ref["grads"], list(ref["grads"]))
         w = rel(got["weights"], ref["weights"], list(ref["weights"]))
         g_qk = max(rel(got["grads"], ref["grads"], [k]) for k in qk)
-        print(f"qwen3 {layout}: log-prob max abs {lp:.3g}, grad rel {g:.3g} (q/k norms {g_qk:.3g}), weights rel {w:.3g}")
+        print(f"qwen3 {layout}: log-prob max abs {lp:.3g}, grad rel {g:.3g} (q/k norms {g_qk:.3g}), "
+              f"weights rel {w:.3g}")
         assert lp < 1e-5 and g < 1e-5 and w < 1e-5 and g_qk < 1e-5
