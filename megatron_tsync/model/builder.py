@@ -62,6 +62,10 @@ class ModelArch:
             raise ValueError(f"unsupported model_type {mt!r}: megatron_tsync converts 'llama', 'qwen2' and 'qwen3'")
         if mt == "qwen3" and cfg.get("use_sliding_window"):
             raise ValueError("Qwen3 with use_sliding_window=true is not supported (full causal attention only)")
+        if mt in ("llama", "qwen3") and (cfg.get("attention_bias") or cfg.get("mlp_bias")):
+            raise ValueError(f"{mt} with attention_bias/mlp_bias=true is not supported: transformers then puts a bias "
+                             "on o_proj (or on the MLP) too, which megatron's GPTModel has no field for without "
+                             "biases on every linear layer")
         heads = cfg["num_attention_heads"]
         hd = cfg.get("head_dim") or cfg["hidden_size"] // heads
         rope_theta = cfg.get("rope_theta")

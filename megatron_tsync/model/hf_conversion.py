@@ -419,6 +419,8 @@ def hf_config_dict(arch: ModelArch, *, dtype: torch.dtype = torch.float32, extra
         kw["rope_scaling"] = dict(scaling)
     elif arch.rope_type != "default":
         raise ValueError(f"unsupported rope_type {arch.rope_type!r}")
+    if arch.family in ("llama", "qwen3") and arch.qkv_bias:
+        raise ValueError(f"{arch.family} has no q/k/v-only bias in transformers (attention_bias also biases o_proj)")
     if arch.family == "llama":
         cfg, cls_name = LlamaConfig(attention_bias=arch.qkv_bias, **kw), "LlamaForCausalLM"
     elif arch.family == "qwen2":

@@ -70,7 +70,11 @@ def test_from_hf_config_qwen3_and_llama3():
     assert a.head_dim != a.hidden_size // a.num_attention_heads
     assert a.qk_layernorm and not a.qkv_bias and a.tie_word_embeddings and a.rope_theta == 1e6
     assert a.rope_type == "default"
-    assert ModelArch.from_hf_config({**QWEN3_4B, "attention_bias": True}).qkv_bias
+    for bias in ({"attention_bias": True}, {"mlp_bias": True}):  # o_proj / MLP biases: no megatron field
+        with pytest.raises(ValueError, match="not supported"):
+            ModelArch.from_hf_config({**QWEN3_4B, **bias})
+        with pytest.raises(ValueError, match="not supported"):
+            ModelArch.from_hf_config({**LLAMA32_1B, **bias})
     b = ModelArch.from_hf_config(LLAMA32_1B)
     assert (b.rope_type, b.rope_factor, b.rope_low_freq_factor, b.rope_high_freq_factor,
             b.rope_original_max_position_embeddings) == ("llama3", 32.0, 1.0, 4.0, 8192)
@@ -170,6 +174,8 @@ def test_config_round_trip_through_transformers(models, name, tmp_path):
             assert json.load(f)["rope_scaling"]["rope_type"] == "llama3"  # what vLLM / transformers < 5 read
     with pytest.raises(ValueError, match="qk_layernorm"):
         hc.hf_config_dict(dataclasses.replace(arch, qk_layernorm=not arch.qk_layernorm))
+    with pytest.raises(ValueError, match="o_proj"):
+        hc.hf_config_dict(dataclasses.replace(arch, qkv_bias=True))
 
 
 # ------------------------------------------------------------------------------------- Megatron models, TP=1
