@@ -1,4 +1,5 @@
-"""Convert between a Hugging Face folder (Llama incl. Llama-3.x rope scaling / Qwen2 / Qwen3, safetensors) and a Megatron distributed checkpoint.
+"""Convert between a Hugging Face folder (Llama incl. Llama-3.x rope scaling / Qwen2 / Qwen3, safetensors) and a
+Megatron distributed checkpoint.
 
     # HF -> Megatron torch_dist checkpoint, written by a TP=2 x PP=1 layout
     python tools/convert_checkpoint.py --direction hf-to-megatron --load HF_DIR --save CKPT_DIR \\
