@@ -297,6 +297,42 @@ def _fix_moe_without_te() -> None:
         moe_utils.te_general_gemm = None
     if not cuda_available():
         _install_cpu_moe_splits()
+    _install_float64_routing()
+
+
+class _Float64Softmax(TorchFunctionMode):
+    """Inside megatron's top-k routing: a softmax of float64 scores asked for in float32 stays float64."""
+
+    _SOFTMAX = (torch.softmax, torch.Tensor.softmax, torch.nn.functional.softmax)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in self._SOFTMAX and kwargs.get("dtype") == torch.float32 and args and args[0].dtype == torch.float64:
+            kwargs = {**kwargs, "dtype": torch.float64}
+        return func(*args, **kwargs)
+
+
+def _install_float64_routing() -> None:
+    """float64 verification runs: megatron-core's ``topk_routing_with_score_function`` softmaxes the router scores
+    with ``dtype=torch.float32`` (0.16–0.19), whatever the model's dtype. The routing weights then carry float32
+    rounding, and a backward scaled by a constant (a streamed trajectory's, later multiplied by its advantage) no
+    longer equals the backward of the scaled loss: streamed vs sync float64 gradients differed by 4.6e-9 relative.
+    For float64 logits the softmax runs in float64 instead (bf16/fp32 models are unchanged: the router's float32
+    softmax is megatron's design there)."""
+    import megatron.core.transformer.moe.router as router
+
+    original = router.topk_routing_with_score_function
+    if getattr(original, "_tsync_float64", False):
+        return
+
+    def topk_routing_with_score_function(logits, *args, **kwargs):
+        if logits.dtype != torch.float64:
+            return original(logits, *args, **kwargs)
+        with _Float64Softmax():
+            return original(logits, *args, **kwargs)
+
+    topk_routing_with_score_function._tsync_float64 = True
+    router.topk_routing_with_score_function = topk_routing_with_score_function
 
 
 def _install_cpu_moe_splits() -> None:
