@@ -58,6 +58,8 @@ _FLAGS: tuple[_Flag, ...] = (
        help="pipeline stages per model replica"),
     _f("--context-parallel-size", "parallel.context_parallel_size", _G_PAR, type=int, metavar="CP",
        help="context-parallel ranks per model replica"),
+    _f("--expert-model-parallel-size", "parallel.expert_model_parallel_size", _G_PAR, type=int, metavar="EP",
+       help="MoE: ranks the experts are split over (only 1 trains yet: the learner cannot keep EP ranks in lockstep)"),
     _f("--use-distributed-optimizer", ("parallel.use_distributed_optimizer", "optim.use_distributed_optimizer"),
        _G_PAR, **_SWITCH, help="shard optimizer state across data-parallel ranks"),
     # ---- batch and steps
@@ -184,6 +186,8 @@ _FLAGS: tuple[_Flag, ...] = (
     _f("--model", "model.path", _G_MODEL, metavar="HF_DIR", help="Hugging Face model folder of the policy"),
     _f("--init-tiny-model", "model.init_tiny_model", _G_MODEL, **_SWITCH,
        help="create a tiny random model at --model if it does not exist"),
+    _f("--moe-aux-loss-coeff", "model.moe_aux_loss_coeff", _G_MODEL, type=float, metavar="C",
+       help="MoE load-balancing loss; only 0 (streaming would weight its gradient by the advantage)"),
     _f("--sft-warmup-steps", "model.sft_warmup_steps", _G_MODEL, type=int, metavar="N",
        help="supervised warm-start steps on the task's demonstrations before RL (0 = off)"),
     # ---- checkpointing

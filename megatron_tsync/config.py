@@ -134,8 +134,17 @@ class ModelConfig:
     """Create a tiny random model at ``path`` if the folder does not exist yet (quickstart and tests)."""
     sft_warmup_steps: int = 0
     """Supervised warm-start steps on the task's demonstrations before RL (0 = off)."""
+    moe_aux_loss_coeff: float = 0.0
+    """MoE load-balancing loss coefficient (megatron's ``--moe-aux-loss-coeff``). Only 0 is accepted: megatron
+    injects the aux-loss gradient inside the policy-loss backward, and streaming scales a trajectory's backward by
+    its advantage coefficients, so the term would be advantage-weighted (not exact; ``model/moe.py``)."""
 
     def __post_init__(self) -> None:
+        _check(self.moe_aux_loss_coeff == 0.0,
+               f"model.moe_aux_loss_coeff {self.moe_aux_loss_coeff} is refused: megatron adds the MoE load-balancing "
+               "gradient inside the policy-loss backward, which streaming scales by the trajectory's advantage "
+               "coefficients, so streamed gradients would not equal sync ones (only 0 is exact; see model/moe.py)",
+               "model.moe_aux_loss_coeff")
         _check(not self.init_tiny_model or bool(self.path),
                "model.init_tiny_model needs model.path (the folder to create the tiny model in)",
                "model.init_tiny_model", "model.path")
@@ -155,11 +164,22 @@ class ParallelConfig:
     """Context-parallel ranks per model replica (CP: a trajectory's sequence split across ranks)."""
     use_distributed_optimizer: bool = False
     """Shard optimizer state across data-parallel ranks (Megatron's distributed optimizer)."""
+    expert_model_parallel_size: int = 1
+    """MoE experts split over this many ranks (EP, taken from the data-parallel ranks). Only 1 trains yet: every MoE
+    layer's all-to-all needs the EP ranks in lockstep, while streaming DP ranks run different numbers of
+    trajectories at different times. EP > 1 works for conversion and forward passes (``model.parallel``)."""
 
     def __post_init__(self) -> None:
-        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
+        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+                     "expert_model_parallel_size"):
             value = getattr(self, name)
             _check(value >= 1, f"parallel.{name} must be >= 1, got {value}", f"parallel.{name}")
+        _check(self.expert_model_parallel_size == 1,
+               f"parallel.expert_model_parallel_size {self.expert_model_parallel_size} is not supported by the "
+               "learner yet: each MoE layer's all-to-all needs the expert-parallel ranks (data-parallel ranks) in "
+               "lockstep, and streaming data-parallel ranks train different numbers of trajectories at different "
+               "times (it would deadlock); EP > 1 is supported for conversion and forward passes only",
+               "parallel.expert_model_parallel_size")
 
     @property
     def model_parallel_size(self) -> int:

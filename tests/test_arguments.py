@@ -16,11 +16,11 @@ from megatron_tsync.config import TrainConfig
 EXPECTED_FLAGS = [
     "--adam-beta1", "--adam-beta2", "--adam-eps", "--advantage-eps", "--advantage-estimator", "--aux-strategy",
     "--bf16", "--clip-grad", "--clip-ratio-high", "--clip-ratio-low", "--config", "--context-parallel-size",
-    "--dual-clip", "--dump-grads", "--dump-rollouts", "--entropy-coef", "--finetune", "--fp8-format", "--fp8-recipe",
+    "--dual-clip", "--dump-grads", "--dump-rollouts", "--entropy-coef", "--expert-model-parallel-size", "--finetune", "--fp8-format", "--fp8-recipe",
     "--global-batch-size", "--group-size", "--groups-per-step", "--help", "--init-tiny-model", "--kl-coef",
     "--kl-estimator", "--kl-mode", "--latency-profile", "--latency-scale", "--load", "--log-interval",
     "--loss-aggregation", "--lr", "--max-device-buckets", "--max-new-tokens", "--max-open-groups", "--max-staleness", "--max-turns",
-    "--micro-batch-size", "--min-lr", "--model", "--no-progress", "--num-minibatches", "--num-samples-per-prompt", "--old-logprobs", "--opd-objective",
+    "--micro-batch-size", "--min-lr", "--model", "--moe-aux-loss-coeff", "--no-progress", "--num-minibatches", "--num-samples-per-prompt", "--old-logprobs", "--opd-objective",
     "--optimizer", "--params-dtype", "--pipeline-model-parallel-size", "--policy-loss", "--ppo-epochs", "--replay-rollouts",
     "--replay-shuffle-seed",
     "--reward-kind", "--reward-range", "--rl-algorithm", "--rl-mode", "--rollout-endpoint", "--rollout-engine",
@@ -190,6 +190,8 @@ BAD = [
     (["--max-new-tokens", "0"], ["--max-new-tokens"]),
     (["--group-size", "0"], ["--group-size"]),
     (["--rl-mode", "streaming"], ["--rl-mode", "invalid choice"]),
+    (["--expert-model-parallel-size", "2"], ["--expert-model-parallel-size", "lockstep"]),
+    (["--moe-aux-loss-coeff", "0.001"], ["--moe-aux-loss-coeff", "advantage"]),
     (["--tensor-model"], ["unrecognized arguments"]),  # no abbreviations: the surface is exactly the list above
 ]
 
@@ -283,3 +285,10 @@ def test_help_exits_0_and_shows_defaults(capsys):
     assert exc.value.code == 0
     out = capsys.readouterr().out
     assert "--clip-ratio-high" in out and "(default: 0.2)" in out
+
+
+def test_moe_flags_accept_only_the_exact_values():
+    """--expert-model-parallel-size / --moe-aux-loss-coeff exist under megatron's names so that a launch script
+    carrying them gets a reason, not 'unrecognized arguments'; only the values the learner trains exactly pass."""
+    cfg = parse_args(["--expert-model-parallel-size", "1", "--moe-aux-loss-coeff", "0"])
+    assert cfg.parallel.expert_model_parallel_size == 1 and cfg.model.moe_aux_loss_coeff == 0.0
