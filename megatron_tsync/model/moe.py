@@ -285,3 +285,75 @@ def hf_config_dict(arch, *, dtype: torch.dtype = torch.float32, extra: dict | No
     d.pop("transformers_version", None)
     d.update(extra or {})
     return d
+
+
+# --------------------------------------------------------------------------------------------------
+# Router replay (megatron-core's RouterReplay; build the model with ``moe_enable_routing_replay=True``)
+# --------------------------------------------------------------------------------------------------
+
+
+def _replays(model) -> list:
+    """This stage's ``RouterReplay`` objects, one per local layer in order (megatron also keeps a process-wide
+    list of every router ever built; this reads the model's own, so several models in a process do not mix)."""
+    from megatron_tsync.model.builder import unwrap
+
+    out = []
+    for layer in unwrap(model).decoder.layers:
+        rr = getattr(getattr(layer.mlp, "router", None), "router_replay", None)
+        if rr is None:
+            raise ValueError("router replay needs a MoE model built with moe_enable_routing_replay=True")
+        out.append(rr)
+    return out
+
+
+class record_routing:
+    """``with record_routing(model) as rec: model(...)`` → ``rec.indices``: per local layer the (S·B, k) expert
+    indices the routers chose (token order of megatron's (S, B) flattening: for B = 1, position order)."""
+
+    def __init__(self, model):
+        self.model, self.indices = model, None
+
+    def __enter__(self):
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        for rr in _replays(self.model):
+            rr.clear_indices()
+            rr.set_router_replay_action(RouterReplayAction.RECORD)
+        return self
+
+    def __exit__(self, *exc):
+        replays = _replays(self.model)
+        self.indices = [rr.get_recorded_indices() for rr in replays]
+        for rr in replays:
+            rr.clear_router_replay_action()
+            rr.clear_indices()
+        return False
+
+
+class replay_routing:
+    """``with replay_routing(model, indices): model(...)``: every local layer routes each token to the given
+    experts (list of (S·B, k) long tensors, one per local layer) instead of its own top-k; the weights are the
+    router's own scores of those experts (softmaxed over the k with ``norm_topk_prob``, as in HF). One forward
+    per context (the backward needs no replay: megatron does not recompute the router unless activation
+    recomputation is on, which the learner does not use)."""
+
+    def __init__(self, model, indices):
+        self.model, self.indices = model, list(indices)
+
+    def __enter__(self):
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        replays = _replays(self.model)
+        if len(replays) != len(self.indices):
+            raise ValueError(f"{len(self.indices)} replay tensors for {len(replays)} local MoE layers")
+        for rr, idx in zip(replays, self.indices):
+            rr.clear_indices()
+            rr.set_target_indices(idx.long())
+            rr.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+        return self
+
+    def __exit__(self, *exc):
+        for rr in _replays(self.model):
+            rr.clear_router_replay_action()
+            rr.clear_indices()
+        return False
