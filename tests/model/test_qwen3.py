@@ -111,7 +111,8 @@ def test_llama3_inv_freq_equals_transformers(orig, low, high):
 
     scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": low, "high_freq_factor": high,
                "original_max_position_embeddings": orig}
-    cfg = LlamaConfig(hidden_size=512, num_attention_heads=4, head_dim=128, rope_theta=500000.0, rope_scaling=scaling)
+    cfg = LlamaConfig(hidden_size=512, num_attention_heads=4, head_dim=128, rope_theta=500000.0, rope_scaling=scaling,
+                      max_position_embeddings=131072)
     ref, _ = ROPE_INIT_FUNCTIONS["llama3"](cfg)
     mine = compat.llama3_inv_freq(128, 500000.0, factor=8.0, low_freq_factor=low, high_freq_factor=high,
                                   original_max_position_embeddings=orig)
