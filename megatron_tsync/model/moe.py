@@ -51,6 +51,18 @@ Weight layout (HF checkpoint names — transformers ≥ 5 keeps experts fused in
                                                                   split by expert-TP
 ===============================================================  ==================================================
 
+**Tensor parallelism.** Forward passes at TP > 1 are exact (logits tested at TP=2). Training at TP > 1 needs
+sequence parallelism: without it every TP rank dispatches the same tokens to the experts and the expert weight
+gradients come out TP times too large (measured: exactly 2× at TP=2; router, attention and embedding gradients are
+right). megatron refuses MoE + TP > 1 in training mode without sequence parallelism; sequence parallelism in turn
+needs Transformer Engine's norms (the local spec's torch norms refuse it: not on CPU) and sequence lengths that TP
+divides, which the learner does not pad to yet.
+
+**Expert parallelism.** Conversion and forward passes at EP > 1 are exact (tested at EP=2). Training at EP > 1 is
+refused by the config: each MoE layer's all-to-all is a collective over the EP ranks (which are data-parallel
+ranks), and streaming data-parallel ranks run different numbers of microbatches at different times. It needs the
+learner to keep the EP group in lockstep (a zero-token microbatch on a rank with nothing to train).
+
 EP rank ``q`` of size ``ep`` holds the global experts ``e = q · E/ep + e_l`` (megatron's contiguous split); the expert
 tensor-parallel size equals TP. Supported HF configs: ``decoder_sparse_step`` 1 and no ``mlp_only_layers`` (every
 layer sparse, as in every released Qwen3-MoE), no sliding window.
