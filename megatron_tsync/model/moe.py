@@ -88,7 +88,7 @@ _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_f
 
 
 def arch_fields_from_hf_config(cfg: dict[str, Any]) -> dict[str, Any]:
-    """ModelArch's MoE fields from a Qwen3MoeConfig ``config.json`` dict; refuses layouts megatron_tsync cannot build."""
+    """ModelArch's MoE fields from a Qwen3MoeConfig ``config.json`` dict; refuses layouts it cannot build."""
     num_experts = cfg.get("num_experts") or cfg.get("num_local_experts")
     if not num_experts or num_experts < 1:
         raise ValueError("qwen3_moe config without num_experts")
@@ -205,7 +205,8 @@ def megatron_to_hf_layer(sub: str, t, hf_prefix: str, expert_offset: int = 0) ->
     if m.group(2) == "linear_fc2":
         return {q + "down_proj.weight": t}
     halves = [s.chunk(2, dim=0) for s in (t if isinstance(t, list) else [t])]
-    return {q + "gate_proj.weight": torch.cat([g for g, _ in halves]), q + "up_proj.weight": torch.cat([u for _, u in halves])}
+    return {q + "gate_proj.weight": torch.cat([g for g, _ in halves]),
+            q + "up_proj.weight": torch.cat([u for _, u in halves])}
 
 
 def unfuse_hf_experts(state: dict[str, torch.Tensor], arch) -> dict[str, torch.Tensor]:

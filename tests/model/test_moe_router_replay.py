@@ -119,7 +119,8 @@ def test_bf16_engine_routing_replayed_in_fp32_trainer(megatron_single, tmp_path)
         finally:
             for h in hooks:
                 h.remove()
-    differ = sum((a.sort(-1).values != b.sort(-1).values).any(-1).sum().item() for a, b in zip(eng.indices, own.indices))
+    differ = sum((a.sort(-1).values != b.sort(-1).values).any(-1).sum().item()
+                 for a, b in zip(eng.indices, own.indices))
     for routing_map, idx in zip(maps, eng.indices):
         assert torch.equal(routing_map, torch.zeros_like(routing_map).scatter(1, idx, True))
     d_free, d_replay = (logp_free - logp_engine).abs(), (logp_replay - logp_engine).abs()

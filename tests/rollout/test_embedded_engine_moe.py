@@ -1,5 +1,6 @@
 """The embedded engine generates with a tiny Qwen3-MoE (KV cache, left-padded batched rows, rows dropped as they
-finish): its per-token log-probs equal the trainer's ``token_logprobs`` on the same weights (measured ≤ 1e-6, float32).
+finish): its per-token log-probs equal the trainer's ``token_logprobs`` on the same weights (measured ≤ 1e-6,
+float32).
 Routing is per token and dropless, so batching rows does not couple them."""
 
 import torch
