@@ -47,6 +47,8 @@ def test_defaults_valid_and_frozen(cls):
 @pytest.mark.parametrize("cls,kwargs,field", [
     (ParallelConfig, dict(tensor_model_parallel_size=0), "parallel.tensor_model_parallel_size"),
     (ParallelConfig, dict(context_parallel_size=-1), "parallel.context_parallel_size"),
+    (ParallelConfig, dict(expert_model_parallel_size=0), "parallel.expert_model_parallel_size"),
+    (ParallelConfig, dict(expert_model_parallel_size=2), "parallel.expert_model_parallel_size"),  # no lockstep yet
     (RLConfig, dict(algorithm="ppo"), "rl.algorithm"),
     (RLConfig, dict(group_size=0), "rl.group_size"),
     (RLConfig, dict(train_iters=0), "rl.train_iters"),
@@ -70,6 +72,7 @@ def test_defaults_valid_and_frozen(cls):
     (LoggingConfig, dict(dump_rollouts="d", replay_rollouts="d"), "logging.replay_rollouts"),
     (ModelConfig, dict(init_tiny_model=True), "model.path"),
     (ModelConfig, dict(sft_warmup_steps=-1), "model.sft_warmup_steps"),
+    (ModelConfig, dict(moe_aux_loss_coeff=1e-3), "model.moe_aux_loss_coeff"),  # not exact when streaming
 ])
 def test_section_validation_names_fields(cls, kwargs, field):
     with pytest.raises(ConfigError) as exc:
