@@ -369,7 +369,7 @@ def load_hf_state(path: str) -> dict[str, torch.Tensor]:
 
 
 def load_hf_dir(path: str) -> tuple[ModelArch, dict[str, torch.Tensor]]:
-    """(architecture, full state dict) of a transformers Llama/Qwen2 folder. Tied checkpoints that still
+    """(architecture, full state dict) of a transformers Llama/Qwen2/Qwen3 folder. Tied checkpoints that still
     store ``lm_head.weight`` have it dropped."""
     arch = ModelArch.from_hf_dir(path)
     state = load_hf_state(path)

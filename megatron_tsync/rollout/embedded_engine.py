@@ -177,7 +177,7 @@ class EmbeddedEngine:
 
     @classmethod
     def from_hf_dir(cls, path: str, precision=None, **kwargs) -> "EmbeddedEngine":
-        """Build the architecture of a Hugging Face Llama/Qwen2 folder and load its weights."""
+        """Build the architecture of a Hugging Face folder (Llama, Qwen2, Qwen3, Qwen3-MoE) and load its weights."""
         from megatron_tsync.model.hf_conversion import load_hf_dir
 
         arch, state = load_hf_dir(path)

@@ -1,4 +1,4 @@
-"""HF ⇄ Megatron conversion worker (run by tests/training/test_hf_conversion.py, single process or torchrun).
+"""HF ⇄ Megatron conversion worker (run by tests/model/test_hf_conversion.py and tests/model/test_qwen3*.py, single process or torchrun).
 
 For every layout (world 1: TP=1; world 2: TP=2 then PP=2) and every given HF folder: load the HF weights into a
 Megatron GPTModel stage, export them back with ``megatron_to_hf`` (compare bitwise), and, without PP, compare
