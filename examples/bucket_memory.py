@@ -43,7 +43,7 @@ def estimate(arch: ModelArch, tp: int, pp: int, estimator: str, max_open_groups:
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--hf-config", required=True, help="a Hugging Face config.json (Llama / Qwen2 / Qwen3 / Qwen3-MoE)")
+    ap.add_argument("--hf-config", required=True, help="a Hugging Face config.json (Llama / Qwen2 / Qwen3 dense; not MoE yet)")
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--estimator", default="grpo", choices=sorted(PER_GROUP))
