@@ -7,6 +7,8 @@
 - tools/convert_checkpoint.py: HF → Megatron (TP=2) → HF (PP=2) bit-identical (slow);
 - float64 streaming: stream-trajectory and stream-group gradient vs sync ≤ 1e-12 relative on a tiny MoE (router and
   experts included, and they move), single process.
+- control: megatron's per-sequence aux loss (what ``--moe-aux-loss-coeff`` would enable) breaks streaming (0.73
+  relative), the reason it is refused.
 
 Routing ties: the tiny models' routers get N(0, 0.5²) weights (``make_tiny_model``) or are scaled ×25 (the float64
 model, built with megatron's 0.02-std init) so that top-k choices are decisive: a near-tie could flip between
@@ -295,3 +297,32 @@ def test_convert_checkpoint_tool_round_trip(tiny_moe, tmp_path):
         assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     a, b = hc.load_hf_state(tiny_moe), hc.load_hf_state(back)
     assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_control_per_sequence_aux_loss_breaks_streaming(megatron_single, monkeypatch):
+    """Why --moe-aux-loss-coeff is refused: even megatron's per-sequence load-balancing loss (seq_aux_loss, one
+    trajectory per microbatch) makes streamed gradients differ from sync ones, because its gradient is injected into
+    the trajectory's own backward, which the buckets scale by the advantage coefficients. The same model and
+    samples with coefficient 0 are exact (test_float64_stream_equals_sync)."""
+    from megatron_tsync.algorithms.policy_loss import PolicyLossConfig
+    from megatron_tsync.model.builder import build_model
+    from megatron_tsync.training.optimizer import OptimConfig, build_optimizer, wrap_ddp
+    from megatron_tsync.training.stream_fb import LossConfig
+
+    from ..training.stream_cases import arrival_order, make_samples, spec_for
+
+    monkeypatch.setattr(moe, "_REFUSED", {})  # the control bypasses the refusal
+    m = build_model(TINY_MOE, PrecisionConfig(params_dtype=torch.float64), seed=0,
+                    moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=0.1)
+    with torch.no_grad():
+        for layer in m.decoder.layers:
+            layer.mlp.router.weight.mul_(25.0)
+    ddp = wrap_ddp(m)
+    model = (ddp, build_optimizer(ddp, OptimConfig(optimizer="sgd", lr=0.0, clip_grad=0)))
+    samples = make_samples(31, reward_kind="bounded", vocab=TINY_MOE.vocab_size)
+    kw = dict(estimator="grpo", reward_spec=spec_for("bounded"), loss=LossConfig(policy=PolicyLossConfig()))
+    g_sync, _ = _gradient(model, "sync", samples, samples, **kw)
+    g, res = _gradient(model, "stream-trajectory", samples, arrival_order(samples, 1), **kw)
+    rel = ((g - g_sync).norm() / g_sync.norm()).item()
+    print(f"qwen3_moe float64 with seq_aux_loss 0.1: stream-trajectory vs sync rel diff {rel:.2g}")
+    assert res.planner_stats["bucketed"] > 0 and rel > 1e-6
