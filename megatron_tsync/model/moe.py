@@ -31,9 +31,9 @@ runs when it arrives and is later scaled by its group's advantage coefficients):
   (in sync mode it is added once per microbatch with weight ``main_loss_backward_scale``). Exact support needs the
   aux term's gradient in its own backward straight into the batch accumulator (the "second backward" of §4, for KL):
   not built. Measured (float64 control in tests/model/test_qwen3_moe.py): ``seq_aux_loss`` 0.1 makes the streamed
-  gradient differ from sync by 0.73 relative. ``global_aux_loss`` additionally keeps a running token count over the microbatches seen so far
-  (``global_tokens_per_expert`` / ``ga_steps``), so a trajectory's term depends on the arrival order — not exact in
-  any streaming scheme.
+  gradient differ from sync by 0.73 relative. ``global_aux_loss`` additionally keeps a running token count over
+  the microbatches seen so far (``global_tokens_per_expert`` / ``ga_steps``), so a trajectory's term depends on the
+  arrival order — not exact in any streaming scheme.
 - **Token dropping (``moe_expert_capacity_factor``): refused.** Capacity is per expert over all tokens of a
   microbatch/rank and drops by score across them, coupling tokens (and, with packing or EP, trajectories).
   Dropless routing only.
