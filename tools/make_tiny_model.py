@@ -1,10 +1,11 @@
-"""Create a tiny Hugging Face Llama/Qwen2/Qwen3 model with a locally trained tokenizer (no downloads).
+"""Create a tiny Hugging Face Llama/Qwen2/Qwen3/Qwen3-MoE model with a locally trained tokenizer (no downloads).
 
-    python tools/make_tiny_model.py --out /tmp/tiny --family llama|qwen2|qwen3|llama3 [--hidden 128 --layers 2
-        --heads 4 --kv-heads 2 --head-dim 64 --vocab 512 --tie --seed 0]
+    python tools/make_tiny_model.py --out /tmp/tiny --family llama|qwen2|qwen3|llama3|qwen3_moe [--hidden 128
+        --layers 2 --heads 4 --kv-heads 2 --head-dim 64 --vocab 512 --tie --seed 0 --experts 4 --topk 2 --moe-ffn 64]
 
 llama3: a Llama config with Llama-3.1-style rope_scaling (rope_type llama3). qwen3: QK-norm, no QKV bias,
-head_dim 2·hidden/heads unless --head-dim says otherwise.
+head_dim 2·hidden/heads unless --head-dim says otherwise. qwen3_moe: Qwen3 attention + an MoE MLP in every layer
+(transformers' Qwen3MoeConfig; --experts experts, --topk per token, normalised top-k weights).
 """
 
 from __future__ import annotations
