@@ -5,6 +5,7 @@
 - ``hf_conversion``: Hugging Face ⇄ Megatron state dicts for every TP/PP layout, HF folders in and out;
 - ``compat``: every megatron-core version difference and the CPU shims, in one place;
 - ``logprobs``: vocab-parallel log-probs / entropy of a model's logits;
+- ``moe``: Qwen3-MoE through megatron-core's MoE layer (config mapping, expert conversion, router replay);
 - ``incremental``: the KV-kept incremental forward (turn-level OPD, the teacher's scorer);
 - ``parallel``: process groups from torchrun / SLURM (``ParallelDims``);
 - ``tokenizer``: the text ⇄ token-id codec;
