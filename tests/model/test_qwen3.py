@@ -13,7 +13,7 @@
 
 Slow tier: ``tools/convert_checkpoint.py`` round trips at TP=2 and PP=2; TP=2 / PP=2 / DP=2 log-probs, gradient and
 post-step weights equal one process's (tests/training's parallel-equivalence worker on a tiny Qwen3); the quickstart
-config trained 2 steps with ``--model`` a tiny Qwen3 made by ``tools/make_tiny_model.py --family qwen3``.
+config trained 2 steps with ``--model`` a tiny Qwen3 / Qwen3-MoE made by ``tools/make_tiny_model.py``.
 """
 
 import dataclasses
@@ -360,17 +360,18 @@ def test_convert_checkpoint_bit_identical(models, tmp_path, name, tp, pp):
 
 
 @pytest.mark.slow
-def test_quickstart_trains_tiny_qwen3(tmp_path):
-    """The quickstart's config (examples/tiny_agent/config.yaml) with ``--model`` a tiny Qwen3 made by the tool;
-    2 RL steps after a short warm start (small batches: this checks that it runs, not that it learns)."""
+@pytest.mark.parametrize("family, extra", [("qwen3", ["--tie"]), ("qwen3_moe", [])])
+def test_quickstart_trains_tiny_qwen3(tmp_path, family, extra):
+    """The quickstart's config (examples/tiny_agent/config.yaml) with ``--model`` a tiny Qwen3 / Qwen3-MoE made by the
+    tool; 2 RL steps after a short warm start (small batches: this checks that it runs, not that it learns)."""
     from tests.conftest import free_port
 
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", MASTER_PORT=str(free_port()))
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         env.pop(k, None)
-    model = str(tmp_path / "qwen3")
+    model = str(tmp_path / family)
     subprocess.run([sys.executable, os.path.join(common.REPO, "tools", "make_tiny_model.py"), "--out", model,
-                    "--family", "qwen3", "--tie"], check=True, env=env, capture_output=True, timeout=300)
+                    "--family", family, *extra], check=True, env=env, capture_output=True, timeout=300)
     assert ModelArch.from_hf_dir(model).qk_layernorm
     args = ["--config", os.path.join(common.REPO, "examples", "tiny_agent", "config.yaml"), "--model", model,
             "--save", str(tmp_path / "ck"), "--tensorboard-dir", str(tmp_path / "tb"), "--train-iters", "2",
