@@ -275,8 +275,9 @@ def local_layer_spec(*, qk_layernorm: bool = False):
     return get_gpt_layer_local_spec(**_accepted(get_gpt_layer_local_spec, kw))
 
 
-def te_layer_spec(*, qk_layernorm: bool = False):
-    """Transformer Engine layer spec, or None when TE is not importable (always None on CPU)."""
+def te_layer_spec(*, qk_layernorm: bool = False, num_experts: int = 0):
+    """Transformer Engine layer spec, or None when TE is not importable (always None on CPU). ``num_experts`` > 0:
+    the MoE spec with sequential experts (same parameter names as the local spec; no grouped GEMM)."""
     if not cuda_available():
         return None
     try:
@@ -285,7 +286,10 @@ def te_layer_spec(*, qk_layernorm: bool = False):
     except Exception:
         return None
     fn = get_gpt_layer_with_transformer_engine_spec
-    return fn(**_accepted(fn, {"qk_layernorm": qk_layernorm}))
+    kw = {"qk_layernorm": qk_layernorm}
+    if num_experts:
+        kw.update(num_experts=num_experts, moe_grouped_gemm=False)
+    return fn(**_accepted(fn, kw))
 
 
 def _fix_moe_without_te() -> None:
@@ -361,19 +365,6 @@ def local_moe_layer_spec(num_experts: int, *, qk_layernorm: bool = False):
     kw = {"normalization": "RMSNorm", "qk_layernorm": qk_layernorm, "num_experts": num_experts,
           "moe_grouped_gemm": False}
     return get_gpt_layer_local_spec(**_accepted(get_gpt_layer_local_spec, kw))
-
-
-def te_moe_layer_spec(num_experts: int, *, qk_layernorm: bool = False):
-    """Transformer Engine MoE layer spec (sequential experts: same parameter names as the local spec), or None."""
-    if not cuda_available():
-        return None
-    try:
-        import transformer_engine  # noqa: F401
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
-    except Exception:
-        return None
-    fn = get_gpt_layer_with_transformer_engine_spec
-    return fn(**_accepted(fn, {"qk_layernorm": qk_layernorm, "num_experts": num_experts, "moe_grouped_gemm": False}))
 
 
 def llama3_inv_freq(head_dim: int, theta: float, *, factor: float, low_freq_factor: float, high_freq_factor: float,

@@ -147,7 +147,7 @@ def layer_spec(arch, precision):
     """(spec, name): Transformer Engine MoE spec where TE is usable (GPU), the local spec otherwise."""
     from megatron_tsync.model import compat
 
-    te = compat.te_moe_layer_spec(arch.num_experts, qk_layernorm=arch.qk_layernorm)
+    te = compat.te_layer_spec(qk_layernorm=arch.qk_layernorm, num_experts=arch.num_experts)
     if precision.fp8_format is not None and te is None:
         raise ValueError(f"--fp8-format {precision.fp8_format} needs Transformer Engine on a GPU")
     if te is not None:

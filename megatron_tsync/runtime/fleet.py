@@ -207,6 +207,18 @@ class TransportSource:
         early, self._early = self._early, []
         return early + self.fleet.receiver.poll(0 if early else int(timeout_s * 1000))
 
+    def _progress(self, got_any: bool) -> None:
+        """After a poll: note progress, or check the workers and the stall timeout (``rollout.stall_timeout_s``)."""
+        now = time.perf_counter()
+        if got_any:
+            self.last_event = now
+            return
+        self.fleet.check_alive()
+        if now - self.last_event > self.stall_timeout_s:
+            missing = sorted(self.expected - self.seen)
+            raise TimeoutError(f"step {self.step}: no trajectory for {self.stall_timeout_s:.0f}s; "
+                               f"{len(missing)} missing, e.g. {missing[:5]}")
+
     def poll(self, timeout_s: float) -> list[Sample]:
         out = []
         for ev in self._events(timeout_s):
@@ -215,15 +227,7 @@ class TransportSource:
             s = self._to_sample(ev)
             if s is not None:
                 out.append(s)
-        now = time.perf_counter()
-        if out:
-            self.last_event = now
-        else:
-            self.fleet.check_alive()
-            if now - self.last_event > self.stall_timeout_s:
-                missing = sorted(self.expected - self.seen)
-                raise TimeoutError(f"step {self.step}: no trajectory for {self.stall_timeout_s:.0f}s; "
-                                   f"{len(missing)} missing, e.g. {missing[:5]}")
+        self._progress(bool(out))
         return out
 
     def _to_sample(self, ev) -> Sample | None:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 
 import torch
 import torch.distributed as dist
@@ -55,14 +54,7 @@ class OPDTransportSource(TransportSource):
                 out += self._turn(ev)
             elif kind == "trajectory":  # its reward is only logged: OPD trains on the teacher's scores
                 out += self._trajectory(ev)
-        now = time.perf_counter()
-        if out:
-            self.last_event = now
-        else:
-            self.fleet.check_alive()
-            if now - self.last_event > self.stall_timeout_s:
-                raise TimeoutError(f"step {self.step}: no event for {self.stall_timeout_s:.0f}s; "
-                                   f"{len(self.expected - self.seen)} trajectories missing")
+        self._progress(bool(out))
         if self.teacher is not None:
             out = [self.teacher.score(c) for c in out]
             _record_teacher(self.samples, out)
