@@ -1,12 +1,26 @@
-"""Gradient-bucket memory of streaming GRPO per GPU, for sizing ``--max-open-groups`` (examples/qwen_*/README.md).
+"""Gradient-bucket memory of streaming GRPO per GPU, for sizing ``--max-open-groups`` (examples/qwen*/README.md).
 
     python examples/bucket_memory.py --hf-config /models/Qwen2.5-14B-Instruct/config.json --tp 4 --pp 2 \\
         --estimator grpo --max-open-groups 4
 
 A bucket vector is shaped like Megatron's DDP grad buffer of one rank (fp32 with ``grad_reduce_in_fp32``): the
-rank's parameters under TP × PP, *not* divided by DP (the distributed optimizer shards optimizer state, not the grad
-buffer). Vectors per rank beyond the grad buffer itself (design note §1): 2k for std-normalised GRPO (P and Q per open
-group), k for Dr.GRPO / RLOO (Q only), k = open groups ≤ ``--max-open-groups``. Prints the largest stage's figures.
+rank's parameters under TP × PP (× EP for the experts), *not* divided by DP (the distributed optimizer shards
+optimizer state, not the grad buffer). Vectors per rank beyond the grad buffer itself (design note §1): 2k for
+std-normalised GRPO (P and Q per open group), k for Dr.GRPO / RLOO (Q only), k = open groups ≤
+``--max-open-groups``. Prints the largest stage's figures.
+
+Parameters of one decoder layer on one rank (megatron's GPTModel, SwiGLU, no biases except Qwen2's QKV bias):
+
+- attention: QKV ``H × (q + 2·kv)`` (+ ``q + 2·kv`` bias, Qwen2) and output ``q × H``, split over TP;
+  Qwen3 / Qwen3-MoE QK-norm weights ``2 · head_dim``, replicated over TP;
+- dense MLP: ``3 · H · ffn`` split over TP;
+- MoE MLP (Qwen3-MoE): router ``H × E`` replicated over TP; experts ``E × 3 · H · moe_ffn`` of which a rank holds
+  E/EP experts, each split over the expert-TP size (= TP here, model/moe.py);
+- two RMSNorm weights ``2 · H``, replicated over TP.
+
+Embedding ``V × H / TP`` on the first stage; final norm ``H`` and (untied) output layer ``V × H / TP`` on the last.
+With EP the rank's grad buffer holds its E/EP experts (megatron keeps them in a separate expert-parallel buffer of the
+same rank, which a bucket vector mirrors), so the figure is per rank of the expert-parallel layout.
 """
 
 from __future__ import annotations
@@ -20,38 +34,64 @@ from megatron_tsync.model.builder import ModelArch
 PER_GROUP = {"grpo": 2, "grpo_unbiased": 2, "grpo_batch_std": 2, "dr_grpo": 1, "rloo": 1}
 
 
-def params_per_rank(arch: ModelArch, tp: int, pp: int) -> int:
-    """Parameters held by the largest pipeline stage's rank (embedding on stage 0, output layer on the last)."""
+def layer_params(arch: ModelArch, tp: int = 1, ep: int = 1) -> int:
+    """Parameters of one decoder layer on one (TP, EP) rank."""
     h, hd = arch.hidden_size, arch.head_dim
     q, kv = arch.num_attention_heads * hd, arch.num_kv_heads * hd
-    split = h * (q + 2 * kv) + (q + 2 * kv if arch.qkv_bias else 0) + q * h + 3 * h * arch.ffn_hidden_size
-    layer = split // tp + 2 * h  # two RMSNorm weights, replicated over TP
-    body = (arch.num_layers // pp) * layer
+    split = h * (q + 2 * kv) + (q + 2 * kv if arch.qkv_bias else 0) + q * h
+    replicated = 2 * h + (2 * hd if arch.qk_layernorm else 0)
+    if arch.num_experts:
+        if arch.num_experts % ep:
+            raise ValueError(f"{arch.num_experts} experts do not split over EP={ep}")
+        split += (arch.num_experts // ep) * 3 * h * arch.moe_ffn_hidden_size
+        replicated += h * arch.num_experts  # router
+    else:
+        if ep != 1:
+            raise ValueError("--ep > 1 needs a MoE model")
+        split += 3 * h * arch.ffn_hidden_size
+    return split // tp + replicated
+
+
+def stage_params(arch: ModelArch, tp: int, pp: int, ep: int = 1) -> list[int]:
+    """Parameters of one rank of each pipeline stage (embedding on stage 0, final norm and output layer on the last)."""
+    if arch.num_layers % pp:
+        raise ValueError(f"{arch.num_layers} layers do not split over PP={pp}")
+    h = arch.hidden_size
     emb = arch.vocab_size * h // tp
-    first = body + emb + (emb + h if pp == 1 and not arch.tie_word_embeddings else 0)
-    last = body + h + (emb if not arch.tie_word_embeddings or pp > 1 else 0)
-    return max(first, last) if pp > 1 else first
+    stages = [(arch.num_layers // pp) * layer_params(arch, tp, ep) for _ in range(pp)]
+    stages[0] += emb
+    stages[-1] += h + (emb if not arch.tie_word_embeddings or pp > 1 else 0)
+    return stages
 
 
-def estimate(arch: ModelArch, tp: int, pp: int, estimator: str, max_open_groups: int, bytes_per: int = 4) -> dict:
-    n = params_per_rank(arch, tp, pp)
+def params_per_rank(arch: ModelArch, tp: int, pp: int, ep: int = 1) -> int:
+    """Parameters held by the largest pipeline stage's rank."""
+    return max(stage_params(arch, tp, pp, ep))
+
+
+def estimate(arch: ModelArch, tp: int, pp: int, estimator: str, max_open_groups: int, bytes_per: int = 4,
+             ep: int = 1) -> dict:
+    n = params_per_rank(arch, tp, pp, ep)
     vec = n * bytes_per
     k_vectors = PER_GROUP[estimator] * max_open_groups
     return {"params_per_rank": n, "vector_bytes": vec, "bucket_vectors": k_vectors,
-            "bucket_bytes": k_vectors * vec, "grad_buffer_bytes": vec}
+            "bucket_bytes": k_vectors * vec, "grad_buffer_bytes": vec,
+            "stage_params": stage_params(arch, tp, pp, ep)}
 
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--hf-config", required=True, help="a Hugging Face config.json (Llama / Qwen2 / Qwen3 dense; not MoE yet)")
+    ap.add_argument("--hf-config", required=True,
+                    help="a Hugging Face config.json (Llama / Qwen2 / Qwen3 dense / Qwen3-MoE)")
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE): a rank holds E/EP experts")
     ap.add_argument("--estimator", default="grpo", choices=sorted(PER_GROUP))
     ap.add_argument("--max-open-groups", type=int, required=True)
     a = ap.parse_args(argv)
     with open(a.hf_config) as f:
         arch = ModelArch.from_hf_config(json.load(f))
-    e = estimate(arch, a.tp, a.pp, a.estimator, a.max_open_groups)
+    e = estimate(arch, a.tp, a.pp, a.estimator, a.max_open_groups, ep=a.ep)
     gib = 1 << 30
     print(f"params per rank {e['params_per_rank'] / 1e9:.2f} B; one gradient-sized fp32 vector "
           f"{e['vector_bytes'] / gib:.1f} GiB; buckets {e['bucket_vectors']} vectors = "
