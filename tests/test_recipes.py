@@ -1,4 +1,4 @@
-"""The GPU recipes (examples/qwen_swe, examples/qwen_terminal) on CPU: what can be checked without a GPU.
+"""The GPU recipes (examples/qwen_swe, qwen_terminal, qwen3_swe, qwen3_moe) on CPU: what can be checked without a GPU.
 
 - each config.yaml parses into the frozen TrainConfig and passes its validation (FP8 / Transformer Engine are only
   needed when the model is built, never by parsing), alone and with the flags slurm/train_grpo.sh adds;
@@ -19,8 +19,11 @@ from megatron_tsync.arguments import parse_args
 from megatron_tsync.config import TrainConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RECIPES = {"qwen_swe": dict(tp=4, pp=1, world=16, task="swe-jsonl"),
-           "qwen_terminal": dict(tp=4, pp=2, world=16, task="terminal-jsonl")}
+RECIPES = {"qwen_swe": dict(tp=4, pp=1, world=16, nodes=4, task="swe-jsonl"),
+           "qwen_terminal": dict(tp=4, pp=2, world=16, nodes=4, task="terminal-jsonl"),
+           "qwen3_swe": dict(tp=4, pp=1, world=16, nodes=4, task="swe-jsonl"),
+           # TP 1, EP 1: this version trains MoE neither at TP > 1 nor at EP > 1 (examples/qwen3_moe/README.md)
+           "qwen3_moe": dict(tp=1, pp=16, world=32, nodes=6, task="terminal-jsonl")}
 # Public Hugging Face config.json values of the two policies (the parts the model builder reads).
 HF_CONFIGS = {
     "qwen_swe": {"model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
@@ -55,6 +58,7 @@ def test_recipe_parses_and_validates(name):
     r = RECIPES[name]
     cfg = parse_args(["--config", _config(name)], world_size=r["world"])
     assert isinstance(cfg, TrainConfig)
+    assert cfg.parallel.expert_model_parallel_size == 1 and cfg.model.moe_aux_loss_coeff == 0.0
     assert cfg.precision.bf16 and cfg.precision.fp8_format == "hybrid"
     assert cfg.learner.sequence_packing and cfg.learner.max_packed_tokens >= cfg.rl.seq_length
     assert cfg.parallel.use_distributed_optimizer and cfg.optim.use_distributed_optimizer
@@ -70,17 +74,19 @@ def test_recipe_parses_and_validates(name):
 def test_readme_sbatch_matches_config(name):
     """The sbatch command of the README sets the script's variables to the config file's values, and the command
     line that slurm/common.sh builds from them (flags after --config) parses to the same configuration."""
+    r = RECIPES[name]
     text = open(os.path.join(ROOT, "examples", name, "README.md")).read()
-    block = text[text.index("sbatch --nodes=4 --gpus-per-node"):]
+    block = text[text.index(f"sbatch --nodes={r['nodes']} --gpus-per-node"):]
     block = block[: block.index("slurm/train_grpo.sh")].replace("\\\n", "")
     env = dict(re.findall(r"([A-Z_]+)=([^,\s\"]+)", block))
     assert f"--config examples/{name}/config.yaml" in block
-    cfg = parse_args(["--config", _config(name)], world_size=16)
+    cfg = parse_args(["--config", _config(name)], world_size=r["world"])
     for var, path in SBATCH_VARS.items():
         assert var in env, var
         assert str(_get(cfg, path)) == env[var], (var, env[var], _get(cfg, path))
     assert int(env["GLOBAL_BATCH_SIZE"]) == cfg.rl.sequences_per_step
-    assert int(env["TRAINER_NODES"]) * int(env["GPUS_PER_NODE"]) == 16
+    assert int(env["TRAINER_NODES"]) * int(env["GPUS_PER_NODE"]) == r["world"]
+    assert int(env["TRAINER_NODES"]) + int(env["ROLLOUT_NODES"]) == r["nodes"]
     documented = open(os.path.join(ROOT, "slurm", "common.sh")).read()
     for var in env:
         if var not in ("MODEL", "SAVE"):
@@ -94,7 +100,7 @@ def test_readme_sbatch_matches_config(name):
             "--rollout-workers", env["ROLLOUT_WORKERS"], "--rollout-launch", "external", "--rollout-dir", "/ck/rp",
             "--seq-length", env["SEQ_LENGTH"], "--max-turns", env["MAX_TURNS"],
             "--max-new-tokens", env["MAX_NEW_TOKENS"]]
-    full = parse_args(argv, world_size=16)
+    full = parse_args(argv, world_size=r["world"])
     assert full.learner == cfg.learner and full.parallel == cfg.parallel and full.precision == cfg.precision
 
 
@@ -104,7 +110,7 @@ def test_recipe_task_and_verifier(name, monkeypatch):
     from megatron_tsync.runtime.tasks import get_task
 
     monkeypatch.setenv("TSYNC_TASK_FILE", os.path.join(ROOT, "examples", name, "sample_tasks.jsonl"))
-    cfg = parse_args(["--config", _config(name)], world_size=16)
+    cfg = parse_args(["--config", _config(name)], world_size=RECIPES[name]["world"])
     task = get_task(cfg.rollout.task, verifier=cfg.rollout.verifier)
     assert task.reward_spec == cfg.learner.reward_spec
     a, b = task.sample_prompts(3, 4, seed=7), task.sample_prompts(3, 4, seed=7)
@@ -120,18 +126,57 @@ def test_recipe_task_and_verifier(name, monkeypatch):
         assert bad.reward == 0.0, (rec["id"], bad)
 
 
-@pytest.mark.parametrize("name,estimator,k,vector_gib,bucket_gib", [("qwen_swe", "dr_grpo", 8, 7.1, 56.7),
-                                                                     ("qwen_terminal", "grpo", 3, 6.9, 41.3)])
-def test_bucket_memory_figures(name, estimator, k, vector_gib, bucket_gib):
+def _hf_config(name):
+    path = os.path.join(ROOT, "examples", name, "config.json")  # the Qwen3 recipes ship their policy's config.json
+    return json.load(open(path)) if os.path.exists(path) else HF_CONFIGS[name]
+
+
+# (recipe, estimator, k = --max-open-groups, device vectors (--max-device-buckets or all), GiB per vector, GiB of all
+#  k open groups' vectors, GiB of the device-resident ones, published size in B)
+BUCKET_FIGURES = [("qwen_swe", "dr_grpo", 8, None, 7.1, 56.7, 56.7, 7.62),
+                  ("qwen_terminal", "grpo", 3, None, 6.9, 41.3, 41.3, 14.77),
+                  ("qwen3_swe", "dr_grpo", 8, 6, 7.6, 61.0, 45.8, 8.19),
+                  ("qwen3_moe", "dr_grpo", 4, 2, 8.1, 32.5, 16.2, 30.53)]
+
+
+@pytest.mark.parametrize("name,estimator,k,device,vector_gib,bucket_gib,device_gib,size", BUCKET_FIGURES)
+def test_bucket_memory_figures(name, estimator, k, device, vector_gib, bucket_gib, device_gib, size):
     from examples.bucket_memory import estimate, params_per_rank
 
     from megatron_tsync.model.builder import ModelArch
 
-    arch = ModelArch.from_hf_config(HF_CONFIGS[name])
+    arch = ModelArch.from_hf_config(_hf_config(name))
     total = params_per_rank(arch, 1, 1)
-    assert abs(total / 1e9 - {"qwen_swe": 7.62, "qwen_terminal": 14.77}[name]) < 0.01  # the published sizes
-    cfg = parse_args(["--config", _config(name)], world_size=16)
+    assert abs(total / 1e9 - size) < 0.01  # the published sizes
+    cfg = parse_args(["--config", _config(name)], world_size=RECIPES[name]["world"])
     assert cfg.learner.estimator == estimator and cfg.learner.max_open_groups == k
-    e = estimate(arch, cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size, estimator, k)
+    assert cfg.learner.max_device_buckets == device
+    ep = cfg.parallel.expert_model_parallel_size
+    e = estimate(arch, cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size, estimator, k,
+                 ep=ep)
     assert round(e["vector_bytes"] / 2**30, 1) == vector_gib
     assert round(e["bucket_bytes"] / 2**30, 1) == bucket_gib
+    on_device = min(device or e["bucket_vectors"], e["bucket_vectors"]) * e["vector_bytes"]
+    assert round(on_device / 2**30, 1) == device_gib
+    readme = open(os.path.join(ROOT, "examples", name, "README.md")).read()
+    for figure in {vector_gib, bucket_gib, device_gib}:
+        assert f"{figure} GiB" in readme, (name, figure)
+
+
+def test_qwen3_moe_expert_parallel_figure_and_refusal(capsys):
+    """The EP 8 figure the MoE README quotes (not runnable yet), and the refusal that makes the recipe EP 1."""
+    from examples.bucket_memory import params_per_rank
+
+    from megatron_tsync.config import ConfigError, ParallelConfig
+    from megatron_tsync.model.builder import ModelArch
+
+    arch = ModelArch.from_hf_config(_hf_config("qwen3_moe"))
+    n = params_per_rank(arch, 1, 16, 8)
+    readme = open(os.path.join(ROOT, "examples", "qwen3_moe", "README.md")).read()
+    assert f"{n / 1e9:.2f} B parameters per end-stage rank" in readme
+    assert f"{4 * n / 2**30:.1f} GiB per vector" in readme
+    with pytest.raises(SystemExit):
+        parse_args(["--config", _config("qwen3_moe"), "--expert-model-parallel-size", "8"], world_size=32)
+    assert "expert-model-parallel-size 8 is not supported" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="expert_model_parallel_size"):
+        ParallelConfig(expert_model_parallel_size=8)
