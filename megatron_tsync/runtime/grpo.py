@@ -1,4 +1,5 @@
-"""GRPO (and every group-affine estimator) in the one training loop: the learner, its per-step event source, its log row.
+"""GRPO (and every group-affine estimator) in the one training loop: the learner, its event source per step, its log
+row.
 
 Per step ``k`` (zero staleness): the loop publishes weights version ``k`` → workers roll out step ``k`` with them and
 stream trajectory events → :class:`~megatron_tsync.training.learner.Learner` consumes them as they land
@@ -127,7 +128,8 @@ class GRPO:
         first = sum(r["success_rate"] for r in h[:n]) / n
         last = sum(r["success_rate"] for r in h[-n:]) / n
         mean_step = sum(r["step_time_s"] for r in h) / len(h)
-        return (f"[tsync] summary: mode {self.ctx.cfg.learner.mode}, {len(h)} steps, success {first:.2f} → {last:.2f} "
+        mode = self.ctx.cfg.learner.mode
+        return (f"[tsync] summary: mode {mode}, {len(h)} steps, success {first:.2f} → {last:.2f} "
                 f"(first/last {n} steps), reward {h[0]['reward']:.3f} → {h[-1]['reward']:.3f}, "
                 f"mean step {mean_step:.2f}s, learner idle {sum(r['idle_frac'] for r in h) / len(h):.0%}")
 

@@ -2,9 +2,9 @@
 
 The same loop as GRPO (``runtime/loop.py``: model, optimizer, rollout fleet, weight hand-off, checkpoints) with two
 differences: the learner is ``training.opd_learner.OPDLearner`` (modes sync | stream-trajectory | stream-turn) and its
-input is a stream of teacher-scored turns. The teacher is scored on the learner side: a ``training.teacher.TeacherScorer``
-in the trainer process keeps a KV cache per open trajectory and scores each turn's new tokens the moment the turn
-arrives (the workers send no teacher log-probs today). Turns arrive as ``TurnEvent`` s when the worker sends them;
+input is a stream of teacher-scored turns. The teacher is scored on the learner side: a
+``training.teacher.TeacherScorer`` in the trainer process keeps a KV cache per open trajectory and scores each turn's
+new tokens the moment the turn arrives (the workers send no teacher log-probs today). Turns arrive as ``TurnEvent`` s when the worker sends them;
 otherwise a finished ``TrajectoryEvent`` is split at its ``turn_spans`` (same gradient, no overlap with generation).
 ``--opd-objective full-vocab``: the teacher also returns its full logits per predicted token (gathered over TP), which
 the learner keeps until that turn's forward has run. Under PP every stage holds the whole teacher and scores every
@@ -26,7 +26,8 @@ from megatron_tsync.runtime.fleet import RolloutFleet, TransportSource
 from megatron_tsync.runtime.rollout_io import load_rollouts
 from megatron_tsync.runtime.spec import StepOutcome, TrainSpec
 from megatron_tsync.streaming.ready_queue import DataParallelAssigner
-from megatron_tsync.training.opd_learner import ListChunkSource, OPDLearner, OPDLearnerConfig, TurnChunk, chunks_from_sample
+from megatron_tsync.training.opd_learner import (ListChunkSource, OPDLearner, OPDLearnerConfig, TurnChunk,
+                                                 chunks_from_sample)
 from megatron_tsync.training.stream_fb import BatchShape
 from megatron_tsync.training.teacher import TeacherChunks, TeacherScorer
 
@@ -39,7 +40,8 @@ TB_NAMES = {"reverse_kl": "opd/reverse_kl", "full_vocab_kl": "opd/full_vocab_kl"
 
 
 class OPDTransportSource(TransportSource):
-    """Turn chunks of one step from the rollout plane: ``TurnEvent`` s as turns finish, the rest at the trajectory end."""
+    """Turn chunks of one step from the rollout plane: ``TurnEvent`` s as turns finish, the rest at the trajectory
+    end."""
 
     def __init__(self, fleet, step: int, max_seq_len: int, teacher: TeacherChunks | None):
         super().__init__(fleet, step, max_seq_len)

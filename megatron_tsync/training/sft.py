@@ -123,7 +123,8 @@ def sft_warmup(
         dp_group: the data-parallel process group (``ParallelDims.dp_group()``); None = one replica. Each DP rank
             trains on rows ``dp_rank::dp`` of every batch.
     """
-    if getattr(unwrap(ddp_model), "pre_process", True) is False or getattr(unwrap(ddp_model), "post_process", True) is False:
+    inner = unwrap(ddp_model)
+    if getattr(inner, "pre_process", True) is False or getattr(inner, "post_process", True) is False:
         raise ValueError("sft_warmup needs a single-stage model (pipeline parallelism is not supported here)")
     codec = as_codec(codec)
     dp_rank, dp, dp_group = _dp_coords(dp_group)
