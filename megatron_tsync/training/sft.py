@@ -21,7 +21,6 @@ run's so the warm start does not see the RL prompts (``sample_prompts`` is a pur
 
 from __future__ import annotations
 
-import time
 from typing import Any, Callable, Sequence
 
 import torch
@@ -32,7 +31,7 @@ from megatron_tsync.model.logprobs import token_logprobs
 from megatron_tsync.model.tokenizer import TokenizerCodec
 from megatron_tsync.training.optimizer import finalize_and_scale
 
-__all__ = ["demonstration_tokens", "collate", "sft_warmup", "timed_sft_warmup", "as_codec"]
+__all__ = ["demonstration_tokens", "collate", "sft_warmup", "as_codec"]
 
 
 def as_codec(tokenizer_or_codec: Any):
@@ -156,10 +155,3 @@ def sft_warmup(
             for g, v in zip(optimizer.param_groups, old_lr):
                 g["lr"] = v
     return losses
-
-
-def timed_sft_warmup(*args, **kwargs) -> tuple[list[float], float]:
-    """:func:`sft_warmup` plus its wall time in seconds."""
-    t0 = time.perf_counter()
-    losses = sft_warmup(*args, **kwargs)
-    return losses, time.perf_counter() - t0

@@ -51,6 +51,11 @@ def engine(tiny_dir):
 @pytest.fixture(scope="module")
 def trainer(engine, tiny_dir):
     """The trainer's model (megatron GPTModel, TP=1) with the folder's weights; built after vLLM (which binds threads)."""
+    return trainer_model(tiny_dir)
+
+
+def trainer_model(tiny_dir):
+    """(megatron GPTModel at TP=1 in eval mode, its ModelArch, the folder's HF state dict)."""
     import torch.distributed as dist
 
     from megatron_tsync.model.hf_conversion import load_hf_dir, load_hf_into_model

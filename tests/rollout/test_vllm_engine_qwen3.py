@@ -7,8 +7,6 @@ second vLLM engine after megatron's process groups exist fails in vLLM's group r
 """
 
 import dataclasses
-import os
-import socket
 
 import pytest
 
@@ -18,47 +16,19 @@ pytest.importorskip("megatron.core", reason="the trainer-side log-probs need meg
 import torch  # noqa: E402
 
 from megatron_tsync.rollout.engine import SamplingConfig  # noqa: E402
+from tests.rollout.test_vllm_engine import max_diff, reference, trainer_model  # noqa: E402
 
 ATOL = 1e-4  # float32, vLLM's CPU kernels vs megatron's local spec (as for the tiny Llama)
 FAMILIES = {"qwen3": {}}
 
 
-def _free_port() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
-
-
 def _trainer(tiny_dir):
-    import torch.distributed as dist
-
-    from megatron_tsync.model.builder import build_model
-    from megatron_tsync.model.hf_conversion import load_hf_dir, load_hf_into_model
-    from megatron_tsync.model.parallel import initialize_parallel
-
-    if not dist.is_initialized():
-        os.environ["MASTER_PORT"] = _free_port()
-        for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
-            os.environ.pop(k, None)
-    initialize_parallel(1, 1, seed=0)
-    arch, state = load_hf_dir(tiny_dir)
-    model = build_model(arch, seed=1)
-    load_hf_into_model(model, state)
-    model.eval()
+    model, _, state = trainer_model(tiny_dir)
     return model, state
 
 
 def _max_diff(model, prompts, out, temperature):
-    from megatron_tsync.model.logprobs import token_logprobs
-
-    worst = 0.0
-    for p, comps in zip(prompts, out):
-        for c in comps:
-            with torch.no_grad():
-                ids = torch.tensor([list(p) + list(c.token_ids)])
-                ref = token_logprobs(model, ids, temperature=temperature)[0, len(p) - 1:].tolist()
-            worst = max(worst, max(abs(a - b) for a, b in zip(ref, c.logprobs)))
-    return worst
+    return max_diff(prompts, out, reference(model), temperature)
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
