@@ -34,7 +34,7 @@ import zlib
 from typing import Any
 
 from megatron_tsync.algorithms.streamability import RewardSpec
-from megatron_tsync.runtime.tasks import TaskInstance, register_task
+from megatron_tsync.runtime.tasks import TaskInstance, read_jsonl, register_task
 
 SYSTEM = {
     "swe": ("You are a software engineer. Solve the task in Python. You may run code with <tool>python: CODE</tool>; "
@@ -79,16 +79,12 @@ class JsonlTask:
         if not path:
             raise ValueError(f"{self.name}: set TSYNC_TASK_FILE to the JSONL file of problems")
         out = []
-        with open(path) as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                rec = json.loads(line)
-                if "id" not in rec or "prompt" not in rec or not (rec.get("tests") or rec.get("test_command")):
-                    raise ValueError(f"{path}:{n}: a problem needs 'id', 'prompt' and 'tests' or 'test_command'")
-                in_eval = zlib.crc32(str(rec["id"]).encode()) % self.heldout_mod == 0
-                if in_eval == (split == "eval"):
-                    out.append(rec)
+        for n, rec in read_jsonl(path):  # errors name path:line
+            if "id" not in rec or "prompt" not in rec or not (rec.get("tests") or rec.get("test_command")):
+                raise ValueError(f"{path}:{n}: a problem needs 'id', 'prompt' and 'tests' or 'test_command'")
+            in_eval = zlib.crc32(str(rec["id"]).encode()) % self.heldout_mod == 0
+            if in_eval == (split == "eval"):
+                out.append(rec)
         if not out:
             raise ValueError(f"{path}: no problems in the {split!r} split")
         return out

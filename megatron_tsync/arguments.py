@@ -62,6 +62,9 @@ _FLAGS: tuple[_Flag, ...] = (
        help="MoE: ranks the experts are split over (only 1 trains yet: the learner cannot keep EP ranks in lockstep)"),
     _f("--use-distributed-optimizer", ("parallel.use_distributed_optimizer", "optim.use_distributed_optimizer"),
        _G_PAR, **_SWITCH, help="shard optimizer state across data-parallel ranks"),
+    _f("--trainer-cpus", "parallel.trainer_cpus", _G_PAR, metavar="LIST",
+       help="CPU cores of the trainer ranks on a node, e.g. 0-3,8 (pinned; torch threads = their number; ranks "
+            "of a node share them out); default unpinned"),
     # ---- batch and steps
     _f("--micro-batch-size", (), _G_BATCH, type=int, metavar="1",
        help="must be 1: streaming runs one trajectory per microbatch"),
@@ -118,11 +121,17 @@ _FLAGS: tuple[_Flag, ...] = (
     _f("--tis-cap", "learner.loss.policy.tis_cap", _G_RL, type=float, metavar="C",
        help="truncated importance sampling cap to the inference engine's log-probs (default off)"),
     _f("--loss-aggregation", "learner.loss.aggregation", _G_RL, choices=C.AGGREGATIONS,
-       help="how token losses are averaged"),
-    _f("--kl-coef", "learner.loss.kl_coef", _G_RL, type=float, help="KL penalty coefficient β"),
-    _f("--kl-estimator", "learner.loss.kl_kind", _G_RL, choices=C.KL_ESTIMATORS, help="KL estimator"),
+       help="how token losses are averaged (seq-mean-token-sum-norm: sum over the batch / (B · L_max), L_max = "
+            "min(--max-turns × --max-new-tokens, --seq-length))"),
+    _f("--kl-coef", "learner.loss.kl_coef", _G_RL, type=float,
+       help="KL penalty coefficient β (> 0; needs --kl-mode loss or reward)"),
+    _f("--kl-estimator", "learner.loss.kl_kind", _G_RL, choices=C.KL_ESTIMATORS,
+       help="KL estimator per token: k1 = log π − log π_ref, k2 = ½(log π − log π_ref)², k3 = low-variance (Schulman)"),
     _f("--kl-mode", "learner.loss.kl_mode", _G_RL, choices=C.KL_MODES,
-       help="KL as a loss term, folded into the reward, or none"),
+       help="KL to the reference model (--ref-model, default the frozen initial policy; scored by the learner when "
+            "a trajectory lands): a loss term β·Σ kl, folded into the reward r − β·Σ kl at θ0, or none"),
+    _f("--ref-model", "model.ref_model", _G_RL, metavar="HF_DIR",
+       help="reference model of the KL term, a Hugging Face folder like --model (default: frozen initial weights)"),
     _f("--entropy-coef", "learner.loss.entropy_coef", _G_RL, type=float, help="entropy bonus coefficient"),
     _f("--num-minibatches", "learner.num_minibatches", _G_RL, type=int, metavar="M",
        help="optimizer steps per batch; minibatch membership by group index (minibatch j streams after step j-1)"),
@@ -137,13 +146,28 @@ _FLAGS: tuple[_Flag, ...] = (
     _f("--max-device-buckets", "learner.max_device_buckets", _G_RL, type=int, metavar="N",
        help="bucket vectors kept on the accelerator (>= 2); idle ones beyond N move to pinned host memory "
             "(default: all on the accelerator)"),
-    _f("--sequence-packing", "learner.sequence_packing", _G_BATCH, **_SWITCH,
-       help="pack several trajectories into one microbatch (block-diagonal causal attention; THD on Transformer "
-            "Engine) when their gradients go to the same place; the update is unchanged"),
+    _f("--skip-zero-advantage", "learner.skip_zero_advantage", _G_RL, action=argparse.BooleanOptionalAction,
+       help="no forward/backward for trajectories whose advantage is exactly 0 (all-equal groups) when no KL/entropy "
+            "term needs them; their tokens still count in the denominators; exact (default on)"),
+    _f("--stream-coalesce-ms", "learner.coalesce_ms", _G_RL, type=float, metavar="MS",
+       help="streaming modes: once a reward lands, collect the rewards landing in the next MS ms too, so they share "
+            "microbatches (work waits at most MS ms; the step's last reward never waits; default 0: none)"),
+    _f("--shared-prefix", "learner.shared_prefix", _G_RL, action=argparse.BooleanOptionalAction,
+       help="run a group's trajectories that share a prompt and a gradient destination as one microbatch: the "
+            "prompt's forward and backward once, each continuation attending to it (T×T mask, local layer spec; "
+            "at most --max-packed-tokens tokens); exact"),
+    _f("--sequence-packing", "learner.sequence_packing", _G_BATCH, action=argparse.BooleanOptionalAction,
+       help="pack several trajectories into one microbatch (THD: one causal attention per segment) when their "
+            "gradients go to the same place; the update is unchanged (--no-sequence-packing overrides a config)"),
     _f("--max-packed-tokens", "learner.max_packed_tokens", _G_BATCH, type=int, metavar="N",
        help="tokens per packed microbatch at most (with --sequence-packing; longer trajectories run alone)"),
+    _f("--deterministic", "learner.deterministic", _G_BATCH, **_SWITCH,
+       help="bitwise mode: the gradient sum does not depend on arrival order (canonical-order reduction, one vector "
+            "per trajectory until its group closes; torch deterministic kernels; no --sequence-packing), so sync, "
+            "stream-group and stream-trajectory give identical weights and runs with one seed repeat bit for bit"),
     _f("--reward-kind", (), _G_RL, choices=C.REWARD_KINDS,
-       help="what the learner may assume about rewards (default: declared by the --verifier)"),
+       help="what the learner may assume about rewards (default: declared by the --verifier; may assume less than "
+            "it declares, never more: a contradiction is an error)"),
     _f("--reward-range", (), _G_RL, type=float, nargs=2, metavar=("LO", "HI"),
        help="reward bounds (binary: the two values; default: declared by the --verifier)"),
     _f("--max-turns", "rl.max_turns", _G_RL, type=int, help="generated turns per trajectory"),
@@ -176,6 +200,23 @@ _FLAGS: tuple[_Flag, ...] = (
        help="wall-clock limit of one sandboxed tool call, seconds"),
     _f("--rollout-stall-timeout", "rollout.stall_timeout_s", _G_ROLL, type=float, metavar="S",
        help="give up on a step when no trajectory arrived for S seconds while the workers are alive"),
+    _f("--rollout-heartbeat-timeout", "rollout.heartbeat_timeout_s", _G_ROLL, type=float, metavar="S",
+       help="a worker silent for S seconds is hung (its trajectories are re-dispatched); a worker exits when the "
+            "trainer is silent for S seconds"),
+    _f("--rollout-retries", "rollout.worker_retries", _G_ROLL, type=int, metavar="N",
+       help="worker failures a run survives by re-dispatching; one more fails the step (checkpoint saved)"),
+    _f("--rollout-cpus", "rollout.cpus", _G_ROLL, metavar="LIST",
+       help="CPU cores of the rollout workers (engines and sandboxed tool calls), e.g. 4-7 (pinned; workers the "
+            "trainer starts share them out); default: the cores the trainer was started with"),
+    _f("--rollout-gpus", "rollout.gpus", _G_ROLL, metavar="LIST",
+       help="GPUs of the rollout workers the trainer starts on its node, e.g. 4,5,6,7 (each worker gets "
+            "--rollout-tensor-parallel-size of them as CUDA_VISIBLE_DEVICES; must not overlap the trainer's GPUs); "
+            "default: workers inherit the trainer's devices"),
+    _f("--speculative-rollouts", "rollout.speculative", _G_ROLL, **_SWITCH,
+       help="workers draft the next step's first turns under the current weights while the learner finishes, and "
+            "verify them exactly under the new weights (zero staleness; embedded engine, file weight sync)"),
+    _f("--speculative-draft-tokens", "rollout.speculative_draft_tokens", _G_ROLL, type=int, metavar="N",
+       help="tokens drafted per trajectory at most (0 = the whole first turn)"),
     _f("--teacher-model", "rollout.teacher_model", _G_ROLL, metavar="HF_DIR", help="teacher model (opd)"),
     _f("--weight-sync", "rollout.weight_sync", _G_ROLL, choices=C.WEIGHT_SYNCS,
        help="how weights reach the engines after each step: signed safetensors files in --rollout-dir, or a "
@@ -188,6 +229,8 @@ _FLAGS: tuple[_Flag, ...] = (
        help="create a tiny random model at --model if it does not exist"),
     _f("--moe-aux-loss-coeff", "model.moe_aux_loss_coeff", _G_MODEL, type=float, metavar="C",
        help="MoE load-balancing loss; only 0 (streaming would weight its gradient by the advantage)"),
+    _f("--moe-router-replay", "model.moe_router_replay", _G_MODEL, **_SWITCH,
+       help="MoE: the learner routes each token to the experts the engine chose for it (recorded per token)"),
     _f("--sft-warmup-steps", "model.sft_warmup_steps", _G_MODEL, type=int, metavar="N",
        help="supervised warm-start steps on the task's demonstrations before RL (0 = off)"),
     # ---- checkpointing
@@ -197,6 +240,16 @@ _FLAGS: tuple[_Flag, ...] = (
        help="save every N steps (default: only at the end)"),
     _f("--finetune", "checkpoint.finetune", _G_CKPT, **_SWITCH,
        help="load only model weights from --load (no optimizer state, step 0)"),
+    _f("--load-fallback", "checkpoint.load_fallback", _G_CKPT, **_SWITCH,
+       help="if the latest checkpoint of --load fails its checksums, resume from the newest older one that verifies"),
+    _f("--keep-last-checkpoints", "checkpoint.keep_last", _G_CKPT, type=int, metavar="N",
+       help="after each save delete all but the newest N checkpoints of --save (default: keep all)"),
+    _f("--exit-duration-in-mins", "checkpoint.exit_duration_in_mins", _G_CKPT, type=float, metavar="M",
+       help="stop after M minutes of wall time (at a step boundary, agreed by every rank), save and exit 0 with "
+            "SAVE/tsync_stop.json saying finished false (default: no budget)"),
+    _f("--override-loaded-config", "checkpoint.override_loaded_config", _G_CKPT, **_SWITCH,
+       help="resume even if the checkpoint's run-defining config (model, algorithm, mode, group shape, lr, seed, "
+            "precision) differs from this run's (a warning per field; default: an error listing the fields)"),
     # ---- logging and debugging
     _f("--tensorboard-dir", "logging.tensorboard_dir", _G_LOG, metavar="DIR", help="TensorBoard event directory"),
     _f("--log-interval", "logging.log_interval", _G_LOG, type=int, metavar="N", help="log every N steps"),
@@ -207,6 +260,12 @@ _FLAGS: tuple[_Flag, ...] = (
        help="replay each recorded step in a random arrival order (seeded) instead of the recorded one"),
     _f("--dump-grads", "logging.dump_grads", _G_LOG, metavar="DIR", help="save each step's normalised gradient"),
     _f("--no-progress", "logging.progress", _G_LOG, action="store_false", help="no progress bar"),
+    _f("--wandb-project", "logging.wandb_project", _G_LOG, metavar="NAME",
+       help="also log the TensorBoard scalars and the config to Weights & Biases (offline unless WANDB_API_KEY is "
+            "set or WANDB_MODE says otherwise)"),
+    _f("--wandb-exp-name", "logging.wandb_exp_name", _G_LOG, metavar="NAME", help="W&B run name"),
+    _f("--wandb-save-dir", "logging.wandb_save_dir", _G_LOG, metavar="DIR",
+       help="directory of the W&B run folder (default: SAVE/wandb, else ./wandb)"),
 )
 
 # TrainConfig fields set by flags handled in _special (for error messages).
@@ -302,10 +361,12 @@ def _config_tokens(parser: argparse.ArgumentParser, path: str) -> list[str]:
         opt, action = by_name[norm]
         if value is None:
             continue
-        if isinstance(action, argparse._StoreConstAction):  # store_true / store_false switches
+        if isinstance(action, (argparse._StoreConstAction, argparse.BooleanOptionalAction)):  # switches
             if not isinstance(value, bool):
                 parser.error(f"argument --config: key {key!r} in {path} is a switch: use true or false")
-            if value:
+            if isinstance(action, argparse.BooleanOptionalAction):  # --X / --no-X: the config says which
+                tokens.append(action.option_strings[0] if value else action.option_strings[1])
+            elif value:
                 tokens.append(opt)
         elif isinstance(value, (list, tuple)):
             tokens += [opt, *(_token(v) for v in value)]
@@ -331,6 +392,10 @@ def parse_args(argv: Sequence[str] | None = None, *, world_size: int | None = No
     pre.add_argument("--config")
     known, _ = pre.parse_known_args(argv)
     file_tokens = _config_tokens(parser, known.config) if known.config else []
+    if file_tokens:  # the file's values alone first, so that a bad one is reported with the file's name
+        in_file = build_parser()
+        in_file.error = lambda msg: parser.error(f"{msg} (in --config {known.config})")  # type: ignore[method-assign]
+        in_file.parse_args(file_tokens)
     args = vars(parser.parse_args(file_tokens + argv))
     args.pop("config", None)
 
@@ -346,8 +411,18 @@ def parse_args(argv: Sequence[str] | None = None, *, world_size: int | None = No
         if world_size is not None:
             cfg.parallel.data_parallel_size(world_size)
     except C.ConfigError as e:
-        parser.error(_as_flag_error(e))
+        parser.error(_from_file(_as_flag_error(e), file_tokens, argv, known.config))
     return cfg
+
+
+def _from_file(msg: str, file_tokens: list[str], argv: list[str], path: str | None) -> str:
+    """``msg`` plus which of the flags it names were set by the ``--config`` file (and not on the command line)."""
+    import re
+
+    given = {t.split("=", 1)[0] for t in argv if t.startswith("--")}
+    mine = {t.split("=", 1)[0] for t in file_tokens if t.startswith("--")} - given
+    named = [f for f in dict.fromkeys(re.findall(r"--[a-z0-9][a-z0-9-]*", msg)) if f in mine]
+    return f"{msg} ({', '.join(named)} set in --config {path})" if named else msg
 
 
 def _put(tree: dict, path: str, value: Any) -> None:
@@ -380,6 +455,8 @@ def _special(parser: argparse.ArgumentParser, args: dict, tree: dict) -> None:
     if "max_staleness" in args and args.get("rl_mode") != "async":
         parser.error(f"argument --max-staleness: only applies to --rl-mode async, got --rl-mode "
                      f"{args.get('rl_mode', _default_mode())}")
+    if "kl_estimator" in args and args.get("kl_mode", "none") == "none":
+        parser.error("argument --kl-estimator: has no effect without --kl-mode loss or reward")
     if "fp8_recipe" in args and "fp8_format" not in args:
         parser.error("argument --fp8-recipe: has no effect without --fp8-format")
     if "replay_rollouts" in args and "rollout_workers" not in args:

@@ -55,6 +55,9 @@ __all__ = [
     "RolloutConfig",
     "WEIGHT_SYNCS",
     "TrainConfig",
+    "parse_cpu_list",
+    "declared_reward_spec",
+    "reward_spec_conflict",
     "reward_spec_for_verifier",
 ]
 
@@ -108,6 +111,30 @@ def _check_sampling(section: Any, prefix: str) -> None:
         raise ConfigError(f"{prefix}.{e}", *([f"{prefix}.{head}"] if head in names else [])) from None
 
 
+def parse_cpu_list(text: str) -> tuple[int, ...]:
+    """Linux's CPU-list syntax (``/proc/<pid>/status`` ``Cpus_allowed_list``, ``taskset -c``): ``"0-3,8"`` →
+    ``(0, 1, 2, 3, 8)``, sorted, without duplicates. ValueError on anything else (empty, negative, ``3-1``)."""
+    out: set[int] = set()
+    for part in str(text).replace(" ", "").split(","):
+        m = re.fullmatch(r"(\d+)(?:-(\d+))?", part)
+        if m is None:
+            raise ValueError(f"{text!r} is not a CPU list (like 0-3,8): bad part {part!r}")
+        lo, hi = int(m.group(1)), int(m.group(2) or m.group(1))
+        if hi < lo:
+            raise ValueError(f"{text!r} is not a CPU list (like 0-3,8): range {part!r} runs backwards")
+        out.update(range(lo, hi + 1))
+    return tuple(sorted(out))
+
+
+def _check_cpus(text: str | None, path: str) -> None:
+    if text is None:
+        return
+    try:
+        parse_cpu_list(text)
+    except ValueError as e:
+        raise ConfigError(f"{path}: {e}", path) from None
+
+
 class _Section:
     """``to_dict`` / ``from_dict`` of one section on its own (what a rollout worker's spec carries)."""
 
@@ -138,6 +165,13 @@ class ModelConfig:
     """MoE load-balancing loss coefficient (megatron's ``--moe-aux-loss-coeff``). Only 0 is accepted: megatron
     injects the aux-loss gradient inside the policy-loss backward, and streaming scales a trajectory's backward by
     its advantage coefficients, so the term would be advantage-weighted (not exact; ``model/moe.py``)."""
+    moe_router_replay: bool = False
+    """MoE router replay: engines record the experts each token was routed to, the events carry them, and the
+    learner's forwards (training, π_θ0) route every token to those experts (``model/moe.py``)."""
+    ref_model: str | None = None
+    """Hugging Face folder of the KL term's reference model, built like the policy (same builder, conversion and
+    TP/PP layout; ``training/reference.py``); None = a frozen copy of the policy's initial weights (after ``load``
+    and the warm start; saved under ``SAVE/reference`` for resumes). Needs ``learner.loss.kl_mode`` loss or reward."""
 
     def __post_init__(self) -> None:
         _check(self.moe_aux_loss_coeff == 0.0,
@@ -165,21 +199,22 @@ class ParallelConfig:
     use_distributed_optimizer: bool = False
     """Shard optimizer state across data-parallel ranks (Megatron's distributed optimizer)."""
     expert_model_parallel_size: int = 1
-    """MoE experts split over this many ranks (EP, taken from the data-parallel ranks). Only 1 trains yet: every MoE
-    layer's all-to-all needs the EP ranks in lockstep, while streaming DP ranks run different numbers of
-    trajectories at different times. EP > 1 works for conversion and forward passes (``model.parallel``)."""
+    """MoE experts split over this many ranks (EP, taken from the data-parallel ranks). Every MoE layer's token
+    all-to-all spans the EP ranks, which stream different trajectories: the learner keeps them in lockstep, one
+    gradient destination per slot, idle microbatches where a rank has nothing (``model.parallel.ExpertLockstep``,
+    ``training.stream_fb``). GRPO only; not with ``--deterministic`` or a KL reference."""
+    trainer_cpus: str | None = None
+    """CPU cores the trainer ranks of a node run on (a CPU list, ``"0-3,8"``): every thread of the rank is pinned to
+    them (``os.sched_setaffinity``) and torch's intra-op threads set to their number; several ranks on a node
+    split the list into contiguous shares when it has a core per rank (``runtime/affinity.py``). None = unpinned
+    (torch threads from ``OMP_NUM_THREADS``)."""
 
     def __post_init__(self) -> None:
+        _check_cpus(self.trainer_cpus, "parallel.trainer_cpus")
         for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
                      "expert_model_parallel_size"):
             value = getattr(self, name)
             _check(value >= 1, f"parallel.{name} must be >= 1, got {value}", f"parallel.{name}")
-        _check(self.expert_model_parallel_size == 1,
-               f"parallel.expert_model_parallel_size {self.expert_model_parallel_size} is not supported by the "
-               "learner yet: each MoE layer's all-to-all needs the expert-parallel ranks (data-parallel ranks) in "
-               "lockstep, and streaming data-parallel ranks train different numbers of trajectories at different "
-               "times (it would deadlock); EP > 1 is supported for conversion and forward passes only",
-               "parallel.expert_model_parallel_size")
 
     @property
     def model_parallel_size(self) -> int:
@@ -228,6 +263,13 @@ class RLConfig(_Section):
     trainer the policy that generated a trajectory may be. 0 otherwise."""
     seed: int = 1234
     """Seed of prompt sampling, rollout sampling and model initialisation."""
+
+    @property
+    def max_action_tokens(self) -> int:
+        """L_max of ``seq-mean-token-sum-norm``: the most action (loss) tokens one trajectory can have,
+        min(max_turns × max_new_tokens, seq_length) — every turn generates at most max_new_tokens, and the whole
+        trajectory is cut at seq_length. A constant known before the batch (Dr.GRPO's generation budget)."""
+        return min(self.max_turns * self.max_new_tokens, self.seq_length)
 
     def __post_init__(self) -> None:
         _check(self.algorithm in RL_ALGORITHMS, f"rl.algorithm must be one of {RL_ALGORITHMS}, got {self.algorithm!r}",
@@ -304,8 +346,39 @@ class RolloutConfig(_Section):
     stall_timeout_s: float = 1800.0
     """The learner gives up on a step (TimeoutError naming the trajectories still missing) when no event arrived for
     this many seconds while every worker process is alive."""
+    heartbeat_timeout_s: float = 60.0
+    """A rollout worker whose heartbeat (``run_dir/hb/worker{w}.json``) has not changed for this many seconds is
+    declared hung (killed, if the trainer started it) and its trajectories re-dispatched; a worker that sees no
+    change of the trainer's heartbeat for this long exits (``runtime/supervision.py``)."""
+    worker_retries: int = 2
+    """Worker failures (dead or hung) one run survives by re-dispatching the failed worker's trajectories to live
+    workers; one more fails the step with a checkpoint saved and a message naming the worker and its trajectories."""
+    cpus: str | None = None
+    """CPU cores the rollout workers run on (a CPU list, ``"4-7"``), and with them their engines and sandboxed tool
+    calls (children inherit the mask): workers the trainer starts split the list into contiguous shares when it has
+    a core per worker, external workers take all of it; torch's intra-op threads = the cores of the share
+    (``runtime/affinity.py``). None = the cores the trainer was started with, 1 torch thread per worker."""
+    gpus: str | None = None
+    """GPUs of the rollout workers the trainer starts on its node (``"4,5,6,7"`` or ``"4-7"``): worker ``w`` gets
+    ``CUDA_VISIBLE_DEVICES`` = its ``engine_tensor_parallel_size`` ids of the list, in order; the trainer's own GPUs
+    must not overlap them (checked at start-up, ``runtime/launch_env.py``). None = workers inherit the trainer's
+    devices. Needs ``launch`` "local" (srun places external workers)."""
+    speculative: bool = False
+    """Speculative next-batch rollouts (``rollout/speculative.py``): while a worker waits for θ_{k+1} it drafts the
+    first turn of its step-(k+1) trajectories under θ_k, and verifies each draft exactly under θ_{k+1} when the
+    weights land (kept with min(1, p/q), the first rejection redrawn from max(0, p − q)): the trajectories follow
+    π_{k+1}, zero staleness. Embedded engine, file weight hand-off, not in async mode."""
+    speculative_draft_tokens: int = 0
+    """Cap on the tokens drafted per trajectory (0 = the whole first turn, up to its token cap)."""
 
     def __post_init__(self) -> None:
+        _check_cpus(self.cpus, "rollout.cpus")
+        gpu_list = r"\d+(-\d+)?(,\d+(-\d+)?)*"
+        _check(self.gpus is None or re.fullmatch(gpu_list, self.gpus.replace(" ", "")) is not None,
+               f"rollout.gpus must be a GPU list like 4,5,6,7 or 4-7, got {self.gpus!r}", "rollout.gpus")
+        _check(self.gpus is None or self.launch == "local", "rollout.gpus places the workers the trainer starts "
+               "(rollout.launch local); external workers get their GPUs from their launcher", "rollout.gpus",
+               "rollout.launch")
         _check(self.launch in ("local", "external"), f"rollout.launch must be 'local' or 'external', got "
                f"{self.launch!r}", "rollout.launch")
         _check(self.engine in ROLLOUT_ENGINES, f"rollout.engine must be one of {ROLLOUT_ENGINES}, got {self.engine!r}",
@@ -330,10 +403,20 @@ class RolloutConfig(_Section):
                "rollout.sandbox_timeout_s")
         _check(self.weight_sync in WEIGHT_SYNCS, f"rollout.weight_sync must be one of {WEIGHT_SYNCS}, got "
                f"{self.weight_sync!r}", "rollout.weight_sync")
+        _check(self.speculative_draft_tokens >= 0, f"rollout.speculative_draft_tokens must be >= 0, got "
+               f"{self.speculative_draft_tokens}", "rollout.speculative_draft_tokens")
+        _check(not self.speculative or (self.engine == "embedded" and self.weight_sync == "file"),
+               "rollout.speculative drafts and verifies on the embedded engine with the file weight hand-off (the "
+               f"worker drafts while it waits for the next version's file); got engine {self.engine}, weight_sync "
+               f"{self.weight_sync}", "rollout.speculative", "rollout.engine", "rollout.weight_sync")
         _check(1 <= self.weight_sync_bucket_mb <= 16384, f"rollout.weight_sync_bucket_mb must be in [1, 16384], got "
                f"{self.weight_sync_bucket_mb}", "rollout.weight_sync_bucket_mb")
         _check(self.stall_timeout_s > 0, f"rollout.stall_timeout_s must be > 0, got {self.stall_timeout_s}",
                "rollout.stall_timeout_s")
+        _check(self.heartbeat_timeout_s > 0 and math.isfinite(self.heartbeat_timeout_s),
+               f"rollout.heartbeat_timeout_s must be > 0, got {self.heartbeat_timeout_s}", "rollout.heartbeat_timeout_s")
+        _check(self.worker_retries >= 0, f"rollout.worker_retries must be >= 0, got {self.worker_retries}",
+               "rollout.worker_retries")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -348,12 +431,38 @@ class CheckpointConfig:
     """Save every this many steps (None = only at the end of training, when ``save`` is set)."""
     finetune: bool = False
     """Load only the model weights from ``load``: ignore its optimizer state and step counter."""
+    load_fallback: bool = False
+    """When the latest checkpoint of ``load`` fails its checksums (a file missing, truncated or altered), resume from
+    the newest older one that verifies instead of stopping (a warning names the damaged file)."""
+    keep_last: int | None = None
+    """After each save keep only the newest this many checkpoints of ``save`` (None = keep all)."""
+    exit_duration_in_mins: float | None = None
+    """Stop after this many minutes of wall time since the trainer process started: decided at a step boundary,
+    agreed by every rank, a checkpoint saved, exit 0 with ``SAVE/tsync_stop.json`` saying ``"finished": false``
+    (``runtime/stop.py``). None = no budget."""
+    override_loaded_config: bool = False
+    """Resume even when the run-defining configuration saved in the checkpoint (model, algorithm, mode, group shape,
+    lr, seed, precision: ``runtime/run_dir.RUN_FIELDS``) differs from this run's (a warning per field); without it a
+    difference is an error listing each field."""
 
     def __post_init__(self) -> None:
         _check(self.save_interval is None or self.save_interval >= 1,
                f"checkpoint.save_interval must be >= 1, got {self.save_interval}", "checkpoint.save_interval")
+        _check(self.keep_last is None or self.keep_last >= 1,
+               f"checkpoint.keep_last must be >= 1, got {self.keep_last}", "checkpoint.keep_last")
+        _check(not self.load_fallback or self.load is not None, "checkpoint.load_fallback needs checkpoint.load",
+               "checkpoint.load_fallback", "checkpoint.load")
+        _check(self.keep_last is None or self.save is not None, "checkpoint.keep_last needs checkpoint.save",
+               "checkpoint.keep_last", "checkpoint.save")
         _check(not self.finetune or self.load is not None, "checkpoint.finetune needs checkpoint.load",
                "checkpoint.finetune", "checkpoint.load")
+        _check(self.exit_duration_in_mins is None or (self.exit_duration_in_mins > 0
+                                                        and math.isfinite(self.exit_duration_in_mins)),
+               f"checkpoint.exit_duration_in_mins must be > 0, got {self.exit_duration_in_mins}",
+               "checkpoint.exit_duration_in_mins")
+        _check(not self.override_loaded_config or self.load is not None,
+               "checkpoint.override_loaded_config needs checkpoint.load", "checkpoint.override_loaded_config",
+               "checkpoint.load")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -374,6 +483,13 @@ class LoggingConfig:
     """Directory to save each step's normalised gradient in (after the DP reduction, before clipping)."""
     progress: bool = True
     """Show a progress bar."""
+    wandb_project: str | None = None
+    """Weights & Biases project: the TensorBoard scalars and the config also go to W&B (``runtime/wandb_log.py``;
+    offline, into ``wandb_save_dir``, unless ``WANDB_MODE`` says otherwise or ``WANDB_API_KEY`` is set). None = off."""
+    wandb_exp_name: str | None = None
+    """W&B run name (None: W&B's own)."""
+    wandb_save_dir: str | None = None
+    """Directory W&B writes its run folder into (None: ``SAVE/wandb``, else ``./wandb``)."""
 
     def __post_init__(self) -> None:
         _check(self.log_interval >= 1, f"logging.log_interval must be >= 1, got {self.log_interval}",
@@ -381,6 +497,8 @@ class LoggingConfig:
         _check(self.dump_rollouts is None or self.dump_rollouts != self.replay_rollouts,
                "logging.dump_rollouts and logging.replay_rollouts name the same directory: recording would "
                "overwrite the rollouts being replayed", "logging.dump_rollouts", "logging.replay_rollouts")
+        _check(self.wandb_project is not None or (self.wandb_exp_name is None and self.wandb_save_dir is None),
+               "logging.wandb_exp_name and logging.wandb_save_dir need logging.wandb_project", "logging.wandb_project")
 
 
 # ------------------------------------------------------------------------------------------------------ the run
@@ -465,11 +583,22 @@ class TrainConfig:
                f"{lr.max_device_buckets}", "learner.max_device_buckets")
         _check(lr.estimator_eps >= 0, f"learner.estimator_eps must be >= 0, got {lr.estimator_eps}",
                "learner.estimator_eps")
+        _check(lr.coalesce_ms >= 0, f"learner.coalesce_ms must be >= 0, got {lr.coalesce_ms}", "learner.coalesce_ms")
         _check(lr.max_packed_tokens >= 1, f"learner.max_packed_tokens must be >= 1, got {lr.max_packed_tokens}",
                "learner.max_packed_tokens")
         _check(not (lr.sequence_packing and self.rl.algorithm == "opd"),
                "learner.sequence_packing is implemented for rl.algorithm grpo only (the OPD learner runs one "
                "trajectory per microbatch)", "learner.sequence_packing", "rl.algorithm")
+        _check(not (lr.deterministic and lr.sequence_packing), "learner.deterministic runs one trajectory per "
+               "microbatch: learner.sequence_packing is refused (--no-sequence-packing overrides a config's)",
+               "learner.deterministic", "learner.sequence_packing")
+        _check(not (lr.shared_prefix and (lr.deterministic or self.rl.algorithm == "opd")),
+               "learner.shared_prefix is implemented for rl.algorithm grpo without learner.deterministic (one "
+               "trajectory per microbatch there)", "learner.shared_prefix", "learner.deterministic")
+        _check(not (lr.deterministic and (lr.mode == "async" or self.rl.algorithm == "opd")),
+               "learner.deterministic is implemented for rl.algorithm grpo in modes sync / stream-group / "
+               "stream-trajectory (async: which policy version produced a trajectory depends on timing)",
+               "learner.deterministic", "learner.mode", "rl.algorithm")
 
     def _check_numerics(self) -> None:
         """float64 verification runs, FP8, the distributed optimizer."""
@@ -501,6 +630,11 @@ class TrainConfig:
         _check(lr.mode != "stream-turn" or self.rl.algorithm == "opd",
                "learner.mode stream-turn needs rl.algorithm opd (a turn can only be trained before its trajectory "
                "ends when each token has its own teacher signal)", "learner.mode", "rl.algorithm")
+        _check(not (self.rollout.speculative and lr.mode == "async"), "rollout.speculative replaces async "
+               "sampling (drafts are verified under the current policy); it runs with learner.mode sync or streaming",
+               "rollout.speculative", "learner.mode")
+        _check(not (self.rollout.speculative and self.model.moe_router_replay), "rollout.speculative does not "
+               "record MoE routing for router replay yet", "rollout.speculative", "model.moe_router_replay")
         _check((lr.mode == "async") == (self.rl.max_staleness > 0),
                f"rl.max_staleness must be > 0 exactly when learner.mode is async (got rl.max_staleness "
                f"{self.rl.max_staleness} with learner.mode {lr.mode})", "rl.max_staleness", "learner.mode")
@@ -520,12 +654,45 @@ class TrainConfig:
         _check(lc.kl_mode != "none" or lc.kl_coef == 0.0,
                f"learner.loss.kl_coef {lc.kl_coef} has no effect with learner.loss.kl_mode none "
                "(choose loss or reward)", "learner.loss.kl_coef", "learner.loss.kl_mode")
+        self._check_kl()
         _check(self.rollout.weight_sync != "broadcast" or lr.mode != "async",
                "rollout.weight_sync broadcast is a collective every worker joins for every version, so workers cannot "
                "run ahead: use rollout.weight_sync file with learner.mode async", "rollout.weight_sync", "learner.mode")
+        ep = self.parallel.expert_model_parallel_size
+        _check(ep == 1 or (self.rl.algorithm == "grpo" and not self.learner.deterministic
+                           and self.learner.loss.kl_mode == "none"),
+               f"parallel.expert_model_parallel_size {ep} trains GRPO without learner.deterministic or a KL "
+               "reference: only the GRPO learner's forwards (and the warm start's, one per rank and step) keep the "
+               "expert-parallel ranks in lockstep (each MoE all-to-all is a collective over them)",
+               "parallel.expert_model_parallel_size", "rl.algorithm")
+        _check(not (self.model.moe_router_replay and self.learner.shared_prefix),
+               "model.moe_router_replay with learner.shared_prefix is not wired (a shared prompt's routing would be "
+               "taken from one trajectory)", "model.moe_router_replay", "learner.shared_prefix")
+        _check(not self.model.moe_router_replay or (self.rl.algorithm == "grpo" and self.rollout.engine == "embedded"),
+               "model.moe_router_replay is wired for rl.algorithm grpo with rollout.engine embedded (the vLLM "
+               "adapter does not return routed experts yet; the OPD learner's forward does not replay)",
+               "model.moe_router_replay", "rollout.engine")
+        declared = declared_reward_spec(self.rollout.verifier)
+        conflict = None if declared is None else reward_spec_conflict(
+            lr.reward_spec, declared, f"rollout.verifier {self.rollout.verifier}")
+        _check(conflict is None, conflict or "", "learner.reward_spec", "rollout.verifier")
         _check(self.logging.replay_rollouts is None or self.rollout.num_workers == 0,
                f"logging.replay_rollouts trains on recorded rollouts: rollout.num_workers must be 0, "
                f"got {self.rollout.num_workers}", "logging.replay_rollouts", "rollout.num_workers")
+
+    def _check_kl(self) -> None:
+        """The KL-to-reference term: on only with a coefficient, for GRPO, and a reference folder only with it."""
+        lc = self.learner.loss
+        _check(lc.kl_mode == "none" or lc.kl_coef > 0.0,
+               f"learner.loss.kl_mode {lc.kl_mode} needs learner.loss.kl_coef > 0, got {lc.kl_coef} (β = 0 trains "
+               "without the KL term)", "learner.loss.kl_coef", "learner.loss.kl_mode")
+        _check(lc.kl_mode == "none" or self.rl.algorithm == "grpo",
+               f"learner.loss.kl_mode {lc.kl_mode} is implemented for rl.algorithm grpo only (the OPD learner has no "
+               "KL-to-reference term: its objective is the reverse KL to the teacher)", "learner.loss.kl_mode",
+               "rl.algorithm")
+        _check(self.model.ref_model is None or lc.kl_mode != "none",
+               "model.ref_model has no effect with learner.loss.kl_mode none (the reference only scores the KL term)",
+               "model.ref_model", "learner.loss.kl_mode")
 
     # -------------------------------------------------------------------------------------------- serialisation
     def to_dict(self) -> dict[str, Any]:
@@ -621,6 +788,13 @@ def reward_spec_for_verifier(name: str):
     instantiating it); a name that registry does not know (a plugin, or a verifier registered later) gets the
     default, binary rewards in {0, 1} — ``RewardSpec.check`` then fails loudly on the first reward outside it.
     """
+    declared = declared_reward_spec(name)
+    return declared if declared is not None else _foreign("RewardSpec").binary(0.0, 1.0)
+
+
+def declared_reward_spec(name: str):
+    """The ``RewardSpec`` a registered verifier declares (``reward_range``, ``binary``), or None when ``name`` is not
+    in ``rollout.verifiers``'s registry (nothing is declared: the flags, or the default, stand alone)."""
     RewardSpec = _foreign("RewardSpec")
     try:
         from megatron_tsync.rollout import verifiers
@@ -628,12 +802,39 @@ def reward_spec_for_verifier(name: str):
         factory = verifiers._REGISTRY.get(name)
     except ImportError:
         factory = None
+    if factory is None:
+        return None
     lo, hi = getattr(factory, "reward_range", (0.0, 1.0))
-    if factory is None or getattr(factory, "binary", False):
+    if getattr(factory, "binary", False):
         return RewardSpec.binary(float(lo), float(hi))
     if math.isfinite(lo) and math.isfinite(hi):
         return RewardSpec.bounded(float(lo), float(hi))
     return RewardSpec.continuous()
+
+
+def _spec_text(spec) -> str:
+    return {"binary": f"binary {{{spec.lo:g}, {spec.hi:g}}}", "bounded": f"bounded [{spec.lo:g}, {spec.hi:g}]",
+            "continuous": "continuous (unbounded)"}[spec.kind]
+
+
+def reward_spec_conflict(spec, declared, source: str) -> str | None:
+    """Why ``spec`` (what the learner is told: ``learner.reward_spec``) contradicts ``declared`` (what ``source``, a
+    verifier or task, says its rewards are), or None when it does not.
+
+    ``spec`` may only assume less than the declaration: every reward ``declared`` allows must be possible under
+    ``spec`` (binary {lo, hi} ⊆ bounded [a, b] ⊆ continuous). Assuming more (a narrower range, binary for a bounded
+    verifier, bounds for an unbounded one) would let the exact clip rule stream on a sign that a legal reward could
+    still flip, so it is refused here rather than at the first reward ``RewardSpec.check`` rejects mid-run.
+    """
+    if spec.kind == "continuous":
+        return None
+    if spec.kind == "bounded" and declared.kind != "continuous" and spec.lo <= declared.lo and declared.hi <= spec.hi:
+        return None
+    if spec.kind == "binary" and declared.kind == "binary" and (spec.lo, spec.hi) == (declared.lo, declared.hi):
+        return None
+    return (f"learner.reward_spec {_spec_text(spec)} contradicts {source}, which declares {_spec_text(declared)} "
+            f"rewards: the learner may assume less than the declaration, never more (use its range, a wider bounded "
+            f"range, or continuous)")
 
 
 if typing.TYPE_CHECKING:  # pragma: no cover - names of the lazily loaded sections, for type checkers

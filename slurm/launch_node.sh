@@ -14,7 +14,10 @@
 #   launch_node.sh rollout PYTHON SPEC_DIR    one srun task per rollout worker: pins its GPUs, runs the worker
 #   launch_node.sh signal SIG PID_DIR N       sends SIG to this node's N recorded ranks once all N have a handler
 #                                             for it installed (/proc/PID/status SigCgt); exit 1 if not yet
+# TSYNC_PY_PREFIX (from common.sh, word-split): what every python runs behind, e.g. `apptainer exec --nv IMAGE`.
 set -euo pipefail
+read -r -a prefix <<<"${TSYNC_PY_PREFIX:-}"
+
 mode=${1:?usage: launch_node.sh trainer|rank|rollout|signal ...}
 shift
 host=$(hostname -s)
@@ -26,9 +29,9 @@ case $mode in
     export PID_DIR
     if [ "$((TRAINER_NODES * NPROC_PER_NODE))" = 1 ]; then
       export RANK=0 LOCAL_RANK=0 WORLD_SIZE=1
-      exec bash "$0" rank "$py" "$@"
+      exec "${prefix[@]}" bash "$0" rank "$py" "$@"
     fi
-    exec "$py" -m torch.distributed.run \
+    exec "${prefix[@]}" "$py" -m torch.distributed.run \
       --nnodes="$TRAINER_NODES" --node_rank="${SLURM_NODEID:-0}" --nproc_per_node="$NPROC_PER_NODE" \
       --master_addr="$MASTER_ADDR" --master_port="$MASTER_PORT" \
       --no-python bash "$0" rank "$py" "$@"
@@ -49,7 +52,8 @@ case $mode in
       CUDA_VISIBLE_DEVICES=$(seq -s, "$first" $((first + g - 1)))
       export CUDA_VISIBLE_DEVICES
     fi
-    exec "$py" -m megatron_tsync.runtime.worker "$dir/worker${SLURM_PROCID:-0}.json"
+    echo "[tsync-slurm] rollout worker ${SLURM_PROCID:-0} on $host (GPUs '${CUDA_VISIBLE_DEVICES:-}')"
+    exec "${prefix[@]}" "$py" -m megatron_tsync.runtime.worker "$dir/worker${SLURM_PROCID:-0}.json"
     ;;
   signal)
     sig=$1 dir=$2 want=$3

@@ -8,25 +8,27 @@
 #   sbatch --gpus-per-node=0 --export=ALL,TSYNC_CPU=1 slurm/train_opd.sh     # CPU smoke run, tiny models
 #
 # Cluster layout (GPU mode, the default): the allocation's first TRAINER_NODES nodes run the trainer — one srun task
-# per node, torchrun --nproc_per_node=$GPUS_PER_NODE (one rank per GPU, NCCL), static rendezvous at the first node.
+# per node, torchrun --nproc_per_node=$NPROC_PER_NODE (one rank per GPU, NCCL), static rendezvous at the first node.
 # The trainer starts ROLLOUT_WORKERS rollout worker processes itself (--rollout-engine vllm on GPUs) on the trainer's
-# head node; they stream signed trajectory events to the trainer over $ENDPOINT (ipc:// on one node, tcp://HEAD:PORT
-# on several) and read each policy version from $SAVE/rollout_plane/weights. SAVE must be on a filesystem every node
+# head node, on GPUs disjoint from its own (TRAINER_GPUS: default half of the node; ROLLOUT_GPUS: the rest); they stream signed trajectory events to the trainer over $ENDPOINT (ipc:// on one node, tcp://HEAD:PORT
+# on several) and read each policy version from $SAVE/slurm-jobs/$JOBID/rollout_plane/weights. SAVE must be on a filesystem every node
 # sees. The job needs a python with megatron_tsync installed on every node (activate the venv/container before
 # sbatch: the environment is exported, or set TSYNC_PYTHON).
 #
 # Limits of the trainer today (the script says so rather than pretend):
 #   * ROLLOUT_NODES > 0: workers run as a second job step on the rollout nodes (--rollout-launch external, specs and
-#     weights in $SAVE/slurm-jobs/$JOBID/rollout_plane on the shared filesystem); untested across nodes here.
+#     weights in $SAVE/slurm-jobs/$JOBID/rollout_plane on the shared filesystem); see slurm/README.md.
 #   * Several trainer ranks with live rollouts: global rank 0 owns the event receiver and broadcasts what lands.
-# TSYNC_CPU=1 (CPU mode): one node, no GPUs (CUDA hidden, gloo), one trainer process, tiny model created at MODEL if
+# TSYNC_CPU=1 (CPU mode): no GPUs (CUDA hidden, gloo, embedded engine), one trainer process, tiny model at MODEL if
 # missing, small defaults (4 steps, group 2, batch 4). Clusters without GPU GRES: add --gpus-per-node=0.
 #
-# Stopping and resuming: SLURM sends SIGUSR1 to this script 120 s before the time limit (--signal=B:USR1@120); the
-# script forwards it to the trainer ranks only, which finish the current step, save, and exit 0. Do the same by hand
-# with `scancel --signal=USR1 --batch JOBID`. A plain `scancel JOBID` signals every process at once (the rollout
-# workers die) and is a hard stop: the next job resumes from the last --save-interval checkpoint. LOAD=SAVE by
-# default, so resubmitting the same command continues at "[tsync] resumed from SAVE at step K".
+# Run: RUN_NAME (default the job name, + _TASKID in an array), SAVE=$TSYNC_RUNS/$RUN_NAME, per-job files in
+# $SAVE/slurm-jobs/$SLURM_JOB_ID. Stopping: every stop saves the last finished step and writes $SAVE/tsync_stop.json.
+# EXIT_DURATION_MINS (or SLURM's pre-timeout USR1, --signal=B:USR1@300) → save and requeue this job itself
+# (REQUEUE=0: off); time limit, scancel, scontrol requeue, preemption (SIGTERM) → save the last finished step; the
+# rollout workers ignore those signals until the trainer has saved. `scancel --signal=USR1 --batch JOBID` stops by
+# hand (finish the step, save; not requeued). LOAD=SAVE: resubmitting continues at "[tsync] resumed from SAVE at
+# step K". TSYNC_DRY_RUN=1 prints the commands and exits. See slurm/README.md.
 #
 # All variables (defaults per mode) are listed in slurm/common.sh; the job's exit code is the trainer's.
 #SBATCH --job-name=tsync-opd
@@ -35,14 +37,18 @@
 #SBATCH --gpus-per-node=8
 #SBATCH --exclusive
 #SBATCH --time=04:00:00
-#SBATCH --signal=B:USR1@120
+#SBATCH --signal=B:USR1@300
 #SBATCH --output=slurm-%x-%j.out
 #SBATCH --open-mode=append
+#SBATCH --requeue
 set -euo pipefail
 
 # sbatch runs a copy of this file: find the repository from the submitted path, else the submit dir
 if [ -z "${TSYNC_HOME:-}" ]; then
-  _cmd=$(scontrol show job -o "${SLURM_JOB_ID:-0}" 2>/dev/null | grep -o 'Command=[^ ]*' | cut -d= -f2- || true)
+  _cmd=
+  if [ -n "${SLURM_JOB_ID:-}" ]; then
+    _cmd=$(scontrol show job -o "$SLURM_JOB_ID" 2>/dev/null | grep -o 'Command=[^ ]*' | cut -d= -f2- || true)
+  fi
   if [ -n "$_cmd" ] && [ -f "$(dirname "$_cmd")/common.sh" ]; then
     TSYNC_HOME=$(cd "$(dirname "$_cmd")/.." && pwd)
   elif [ -f "${SLURM_SUBMIT_DIR:-.}/slurm/common.sh" ]; then

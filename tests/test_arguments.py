@@ -15,21 +15,25 @@ from megatron_tsync.config import TrainConfig
 # on purpose, in the same change.
 EXPECTED_FLAGS = [
     "--adam-beta1", "--adam-beta2", "--adam-eps", "--advantage-eps", "--advantage-estimator", "--aux-strategy",
-    "--bf16", "--clip-grad", "--clip-ratio-high", "--clip-ratio-low", "--config", "--context-parallel-size",
-    "--dual-clip", "--dump-grads", "--dump-rollouts", "--entropy-coef", "--expert-model-parallel-size", "--finetune", "--fp8-format", "--fp8-recipe",
+    "--bf16", "--clip-grad", "--clip-ratio-high", "--clip-ratio-low", "--config", "--context-parallel-size", "--deterministic",
+    "--dual-clip", "--dump-grads", "--dump-rollouts", "--entropy-coef", "--exit-duration-in-mins", "--expert-model-parallel-size", "--finetune", "--fp8-format", "--fp8-recipe",
     "--global-batch-size", "--group-size", "--groups-per-step", "--help", "--init-tiny-model", "--kl-coef",
-    "--kl-estimator", "--kl-mode", "--latency-profile", "--latency-scale", "--load", "--log-interval",
+    "--keep-last-checkpoints", "--kl-estimator", "--kl-mode", "--latency-profile", "--latency-scale", "--load",
+    "--load-fallback", "--log-interval",
     "--loss-aggregation", "--lr", "--max-device-buckets", "--max-new-tokens", "--max-open-groups", "--max-staleness", "--max-turns",
-    "--micro-batch-size", "--min-lr", "--model", "--moe-aux-loss-coeff", "--no-progress", "--num-minibatches", "--num-samples-per-prompt", "--old-logprobs", "--opd-objective",
-    "--optimizer", "--params-dtype", "--pipeline-model-parallel-size", "--policy-loss", "--ppo-epochs", "--replay-rollouts",
+    "--micro-batch-size", "--min-lr", "--model", "--moe-aux-loss-coeff", "--moe-router-replay", "--no-progress", "--num-minibatches", "--num-samples-per-prompt", "--old-logprobs", "--opd-objective",
+    "--optimizer", "--override-loaded-config", "--params-dtype", "--pipeline-model-parallel-size", "--policy-loss", "--ppo-epochs", "--replay-rollouts",
     "--replay-shuffle-seed",
     "--reward-kind", "--reward-range", "--rl-algorithm", "--rl-mode", "--rollout-endpoint", "--rollout-engine",
-    "--rollout-dir", "--rollout-launch", "--rollout-stall-timeout", "--rollout-tensor-parallel-size",
-    "--rollout-workers", "--sandbox-timeout", "--save", "--save-interval", "--secret-file", "--seed", "--seq-length",
-    "--sequence-packing", "--max-packed-tokens",
+    "--rollout-dir", "--rollout-gpus", "--rollout-heartbeat-timeout", "--rollout-launch", "--rollout-retries", "--rollout-stall-timeout", "--rollout-tensor-parallel-size", "--rollout-cpus", "--trainer-cpus",
+    "--ref-model", "--rollout-workers", "--sandbox-timeout", "--save", "--save-interval", "--secret-file", "--seed", "--seq-length",
+    "--sequence-packing", "--no-sequence-packing", "--max-packed-tokens", "--skip-zero-advantage",
+    "--no-skip-zero-advantage", "--shared-prefix", "--no-shared-prefix",
+    "--speculative-rollouts", "--speculative-draft-tokens",
+    "--stream-coalesce-ms",
     "--sft-warmup-steps", "--sgd-momentum", "--task", "--teacher-model", "--temperature",
     "--tensor-model-parallel-size", "--tensorboard-dir", "--tis-cap", "--top-k", "--top-p", "--train-iters",
-    "--use-distributed-optimizer", "--verifier", "--weight-decay", "--weight-sync", "--weight-sync-bucket-mb", "-h",
+    "--use-distributed-optimizer", "--verifier", "--wandb-exp-name", "--wandb-project", "--wandb-save-dir", "--weight-decay", "--weight-sync", "--weight-sync-bucket-mb", "-h",
 ]
 
 
@@ -114,11 +118,38 @@ def test_every_field_flag_maps_back():
 
 
 def test_reward_flags():
-    assert parse_args(["--reward-range", "-1", "1"]).learner.reward_spec.lo == -1.0
+    assert parse_args(["--reward-kind", "bounded", "--reward-range", "-1", "1"]).learner.reward_spec.lo == -1.0
     spec = parse_args(["--reward-kind", "continuous"]).learner.reward_spec
     assert spec.kind == "continuous"
     spec = parse_args(["--reward-kind", "bounded", "--reward-range", "0", "5"]).learner.reward_spec
     assert (spec.kind, spec.lo, spec.hi) == ("bounded", 0.0, 5.0)
+    spec = parse_args(["--reward-kind", "bounded"]).learner.reward_spec  # the verifier's range, as bounds
+    assert (spec.kind, spec.lo, spec.hi) == ("bounded", 0.0, 1.0)
+    assert parse_args(["--reward-range", "0", "1"]).learner.reward_spec.kind == "binary"  # = exact_answer's
+
+
+@pytest.mark.parametrize("argv,declared", [
+    (["--reward-range", "-1", "1"], "binary {0, 1}"),  # other binary values than exact_answer's
+    (["--reward-kind", "bounded", "--reward-range", "0", "0.5"], "binary {0, 1}"),  # excludes its success value
+    (["--reward-kind", "binary", "--verifier", "answer_with_format"], "bounded [0, 1]"),  # 0.5 is legal there
+    (["--reward-kind", "bounded", "--reward-range", "0.1", "1", "--verifier", "answer_with_format"], "bounded [0, 1]"),
+])
+def test_reward_flags_contradicting_the_verifier_are_errors(capsys, argv, declared):
+    with pytest.raises(SystemExit) as e:
+        parse_args(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--reward-kind/--reward-range" in err and "contradicts --verifier" in err and declared in err, err
+
+
+def test_reward_flags_are_honoured_not_replaced():
+    """What the flags say reaches the learner's section (a weaker assumption than the verifier's is allowed)."""
+    for argv, want in ((["--reward-kind", "continuous"], ("continuous",)),
+                       (["--reward-kind", "bounded", "--reward-range", "-2", "3"], ("bounded", -2.0, 3.0)),
+                       (["--verifier", "answer_with_format", "--reward-kind", "bounded", "--reward-range", "-1", "1"],
+                        ("bounded", -1.0, 1.0))):
+        spec = parse_args(argv).learner.reward_spec
+        assert (spec.kind, spec.lo, spec.hi)[:len(want)] == want, argv
 
 
 def test_weight_sync_flags():
@@ -173,6 +204,9 @@ BAD = [
     (["--reward-kind", "continuous", "--reward-range", "0", "1"], ["--reward-kind", "--reward-range"]),
     (["--reward-kind", "binary", "--reward-range", "1", "1"], ["--reward-range"]),
     (["--kl-coef", "0.1"], ["--kl-coef", "--kl-mode"]),
+    (["--kl-mode", "loss"], ["--kl-coef", "--kl-mode"]),
+    (["--kl-estimator", "k1"], ["--kl-estimator"]),
+    (["--ref-model", "r"], ["--ref-model", "--kl-mode"]),
     (["--finetune"], ["--finetune", "--load"]),
     (["--init-tiny-model"], ["--init-tiny-model", "--model"]),
     (["--max-new-tokens", "4096", "--seq-length", "1024"], ["--max-new-tokens", "--seq-length"]),
@@ -181,16 +215,22 @@ BAD = [
     (["--latency-profile", "bursty"], ["--latency-profile"]),
     (["--dump-rollouts", "d", "--replay-rollouts", "d"], ["--dump-rollouts", "--replay-rollouts"]),
     (["--save-interval", "0"], ["--save-interval"]),
+    (["--load-fallback"], ["--load-fallback", "--load"]),
+    (["--save", "ck", "--keep-last-checkpoints", "0"], ["--keep-last-checkpoints"]),
+    (["--keep-last-checkpoints", "2"], ["--keep-last-checkpoints", "--save"]),
     (["--weight-sync", "broadcast", "--rl-mode", "async", "--max-staleness", "1"], ["--weight-sync", "--rl-mode"]),
     (["--weight-sync-bucket-mb", "0"], ["--weight-sync-bucket-mb"]),
     (["--rollout-tensor-parallel-size", "2"], ["--rollout-tensor-parallel-size", "--rollout-engine"]),
     (["--rollout-engine", "vllm", "--rollout-tensor-parallel-size", "0"], ["--rollout-tensor-parallel-size"]),
     (["--rollout-stall-timeout", "0"], ["--rollout-stall-timeout"]),
+    (["--rollout-heartbeat-timeout", "0"], ["--rollout-heartbeat-timeout"]),
+    (["--rollout-retries", "-1"], ["--rollout-retries"]),
     (["--top-k", "-1"], ["--top-k"]),
     (["--max-new-tokens", "0"], ["--max-new-tokens"]),
     (["--group-size", "0"], ["--group-size"]),
     (["--rl-mode", "streaming"], ["--rl-mode", "invalid choice"]),
-    (["--expert-model-parallel-size", "2"], ["--expert-model-parallel-size", "lockstep"]),
+    (["--expert-model-parallel-size", "2", "--kl-mode", "loss", "--kl-coef", "0.1"],
+     ["--expert-model-parallel-size", "lockstep"]),
     (["--moe-aux-loss-coeff", "0.001"], ["--moe-aux-loss-coeff", "advantage"]),
     (["--tensor-model"], ["unrecognized arguments"]),  # no abbreviations: the surface is exactly the list above
 ]
@@ -220,7 +260,7 @@ def test_world_size_from_environment(monkeypatch):
 def test_yaml_config_and_cli_override(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text("lr: 1e-4\nmin-lr: 1.0e-4\nclip_grad: 0.5\ngroup-size: 4\nbf16: true\nno_progress: true\n"
-                    "reward-range: [-1, 1]\ndual_clip: null\nrl-mode: stream-group\n")
+                    "reward-kind: bounded\nreward-range: [-1, 1]\ndual_clip: null\nrl-mode: stream-group\n")
     cfg = parse_args(["--config", str(path)])
     assert cfg.optim.lr == 1e-4 and cfg.optim.clip_grad == 0.5 and cfg.rl.group_size == 4
     assert cfg.precision.bf16 and not cfg.logging.progress and cfg.learner.mode == "stream-group"
@@ -247,14 +287,28 @@ def test_json_config(tmp_path):
     ("lr: fast\n", "--lr"),
     ("- 1\n- 2\n", "mapping"),
     ("rl-mode: [sync\n", "cannot parse"),
+    ("rl-mode: [sync\n", "line 1"),
+    ("group-size: 0\n", "--group-size must be >= 1, got 0 (--group-size set in --config"),
+    ("{]\n", "cannot parse"),
 ])
 def test_bad_config_file(tmp_path, capsys, text, needle):
+    """Every error about a --config file names the file (and the line for a syntax error)."""
     path = tmp_path / "bad.yaml"
     path.write_text(text)
     with pytest.raises(SystemExit) as exc:
         parse_args(["--config", str(path)])
     assert exc.value.code == 2
-    assert needle in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert needle in err and str(path) in err, err
+
+
+def test_a_flag_on_the_command_line_is_not_blamed_on_the_config_file(tmp_path, capsys):
+    path = tmp_path / "ok.yaml"
+    path.write_text("lr: 0.001\n")
+    with pytest.raises(SystemExit):
+        parse_args(["--config", str(path), "--group-size", "0"])
+    err = capsys.readouterr().err
+    assert "--group-size must be >= 1" in err and str(path) not in err
 
 
 def test_missing_config_file(tmp_path, capsys):
@@ -290,5 +344,17 @@ def test_help_exits_0_and_shows_defaults(capsys):
 def test_moe_flags_accept_only_the_exact_values():
     """--expert-model-parallel-size / --moe-aux-loss-coeff exist under megatron's names so that a launch script
     carrying them gets a reason, not 'unrecognized arguments'; only the values the learner trains exactly pass."""
-    cfg = parse_args(["--expert-model-parallel-size", "1", "--moe-aux-loss-coeff", "0"])
-    assert cfg.parallel.expert_model_parallel_size == 1 and cfg.model.moe_aux_loss_coeff == 0.0
+    cfg = parse_args(["--expert-model-parallel-size", "2", "--moe-aux-loss-coeff", "0"])
+    assert cfg.parallel.expert_model_parallel_size == 2 and cfg.model.moe_aux_loss_coeff == 0.0
+
+
+def test_config_switch_overridden_by_no_flag(tmp_path):
+    """A config's ``sequence-packing: true`` is overridden by ``--no-sequence-packing`` on the command line, and the
+    config's ``false`` by ``--sequence-packing`` (the command line wins in both directions)."""
+    from megatron_tsync.arguments import parse_args
+
+    for value, flag, want in ((True, "--no-sequence-packing", False), (False, "--sequence-packing", True)):
+        cfg_file = tmp_path / f"c{value}.yaml"
+        cfg_file.write_text(f"sequence-packing: {str(value).lower()}\n")
+        assert parse_args(["--config", str(cfg_file)]).learner.sequence_packing is value
+        assert parse_args(["--config", str(cfg_file), flag]).learner.sequence_packing is want

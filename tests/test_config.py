@@ -48,7 +48,6 @@ def test_defaults_valid_and_frozen(cls):
     (ParallelConfig, dict(tensor_model_parallel_size=0), "parallel.tensor_model_parallel_size"),
     (ParallelConfig, dict(context_parallel_size=-1), "parallel.context_parallel_size"),
     (ParallelConfig, dict(expert_model_parallel_size=0), "parallel.expert_model_parallel_size"),
-    (ParallelConfig, dict(expert_model_parallel_size=2), "parallel.expert_model_parallel_size"),  # no lockstep yet
     (RLConfig, dict(algorithm="ppo"), "rl.algorithm"),
     (RLConfig, dict(group_size=0), "rl.group_size"),
     (RLConfig, dict(train_iters=0), "rl.train_iters"),
@@ -113,6 +112,11 @@ def _cfg(**sections):
     (dict(rl={"opd_objective": "full-vocab"}, rollout={"teacher_model": "t"}), {"rl.opd_objective"}),
     (dict(learner={"loss": {"temperature": 0.5}}), {"learner.loss.temperature", "rollout.temperature"}),
     (dict(learner={"loss": {"kl_coef": 0.1}}), {"learner.loss.kl_mode"}),
+    (dict(learner={"loss": {"kl_mode": "loss"}}), {"learner.loss.kl_coef", "learner.loss.kl_mode"}),
+    (dict(learner={"loss": {"kl_mode": "reward", "kl_coef": -0.1}}), {"learner.loss.kl_coef"}),
+    (dict(learner={"loss": {"kl_mode": "loss", "kl_coef": 0.1}}, rl={"algorithm": "opd"}, rollout={"teacher_model": "t"}),
+     {"learner.loss.kl_mode", "rl.algorithm"}),
+    (dict(model={"ref_model": "r"}), {"model.ref_model", "learner.loss.kl_mode"}),
     (dict(learner={"max_open_groups": 0}), {"learner.max_open_groups"}),
     (dict(learner={"estimator": "ppo"}), {"learner.estimator"}),
     (dict(learner={"loss": {"aggregation": "mean"}}), {"learner.loss.aggregation"}),
@@ -173,6 +177,24 @@ def test_reward_spec_for_verifier():
     spec = reward_spec_for_verifier("answer_with_format")
     assert (spec.kind, spec.lo, spec.hi) == ("bounded", 0.0, 1.0)
     assert reward_spec_for_verifier("not-registered").kind == "binary"
+
+
+def test_reward_spec_conflicts_with_the_verifier():
+    """learner.reward_spec may assume less than the verifier declares, never more (also from a config dict)."""
+    RS = C._foreign("RewardSpec")
+    binary, bounded = RS.binary(0.0, 1.0), RS.bounded(0.0, 1.0)
+    ok = [(binary, binary), (bounded, binary), (RS.bounded(-1.0, 2.0), bounded), (RS.continuous(), bounded),
+          (RS.continuous(), RS.continuous())]
+    bad = [(RS.binary(-1.0, 1.0), binary), (binary, bounded), (RS.bounded(0.0, 0.5), binary),
+           (RS.bounded(0.0, 1.0), RS.continuous()), (RS.bounded(0.5, 1.0), bounded)]
+    assert all(C.reward_spec_conflict(s, d, "v") is None for s, d in ok)
+    assert all("contradicts v" in C.reward_spec_conflict(s, d, "v") for s, d in bad)
+    with pytest.raises(ConfigError, match="contradicts rollout.verifier answer_with_format") as e:
+        TrainConfig.from_dict({"rollout": {"verifier": "answer_with_format"}})  # the default spec is binary
+    assert set(e.value.fields) == {"learner.reward_spec", "rollout.verifier"}
+    cfg = TrainConfig.from_dict({"rollout": {"verifier": "my-plugin"},  # not registered: nothing declared
+                                 "learner": {"reward_spec": {"kind": "binary", "lo": -1.0, "hi": 1.0}}})
+    assert cfg.learner.reward_spec.lo == -1.0
 
 
 def test_choices_match_the_registries():

@@ -22,8 +22,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPES = {"qwen_swe": dict(tp=4, pp=1, world=16, nodes=4, task="swe-jsonl"),
            "qwen_terminal": dict(tp=4, pp=2, world=16, nodes=4, task="terminal-jsonl"),
            "qwen3_swe": dict(tp=4, pp=1, world=16, nodes=4, task="swe-jsonl"),
-           # TP 1, EP 1: this version trains MoE neither at TP > 1 nor at EP > 1 (examples/qwen3_moe/README.md)
-           "qwen3_moe": dict(tp=1, pp=16, world=32, nodes=6, task="terminal-jsonl")}
+           # TP 1 (MoE at TP > 1 needs sequence parallelism, not with PP > 1 yet); EP 8 (examples/qwen3_moe/README.md)
+           "qwen3_moe": dict(tp=1, pp=4, ep=8, world=32, nodes=6, task="terminal-jsonl")}
 # Public Hugging Face config.json values of the two policies (the parts the model builder reads).
 HF_CONFIGS = {
     "qwen_swe": {"model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
@@ -58,7 +58,7 @@ def test_recipe_parses_and_validates(name):
     r = RECIPES[name]
     cfg = parse_args(["--config", _config(name)], world_size=r["world"])
     assert isinstance(cfg, TrainConfig)
-    assert cfg.parallel.expert_model_parallel_size == 1 and cfg.model.moe_aux_loss_coeff == 0.0
+    assert cfg.parallel.expert_model_parallel_size == r.get("ep", 1) and cfg.model.moe_aux_loss_coeff == 0.0
     assert cfg.precision.bf16 and cfg.precision.fp8_format == "hybrid"
     assert cfg.learner.sequence_packing and cfg.learner.max_packed_tokens >= cfg.rl.seq_length
     assert cfg.parallel.use_distributed_optimizer and cfg.optim.use_distributed_optimizer
@@ -136,7 +136,7 @@ def _hf_config(name):
 BUCKET_FIGURES = [("qwen_swe", "dr_grpo", 8, None, 7.1, 56.7, 56.7, 7.62),
                   ("qwen_terminal", "grpo", 3, None, 6.9, 41.3, 41.3, 14.77),
                   ("qwen3_swe", "dr_grpo", 8, 6, 7.6, 61.0, 45.8, 8.19),
-                  ("qwen3_moe", "dr_grpo", 4, 2, 8.1, 32.5, 16.2, 30.53)]
+                  ("qwen3_moe", "dr_grpo", 4, 2, 5.4, 21.6, 10.8, 30.53)]
 
 
 @pytest.mark.parametrize("name,estimator,k,device,vector_gib,bucket_gib,device_gib,size", BUCKET_FIGURES)
@@ -163,20 +163,18 @@ def test_bucket_memory_figures(name, estimator, k, device, vector_gib, bucket_gi
         assert f"{figure} GiB" in readme, (name, figure)
 
 
-def test_qwen3_moe_expert_parallel_figure_and_refusal(capsys):
-    """The EP 8 figure the MoE README quotes (not runnable yet), and the refusal that makes the recipe EP 1."""
+def test_qwen3_moe_without_expert_parallelism_figure():
+    """The EP 1 alternative the MoE README quotes (TP 1 × PP 16: all 128 experts of 3 layers per rank), and that the
+    recipe's EP 8 divides its experts and each stage's data-parallel ranks."""
     from examples.bucket_memory import params_per_rank
 
-    from megatron_tsync.config import ConfigError, ParallelConfig
     from megatron_tsync.model.builder import ModelArch
 
     arch = ModelArch.from_hf_config(_hf_config("qwen3_moe"))
-    n = params_per_rank(arch, 1, 16, 8)
+    n = params_per_rank(arch, 1, 16, 1)
     readme = open(os.path.join(ROOT, "examples", "qwen3_moe", "README.md")).read()
     assert f"{n / 1e9:.2f} B parameters per end-stage rank" in readme
     assert f"{4 * n / 2**30:.1f} GiB per vector" in readme
-    with pytest.raises(SystemExit):
-        parse_args(["--config", _config("qwen3_moe"), "--expert-model-parallel-size", "8"], world_size=32)
-    assert "expert-model-parallel-size 8 is not supported" in capsys.readouterr().err
-    with pytest.raises(ConfigError, match="expert_model_parallel_size"):
-        ParallelConfig(expert_model_parallel_size=8)
+    cfg = parse_args(["--config", _config("qwen3_moe")], world_size=32)
+    ep = cfg.parallel.expert_model_parallel_size
+    assert arch.num_experts % ep == 0 and cfg.parallel.data_parallel_size(32) % ep == 0

@@ -9,9 +9,9 @@ lengths in each profile's range. Rows: profile × ``max_packed_tokens`` (0 = no 
 ``--repeats`` steps after one warm-up round (configurations run round-robin), microbatches per step and the
 packed/unpacked time ratio.
 
-On CPU the local layer spec builds a dense T×T attention mask per packed microbatch and computes attention over
-the whole pack (O(T²) in the pack length, with the masked part wasted), so packing pays only where the per-microbatch
-fixed cost dominates (short trajectories); on GPU the Transformer Engine THD path has no such waste.
+Packed microbatches go through the THD path on CPU too (the local spec's ``compat.SDPAttention``: one causal SDPA
+per segment, linear in the pack), as through Transformer Engine's on GPU; before that the local spec's dense T×T mask
+made packing 3-4x slower than unpacked (``tools/bench_attention.py`` compares both attentions).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Convert between a Hugging Face folder (Llama incl. Llama-3.x rope scaling / Qwen2 / Qwen3, safetensors) and a
-Megatron distributed checkpoint.
+"""Convert between a Hugging Face folder (Llama incl. Llama-3.x rope scaling / Qwen2 / Qwen3 / Qwen3-MoE,
+safetensors) and a Megatron distributed checkpoint.
 
     # HF -> Megatron torch_dist checkpoint, written by a TP=2 x PP=1 layout
     python tools/convert_checkpoint.py --direction hf-to-megatron --load HF_DIR --save CKPT_DIR \\
@@ -13,9 +13,9 @@ saved as step 0 without optimizer state, with its config and tokenizer under ``C
 dist_checkpointing reshards on load, so the layout used here only decides how the files are written (HF ->
 Megatron) or how many processes share the work (Megatron -> HF).
 
-Processes: under torchrun (or srun) the launcher's ranks are used (world size a multiple of TP x PP; TP/PP are
-the ``--target-*`` sizes). Started as a single process with TP x PP > 1, the tool spawns TP x PP local
-processes itself (gloo on CPU, NCCL on GPUs).
+Processes: under torchrun (or srun) the launcher's ranks are used (world size a multiple of TP x PP x EP; TP/PP/EP
+are the ``--target-*`` sizes; EP, for MoE models, is carved out of the data-parallel ranks). Started as a single
+process with TP x PP x EP > 1, the tool spawns that many local processes itself (gloo on CPU, NCCL on GPUs).
 """
 
 from __future__ import annotations
@@ -37,6 +37,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--save", required=True, help="destination folder")
     p.add_argument("--target-tensor-parallel-size", type=int, default=1, help="TP of the converting layout")
     p.add_argument("--target-pipeline-model-parallel-size", type=int, default=1, help="PP of the converting layout")
+    p.add_argument("--target-expert-model-parallel-size", type=int, default=1,
+                   help="EP of the converting layout (MoE: each of EP ranks converts E/EP experts; uses TP x PP x EP "
+                        "processes)")
     p.add_argument("--step", type=int, default=None, help="megatron-to-hf: iteration to export (default: latest)")
     p.add_argument("--tokenizer", default=None, help="megatron-to-hf: folder with tokenizer files "
                    "(default: CKPT_DIR/hf_assets when present)")
@@ -86,7 +89,8 @@ def run(a: argparse.Namespace) -> None:
     """Convert in this process (one rank of a launcher or of :func:`_spawn_local`)."""
     from megatron_tsync.model.parallel import destroy_parallel, initialize_parallel
 
-    initialize_parallel(a.target_tensor_parallel_size, a.target_pipeline_model_parallel_size, seed=0)
+    initialize_parallel(a.target_tensor_parallel_size, a.target_pipeline_model_parallel_size,
+                        ep=a.target_expert_model_parallel_size, seed=0)
     try:
         (_hf_to_megatron if a.direction == "hf-to-megatron" else _megatron_to_hf)(a)
     finally:
@@ -108,7 +112,7 @@ def _spawn_entry(rank: int, world: int, port: int, a: argparse.Namespace) -> Non
 def main(argv=None) -> None:
     a = parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    world = a.target_tensor_parallel_size * a.target_pipeline_model_parallel_size
+    world = a.target_tensor_parallel_size * a.target_pipeline_model_parallel_size * a.target_expert_model_parallel_size
     launched = "WORLD_SIZE" in os.environ or "SLURM_NTASKS" in os.environ
     if launched or world == 1:
         if not launched:

@@ -5,6 +5,10 @@
 #                                              # idle node; prints 'export SLURM_CONF=...' on stdout (logs on stderr)
 #   bash tools/slurm_cluster.sh status         # exit 0 when the cluster answers and the node is usable
 #   bash tools/slurm_cluster.sh down           # stop the daemons this script started (by their PIDs)
+#   TSYNC_SLURM_DIR=/tmp/tsync-slurm-2n TSYNC_SLURMCTLD_PORT=6837 TSYNC_SLURMD_PORT=6838 \
+#     bash tools/slurm_cluster.sh up --nodes 2 # a 2-node cluster on this machine: nodes tsn1, tsn2 on 127.0.0.2,
+#                                              # 127.0.0.3 (slurmd port +i each), every slurmd in its own UTS
+#                                              # namespace (unshare --uts; hostname = node name), names in /etc/hosts
 #
 # Idempotent: 'up' on a running cluster only prints the export line; 'down' on a stopped one does nothing.
 # Debian/Ubuntu: apt-get install --no-install-recommends slurmctld slurmd slurm-client munge (Debian 12: slurm-wlm
@@ -14,19 +18,30 @@
 #
 # The cluster: one node named $(hostname -s) (NodeAddr 127.0.0.1) with CPUs=$(nproc) and ~80% of MemTotal, one
 # partition 'debug' (default, no time limit), no accounting (sacct does not work: use 'sbatch --wait' or
-# 'scontrol show job'), proctrack/linuxproc, task/none, KillWait=10 s.
+# 'scontrol show job'), proctrack/linuxproc, task/none, KillWait=30 s (SIGTERM → SIGKILL, as on most clusters), cred_expire=30 s (a
+# requeued job starts again after it; default 120 s).
 set -euo pipefail
 
 BASE=${TSYNC_SLURM_DIR:-/tmp/tsync-slurm}
 CONF=$BASE/etc/slurm.conf
 HOST=$(hostname -s)
+NNODES=$(cat "$BASE/nodes" 2>/dev/null || echo 1)  # of the cluster written last ('up --nodes N' sets it)
+SLURMD_PORT=${TSYNC_SLURMD_PORT:-6818}
+
+# node i (1-based): its name and address ("$HOST 127.0.0.1" for a 1-node cluster)
+node_name() { if [ "$NNODES" = 1 ]; then echo "$HOST"; else echo "tsn$1"; fi; }
+node_addr() { if [ "$NNODES" = 1 ]; then echo 127.0.0.1; else echo "127.0.0.$(( $1 + 1 ))"; fi; }
+[ -f "$BASE/slurmd.pid" ] && [ ! -f "$BASE/slurmd-1.pid" ] && mv "$BASE/slurmd.pid" "$BASE/slurmd-1.pid"  # older layout
+usable() { [[ $1 =~ ^((idle|mixed|allocated),?)+$ ]]; }
+slurmd_alive() { local i; for i in $(seq "$NNODES"); do alive "slurmd-$i" || return 1; done; }
 
 log() { echo "[slurm_cluster] $*" >&2; }
 die() { log "error: $*"; exit 1; }
 
 alive() { [ -f "$BASE/$1.pid" ] && kill -0 "$(cat "$BASE/$1.pid")" 2>/dev/null; }
 
-node_state() { SLURM_CONF=$CONF sinfo -h -N -o '%T' 2>/dev/null | head -n1 || true; }
+# 'idle' etc. when every node is in that state, else the states seen
+node_state() { SLURM_CONF=$CONF sinfo -h -N -o '%T' 2>/dev/null | sort -u | paste -sd, || true; }
 
 install_pkgs() {
   if [ -x /usr/sbin/slurmctld ] && [ -x /usr/sbin/slurmd ] && command -v sbatch >/dev/null \
@@ -45,7 +60,7 @@ install_pkgs() {
 
 write_conf() {
   local cpus mem_mb
-  cpus=$(nproc)
+  cpus=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)  # GNU nproc caps itself at OMP_NUM_THREADS (tools/test.sh sets 1)
   # RealMemory above what slurmd detects drains the node ("Low RealMemory"): ~80% of MemTotal
   mem_mb=$(awk '/MemTotal/ {printf "%d", $2/1024*0.8}' /proc/meminfo)
   mkdir -p "$BASE"/{etc,state,spool,log,run}
@@ -58,13 +73,13 @@ SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
 SlurmctldPort=${TSYNC_SLURMCTLD_PORT:-6817}
-SlurmdPort=${TSYNC_SLURMD_PORT:-6818}
+SlurmdPort=${SLURMD_PORT}
 StateSaveLocation=$BASE/state
-SlurmdSpoolDir=$BASE/spool
+SlurmdSpoolDir=$BASE/spool/%n
 SlurmctldPidFile=$BASE/run/slurmctld.pid
-SlurmdPidFile=$BASE/run/slurmd.pid
+SlurmdPidFile=$BASE/run/slurmd-%n.pid
 SlurmctldLogFile=$BASE/log/slurmctld.log
-SlurmdLogFile=$BASE/log/slurmd.log
+SlurmdLogFile=$BASE/log/slurmd-%n.log
 SlurmctldDebug=info
 SlurmdDebug=info
 ProctrackType=proctrack/linuxproc
@@ -81,11 +96,22 @@ SelectTypeParameters=CR_Core
 ReturnToService=2
 SlurmdTimeout=300
 InactiveLimit=0
-KillWait=10
+KillWait=${TSYNC_SLURM_KILLWAIT:-30}
+# a requeued batch job may start again once its credential expired (default 120 s)
+AuthInfo=cred_expire=${TSYNC_SLURM_CRED_EXPIRE:-30}
 MinJobAge=300
-NodeName=${HOST} NodeAddr=127.0.0.1 CPUs=${cpus} RealMemory=${mem_mb} State=UNKNOWN
-PartitionName=debug Nodes=${HOST} Default=YES MaxTime=INFINITE State=UP
 EOF
+  local i names=()
+  for i in $(seq "$NNODES"); do
+    names+=("$(node_name "$i")")
+    mkdir -p "$BASE/spool/$(node_name "$i")"
+    if [ "$NNODES" = 1 ]; then
+      echo "NodeName=$(node_name "$i") NodeAddr=$(node_addr "$i") CPUs=${cpus} RealMemory=${mem_mb} State=UNKNOWN"
+    else  # every node reports this machine's CPUs and memory: configured alike, shared
+      echo "NodeName=$(node_name "$i") NodeAddr=$(node_addr "$i") Port=$((SLURMD_PORT + i)) CPUs=${cpus} RealMemory=${mem_mb} State=UNKNOWN"
+    fi
+  done >>"$CONF.tmp"
+  echo "PartitionName=debug Nodes=$(IFS=,; echo "${names[*]}") Default=YES MaxTime=INFINITE State=UP" >>"$CONF.tmp"
   mv "$CONF.tmp" "$CONF"
   : >"$BASE/etc/cgroup.conf"
 }
@@ -118,35 +144,69 @@ start_slurm() {
   fi
   for _ in $(seq 150); do scontrol ping 2>/dev/null | grep -q UP && break; sleep 0.2; done
   scontrol ping 2>/dev/null | grep -q UP || { tail -n 30 "$BASE/log/slurmctld.log" >&2 || true; die "slurmctld is not up"; }
-  if ! alive slurmd; then
-    setsid /usr/sbin/slurmd -D -f "$CONF" >"$BASE/log/slurmd.out" 2>&1 </dev/null &
-    echo $! >"$BASE/slurmd.pid"
-  fi
+  local i n
+  for i in $(seq "$NNODES"); do
+    alive "slurmd-$i" && continue
+    n=$(node_name "$i")
+    if [ "$NNODES" = 1 ]; then
+      setsid /usr/sbin/slurmd -D -f "$CONF" >"$BASE/log/slurmd.out" 2>&1 </dev/null &
+    else  # its own UTS namespace: the node's processes see `hostname` = the node name
+      setsid unshare --uts sh -c 'hostname "$1" && exec /usr/sbin/slurmd -D -N "$1" -f "$2"' sh "$n" "$CONF" \
+        >"$BASE/log/slurmd-$n.out" 2>&1 </dev/null &
+    fi
+    echo $! >"$BASE/slurmd-$i.pid"
+  done
   local st=
   for _ in $(seq 150); do
     st=$(node_state)
-    case $st in idle|mixed|allocated) break ;; esac
+    usable "$st" && break
     sleep 0.2
   done
-  case $st in
-    idle|mixed|allocated) ;;
-    *) sinfo -N -l >&2 || true; tail -n 30 "$BASE"/log/*.log >&2 || true; die "node not usable (state '$st')" ;;
-  esac
+  usable "$st" || { sinfo -N -l >&2 || true; tail -n 30 "$BASE"/log/*.log >&2 || true; die "node(s) not usable (state '$st')"; }
   log "cluster up: $(sinfo -h -N -o '%N %T cpus=%c mem=%mMB')"
 }
 
+# names of a multi-node cluster resolve to their loopback addresses (the job's tcp endpoint, torchrun's master)
+hosts_add() {
+  [ "$NNODES" -gt 1 ] || return 0
+  local i line
+  for i in $(seq "$NNODES"); do
+    line="$(node_addr "$i") $(node_name "$i") # tsync-slurm"
+    grep -qxF "$line" /etc/hosts || echo "$line" >>/etc/hosts
+  done
+}
+hosts_remove() {
+  [ "$NNODES" -gt 1 ] || return 0
+  local i tmp
+  tmp=$(mktemp)
+  cp /etc/hosts "$tmp"
+  for i in $(seq "$NNODES"); do
+    grep -vxF "$(node_addr "$i") $(node_name "$i") # tsync-slurm" "$tmp" >"$tmp.n" || true
+    mv "$tmp.n" "$tmp"
+  done
+  cat "$tmp" >/etc/hosts  # in place: /etc/hosts may be a bind mount
+  rm -f "$tmp"
+}
+
 up() {
-  local t0 t1 t2
-  if alive slurmctld && alive slurmd && [ -f "$CONF" ] && SLURM_CONF=$CONF scontrol ping 2>/dev/null | grep -q UP; then
-    case $(node_state) in
-      idle|mixed|allocated) log "already up ($BASE)"; echo "export SLURM_CONF=$CONF"; return ;;
-    esac
+  local t0 t1 t2 want=${1:-1}
+  if [ "$want" != "$NNODES" ] && { alive slurmctld || slurmd_alive; }; then
+    die "a $NNODES-node cluster runs at $BASE: 'down' it first, or use another TSYNC_SLURM_DIR for $want nodes"
+  fi
+  NNODES=$want
+  if alive slurmctld && slurmd_alive && [ -f "$CONF" ] && SLURM_CONF=$CONF scontrol ping 2>/dev/null | grep -q UP; then
+    if usable "$(node_state)"; then log "already up ($BASE)"; echo "export SLURM_CONF=$CONF"; return; fi
   fi
   t0=$(date +%s.%N)
   install_pkgs
   t1=$(date +%s.%N)
   [ "$(id -u)" = 0 ] || die "starting munged/slurmctld/slurmd this way needs root"
-  alive slurmctld || alive slurmd || write_conf
+  if ! alive slurmctld && ! slurmd_alive; then
+    mkdir -p "$BASE"
+    echo "$NNODES" >"$BASE/nodes"
+    write_conf
+  fi
+  hosts_add
   start_munge
   start_slurm
   t2=$(date +%s.%N)
@@ -156,7 +216,7 @@ up() {
 
 down() {
   local d f pid
-  for d in slurmd slurmctld munged; do
+  for d in $(for i in $(seq "$NNODES"); do echo "slurmd-$i"; done) slurmd slurmctld munged; do
     f=$BASE/$d.pid
     [ -f "$f" ] || continue
     pid=$(cat "$f")
@@ -168,18 +228,25 @@ down() {
     fi
     rm -f "$f"
   done
+  hosts_remove
 }
 
 status() {
   [ -f "$CONF" ] || { echo "no cluster config at $CONF"; return 1; }
   SLURM_CONF=$CONF scontrol ping 2>/dev/null | grep -q UP || { echo "slurmctld not answering"; return 1; }
   echo "SLURM_CONF=$CONF node: $(SLURM_CONF=$CONF sinfo -h -N -o '%N %T')"
-  case $(node_state) in idle|mixed|allocated) return 0 ;; *) return 1 ;; esac
+  usable "$(node_state)"
 }
 
 case "${1:-}" in
-  up) up ;;
+  up)
+    if [ "${2:-}" = --nodes ]; then
+      [[ ${3:-} =~ ^[1-9]$ ]] || die "up --nodes N: N is 1..9 (got '${3:-}')"
+      up "$3"
+    else
+      up 1
+    fi ;;
   down) down ;;
   status) status ;;
-  *) echo "usage: $0 up|down|status   (state under \$TSYNC_SLURM_DIR, default /tmp/tsync-slurm)" >&2; exit 2 ;;
+  *) echo "usage: $0 up [--nodes N]|down|status   (state under \$TSYNC_SLURM_DIR, default /tmp/tsync-slurm)" >&2; exit 2 ;;
 esac

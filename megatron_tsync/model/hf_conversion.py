@@ -358,13 +358,24 @@ def load_hf_state(path: str) -> dict[str, torch.Tensor]:
 
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.exists(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
+        try:
+            with open(index) as f:
+                files = sorted(set(json.load(f)["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{index}: not a safetensors index (a JSON object with a 'weight_map' of tensor "
+                             f"name -> shard file): {type(e).__name__}: {e}") from None
     else:
         files = ["model.safetensors"]
     state: dict[str, torch.Tensor] = {}
     for fn in files:
-        state.update(load_file(os.path.join(path, fn)))
+        full = os.path.join(path, fn)
+        if not os.path.isfile(full):
+            listed = f" (listed in {index})" if os.path.exists(index) else ""
+            raise FileNotFoundError(f"{full}: no such file{listed}")
+        try:
+            state.update(load_file(full))
+        except Exception as e:  # safetensors raises its own SafetensorError (not an OSError) on a bad header
+            raise ValueError(f"{full}: not a valid safetensors file ({type(e).__name__}: {e})") from None
     return state
 
 

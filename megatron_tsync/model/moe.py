@@ -52,17 +52,36 @@ Weight layout (HF checkpoint names — transformers ≥ 5 keeps experts fused in
                                                                   split by expert-TP
 ===============================================================  ==================================================
 
-**Tensor parallelism.** Forward passes at TP > 1 are exact (logits tested at TP=2). Training at TP > 1 needs
-sequence parallelism: without it every TP rank dispatches the same tokens to the experts and the expert weight
-gradients come out TP times too large (measured: exactly 2× at TP=2; router, attention and embedding gradients are
-right). megatron refuses MoE + TP > 1 in training mode without sequence parallelism; sequence parallelism in turn
-needs Transformer Engine's norms (the local spec's torch norms refuse it: not on CPU) and sequence lengths that TP
-divides, which the learner does not pad to yet.
+**Tensor parallelism.** Forward passes and training at TP > 1 are exact (logits tested at TP=2; float64 training at
+TP=2 equals one process to ~1e-15). megatron's MoE layer needs sequence parallelism at TP > 1 (without it every
+TP rank dispatches the same tokens to the experts and the expert weight gradients come out TP times too large:
+measured exactly 2× at TP=2), so a MoE model at TP > 1 is built with ``sequence_parallel=True``. Two consequences,
+both handled in ``model.builder`` / ``model.compat``: sequences must be a multiple of TP long (the model pads its
+input at the end — causal attention: the real positions do not see the padding — and drops the padded positions'
+logits: :func:`~megatron_tsync.model.builder.pad_for_sequence_parallel`), and the norms on sequence shards need their
+gradients summed over TP (Transformer Engine's norms mark their weights ``sequence_parallel``; on CPU the torch norm
+wrapper, which refuses sequence parallelism, is built through ``compat.allow_sequence_parallel_torch_norm`` that
+marks them the same way). Not with PP > 1, sequence packing or router replay yet (refused by the learner's config).
 
-**Expert parallelism.** Conversion and forward passes at EP > 1 are exact (tested at EP=2). Training at EP > 1 is
-refused by the config: each MoE layer's all-to-all is a collective over the EP ranks (which are data-parallel
-ranks), and streaming data-parallel ranks run different numbers of microbatches at different times. It needs the
-learner to keep the EP group in lockstep (a zero-token microbatch on a rank with nothing to train).
+**Expert parallelism.** Conversion, forward passes and training at EP > 1 are exact (tested at EP=2: float64
+streamed = sync = one process to ~1e-15, ``tests/training/test_moe_ep.py``). Each MoE layer's all-to-all is a
+collective over the EP ranks, which are data-parallel replicas streaming different trajectories; and a rank's
+expert gradients hold the tokens of *every* EP rank's microbatch of that moment. So the learner runs in lockstep
+(``model.parallel.ExpertLockstep``, ``training.stream_fb``): at each schedule point the ranks agree on a list of
+slots, each with one gradient destination (a group's bucket at a reward, or the accumulator), and a rank with no
+microbatch for a slot runs an idle one (2 tokens, zero loss) routed to that destination. Without one destination
+per slot the expert gradients came out 0.6-1.6 relative off in stream-trajectory mode (sync and stream-group were
+already right: everything goes to the accumulator there). Not with ``--deterministic`` nor a KL reference model
+(their forwards are not in lockstep); the OPD learner neither.
+
+**Router replay** (``--moe-router-replay``; megatron-core's ``RouterReplay``, build with
+``moe_enable_routing_replay=True``): the embedded engine records the experts of every position it computes, in the
+forward that first computed it (prefill for the prompt, the decode step for each generated token; a tool result at
+the next turn's prefill), the agent loop keeps them across turns, the trajectory event carries them, and the
+learner's training and π_θ0 forwards route every token to those experts (:func:`microbatch_routing`,
+:class:`replay_microbatch`). Positions no engine computed (the last token, a final tool result) and packing padding
+route to experts 0..k-1: no scored log-prob depends on them. vLLM returns routed experts only with its model runner
+V2, which needs Triton (not in the CPU build): the vLLM adapter does not record routing yet.
 
 EP rank ``q`` of size ``ep`` holds the global experts ``e = q · E/ep + e_l`` (megatron's contiguous split); the expert
 tensor-parallel size equals TP. Supported HF configs: ``decoder_sparse_step`` 1 and no ``mlp_only_layers`` (every
@@ -140,6 +159,7 @@ def transformer_config_fields(arch, tp: int, ep: int = 1) -> dict[str, Any]:
         moe_router_fusion=False,
         expert_tensor_parallel_size=tp,
         expert_model_parallel_size=ep,
+        sequence_parallel=tp > 1,  # megatron's MoE layer needs it at TP > 1 (module docstring)
     )
 
 
@@ -318,6 +338,56 @@ def _replays(model) -> list:
             raise ValueError("router replay needs a MoE model built with moe_enable_routing_replay=True")
         out.append(rr)
     return out
+
+
+def microbatch_routing(routings, lengths, pad: int = 0) -> list[torch.Tensor] | None:
+    """Per global MoE layer, the (T, k) experts of a microbatch of trajectories laid end to end (then ``pad``
+    padding tokens): each trajectory's engine routing, a (P_i, L, k) tensor for its first P_i ≤ T_i positions.
+    None when no trajectory carries routing (replay off); all or none must.
+
+    Positions no engine computed (a trajectory's last token, a tool result after its last turn) and the padding
+    get experts 0..k-1: no scored log-prob depends on them (causal attention; every scored token's context was
+    computed by the engine call that sampled it)."""
+    routings = list(routings)
+    if all(r is None for r in routings):
+        return None
+    if any(r is None for r in routings):
+        raise ValueError("router replay: some trajectories of a microbatch carry no routing")
+    num_layers, topk = int(routings[0].shape[1]), int(routings[0].shape[2])
+    parts = []
+    for r, t in zip(routings, lengths):
+        if r.dim() != 3 or r.shape[0] > t or tuple(r.shape[1:]) != (num_layers, topk):
+            raise ValueError(f"routing of shape {tuple(r.shape)} for a trajectory of {t} tokens; expected "
+                             f"(≤ {t}, {num_layers}, {topk})")
+        parts.append(r.long())
+        if t > r.shape[0]:
+            parts.append(torch.arange(topk).expand(t - r.shape[0], num_layers, topk))
+    if pad:
+        parts.append(torch.arange(topk).expand(pad, num_layers, topk))
+    full = torch.cat(parts)  # (T, L, k)
+    return [full[:, layer] for layer in range(num_layers)]
+
+
+class replay_microbatch:
+    """``with replay_microbatch(model, per_layer):``: :class:`replay_routing` with this stage's layers picked out of
+    ``per_layer`` (every global MoE layer, e.g. from :func:`microbatch_routing`) by their layer numbers; with
+    ``per_layer`` None it does nothing (replay off)."""
+
+    def __init__(self, model, per_layer):
+        self.inner = None
+        if per_layer is not None:
+            from megatron_tsync.model.builder import unwrap
+
+            local = [per_layer[layer.layer_number - 1] for layer in unwrap(model).decoder.layers]
+            self.inner = replay_routing(model, local)
+
+    def __enter__(self):
+        if self.inner is not None:
+            self.inner.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return False if self.inner is None else self.inner.__exit__(*exc)
 
 
 class record_routing:

@@ -162,6 +162,55 @@ def current_dims(backend: str | None = None) -> ParallelDims:
     )
 
 
+class ExpertLockstep:
+    """EP > 1: every MoE layer's token all-to-all (forward and backward) is a collective over the expert-parallel
+    group, whose ranks are different data-parallel replicas. The streaming learner's replicas see the same arrivals
+    in the same order (and so reach the same schedule points) but train different trajectories, so at each point
+    they agree on the most microbatches any of them runs (:meth:`count`), and a rank with fewer runs idle ones
+    (2 tokens, zero loss: they join the all-to-alls and add exact zeros to the gradient). At EP = 1 it is off and
+    costs nothing."""
+
+    def __init__(self, model_config=None):
+        from megatron.core import parallel_state as ps
+
+        moe = model_config is None or bool(getattr(model_config, "num_moe_experts", None))
+        self.group = ps.get_expert_model_parallel_group() if moe and ps.get_expert_model_parallel_world_size() > 1 \
+            else None
+        self.idle = 0  # idle microbatches run so far
+
+    @property
+    def on(self) -> bool:
+        return self.group is not None
+
+    def schedule(self, keys: list) -> list:
+        """The slots of one run point: ``keys`` are this rank's microbatches' gradient destinations (hashable);
+        every key any rank of the group has, in first-seen order (rank by rank), as many times as the rank that
+        has it most (collective over the group: an ``all_gather_object``). ``keys`` itself when off."""
+        if self.group is None:
+            return list(keys)
+        gathered: list = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(gathered, list(keys), group=self.group)
+        most: dict = {}
+        for ks in gathered:
+            counts: dict = {}
+            for k in ks:
+                counts[k] = counts.get(k, 0) + 1
+            for k, n in counts.items():
+                most[k] = max(most.get(k, 0), n)
+        slots = [k for k, n in most.items() for _ in range(n)]  # dicts keep first-seen order
+        self.idle += len(slots) - len(keys)
+        return slots
+
+    def count(self, n: int) -> int:
+        """The largest ``n`` over the expert-parallel group (collective over it); ``n`` when off."""
+        if self.group is None:
+            return n
+        t = torch.tensor([n], dtype=torch.int64, device=device() if dist.get_backend(self.group) == "nccl" else "cpu")
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        self.idle += int(t.item()) - n
+        return int(t.item())
+
+
 def destroy_parallel() -> None:
     from megatron.core import parallel_state as ps
 

@@ -35,6 +35,8 @@ import inspect
 import time
 from typing import Any, Awaitable, Callable, Sequence
 
+import numpy as np
+
 from megatron_tsync.model.tokenizer import TextCodec
 from megatron_tsync.rollout.engine import Completion, RolloutEngine, SamplingConfig, derive_seed
 
@@ -83,6 +85,10 @@ class Trajectory:
     policy_version: int = -1
     error: str | None = None
     metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
+    routing: Any = None
+    """MoE engines recording routing: (P, L, k) experts of positions 0..P-1, each from the engine call that first
+    computed it (a turn's generated tokens at their decode step, a tool result at the next turn's prefill);
+    positions ≥ P (the last token, a final tool result) no engine computed. None otherwise."""
 
     @property
     def num_turns(self) -> int:
@@ -188,7 +194,10 @@ class AgentConfig:
 
     sampling: SamplingConfig
     """Per-turn sampling. ``tool_token_ids`` must hold the id of ``</tool>``; ``stop_token_ids`` EOS and
-    ``</answer>``; ``max_new_tokens`` caps one turn; ``seed`` (optional) makes every turn reproducible."""
+    ``</answer>``; ``max_new_tokens`` caps one turn; ``seed`` (optional) makes every turn reproducible: turn t of a
+    trajectory samples with ``derive_seed(seed, key, t)``, ``key`` its metadata's ``seed_index`` when given (the
+    rollout worker sets the trajectory's global index, so results do not depend on which worker ran it), else its
+    position in the prompt list."""
     max_turns: int = 4
     """Generated turns per trajectory; a tool call in the last allowed turn ends it with "max_turns"."""
     max_total_tokens: int = 1024
@@ -219,8 +228,9 @@ class _Request:
 class _Batcher:
     """Collects generation requests from concurrent trajectories into batched ``engine.generate`` calls."""
 
-    def __init__(self, engine: RolloutEngine, sampling: SamplingConfig, wait_s: float):
+    def __init__(self, engine: RolloutEngine, sampling: SamplingConfig, wait_s: float, idle_work=None):
         self.engine = engine
+        self.idle_work = idle_work  # () -> job(interrupt) or None: engine work for when no trajectory needs it
         self.sampling = sampling
         self.wait_s = wait_s
         self.pending: list[_Request] = []
@@ -243,6 +253,12 @@ class _Batcher:
         loop = asyncio.get_running_loop()
         while self.live > 0 or self.pending:
             if not self.pending:
+                # idle: no request waits, after the first batch (at the start the trajectories are about to ask)
+                job = self.idle_work() if self.idle_work is not None and self.batches else None
+                if job is not None:  # e.g. speculative drafting; it yields the engine when a request comes
+                    self.wake.clear()
+                    await loop.run_in_executor(self.pool, job, lambda: bool(self.pending) or self.live <= 0)
+                    continue
                 self.wake.clear()
                 await self.wake.wait()
                 continue
@@ -289,6 +305,7 @@ def _truncate(c: Completion, max_new: int) -> Completion:
         logprobs=c.logprobs[:max_new],
         sampling_logprobs=None if c.sampling_logprobs is None else c.sampling_logprobs[:max_new],
         finish_reason="length",
+        routing=None if c.routing is None else c.routing[: len(c.routing) - (len(c.token_ids) - max_new)],
     )
 
 
@@ -307,6 +324,9 @@ class AgentLoop:
             tool turn, its ``<result>`` tokens are in ``traj``). Runs on the event-loop thread before the trajectory
             changes again: read or copy ``traj`` inside the callback.
         on_finish: ``on_finish(traj)`` once the trajectory is final (after its last ``on_turn``).
+        idle_work: ``idle_work()`` is asked whenever no trajectory waits for the engine (all are in tool calls or
+            done); it returns None or a job ``job(interrupt)`` run on the engine thread, which must return soon after
+            ``interrupt()`` becomes True (a trajectory needs the engine, or none is left). Speculative drafting uses it.
     """
 
     def __init__(
@@ -318,8 +338,10 @@ class AgentLoop:
         tools: ToolExecutor | None = None,
         on_turn: Callable[[Trajectory, int], None] | None = None,
         on_finish: Callable[[Trajectory], None] | None = None,
+        idle_work: Callable[[], Callable | None] | None = None,
     ):
         self.engine = engine
+        self.idle_work = idle_work
         self.codec = codec
         self.config = config
         self.tools = tools if tools is not None else RegistryTools()
@@ -339,7 +361,7 @@ class AgentLoop:
         for i, p in enumerate(prompts):
             if not 0 < len(p) < self.config.max_total_tokens:
                 raise ValueError(f"prompt {i} has {len(p)} tokens; need 1 ≤ len < max_total_tokens")
-        batcher = _Batcher(self.engine, self.config.sampling, self.config.batch_wait_s)
+        batcher = _Batcher(self.engine, self.config.sampling, self.config.batch_wait_s, self.idle_work)
         batcher.live = len(prompts)
         trajs = [
             Trajectory(
@@ -371,7 +393,8 @@ class AgentLoop:
                     traj.finish_reason = "length"
                     break
                 max_new = min(cfg.sampling.max_new_tokens, room)
-                seed = None if cfg.sampling.seed is None else derive_seed(cfg.sampling.seed, traj.index, turn)
+                seed = None if cfg.sampling.seed is None else derive_seed(
+                    cfg.sampling.seed, traj.metadata.get("seed_index", traj.index), turn)
                 try:
                     comp = await batcher.generate(list(traj.token_ids), max_new, seed)
                 except Exception as e:
@@ -406,6 +429,9 @@ class AgentLoop:
         traj.logprobs.extend(comp.logprobs)
         traj.turn_spans.append((start, len(traj.token_ids)))
         traj.turn_versions.append(version)
+        if comp.routing is not None:  # keep each position's first computation; append the new ones
+            known = 0 if traj.routing is None else len(traj.routing)
+            traj.routing = comp.routing if known == 0 else np.concatenate([traj.routing, comp.routing[known:]])
         if traj.policy_version < 0:
             traj.policy_version = version
 

@@ -129,6 +129,28 @@ class _Rows:
         ]
 
 
+class _RoutingLog:
+    """Per row of one generate call, the experts the MoE layers chose at each slot the engine computed."""
+
+    def __init__(self, n_rows: int, num_experts: int):
+        self.chunks: list[list[torch.Tensor]] = [[] for _ in range(n_rows)]
+        self.dtype = torch.uint8 if num_experts <= 256 else torch.int16
+        self.started = False
+
+    def add(self, indices: list[torch.Tensor], q: int, rows: list[int], *, last_only: bool) -> None:
+        """``indices``: per layer (q·r, k) in megatron's (S, B) token order, for ``rows`` (original indices)."""
+        x = torch.stack([i.view(q, len(rows), -1) for i in indices], dim=2).to(self.dtype)  # (q, r, L, k)
+        if last_only:  # a recompute step (no KV cache): only its last slot is new
+            x = x[-1:]
+        for j, orig in enumerate(rows):
+            self.chunks[orig].append(x[:, j])
+        self.started = True
+
+    def result(self, row: int, pad: int):
+        """(P, L, k) numpy array of the row's real positions (its left padding dropped)."""
+        return torch.cat(self.chunks[row])[pad:].cpu().numpy()
+
+
 class EmbeddedEngine:
     """Batched sampler over an in-process Megatron ``GPTModel`` (TP=1). Implements ``RolloutEngine``.
 
@@ -139,6 +161,9 @@ class EmbeddedEngine:
         use_kv_cache: False recomputes every step from scratch (slow; for cross-checks).
         detokenize: ids -> text, needed only for ``SamplingConfig.stop_strings``.
         version: initial ``policy_version``.
+        record_routing: MoE models (built with ``moe_enable_routing_replay=True``; ``from_arch`` does that):
+            every completion carries ``routing``, the experts chosen at each position in the forward that first
+            computed it (prefill for the prompt, the decode step for each generated token), for router replay.
     """
 
     def __init__(
@@ -149,6 +174,7 @@ class EmbeddedEngine:
         use_kv_cache: bool = True,
         detokenize: Callable[[list[int]], str] | None = None,
         version: int = 0,
+        record_routing: bool = False,
     ):
         from megatron_tsync.model.builder import unwrap
 
@@ -167,13 +193,17 @@ class EmbeddedEngine:
             raise ValueError("EmbeddedEngine needs a TP=1, single-stage GPTModel")
         self.max_seq_len = int(getattr(self.model, "max_sequence_length", 0) or 4096)
         self.vocab_size = int(self.model.vocab_size)
+        self.record_routing = bool(record_routing)
+        if self.record_routing and not getattr(cfg, "num_moe_experts", None):
+            raise ValueError("record_routing needs a MoE model (this one has no experts)")
 
     @classmethod
     def from_arch(cls, arch, precision=None, *, seed: int | None = 0, **kwargs) -> "EmbeddedEngine":
         """Build the policy's architecture (TP=1; parallel state must be initialised) and wrap it."""
         from megatron_tsync.model.builder import build_model
 
-        return cls(build_model(arch, precision, seed=seed), **kwargs)
+        replay = {"moe_enable_routing_replay": True} if kwargs.get("record_routing") else {}
+        return cls(build_model(arch, precision, seed=seed, **replay), **kwargs)
 
     @classmethod
     def from_hf_dir(cls, path: str, precision=None, **kwargs) -> "EmbeddedEngine":
@@ -218,7 +248,16 @@ class EmbeddedEngine:
         n: int = 1,
         *,
         seeds: Sequence[int] | None = None,
+        interrupt: Callable[[], bool] | None = None,
+        prefill_hook: Callable[[int, torch.Tensor], list[bool]] | None = None,
     ) -> list[list[Completion]]:
+        """Two extras, not part of the engine protocol, for speculative rollouts. ``interrupt``: checked before every
+        decode step; once it returns True the call ends, every unfinished row with ``finish_reason`` None (drafting
+        stops so the moment new weights land). ``prefill_hook(first_row, logits)``: called with the prefill's raw
+        logits of every prompt position, (rows, L, V) for rows ``first_row ..`` of the request, prompts left-padded to
+        L (so row r's last n prompt tokens are the last n positions); it returns, per row, whether to go on
+        generating — a row that does not gets no token (verification scores a draft in the prompt's prefill and
+        keeps decoding, with the same cache, only where the whole draft was kept)."""
         check_request(prompts, sampling, n, seeds, max_len=self.max_seq_len,
                       max_len_name="the model's max_position_embeddings",
                       can_stop_on_strings=self.detokenize is not None,
@@ -238,8 +277,35 @@ class EmbeddedEngine:
         with self._lock:
             version = self._version
             for s in range(0, len(rows), self.max_batch_rows):
-                results.extend(self._generate_rows(rows[s : s + self.max_batch_rows], sampling, version))
+                hook = None if prefill_hook is None else functools.partial(prefill_hook, s)
+                results.extend(self._generate_rows(rows[s : s + self.max_batch_rows], sampling, version, interrupt,
+                                                   hook))
         return [results[i * n : (i + 1) * n] for i in range(len(prompts))]
+
+    @torch.no_grad()
+    def score(self, seqs: Sequence[Sequence[int]], first: Sequence[int]) -> list[torch.Tensor]:
+        """Raw logits predicting tokens ``first[i] .. len(seqs[i])`` of each sequence — (len − first + 1, V) float32,
+        the last row the distribution of the token after the sequence — from one forward per chunk of rows (no
+        cache; left-padded like ``generate``, so the same rounding). What speculative verification scores with."""
+        out: list[torch.Tensor] = []
+        self._ensure_thread()
+        dev = self._param.device
+        with self._lock:
+            for s in range(0, len(seqs), self.max_batch_rows):
+                chunk, starts = seqs[s : s + self.max_batch_rows], first[s : s + self.max_batch_rows]
+                lens = torch.tensor([len(q) for q in chunk])
+                L = int(lens.max())
+                tokens = torch.zeros(len(chunk), L, dtype=torch.long, device=dev)
+                for r, q in enumerate(chunk):
+                    tokens[r, L - len(q) :] = torch.tensor(list(q), dtype=torch.long)
+                key_pad = torch.arange(L, device=dev)[None, :] < (L - lens).to(dev)[:, None]
+                mask = torch.ones(L, L, dtype=torch.bool, device=dev).triu(1)[None] | key_pad[:, None, :]
+                logits = self.model(tokens, torch.zeros_like(tokens), mask[:, None]).float()  # (R, L, V)
+                for r, (q, f) in enumerate(zip(chunk, starts)):
+                    if not 1 <= f <= len(q):
+                        raise ValueError(f"score: first={f} outside 1..{len(q)} for a sequence of {len(q)} tokens")
+                    out.append(logits[r, L - len(q) + f - 1 :].clone())
+        return out
 
     # ------------------------------------------------------------------ internals
     def _ensure_thread(self) -> None:
@@ -251,17 +317,27 @@ class EmbeddedEngine:
                 compat.ensure_cpu_mode_in_thread()
             self._thread_ready.done = True
 
-    def _forward(self, tokens, mask, ctx):
-        """(R, q) tokens, (R, 1, q, k) bool mask -> (R, V) logits of the last position."""
+    def _forward(self, tokens, mask, ctx, routes=None, rows=None, full=False):
+        """(R, q) tokens, (R, 1, q, k) bool mask -> (R, V) logits of the last position ((R, q, V), every position,
+        with ``full``). With ``routes`` (a :class:`_RoutingLog`) the experts chosen for these q slots of ``rows`` are
+        logged."""
+        if routes is not None:
+            from megatron_tsync.model.moe import record_routing
+
+            with record_routing(self.model) as rec:
+                out = self._forward(tokens, mask, ctx, full=full)
+            routes.add(rec.indices, tokens.shape[1], rows, last_only=ctx is None and routes.started)
+            return out
         pos = torch.zeros_like(tokens)  # RoPE positions come from the cache slots; learned positions unused
         if ctx is None:
             logits = self.model(tokens, pos, mask)  # (R, q, V)
-            return logits[:, -1, :]
-        logits = self.model(tokens, pos, mask, inference_context=ctx, runtime_gather_output=True)  # (R, 1, V)
+            return logits if full else logits[:, -1, :]
+        logits = self.model(tokens, pos, mask, inference_context=ctx, runtime_gather_output=True)  # (R, 1 or q, V)
         ctx.increment_sequence_len_offset(tokens.shape[1])
-        return logits[:, -1, :]
+        return logits if full else logits[:, -1, :]
 
-    def _generate_rows(self, rows, sampling: SamplingConfig, version: int) -> list[Completion]:
+    def _generate_rows(self, rows, sampling: SamplingConfig, version: int, interrupt=None,
+                       prefill_hook=None) -> list[Completion]:
         from megatron.core.inference.contexts import StaticInferenceContext
 
         R = len(rows)
@@ -277,11 +353,28 @@ class EmbeddedEngine:
         rngs = [g for _, g in rows]
         st = _Rows(R, sampling, functools.partial(self._hits_stop_string, sampling.stop_strings))
         ctx = StaticInferenceContext(R, S) if self.use_kv_cache else None
-        logits = self._forward(tokens[:, :L], (causal[None] | key_pad[:, None, :L])[:, None], ctx)  # (R, V)
+        routes = _RoutingLog(R, self.model.config.num_moe_experts) if self.record_routing else None
+        if prefill_hook is not None and ctx is not None:
+            ctx.materialize_only_last_token_logits = False  # the hook reads every prompt position
+        logits = self._forward(tokens[:, :L], (causal[None] | key_pad[:, None, :L])[:, None], ctx,
+                               routes, list(range(R)), full=prefill_hook is not None)  # (R, V), (R, L, V) full
+        live = torch.arange(R, device=dev)  # rows of `tokens` still generating, in batch order
+        if prefill_hook is not None:
+            go = [r for r, ok in enumerate(prefill_hook(logits)) if ok]
+            logits = logits[:, -1, :]
+            if ctx is not None:
+                ctx.materialize_only_last_token_logits = True
+            if not go:
+                return st.completions(version)
+            if len(go) < R:  # rows the hook ended: no token, dropped from the batch and the cache like finished ones
+                kt = torch.tensor(go, device=dev)
+                live, logits, st.ids = live[kt], logits[kt], go
+                if ctx is not None:
+                    for layer, (km, vm) in list(ctx.key_value_memory_dict.items()):
+                        ctx.key_value_memory_dict[layer] = (km[:, kt], vm[:, kt])
         if ctx is not None:
             ctx.enable_decode_mode()
         cur = L  # next slot to fill
-        live = torch.arange(R, device=dev)  # rows of `tokens` still generating, in batch order
         while True:
             if logits.dtype in (torch.bfloat16, torch.float16):
                 logits = logits.float()
@@ -293,7 +386,7 @@ class EmbeddedEngine:
             keep = st.record(new.tolist(), lp, slp)
             tokens[live, cur] = new
             cur += 1
-            if not keep:
+            if not keep or (interrupt is not None and interrupt()):
                 break
             if len(keep) < len(st.ids):  # drop finished rows from the batch and from the KV cache
                 kt = torch.tensor(keep, device=dev)
@@ -303,11 +396,16 @@ class EmbeddedEngine:
                     for layer, (km, vm) in list(ctx.key_value_memory_dict.items()):
                         ctx.key_value_memory_dict[layer] = (km[:, kt], vm[:, kt])  # (S, r, g, d)
             if ctx is not None:
-                logits = self._forward(tokens[live, cur - 1 : cur], key_pad[live, None, None, :cur], ctx)
+                logits = self._forward(tokens[live, cur - 1 : cur], key_pad[live, None, None, :cur], ctx,
+                                       routes, st.ids)
             else:
                 full = torch.ones(cur, cur, dtype=torch.bool, device=dev).triu(1)[None] | key_pad[live, None, :cur]
-                logits = self._forward(tokens[live, :cur], full[:, None], None)
-        return st.completions(version)
+                logits = self._forward(tokens[live, :cur], full[:, None], None, routes, st.ids)
+        out = st.completions(version)
+        if routes is not None:
+            for r, c in enumerate(out):
+                c.routing = routes.result(r, L - int(lens[r]))
+        return out
 
     def _hits_stop_string(self, stop_strings: tuple[str, ...], toks: list[int]) -> bool:
         """Whether the text of the last 32 generated tokens contains a stop string (checked after every token)."""

@@ -106,6 +106,10 @@ class Completion:
     """Per token log-prob under the truncated (top-k/top-p) distribution; None when nothing was truncated."""
     policy_version: int = -1
     """The weights version that produced every token of this completion."""
+    routing: Any = None
+    """MoE engines asked to record routing (``record_routing=True``): a (P, L, k) integer array, the experts each
+    of the L MoE layers chose for the tokens at positions 0..P-1 of prompt + completion, where P = len(prompt) +
+    len(token_ids) - 1 (every position the engine computed; the last sampled token is never fed). Else None."""
 
 
 @runtime_checkable

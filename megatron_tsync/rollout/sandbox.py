@@ -1,67 +1,127 @@
-"""Sandboxed subprocess execution for agent tool calls and verifiers.
+"""Sandboxed subprocess execution for agent tool calls and verifiers, and persistent per-trajectory workspaces.
 
-Every call to :meth:`Sandbox.run` gets a fresh scratch directory (its cwd, removed afterwards) and runs its command in
-a real subprocess, so tool latency is real process latency. The call never raises for a misbehaving command: the
-outcome, including timeouts, truncation and resource-limit kills, is reported in a :class:`ToolResult`.
+Two ways to run a command, both never raising for a misbehaving command (the outcome, including timeouts, truncation,
+quota and resource-limit kills, is reported in a :class:`ToolResult`):
+
+- ``Sandbox.run(...)``: a stateless call. It gets a fresh scratch area (its cwd, removed afterwards).
+- a :class:`Workspace`: a per-trajectory area that persists across the calls of one episode (an edit in turn 1 is
+  visible in turn 3), owned by its own private uid, isolated from every other call and workspace, removed on close::
+
+      with sandbox.workspace(files={"repo/a.py": "x = 1\\n"}, copy_from=None) as ws:   # or ws = ...; ws.close()
+          ws.run(["sh", "-c", "sed -i s/1/2/ repo/a.py"])           # cwd = ws.path (same path inside and outside)
+          r = ws.run(code="print(open('repo/a.py').read())")          # sees the edit
+          ws.run(["python3", "-m", "pytest", "/run/tests"],           # extra mounts: target -> Mount(source, ro)
+                 mounts={"/run/tests": Mount("/host/hidden_tests", read_only=True)})
+          await ws.run_async(...); ws.write_files({...}); ws.read_file("repo/a.py"); ws.copy_in(src_dir, "repo")
+      # closed: area unmounted and removed, uid slot returned (also at interpreter exit for a forgotten one)
+
+  ``ws.path`` is the host path of the area (the host process may read and write it; files it writes through
+  ``write_files``/``copy_in`` are chowned to ``ws.uid``). Only files persist: every process of a call dies with the
+  call. Mount targets must exist, or lie under a masked dir (/tmp, /run, ...) or inside the workspace (created then;
+  inside the workspace the empty mount point stays). ``Sandbox.run`` takes ``mounts=`` too.
 
 How a call is isolated (each mechanism is probed once per process; :meth:`Sandbox.enforcement` reports the outcome)::
 
-    parent (rollout worker thread)
-      └─ launcher: `python -I -S -c _LAUNCHER_SRC spec` (root), new session + process group
+    parent (rollout worker thread): area = tmpfs(size=disk_bytes, nr_inodes=max_files, uid=<call uid>, mode 0700)
+                                    cgroup = mtsb_<pid>_<n> (memory.limit = total_memory_bytes, pids.max)
+      └─ launcher (root), new session + process group; moved into the cgroup by the parent before it forks
+                   anything. Forked by the sandbox's fork server (one warm interpreter per Sandbox, started on first
+                   use: :mod:`.sandbox_forkserver`; the default) or, with ``SandboxConfig(launcher="exec")``, a fresh
+                   `python -I -S -c LAUNCHER_SRC spec` per call: the same launcher code either way
            unshare(NEWNET | NEWNS | NEWPID | NEWIPC | NEWUTS)      network: empty netns, loopback down
-           mount: / rprivate, scratch bind-mounted rw, every other mount remounted read-only
+           mount: / rprivate, area bind-mounted rw, every other mount remounted read-only; an empty read-only tmpfs
+                  over /tmp, /var/tmp, /run, /dev/shm and the scratch root (the area bound back at its own path);
+                  /dev/null bound over every other host unix socket listed in /proc/net/unix; extra mounts
            └─ init (pid 1 of the new pid ns, PDEATHSIG=SIGKILL): mounts a fresh /proc, reaps, reports status
                 └─ target: rlimits (AS, DATA, CPU, FSIZE, NPROC, NOFILE, CORE=0), setgroups([]), setgid/setuid to
-                   a per-call unprivileged uid, PR_SET_NO_NEW_PRIVS, optional real sleep (delay_s), execve(argv)
+                   a private unprivileged uid, PR_SET_NO_NEW_PRIVS, optional real sleep (delay_s), execve(argv);
+                   for ``run_source`` (trusted tool code, e.g. the calculator) on the fork server: runs the source
+                   itself instead of execve'ing a second interpreter
 
-- wall timeout: the parent SIGKILLs the launcher's process group; init dies with it and the kernel then kills every
-  process left in the pid namespace (also ones that called setsid), so no orphan survives. Without a pid namespace
-  the parent kills the process group and every process owned by the call's uid.
+- wall timeout: the parent SIGKILLs the launcher's process group and every task of the call's cgroup; init dies with
+  it and the kernel then kills every process left in the pid namespace (also ones that called setsid). Without a pid
+  namespace the parent kills the process group, the cgroup's tasks and every process owned by the call's uid.
 - output: stdout/stderr are read incrementally (64 KiB chunks) and capped at ``max_output_bytes`` per stream; the
   whole tree is killed as soon as a stream exceeds the cap, so a 100 MB print costs ~cap bytes of parent memory.
-- processes: RLIMIT_NPROC counts processes per real uid and is not enforced for root, so each concurrent call runs
-  under its own uid (``2_000_000_000 + (pid % 100_000) * 1000 + slot``); the limit then covers exactly one call.
-- memory: RLIMIT_AS and RLIMIT_DATA per process (total bounded by ``memory_bytes * max_processes``). cgroups are not
-  used: on machines with a cgroup-v1/hybrid hierarchy (like the development VM) there is no delegated v2 subtree.
-- filesystem: writes outside the scratch dir fail with EROFS (read-only mounts) and EACCES (unprivileged uid; the
-  scratch dirs of concurrent calls are 0700 and owned by other uids). Reads are limited only by file permissions.
-- when not root: a user namespace is tried first to obtain the other namespaces; the uid cannot be dropped, so
-  RLIMIT_NPROC then counts all processes of the invoking user (reported as not enforced per call).
+- processes: ``max_processes`` is RLIMIT_NPROC of the call's private uid (``2_000_000_000 + (pid % 100_000) *
+  1000 + slot``; RLIMIT_NPROC is not enforced for root, hence a uid per call/workspace; tasks = processes and
+  threads). With cgroup v2, and with v1 where no private uid is available, also the ``pids.max`` of the whole call
+  (+2 for launcher and init); v1 skips the pids cgroup otherwise (joining one costs an RCU grace period per call).
+- memory: RLIMIT_AS = RLIMIT_DATA = ``memory_bytes`` per process, and with a cgroup ``total_memory_bytes`` for the
+  whole tree (the kernel OOM-kills inside the call at the limit; tmpfs pages the call writes count too). cgroup v2 is
+  used where this process's cgroup has memory+pids delegated, else the v1 memory+pids hierarchies (see
+  :mod:`.sandbox_cgroup`). Without a cgroup, the init of the call's pid namespace sums the RSS of every process in it
+  every 50 ms and kills them all above ``total_memory_bytes`` (shared pages counted once per process; a burst
+  between two polls can go beyond, up to the hard bound ``memory_bytes * max_processes``); without a pid namespace
+  either, that hard bound is all.
+- disk: as root each area is its own tmpfs: ``disk_bytes`` and ``max_files`` (inodes, directories included) give
+  ENOSPC inside the call, nothing reaches the host disk; RLIMIT_FSIZE caps one file. Writes outside the area fail with
+  EROFS (read-only mounts) and EACCES (unprivileged uid).
+- cleanup: an area is removed by ``umount2(MNT_DETACH)`` + ``rmdir`` (no tree walk; without tmpfs an iterative walk,
+  :func:`.sandbox_fs.remove_tree`), the cgroup is emptied and removed, and the uid slot is returned in a ``finally``
+  of its own: nothing of a call is left behind however it ended. A failed removal is retried after later calls, and
+  areas of dead owner pids are swept at start-up.
+- when not root: a user namespace is tried first to obtain the other namespaces; the uid cannot be dropped, no tmpfs
+  quota and no cgroup (reported as not enforced).
 
-Measured on the development VM (Debian 12, root, kernel 6.18, cgroup v1/v2 hybrid): every item above is enforced
-(uid, processes, network, filesystem, pid namespace, wall, cpu, memory, file size, output); cgroups are not used.
-Run ``python -c "from megatron_tsync.rollout.sandbox import Sandbox; print(Sandbox().enforcement())"`` on a new machine.
+Measured on the development VM (Debian 12, root, kernel 6.18, cgroup v1 memory/pids + an empty v2 hierarchy): every
+item above is enforced with the cgroup v1 backend. Per-call overhead (``/bin/true``, median, interleaved with the
+pre-hardening sandbox in one process, load ~3 on 2 cores): 21.7 ms before, 24.7 ms now (a cgroup migration waits an
+RCU grace period, ~10 ms here: the parent does it while the launcher starts, so it mostly overlaps). The quickstart's
+calculator call, CPU of the whole tree (``tools/bench_tool_calls.py``, 2 cores, load ~2-3): 42 ms with the exec
+launcher (two interpreter start-ups), ~9 ms with the fork server (default); wall ~28 ms, most of it the cgroup move. At its memory
+limit a v1 tree may thrash (page cache re-faults) for seconds before the OOM kill. Run ``python -c "from megatron_tsync.rollout.sandbox import
+Sandbox; print(Sandbox().enforcement())"`` on a new machine.
 
-This module imports only the standard library (no torch, no megatron).
+This module and its helpers (``sandbox_*.py``) import only the standard library (no torch, no megatron).
 """
 
 from __future__ import annotations
 
-import json
-import marshal
+import atexit
+import itertools
 import os
 import re
-import selectors
 import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-__all__ = ["SandboxConfig", "ToolResult", "Sandbox", "detect_capabilities"]
+from megatron_tsync.rollout import sandbox_cgroup, sandbox_fs
+from megatron_tsync.rollout.sandbox_caps import UID_BASE as _UID_BASE
+from megatron_tsync.rollout.sandbox_caps import UID_SLOTS as _UID_SLOTS
+from megatron_tsync.rollout.sandbox_caps import default_scratch_root, detect_capabilities, encode_spec, parse_status
+from megatron_tsync.rollout.sandbox_forkserver import ForkServer
+from megatron_tsync.rollout.sandbox_io import Pump, write_files
+from megatron_tsync.rollout.sandbox_launcher import LAUNCHER_SRC
 
-_READ_CHUNK = 65536
+__all__ = ["SandboxConfig", "ToolResult", "Mount", "Sandbox", "Workspace", "detect_capabilities"]
+
 _MAX_SPEC_BYTES = 120_000  # one execve argument may be at most 128 KiB (MAX_ARG_STRLEN); the spec is hex-encoded
-_INLINE_CODE_BYTES = 20_000  # larger code is written to main.py instead of passed with -c
-_UID_BASE = 2_000_000_000
-_UID_SLOTS = 1000
+_INLINE_CODE_BYTES = 20_000  # larger code is written to a file instead of passed with -c
+_MEMORY_POLL_S = 0.05  # without a cgroup: how often the pid namespace's init sums the RSS of the call's processes
 _MEMORY_PATTERNS = re.compile(
     rb"MemoryError|Cannot allocate memory|cannot allocate memory|out of memory|std::bad_alloc|xmalloc"
 )
+_uid_lock = threading.Lock()
+_uids_in_use: set[int] = set()
+_executor_lock = threading.Lock()
+_executor = None
+_open_workspaces: set["Workspace"] = set()
+_ws_counter = itertools.count()
+LAUNCHERS = ("fork-server", "exec")
+
+
+class _SourceArgv(list):
+    """argv ``[python, -I, -S, -c, source]`` of :meth:`CallRunner.run_source`; a backend that knows it (the fork
+    server) runs ``source`` in the isolated target itself, any other runs the argv."""
+
+    source: str = ""
 
 
 @dataclass(frozen=True)
@@ -77,15 +137,27 @@ class SandboxConfig:
     max_output_bytes: int = 65536
     """Cap of stdout and of stderr each; the tree is killed once a stream exceeds it."""
     max_processes: int = 64
-    """RLIMIT_NPROC of the call's private uid: processes and threads alive at once (the target included)."""
+    """Processes and threads alive at once in the call: RLIMIT_NPROC of its private uid and the cgroup's pids.max."""
     network: bool = False
     """Allow network access (no network namespace) when True."""
     scratch_root: str | None = None
-    """Parent directory of the per-call scratch dirs; default ``$TMPDIR/megatron_tsync_sandbox``."""
+    """Parent directory of the per-call scratch areas and workspaces; default ``$TMPDIR/megatron_tsync_sandbox``."""
     max_file_bytes: int = 64 << 20
     """RLIMIT_FSIZE: the largest file a process may write."""
     max_open_files: int = 256
     """RLIMIT_NOFILE."""
+    total_memory_bytes: int = 2 << 30
+    """Memory of the whole call (every process, and the tmpfs pages it writes): the cgroup's memory limit."""
+    disk_bytes: int = 256 << 20
+    """Size of a scratch area or workspace (its tmpfs): writes beyond fail with ENOSPC."""
+    max_files: int = 20_000
+    """Inodes (files, directories, links) of a scratch area or workspace: beyond, creating one fails with ENOSPC."""
+    use_cgroups: bool = True
+    """Put every call in its own cgroup when the machine allows (False: per-process rlimits only)."""
+    launcher: str = "fork-server"
+    """How each call's launcher starts: ``fork-server`` (forked by one warm interpreter per sandbox, and
+    :meth:`CallRunner.run_source` runs in the isolated target itself: ~4x less CPU per calculator call) or ``exec``
+    (a fresh ``python -I -S`` per call, and ``run_source`` a second one inside). Same isolation either way."""
 
 
 @dataclass(frozen=True)
@@ -103,302 +175,12 @@ class ToolResult:
     truncated: bool = False
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Launcher: `python -I -S -c _LAUNCHER_SRC <hex(marshal(spec))>` in the child. Standard library only.
-# ----------------------------------------------------------------------------------------------------------------
-_LAUNCHER_SRC = r'''
-import ctypes, marshal, os, resource, signal, sys, time
-spec = marshal.loads(bytes.fromhex(sys.argv[1]))  # marshal, not json: json's import costs ~8 ms per call
-STATUS = spec["status_fd"]
-def report(**kw):  # one "key value" line per item; values never contain newlines
-    try:
-        os.write(STATUS, "".join("%s %s\n" % (k, str(v).replace("\n", " ")) for k, v in kw.items()).encode())
-    except OSError:
-        pass
-def fail(stage, exc):
-    report(setup_error="%s: %s" % (stage, exc))
-    os._exit(125)
-libc = ctypes.CDLL(None, use_errno=True)
-libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_void_p]
-def check(rc):
-    if rc != 0:
-        e = ctypes.get_errno()
-        raise OSError(e, os.strerror(e))
-def mount(src, tgt, fstype, flags):
-    enc = lambda s: None if s is None else s.encode()
-    check(libc.mount(enc(src), enc(tgt), enc(fstype), flags, None))
-MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
-MS_NOATIME, MS_NODIRATIME, MS_BIND, MS_REC, MS_PRIVATE = 1024, 2048, 4096, 16384, 1 << 18
-NS = {"user": 0x10000000, "net": 0x40000000, "mnt": 0x00020000, "pid": 0x20000000, "ipc": 0x08000000,
-      "uts": 0x04000000}
-cwd = os.getcwd()
-if spec["ns"].get("user"):
-    uid, gid = os.getuid(), os.getgid()
-    try:
-        check(libc.unshare(NS["user"]))
-        with open("/proc/self/setgroups", "w") as f:
-            f.write("deny")
-        with open("/proc/self/uid_map", "w") as f:
-            f.write("0 %d 1" % uid)
-        with open("/proc/self/gid_map", "w") as f:
-            f.write("0 %d 1" % gid)
-    except OSError as e:
-        fail("unshare(user)", e)
-flags = 0
-for name, on in spec["ns"].items():
-    if on and name != "user":
-        flags |= NS[name]
-if flags:
-    try:
-        check(libc.unshare(flags))
-    except OSError as e:
-        fail("unshare(%s)" % ",".join(n for n, on in spec["ns"].items() if on), e)
-if spec["ns"].get("mnt"):
-    try:  # never let our mounts (scratch bind, /proc) propagate back to the host's mount namespace
-        mount(None, "/", None, MS_REC | MS_PRIVATE)
-    except OSError as e:
-        fail("mount(/, private)", e)
-if spec.get("ro_root"):
-    try:
-        mount(cwd, cwd, None, MS_BIND | MS_REC)
-        os.chdir(cwd)  # the old cwd still points into the (soon read-only) parent mount
-    except OSError as e:
-        fail("mount(scratch)", e)
-    failed = []
-    with open("/proc/self/mountinfo") as f:
-        points = [l.split()[4] for l in f]
-    for p in points:
-        p = p.encode().decode("unicode_escape")
-        if p == cwd:
-            continue
-        try:
-            keep = os.statvfs(p).f_flag & (MS_NOSUID | MS_NODEV | MS_NOEXEC | MS_NOATIME | MS_NODIRATIME)
-            mount(None, p, None, MS_REMOUNT | MS_BIND | MS_RDONLY | keep)
-        except OSError as e:
-            failed.append("%s: %s" % (p, e))
-    if failed:
-        report(ro_failed="; ".join(failed))
-        if spec.get("ro_strict"):
-            fail("remount read-only", "; ".join(failed))
-def relay(status):
-    if os.WIFSIGNALED(status):
-        report(signal=os.WTERMSIG(status))
-        return 128 + os.WTERMSIG(status)
-    report(exit=os.WEXITSTATUS(status))
-    return os.WEXITSTATUS(status)
-if spec["ns"].get("pid"):
-    init = os.fork()
-    if init > 0:  # launcher: wait for init of the new pid namespace
-        _, st = os.waitpid(init, 0)
-        os._exit(os.WEXITSTATUS(st) if os.WIFEXITED(st) else 125)
-    libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG (the launcher is in our process group too)
-    if spec["ns"].get("mnt"):
-        try:
-            mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC | MS_RDONLY)
-        except OSError as e:
-            fail("mount(/proc)", e)
-target = os.fork()
-if target == 0:
-    try:
-        os.close(STATUS)
-        for name, (soft, hard) in spec["rlimits"].items():
-            resource.setrlimit(getattr(resource, name), (soft, hard))
-        if spec.get("uid") is not None:
-            os.setgroups([])
-            os.setgid(spec["gid"])
-            os.setuid(spec["uid"])
-        libc.prctl(38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS
-        if spec.get("delay_s"):
-            time.sleep(spec["delay_s"])
-        os.execve(spec["argv"][0], spec["argv"], spec["env"])
-    except BaseException as e:
-        try:
-            os.write(2, ("sandbox: cannot start %r: %s\n" % (spec["argv"][0], e)).encode())
-        finally:
-            os._exit(127)
-while True:  # reap everything; stop when the target is gone (the kernel then kills the rest of the pid ns)
-    try:
-        pid, st, ru = os.wait4(-1, 0)
-    except ChildProcessError:
-        os._exit(125)
-    if pid == target:
-        report(cpu_s=ru.ru_utime + ru.ru_stime)
-        os._exit(relay(st))
-'''
+@dataclass(frozen=True)
+class Mount:
+    """An extra bind mount of a host path into a call (``mounts={target: Mount(source, read_only)}``)."""
 
-# Probe run inside the sandbox once per process: checks empirically what the launcher's setup achieved.
-_PROBE_SRC = r'''
-import json, os, socket, sys
-port, sibling, scratch = int(sys.argv[1]), sys.argv[2], os.getcwd()
-def blocked_connect(addr):
-    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    s.settimeout(1.0)
-    try:
-        s.connect(addr)
-        return False
-    except OSError:
-        return True
-    finally:
-        s.close()
-def blocked_write(d):
-    p = os.path.join(d, "probe_%d" % os.getpid())
-    try:
-        with open(p, "w") as f:
-            f.write("x")
-    except OSError:
-        return True
-    os.unlink(p)
-    return False
-pids = [p for p in os.listdir("/proc") if p.isdigit()]
-print(json.dumps({"uid": os.getuid(), "net": blocked_connect(("127.0.0.1", port)),
-                  "tmp": blocked_write("/tmp"), "sibling": blocked_write(sibling),
-                  "scratch_ok": not blocked_write(scratch) and not blocked_write("."), "pid": len(pids) <= 3}))
-'''
-
-_caps_lock = threading.Lock()
-_caps_cache: dict[str, dict[str, Any]] = {}
-_uid_lock = threading.Lock()
-_uids_in_use: set[int] = set()
-_executor_lock = threading.Lock()
-_executor = None
-
-
-def _accessible_by_others(path: str) -> bool:
-    """True if `path` can be executed by an unprivileged uid (o+x on the file and every parent dir)."""
-    real = os.path.realpath(path)
-    parts = real.split("/")
-    for i in range(2, len(parts) + 1):
-        try:
-            if not os.stat("/".join(parts[:i]) or "/").st_mode & 0o001:
-                return False
-        except OSError:
-            return False
-    return True
-
-
-def _sandbox_python() -> str | None:
-    """A Python interpreter the sandboxed (unprivileged) uid can execute."""
-    if os.geteuid() != 0:
-        return sys.executable
-    for cand in (sys.executable, getattr(sys, "_base_executable", ""), "/usr/bin/python3", "/usr/local/bin/python3"):
-        if cand and os.path.exists(cand) and _accessible_by_others(cand):
-            return os.path.realpath(cand)
-    return None
-
-
-def _default_scratch_root() -> str:
-    return os.path.join(tempfile.gettempdir(), "megatron_tsync_sandbox")
-
-
-def _ensure_root_dir(path: str) -> None:
-    """Create the scratch root 0711 (a sandbox uid may traverse to its own dir, not list the others)."""
-    if not os.path.isdir(path):
-        os.makedirs(path, mode=0o711, exist_ok=True)
-        os.chmod(path, 0o711)  # makedirs' mode is filtered by the umask
-
-
-def _encode_spec(spec: dict) -> str:
-    return marshal.dumps(spec).hex()
-
-
-def _parse_status(raw: bytes) -> dict[str, Any]:
-    """The launcher's ``key value`` status lines -> dict (exit/signal: int, cpu_s: float, else str)."""
-    out: dict[str, Any] = {}
-    for line in raw.decode("utf-8", "replace").splitlines():
-        key, _, value = line.partition(" ")
-        try:
-            out[key] = int(value) if key in ("exit", "signal") else float(value) if key == "cpu_s" else value
-        except ValueError:
-            out[key] = value
-    return out
-
-
-def _launch_raw(spec: dict, cwd: str, timeout: float) -> tuple[int, bytes, dict[str, Any]]:
-    """Run the launcher without the output/timeout machinery (capability probes only)."""
-    r, w = os.pipe()
-    spec = dict(spec, status_fd=w)
-    try:
-        p = subprocess.run(
-            [sys.executable, "-I", "-S", "-c", _LAUNCHER_SRC, _encode_spec(spec)],
-            cwd=cwd, stdin=subprocess.DEVNULL, capture_output=True, timeout=timeout, pass_fds=(w,),
-            start_new_session=True,
-        )
-        rc, out = p.returncode, p.stdout
-    except subprocess.TimeoutExpired:
-        rc, out = -1, b""
-    finally:
-        os.close(w)
-    with os.fdopen(r, "rb") as f:
-        status = _parse_status(f.read())
-    return rc, out, status
-
-
-def detect_capabilities(scratch_root: str | None = None) -> dict[str, Any]:
-    """Probe once per process (and scratch root) which isolation mechanisms work on this machine."""
-    root = os.path.abspath(scratch_root or _default_scratch_root())
-    with _caps_lock:
-        if root in _caps_cache:
-            return _caps_cache[root]
-        caps = _probe(root)
-        _caps_cache[root] = caps
-        return caps
-
-
-def _probe(root: str) -> dict[str, Any]:
-    import socket
-
-    _ensure_root_dir(root)
-    is_root = os.geteuid() == 0
-    python = _sandbox_python()
-    caps: dict[str, Any] = {"root": is_root, "python": python, "ns": {}, "ro_root": False, "uid_drop": False,
-                            "notes": []}
-    base = {"argv": ["/bin/true"], "env": {}, "rlimits": {}, "uid": None, "gid": None}
-    tried = ["user"] if not is_root else []
-    with tempfile.TemporaryDirectory(dir=root) as d:
-        ns: dict[str, bool] = {}
-        for name in tried + ["net", "mnt", "pid", "ipc", "uts"]:
-            rc, _, st = _launch_raw(dict(base, ns={**ns, name: True}), d, 10.0)
-            if rc == 0:
-                ns[name] = True
-            else:
-                caps["notes"].append(f"{name} namespace unavailable: {st.get('setup_error', rc)}")
-        if not is_root and not ns.get("user"):
-            ns = {}  # without a user namespace an unprivileged process cannot unshare anything else
-        caps["ns"] = ns
-        if ns.get("mnt"):
-            rc, _, st = _launch_raw(dict(base, ns=ns, ro_root=True, ro_strict=True), d, 10.0)
-            caps["ro_root"] = rc == 0
-            if rc != 0:
-                caps["notes"].append(f"read-only remount failed: {st or rc}")
-        if is_root and python:
-            caps["uid_drop"] = True
-        elif is_root:
-            caps["notes"].append("no Python interpreter executable by an unprivileged uid; uid drop disabled")
-    # Empirical check of the combined setup.
-    sibling = tempfile.mkdtemp(dir=root)
-    os.chmod(sibling, 0o777)  # permission alone would allow the write: only the mount setup may block it
-    srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    srv.bind(("127.0.0.1", 0))
-    srv.listen(8)
-    try:
-        with tempfile.TemporaryDirectory(dir=root) as d:
-            uid = _UID_BASE + (os.getpid() % 100_000) * _UID_SLOTS + _UID_SLOTS - 1
-            if caps["uid_drop"]:
-                os.chown(d, uid, uid)
-            spec = dict(base, ns=caps["ns"], ro_root=caps["ro_root"],
-                        argv=[python or sys.executable, "-I", "-S", "-c", _PROBE_SRC, str(srv.getsockname()[1]),
-                              sibling],
-                        uid=uid if caps["uid_drop"] else None, gid=uid if caps["uid_drop"] else None)
-            rc, out, st = _launch_raw(spec, d, 20.0)
-            try:
-                caps["probe"] = json.loads(out.decode().strip().splitlines()[-1])
-            except (ValueError, IndexError):
-                caps["probe"] = {}
-                caps["notes"].append(f"probe failed: rc={rc} status={st}")
-    finally:
-        srv.close()
-        shutil.rmtree(sibling, ignore_errors=True)
-    return caps
+    source: str
+    read_only: bool = True
 
 
 def _kill_group(pgid: int) -> None:
@@ -429,61 +211,28 @@ def _kill_uid(uid: int) -> None:
             return
 
 
-class Sandbox:
-    """Runs commands in isolated, resource-limited subprocesses. Thread-safe; see the module docstring."""
+def _live_uid(uid: int) -> bool:
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/status") as f:
+                    if any(line.startswith("Uid:") and int(line.split()[1]) == uid for line in f):
+                        return True
+            except (OSError, ValueError):
+                continue
+    return False
 
-    def __init__(self, config: SandboxConfig | None = None, *, max_workers: int = 16):
-        self.config = config or SandboxConfig()
-        self.scratch_root = os.path.abspath(self.config.scratch_root or _default_scratch_root())
-        self._caps = detect_capabilities(self.scratch_root)
-        self._max_workers = max_workers
-        self.python: str = self._caps["python"] or sys.executable
-        """Interpreter to use for Python code inside the sandbox (executable by the sandbox uid)."""
 
-    # ------------------------------------------------------------------------------------------------ reporting
-    def enforcement(self) -> dict[str, dict[str, Any]]:
-        """What is and is not enforced for this config on this machine: ``{name: {"enforced": bool, "how": str}}``."""
-        c, cfg, probe = self._caps, self.config, self._caps.get("probe", {})
-        ns = c["ns"]
-        uid_ok = c["uid_drop"] and probe.get("uid", 0) != 0
-        out: dict[str, dict[str, Any]] = {}
+def uids_in_use() -> set[int]:
+    """The uid slots held right now by calls and open workspaces of this process (for tests and leak checks)."""
+    with _uid_lock:
+        return set(_uids_in_use)
 
-        def put(name: str, ok: bool, how: str) -> None:
-            out[name] = {"enforced": bool(ok), "how": how}
 
-        put("wall_timeout", True, f"parent kills the process group with SIGKILL after {cfg.wall_timeout_s}s")
-        put("output_cap", True, f"incremental 64 KiB reads; tree killed once stdout or stderr exceeds "
-                                f"{cfg.max_output_bytes} bytes")
-        put("cpu", True, f"RLIMIT_CPU={cfg.cpu_seconds}s per process (SIGXCPU, then SIGKILL)")
-        put("memory", True, f"RLIMIT_AS=RLIMIT_DATA={cfg.memory_bytes} bytes per process; no cgroup (total bounded by "
-                            f"memory_bytes x max_processes)")
-        put("file_size", True, f"RLIMIT_FSIZE={cfg.max_file_bytes} bytes")
-        put("uid", uid_ok, "setuid to a private unprivileged uid per call (+ setgroups([]), NO_NEW_PRIVS)"
-            if uid_ok else "not dropped: " + ("not running as root" if not c["root"] else "; ".join(c["notes"])))
-        put("processes", uid_ok, f"RLIMIT_NPROC={cfg.max_processes} on the call's private uid" if uid_ok
-            else "no private uid, and RLIMIT_NPROC " + ("is not enforced for root" if c["root"] else
-                                                       "would count every process of the invoking user"))
-        if cfg.network:
-            put("network", False, "network allowed by config (network=True)")
-        elif ns.get("net") and probe.get("net"):
-            put("network", True, "unshare(CLONE_NEWNET): empty network namespace, loopback down (probed)")
-        else:
-            put("network", False, "no network namespace on this machine: " + "; ".join(c["notes"]))
-        fs_ok = c["ro_root"] and probe.get("tmp") and probe.get("sibling") and probe.get("scratch_ok")
-        how_fs = ("mount namespace: every mount read-only except the bind-mounted scratch dir (probed: /tmp and a "
-                  "0777 sibling dir not writable)")
-        if fs_ok and uid_ok:
-            how_fs += "; plus unprivileged uid and 0700 scratch dirs"
-        put("filesystem", bool(fs_ok), how_fs if fs_ok else
-            "writes outside scratch not prevented (no read-only mount namespace); "
-            + ("unprivileged uid only: world-writable dirs such as /tmp stay writable" if uid_ok else "none"))
-        pid_ok = ns.get("pid") and probe.get("pid")
-        put("kill_tree", bool(pid_ok or uid_ok), "pid namespace: init death kills every process in it (incl. setsid escapees)" if pid_ok
-            else "process group kill" + (" + SIGKILL of every process of the call's uid" if uid_ok else
-                                         " only: a process that calls setsid() can escape"))
-        put("pid_namespace", bool(pid_ok), "unshare(CLONE_NEWPID) + private /proc" if pid_ok else "unavailable")
-        put("cgroups", False, "not used (no delegated cgroup v2 subtree assumed); limits are per-process rlimits")
-        return out
+class CallRunner:
+    """Stateless calls, ``run_async`` and workspaces on top of a backend's hooks (``_acquire_uid``, ``_new_area``,
+    ``_run_in``, ``_release_uid``; ``scratch_root``, ``config``, ``_max_workers``): the namespace :class:`Sandbox`
+    and ``sandbox_container.ContainerSandbox`` share them."""
 
     # ------------------------------------------------------------------------------------------------ running
     def run(
@@ -495,32 +244,104 @@ class Sandbox:
         files: Mapping[str, str | bytes] | None = None,
         delay_s: float = 0.0,
         env: Mapping[str, str] | None = None,
+        mounts: Mapping[str, Mount] | None = None,
     ) -> ToolResult:
-        """Run `argv` (a list, or a string for ``/bin/sh -c``) or Python `code` in a fresh sandbox. Never raises.
+        """Run `argv` (a list, or a string for ``/bin/sh -c``) or Python `code` in a fresh call with a fresh scratch
+        workspace. Never raises.
 
-        `files` are written into the scratch dir first (relative paths); `delay_s` is a real sleep inside the
-        sandboxed child before the command starts (it counts towards the wall timeout).
+        `files` are written into the scratch area first (relative paths); `delay_s` is a real sleep inside the
+        sandboxed child before the command starts (it counts towards the wall timeout); `mounts` bind extra host
+        paths (``{target: Mount(source, read_only=True)}``).
         """
         t0 = time.monotonic()
+        uid = area = None
         try:
-            return self._run(argv, code, stdin, files, delay_s, env, t0)
+            uid = self._acquire_uid()
+            area = self._new_area("call", uid, self.config.disk_bytes, self.config.max_files)
+            return self._run_in(area, uid, argv, code, stdin, files, delay_s, env, mounts, t0)
         except Exception as e:  # never let a tool take down the worker
             return ToolResult(False, "", "", None, f"sandbox internal error: {type(e).__name__}: {e}",
                               time.monotonic() - t0)
+        finally:
+            try:
+                if area is not None:
+                    sandbox_fs.remove_area(area)
+                sandbox_fs.retry_leftovers()
+            finally:
+                self._release_uid(uid)
 
     async def run_async(self, argv: Sequence[str] | str | None = None, **kwargs: Any) -> ToolResult:
         """:meth:`run` on a shared thread pool, for asyncio rollout loops."""
-        import asyncio
-        import functools
+        return await _in_pool(self._max_workers, self.run, argv, **kwargs)
 
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(_get_executor(self._max_workers),
-                                          functools.partial(self.run, argv, **kwargs))
+    def run_source(self, source: str, **kwargs: Any) -> ToolResult:
+        """:meth:`run` of TRUSTED, standard-library-only Python `source` (a tool's own implementation; untrusted
+        input goes in through ``stdin=``/``files=``), as ``python -I -S -c source``. With the fork-server launcher
+        the call's target process runs it itself after the same isolation (no second interpreter); untrusted code
+        belongs in ``code=``, which is always a fresh interpreter."""
+        argv = _SourceArgv([self.python, "-I", "-S", "-c", source])
+        argv.source = source
+        return self.run(argv, **kwargs)
 
-    def _argv(self, argv: Sequence[str] | str | None, code: str | None) -> list[str]:
+    def workspace(self, files: Mapping[str, str | bytes] | None = None, copy_from: str | None = None, *,
+                  disk_bytes: int | None = None, max_files: int | None = None) -> "Workspace":
+        """A new persistent workspace (use as a context manager or call ``close()``); see :class:`Workspace`."""
+        return Workspace(self, files=files, copy_from=copy_from, disk_bytes=disk_bytes, max_files=max_files)
+
+
+
+class Sandbox(CallRunner):
+    """Runs commands in isolated, resource-limited subprocesses. Thread-safe; see the module docstring."""
+
+    def __init__(self, config: SandboxConfig | None = None, *, max_workers: int = 16):
+        self.config = config or SandboxConfig()
+        self.scratch_root = os.path.abspath(self.config.scratch_root or default_scratch_root())
+        self._caps = detect_capabilities(self.scratch_root)
+        self._cgroups, self._cgroup_note = sandbox_cgroup.detect(disabled=not self.config.use_cgroups)
+        self._max_workers = max_workers
+        self.python: str = self._caps["python"] or sys.executable
+        """Interpreter to use for Python code inside the sandbox (executable by the sandbox uid)."""
+        if self.config.launcher not in LAUNCHERS:
+            raise ValueError(f"SandboxConfig.launcher must be one of {LAUNCHERS}, got {self.config.launcher!r}")
+        self._server: ForkServer | None = None
+        self._server_lock = threading.Lock()
+
+    def _fork_server(self) -> ForkServer:
+        """This sandbox's fork server, started on first use (and again in a forked child or after it died)."""
+        with self._server_lock:
+            if self._server is None or not self._server.alive():
+                self._server = ForkServer(self.python)  # the interpreter the exec path runs sources with
+                weakref.finalize(self, self._server.close)
+            return self._server
+
+    def fork_server_cpu_s(self) -> float:
+        """CPU seconds (user + sys) of the fork server and of every call tree it reaped (0 before the first call):
+        what ``RUSAGE_CHILDREN`` of this process misses on the fork-server launcher (for benchmarks)."""
+        return self._server.cpu_s if self._server is not None else 0.0
+
+    def close(self) -> None:
+        """Stop the fork server (a later call starts a new one); open workspaces stay usable."""
+        with self._server_lock:
+            server, self._server = self._server, None
+        if server is not None:
+            server.close()
+
+    # ------------------------------------------------------------------------------------------------ reporting
+    def enforcement(self) -> dict[str, dict[str, Any]]:
+        """What is and is not enforced for this config on this machine: ``{name: {"enforced": bool, "how": str}}``."""
+        from megatron_tsync.rollout.sandbox_report import enforcement
+
+        return enforcement(self)
+
+    def _new_area(self, kind: str, uid: int | None, disk_bytes: int, max_files: int) -> str:
+        return sandbox_fs.create_area(self.scratch_root, kind, uid, disk_bytes, max_files, self._caps["tmpfs"])
+
+    def _argv(self, argv: Sequence[str] | str | None, code: str | None, code_file: str) -> list[str]:
+        if isinstance(argv, _SourceArgv):
+            return argv
         if code is not None:
             inline = len(code.encode()) < _INLINE_CODE_BYTES
-            return [self.python, "-I", "-c", code] if inline else [self.python, "-I", "main.py"]
+            return [self.python, "-I", "-c", code] if inline else [self.python, "-I", code_file]
         if isinstance(argv, str):
             return ["/bin/sh", "-c", argv]
         if not argv:
@@ -533,18 +354,29 @@ class Sandbox:
             argv[0] = resolved
         return argv
 
-    def _spec(self, argv: list[str], scratch: str, uid: int | None, delay_s: float,
-              env: Mapping[str, str] | None) -> dict:
+    def _spec(self, argv: list[str], area: str, uid: int | None, delay_s: float,
+              env: Mapping[str, str] | None, mounts: Mapping[str, Mount] | None) -> dict:
         cfg, caps = self.config, self._caps
         ns = dict(caps["ns"])
         if cfg.network:
             ns.pop("net", None)
-        base_env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": scratch, "TMPDIR": scratch, "LANG": "C.UTF-8",
+        base_env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": area, "TMPDIR": area, "LANG": "C.UTF-8",
                     "PYTHONDONTWRITEBYTECODE": "1", "PYTHONUNBUFFERED": "1"}
         base_env.update(env or {})
         cpu = max(1, int(cfg.cpu_seconds))
+        extra = []
+        for tgt, m in (mounts or {}).items():
+            if not isinstance(m, Mount) or not os.path.isabs(tgt):
+                raise ValueError(f"mounts: want {{absolute target: Mount(source, read_only)}}, got {tgt!r}: {m!r}")
+            if not os.path.exists(m.source):
+                raise ValueError(f"mounts: source {m.source!r} (for {tgt!r}) does not exist")
+            if not caps["ro_root"]:
+                raise ValueError("mounts need a mount namespace, unavailable on this machine")
+            extra.append([os.path.normpath(tgt), os.path.abspath(m.source), bool(m.read_only)])
+        source = argv.source if isinstance(argv, _SourceArgv) and cfg.launcher == "fork-server" else None
         return {
-            "argv": argv, "env": base_env, "ns": ns, "ro_root": caps["ro_root"], "ro_strict": True,
+            "argv": list(argv), "source": source, "env": base_env, "ns": ns, "ro_root": caps["ro_root"], "ro_strict": True,
+            "masks": caps["masks"], "hide_sockets": bool(caps["masks"]), "mounts": extra,
             "uid": uid, "gid": uid, "delay_s": max(0.0, float(delay_s)),
             "rlimits": {
                 "RLIMIT_AS": [cfg.memory_bytes, cfg.memory_bytes],
@@ -566,86 +398,110 @@ class Sandbox:
                 if base + slot not in _uids_in_use:
                     _uids_in_use.add(base + slot)
                     return base + slot
-        raise RuntimeError(f"more than {_UID_SLOTS - 1} concurrent sandboxes")
+        raise RuntimeError(f"more than {_UID_SLOTS - 1} concurrent sandboxes and workspaces")
 
-    @staticmethod
-    def _release_uid(uid: int | None) -> None:
+    def _release_uid(self, uid: int | None) -> None:
         if uid is not None:
+            if not self._caps["ns"].get("pid") and _live_uid(uid):  # with a pid namespace none can be left
+                _kill_uid(uid)
             with _uid_lock:
                 _uids_in_use.discard(uid)
 
-    def _run(self, argv, code, stdin, files, delay_s, env, t0) -> ToolResult:
-        uid = self._acquire_uid()
-        scratch = tempfile.mkdtemp(prefix="call_", dir=self.scratch_root)
+    def _run_in(self, area, uid, argv, code, stdin, files, delay_s, env, mounts, t0) -> ToolResult:
+        files = dict(files or {})
+        code_file = f".sandbox_main_{next(_ws_counter)}.py"
+        if code is not None and len(code.encode()) >= _INLINE_CODE_BYTES:
+            files[code_file] = code
         try:
-            files = dict(files or {})
-            if code is not None and len(code.encode()) >= _INLINE_CODE_BYTES:
-                files["main.py"] = code
-            _write_files(scratch, files)
-            if uid is not None:
-                for dirpath, _, names in os.walk(scratch):
-                    os.chown(dirpath, uid, uid)
-                    for n in names:
-                        os.chown(os.path.join(dirpath, n), uid, uid)
-                os.chmod(scratch, 0o700)
             try:
-                cmd = self._argv(argv, code)
+                write_files(area, files, uid)
+                cmd = self._argv(argv, code, code_file)
+                spec = self._spec(cmd, area, uid, delay_s, env, mounts)
             except (ValueError, FileNotFoundError) as e:
                 return ToolResult(False, "", "", None, str(e), time.monotonic() - t0)
-            spec = self._spec(cmd, scratch, uid, delay_s, env)
-            return self._execute(spec, scratch, uid, stdin, t0)
+            except OSError as e:
+                return ToolResult(False, "", "", None, f"cannot write files into the sandbox: {e}",
+                                  time.monotonic() - t0)
+            return self._execute(spec, area, uid, stdin, t0)
         finally:
-            shutil.rmtree(scratch, ignore_errors=True)
-            self._release_uid(uid)
+            if code_file in files:
+                try:
+                    os.unlink(os.path.join(area, code_file))
+                except OSError:
+                    pass
 
-    def _execute(self, spec: dict, scratch: str, uid: int | None, stdin: str | bytes | None, t0: float) -> ToolResult:
+    def _execute(self, spec: dict, area: str, uid: int | None, stdin: str | bytes | None, t0: float) -> ToolResult:
         cfg = self.config
+        cg = None
+        go_r = go_w = None
+        if self._cgroups is not None:
+            cg = self._cgroups.create(cfg.total_memory_bytes, cfg.max_processes + 2, v1_pids=uid is None)
+            go_r, go_w = os.pipe()  # the launcher forks nothing before we moved it into the cgroup (see _admit)
+            spec["go_fd"] = go_r
+        elif self._caps["ns"].get("pid") and self._caps["ns"].get("mnt"):
+            spec["poll_memory"] = [cfg.total_memory_bytes, _MEMORY_POLL_S]
         status_r, status_w = os.pipe()
         spec["status_fd"] = status_w
-        blob = _encode_spec(spec)
-        if len(blob) > _MAX_SPEC_BYTES:
-            os.close(status_r)
-            os.close(status_w)
-            return ToolResult(False, "", "", None, "command too long (pass large inputs via files= or stdin=)",
-                              time.monotonic() - t0)
+        blob = encode_spec(spec)
         try:
-            proc = subprocess.Popen(
-                [sys.executable, "-I", "-S", "-c", _LAUNCHER_SRC, blob], cwd=scratch,
-                stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=(status_w,), start_new_session=True,
-            )
-        except BaseException:
-            os.close(status_r)
-            raise
+            if len(blob) > _MAX_SPEC_BYTES:
+                _close(status_r, status_w, go_r, go_w)
+                return ToolResult(False, "", "", None, "command too long (pass large inputs via files= or stdin=)",
+                                  time.monotonic() - t0)
+            try:
+                if cfg.launcher == "fork-server":
+                    proc = self._fork_server().spawn(spec, area, stdin=stdin is not None, status_fd=status_w,
+                                                     go_fd=go_r)
+                else:
+                    proc = subprocess.Popen(
+                        [sys.executable, "-I", "-S", "-c", LAUNCHER_SRC, blob], cwd=area,
+                        stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL, stdout=subprocess.PIPE,
+                        stderr=subprocess.PIPE, pass_fds=(status_w,) if go_r is None else (status_w, go_r),
+                        start_new_session=True,
+                    )
+            except BaseException:
+                _close(status_r, go_w)
+                raise
+            finally:
+                _close(status_w, go_r)
+            if cg is not None:
+                _admit(cg, proc.pid, go_w)
+            data = stdin.encode() if isinstance(stdin, str) else stdin
+            io = Pump(proc, data, cfg.max_output_bytes, t0 + cfg.wall_timeout_s)
+            try:
+                io.loop(lambda: self._cleanup(proc.pid, uid, cg))
+            finally:
+                self._cleanup(proc.pid, uid, cg)
+                proc.wait()
+                for f in (proc.stdout, proc.stderr, proc.stdin):
+                    if f is not None:
+                        f.close()
+                with os.fdopen(status_r, "rb") as f:
+                    raw = f.read()
+            oom = cg.oom_kills() if cg is not None else 0
         finally:
-            os.close(status_w)
-        data = stdin.encode() if isinstance(stdin, str) else stdin
-        io = _Pump(proc, data, cfg.max_output_bytes, t0 + cfg.wall_timeout_s)
-        try:
-            io.loop(lambda: self._cleanup(proc.pid, uid))
-        finally:
-            self._cleanup(proc.pid, uid)
-            proc.wait()
-            for f in (proc.stdout, proc.stderr, proc.stdin):
-                if f is not None:
-                    f.close()
-            with os.fdopen(status_r, "rb") as f:
-                raw = f.read()
-        return self._result(io, _parse_status(raw), proc.returncode, time.monotonic() - t0)
+            if cg is not None:
+                cg.remove()
+        return self._result(io, parse_status(raw), proc.returncode, time.monotonic() - t0, oom)
 
-    def _cleanup(self, pgid: int, uid: int | None) -> None:
+    def _cleanup(self, pgid: int, uid: int | None, cg: sandbox_cgroup.CallCgroup | None) -> None:
         _kill_group(pgid)
+        if cg is not None:
+            cg.kill()
         if uid is not None and not self._caps["ns"].get("pid"):
             _kill_uid(uid)
 
-    def _result(self, io: "_Pump", st: dict, rc: int | None, wall: float) -> ToolResult:
+    def _result(self, io: Pump, st: dict, rc: int | None, wall: float, oom: int) -> ToolResult:
         cfg = self.config
         out, err = bytes(io.out), bytes(io.err)
         exit_code: int | None = st.get("exit")
         if "signal" in st:
             exit_code = -int(st["signal"])
         error: str | None = None
-        if io.timed_out:
+        if oom:  # first: a tree thrashing at its memory limit may also run into the wall timeout
+            error = f"memory limit of the call ({cfg.total_memory_bytes} bytes in total: {oom} process(es) OOM-killed)"
+            exit_code = None if io.timed_out else exit_code
+        elif io.timed_out:
             error, exit_code = f"timeout after {cfg.wall_timeout_s:.1f}s", None
         elif io.truncated:
             error, exit_code = f"output truncated at {cfg.max_output_bytes} bytes", None
@@ -653,6 +509,9 @@ class Sandbox:
             error = f"sandbox setup failed: {st['setup_error']}"
         elif exit_code is None:
             error = f"sandbox launcher exited with status {rc}"
+        elif "memory_total" in st:
+            error = (f"memory limit of the call ({cfg.total_memory_bytes} bytes in total: the tree's RSS reached "
+                     f"{st['memory_total']}, all killed)")
         elif exit_code != 0 and _MEMORY_PATTERNS.search(err[-4096:]):
             error = f"memory limit ({cfg.memory_bytes} bytes per process)"
         elif exit_code == -signal.SIGXCPU or (exit_code == -signal.SIGKILL and st.get("cpu_s", 0) >= cfg.cpu_seconds):
@@ -669,96 +528,154 @@ class Sandbox:
         )
 
 
-class _Pump:
-    """Moves stdin in and stdout/stderr out of the child until EOF, the output cap, or the deadline."""
+def _close(*fds: int | None) -> None:
+    for fd in fds:
+        if fd is not None:
+            os.close(fd)
 
-    def __init__(self, proc: subprocess.Popen, stdin: bytes | None, cap: int, deadline: float):
-        self.proc, self.stdin, self.cap, self.deadline = proc, stdin, cap, deadline
-        self.out, self.err = bytearray(), bytearray()
-        self.timed_out = self.truncated = False
 
-    def loop(self, kill) -> None:
-        sel = selectors.DefaultSelector()
-        bufs = {self.proc.stdout.fileno(): self.out, self.proc.stderr.fileno(): self.err}
-        for fd in bufs:
-            os.set_blocking(fd, False)
-            sel.register(fd, selectors.EVENT_READ)
-        pos, in_fd = 0, -1
-        if self.stdin is not None:
-            in_fd = self.proc.stdin.fileno()
-            os.set_blocking(in_fd, False)
-            if self.stdin:
-                sel.register(in_fd, selectors.EVENT_WRITE)
-            else:
-                self.proc.stdin.close()
+def _admit(cg: sandbox_cgroup.CallCgroup, pid: int, go_w: int) -> None:
+    """Move the launcher into the call's cgroup, then let it go on. Done here, while the launcher's interpreter starts,
+    rather than by the launcher itself: a cgroup migration waits an RCU grace period (~10 ms measured here), which
+    then overlaps the start-up. On failure the launcher reads EOF and stops with a setup error."""
+    try:
+        cg.add(pid)
+        os.write(go_w, b"1")
+    except OSError:
+        pass
+    finally:
+        os.close(go_w)
+
+
+class Workspace:
+    """A per-trajectory area that persists across calls; see the module docstring. Thread-safe; close() idempotent."""
+
+    def __init__(self, sandbox: Sandbox, *, files: Mapping[str, str | bytes] | None = None,
+                 copy_from: str | None = None, disk_bytes: int | None = None, max_files: int | None = None):
+        self.sandbox = sandbox
+        cfg = sandbox.config
+        self.disk_bytes = cfg.disk_bytes if disk_bytes is None else int(disk_bytes)
+        self.max_files = cfg.max_files if max_files is None else int(max_files)
+        self._lock = threading.Lock()
+        self._owner_pid = os.getpid()  # a forked child must not remove its parent's workspaces at its exit
+        self.closed = False
+        self.uid: int | None = sandbox._acquire_uid()
+        """The private uid every call of this workspace runs as (None where uids cannot be dropped)."""
         try:
-            pidfd = os.pidfd_open(self.proc.pid)
-            sel.register(pidfd, selectors.EVENT_READ)
-        except (AttributeError, OSError):
-            pidfd = None
-        killed_at: float | None = None
+            self.path: str = sandbox._new_area("ws", self.uid, self.disk_bytes, self.max_files)
+            """Host path of the workspace; also the cwd (same path) of its calls."""
+        except BaseException:
+            sandbox._release_uid(self.uid)
+            raise
+        with _uid_lock:
+            _open_workspaces.add(self)
         try:
-            while sel.get_map():
-                now = time.monotonic()
-                if killed_at is None and now >= self.deadline:
-                    self.timed_out = True
-                    kill()
-                    killed_at = now
-                if killed_at is not None and now - killed_at > 2.0:
-                    break  # killed but a pipe is still open (a process outside our reach): stop reading
-                timeout = (self.deadline - now) if killed_at is None else 0.1
-                for key, _ in sel.select(max(0.0, min(timeout, 0.5))):
-                    fd = key.fd
-                    if fd == pidfd:  # launcher exited: take down anything it left behind, then drain the pipes
-                        sel.unregister(fd)
-                        kill()
-                        continue
-                    if fd == in_fd:
-                        try:
-                            pos += os.write(fd, self.stdin[pos:pos + _READ_CHUNK])
-                        except (BrokenPipeError, BlockingIOError, OSError):
-                            pos = len(self.stdin)
-                        if pos >= len(self.stdin):
-                            sel.unregister(fd)
-                            self.proc.stdin.close()
-                        continue
-                    try:
-                        chunk = os.read(fd, _READ_CHUNK)
-                    except BlockingIOError:
-                        continue
-                    if not chunk:
-                        sel.unregister(fd)
-                        continue
-                    buf = bufs[fd]
-                    room = self.cap - len(buf)
-                    if len(chunk) > room:
-                        buf += chunk[:max(room, 0)]
-                        if not self.truncated and not self.timed_out:
-                            self.truncated = True
-                            kill()
-                            killed_at = time.monotonic()
-                    else:
-                        buf += chunk
-            if pidfd is None:  # no pidfd: the pipes are closed; wait (without reaping) for the launcher to exit
-                while os.waitid(os.P_PID, self.proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
-                    if time.monotonic() >= self.deadline:
-                        self.timed_out = True
-                        break
-                    time.sleep(0.005)
+            if copy_from is not None:
+                self.copy_in(copy_from)
+            if files:
+                self.write_files(files)
+        except BaseException:
+            self.close()
+            raise
+
+    def __enter__(self) -> "Workspace":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Workspace({self.path!r}, uid={self.uid}, {'closed' if self.closed else 'open'})"
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError(f"workspace {self.path} is closed")
+
+    def run(
+        self,
+        argv: Sequence[str] | str | None = None,
+        *,
+        code: str | None = None,
+        stdin: str | bytes | None = None,
+        files: Mapping[str, str | bytes] | None = None,
+        delay_s: float = 0.0,
+        env: Mapping[str, str] | None = None,
+        mounts: Mapping[str, Mount] | None = None,
+    ) -> ToolResult:
+        """:meth:`Sandbox.run` with this workspace as the cwd; `files` are written into the workspace (and persist).
+        Never raises."""
+        t0 = time.monotonic()
+        if self.closed:
+            return ToolResult(False, "", "", None, f"workspace {self.path} is closed", 0.0)
+        try:
+            return self.sandbox._run_in(self.path, self.uid, argv, code, stdin, files, delay_s, env, mounts, t0)
+        except Exception as e:  # never let a tool take down the worker
+            return ToolResult(False, "", "", None, f"sandbox internal error: {type(e).__name__}: {e}",
+                              time.monotonic() - t0)
+
+    async def run_async(self, argv: Sequence[str] | str | None = None, **kwargs: Any) -> ToolResult:
+        """:meth:`run` on the sandbox's thread pool."""
+        return await _in_pool(self.sandbox._max_workers, self.run, argv, **kwargs)
+
+    def write_files(self, files: Mapping[str, str | bytes]) -> None:
+        """Write files (relative paths) into the workspace, owned by its uid. Raises OSError (ENOSPC over quota)."""
+        self._check_open()
+        write_files(self.path, files, self.uid)
+
+    def read_file(self, rel: str) -> bytes:
+        """Bytes of a workspace file (no symlink leaving the workspace is followed). Raises OSError/ValueError."""
+        self._check_open()
+        path = os.path.realpath(os.path.join(self.path, rel))
+        if not path.startswith(self.path + os.sep):
+            raise ValueError(f"path escapes the workspace: {rel!r}")
+        with open(path, "rb") as f:
+            return f.read()
+
+    def copy_in(self, src: str, dest: str = "") -> None:
+        """Copy the directory tree `src` (symlinks as links) into the workspace at `dest`, owned by its uid."""
+        self._check_open()
+        target = os.path.normpath(os.path.join(self.path, dest))
+        if target != self.path and not target.startswith(self.path + os.sep):
+            raise ValueError(f"copy_in destination escapes the workspace: {dest!r}")
+        shutil.copytree(src, target, symlinks=True, dirs_exist_ok=True)
+        if self.uid is not None:
+            for dirpath, dirnames, names in os.walk(target):
+                os.lchown(dirpath, self.uid, self.uid)
+                for n in names + [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]:
+                    os.lchown(os.path.join(dirpath, n), self.uid, self.uid)
+
+    def close(self) -> None:
+        """Remove the workspace and return its uid slot; never raises, safe to call twice."""
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+        try:
+            sandbox_fs.remove_area(self.path)
         finally:
-            sel.close()
-            if pidfd is not None:
-                os.close(pidfd)
+            self.sandbox._release_uid(self.uid)
+            with _uid_lock:
+                _open_workspaces.discard(self)
 
 
-def _write_files(scratch: str, files: Mapping[str, str | bytes]) -> None:
-    for rel, content in files.items():
-        path = os.path.normpath(os.path.join(scratch, rel))
-        if not path.startswith(scratch + os.sep):
-            raise ValueError(f"file path escapes the scratch dir: {rel!r}")
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "wb") as f:
-            f.write(content.encode() if isinstance(content, str) else content)
+def open_workspaces() -> list[Workspace]:
+    with _uid_lock:
+        return list(_open_workspaces)
+
+
+@atexit.register
+def _close_forgotten_workspaces() -> None:
+    for ws in open_workspaces():
+        if ws._owner_pid == os.getpid():
+            ws.close()
+
+
+async def _in_pool(max_workers: int, fn, *args: Any, **kwargs: Any):
+    import asyncio
+    import functools
+
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(_get_executor(max_workers), functools.partial(fn, *args, **kwargs))
 
 
 def _get_executor(max_workers: int):

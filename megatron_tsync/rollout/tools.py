@@ -174,7 +174,8 @@ async def execute_tool_call_async(call: Union[ToolCall, ToolCallError], sandbox:
 
 
 # -------------------------------------------------------------------------------------------------------- built-ins
-# Runs in the sandboxed child (python -I -S): reads the expression from stdin, evaluates it by walking the AST.
+# Runs in the sandboxed child (Sandbox.run_source: the isolated target itself with the fork-server launcher, else
+# python -I -S): reads the expression from stdin, evaluates it by walking the AST.
 _CALCULATOR_SRC = r'''
 import ast, sys
 from math import gcd
@@ -249,7 +250,7 @@ def _tool_error(res: ToolResult, prefix: str) -> ToolResult:
 def calculator(args: str, sandbox: Sandbox, delay_s: float = 0.0) -> ToolResult:
     """Evaluate integer arithmetic (``+ - * / // % ( )``, unary ``+ -``); ``/`` is exact, shown as a float if
     fractional. Errors (division by zero, other syntax) are error results."""
-    res = sandbox.run([sandbox.python, "-I", "-S", "-c", _CALCULATOR_SRC], stdin=args, delay_s=delay_s)
+    res = sandbox.run_source(_CALCULATOR_SRC, stdin=args, delay_s=delay_s)
     return _tool_error(res, "calculator")
 
 

@@ -9,7 +9,6 @@ import dataclasses
 import json
 import logging
 import os
-import signal
 import time
 
 import torch.distributed as dist
@@ -21,32 +20,18 @@ from megatron_tsync.model.hf_conversion import load_hf_dir, load_hf_into_model, 
 from megatron_tsync.model.parallel import ParallelDims, initialize_parallel
 from megatron_tsync.model.tiny_model import make_tiny_model
 from megatron_tsync.model.tokenizer import TokenizerCodec
+from megatron_tsync.runtime import run_dir, wandb_log
 from megatron_tsync.runtime.fleet import RolloutFleet, open_fleet
+from megatron_tsync.runtime.stop import StopFlag
 from megatron_tsync.runtime.tasks import get_task
+from megatron_tsync.runtime.validation import check_tokenizer_fits
 from megatron_tsync.training.checkpointing import load_checkpoint, save_checkpoint
-from megatron_tsync.training.optimizer import OptimConfig, build_optimizer, wrap_ddp
-from megatron_tsync.training.sft import sft_warmup
+from megatron_tsync.training.optimizer import build_optimizer, wrap_ddp
+from megatron_tsync.training.reference import ReferenceModel
+from megatron_tsync.training.sft import build_sft_optimizer, sft_warmup
 
 log = logging.getLogger("megatron_tsync")
-
-
-class StopFlag:
-    """SIGTERM / SIGUSR1 (SLURM's pre-timeout signal) / SIGINT: finish the step, save, exit.
-
-    Installed at the very start of a run (``loop.run``), so a signal during start-up (model load, SFT) is honoured."""
-
-    def __init__(self):
-        self.stop = False
-        self.signum = None
-        for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
-            try:
-                signal.signal(s, self._handler)
-            except ValueError:  # not the main thread
-                pass
-
-    def _handler(self, signum, frame):
-        self.stop, self.signum = True, signum
-        log.warning("signal %d: will save a checkpoint after the current step and exit", signum)
+REFERENCE_DIR = "reference"  # SAVE/reference: the frozen initial reference of the KL term (a checkpoint of its own)
 
 
 def model_dir(cfg: TrainConfig, rank: int) -> str:
@@ -70,7 +55,8 @@ class RunContext:
 
     Attributes the algorithms use: ``cfg``, ``dims`` (:class:`ParallelDims`), ``model_dir``, ``task``, ``ddp``,
     ``opt``, ``step`` (the next optimizer step), ``state`` (trainer state saved with the checkpoint), ``stop``,
-    ``history`` (one row per step), ``tb`` (TensorBoard writer on the logging rank, else None).
+    ``history`` (one row per step), ``tb`` (TensorBoard writer on the logging rank, else None), ``reference``
+    (the KL term's reference model, ``training.reference.ReferenceModel``, or None without a KL term).
     """
 
     def __init__(self, cfg: TrainConfig, stop: StopFlag):
@@ -81,10 +67,22 @@ class RunContext:
         p = cfg.parallel
         self.dims: ParallelDims = initialize_parallel(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
                                                       p.context_parallel_size, seed=cfg.rl.seed)
+        # --save: one trainer per folder (lock), stale .tmp folders of a killed save removed, stop record cleared
+        self.run_lock = run_dir.claim(cfg, self.dims.rank, self.dims.world_size)
         self.model_dir = model_dir(cfg, self.dims.rank)
         self.task = get_task(cfg.rollout.task, verifier=cfg.rollout.verifier)
         arch, hf_state = load_hf_dir(self.model_dir)
-        model = build_model(arch, cfg.precision, seed=cfg.rl.seed)
+        check_tokenizer_fits(self.model_dir, arch.vocab_size)  # ids past the embedding would crash the learner
+        if cfg.model.moe_router_replay and not arch.num_experts:
+            raise ValueError(f"--moe-router-replay needs a MoE model; {self.model_dir} has no experts")
+        if arch.num_experts and p.tensor_model_parallel_size > 1 and (cfg.learner.sequence_packing
+                                                                      or cfg.learner.shared_prefix
+                                                                      or cfg.model.moe_router_replay):
+            raise ValueError("a MoE model at --tensor-model-parallel-size > 1 runs with sequence parallelism "
+                             "(model/moe.py), which supports neither --sequence-packing, --shared-prefix nor "
+                             "--moe-router-replay yet")
+        replay = {"moe_enable_routing_replay": True} if cfg.model.moe_router_replay else {}
+        model = build_model(arch, cfg.precision, seed=cfg.rl.seed, **replay)
         load_hf_into_model(model, hf_state)
         self.ddp = wrap_ddp(model, use_distributed_optimizer=p.use_distributed_optimizer)
         self.opt = build_optimizer(self.ddp, dataclasses.replace(cfg.optim,
@@ -95,43 +93,78 @@ class RunContext:
         self._load()
         if self.step == 0 and cfg.model.sft_warmup_steps > 0 and not self.state.get("sft_done"):
             self._sft()
+        self.reference = self._reference()
         self.tb = None
         if cfg.logging.tensorboard_dir and self.dims.is_logging_rank:
             from torch.utils.tensorboard import SummaryWriter  # imports tensorboard: only when asked for
 
             self.tb = SummaryWriter(cfg.logging.tensorboard_dir)
+        self.wandb = wandb_log.open_run(cfg) if cfg.logging.wandb_project and self.dims.is_logging_rank else None
 
     # ------------------------------------------------------------------ checkpoints
     def _load(self) -> None:
         ck = self.cfg.checkpoint
         if not ck.load:
             return
-        got = load_checkpoint(ck.load, self.ddp, None if ck.finetune else self.opt)
+        got = load_checkpoint(ck.load, self.ddp, None if ck.finetune else self.opt, fallback=ck.load_fallback)
         if got is None:
             log.info("--load %s: no checkpoint yet, starting from the model", ck.load)
             return
         step, state = got
         self.step = 0 if ck.finetune else step
         self.state = state or {}
+        if not ck.finetune:  # a new experiment from another's weights is what --finetune is for
+            run_dir.check_resume(self.state.get("run_config"), self.cfg, ck.load)
         if self.dims.rank == 0:
             print(f"[tsync] resumed from {ck.load} at step {self.step}", flush=True)
+
+    def _reference(self) -> ReferenceModel | None:
+        """π_ref of the KL term, with the policy's layout: ``--ref-model DIR``, else the frozen initial policy (a copy
+        of the weights now, at step 0; on a resume the copy saved under ``LOAD/reference``). Collective."""
+        cfg, lc = self.cfg, self.cfg.learner.loss
+        if lc.kl_mode == "none":
+            return None
+        kw = dict(temperature=lc.temperature, seed=cfg.rl.seed)
+        if cfg.model.ref_model:
+            return ReferenceModel.from_hf_dir(cfg.model.ref_model, cfg.precision, policy=self.ddp, **kw)
+        ref = ReferenceModel.frozen_copy(self.ddp, cfg.precision, **kw)
+        self._ref_fresh = self.step == 0  # a fresh start overwrites a SAVE/reference left by an earlier run
+        if self.step > 0:  # resumed: the weights just loaded are not the initial ones
+            src = os.path.join(cfg.checkpoint.load, REFERENCE_DIR)
+            if not os.path.exists(os.path.join(src, "latest_checkpointed_iteration.txt")):
+                raise FileNotFoundError(f"--load {cfg.checkpoint.load}: resuming with --kl-mode {lc.kl_mode} needs the "
+                                        f"frozen initial reference saved in {src} (or --ref-model DIR)")
+            load_checkpoint(src, ref.model, None, load_rng=False)
+            ref.source = f"frozen initial weights ({src})"
+        return ref
+
+    def _save_reference(self) -> None:
+        """The frozen initial reference, once per ``--save`` folder (under ``SAVE/reference``), for resumes."""
+        if self.reference is None or self.cfg.model.ref_model:
+            return
+        dst = os.path.join(self.cfg.checkpoint.save, REFERENCE_DIR)
+        if self._ref_fresh or not os.path.exists(os.path.join(dst, "latest_checkpointed_iteration.txt")):
+            save_checkpoint(dst, 0, self.reference.model)
+            self._ref_fresh = False
 
     def save(self) -> None:
         if not self.cfg.checkpoint.save:
             return
+        self._save_reference()
         self.state["history_tail"] = self.history[-5:]
+        self.state["run_config"] = run_dir.run_config(self.cfg)  # compared on a resume
         path = save_checkpoint(self.cfg.checkpoint.save, self.step, self.ddp, self.opt, self.state,
-                               hf_assets_src=self.model_dir)
+                               hf_assets_src=self.model_dir, keep_last=self.cfg.checkpoint.keep_last)
         if self.dims.rank == 0:
             print(f"[tsync] saved checkpoint {path}", flush=True)
 
     def _sft(self) -> None:
         t0 = time.perf_counter()
         codec = TokenizerCodec(AutoTokenizer.from_pretrained(self.model_dir))
-        sft_opt = build_optimizer(self.ddp, OptimConfig(optimizer="adam", lr=1e-3, clip_grad=1.0))
+        sft_opt, clip = build_sft_optimizer(self.ddp)  # float64: clips in float64 itself (megatron: float32 only)
         losses = sft_warmup(self.ddp, sft_opt, codec, self.task, self.cfg.model.sft_warmup_steps, batch_size=16,
                             seed=self.cfg.rl.seed + 1,  # not the RL prompts
-                            dp_group=self.dims.dp_group() if self.dims.dp > 1 else None)
+                            dp_group=self.dims.dp_group() if self.dims.dp > 1 else None, clip_grad=clip)
         # the RL optimizer's fp32 master copies (if any) must see the new weights
         if hasattr(self.opt, "reload_model_params"):
             self.opt.reload_model_params()
@@ -156,7 +189,9 @@ class RunContext:
 
     # ------------------------------------------------------------------ logs
     def write_scalars(self, row: dict, names: dict[str, str], k: int) -> None:
-        """TensorBoard: ``row[key]`` under ``names[key]`` at step ``k`` (None values skipped)."""
+        """TensorBoard (and W&B): ``row[key]`` under ``names[key]`` at step ``k`` (None values skipped)."""
+        if self.wandb is not None:
+            self.wandb.log(row, names, k)
         if self.tb is None:
             return
         for key, tag in names.items():
@@ -175,6 +210,10 @@ class RunContext:
     def close(self) -> None:
         if self.tb is not None:
             self.tb.close()
+        if self.wandb is not None:
+            self.wandb.close()
+        if self.run_lock is not None:
+            self.run_lock.release()
 
 
 def progress_bar(done: int, total: int, width: int = 20) -> str:

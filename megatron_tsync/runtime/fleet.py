@@ -8,16 +8,30 @@ every worker from a group whose store it hosts), and turns verified ``Trajectory
 :class:`~megatron_tsync.streaming.ready_queue.Sample` s for the learner through :class:`TransportSource`.
 
 Events of a policy version outside the fleet's :class:`~megatron_tsync.transport.versions.VersionWindow` are
-rejected by the receiver and counted (``receiver.rejected``). Failures: whenever a poll comes back empty, a worker
-process this fleet started that exited with a non-zero code raises :class:`WorkerDied` with the worker's id, exit
-code and the last lines of its log (it does not say which trajectories are lost). A worker that exits with code 0
-early, or an external worker that dies (the fleet has no handle on it), is noticed only by the stall timeout: no
-event for ``rollout.stall_timeout_s`` seconds raises a ``TimeoutError`` naming the count and a few of the step's
-missing trajectory ids.
+rejected by the receiver and counted (``receiver.rejected``). No event for ``rollout.stall_timeout_s`` seconds raises
+a ``TimeoutError`` naming the count and a few of the step's missing trajectory ids.
+
+Supervision (``runtime/supervision.py``; with ``--weight-sync file``): every poll of a step's source lets the
+fleet's :class:`~megatron_tsync.runtime.supervision.WorkerSupervisor` check the workers — a process that exited, or a
+heartbeat stale for ``--rollout-heartbeat-timeout`` (hung; a process this fleet started is SIGKILLed) — and
+re-dispatch a failed worker's missing trajectories of the step to live workers under the same policy version (and
+its share of every later step). A group may then hold trajectories from two workers; each is a sample from the same
+θ_k, and the group's advantage scalars are computed when its last trajectory lands, on the final set, so the update
+is the synchronous update on the trajectories used (streaming_math: a bucket's (P, Q, ρ) do not care which worker
+sampled a member). ``--rollout-retries`` failures are survived; one more raises ``WorkerDied`` naming the worker and
+the trajectories not received (the loop saves a checkpoint first). Each step's :class:`StepLedger` accounts for every
+trajectory (used, re-dispatched with its reason, dropped with its reason): logged when the step has all its
+trajectories, and in the step's row (``ledger_*``, ``worker_failures``, ``recovery_s``). With ``--weight-sync
+broadcast`` a dead worker breaks the collective: ``WorkerDied`` at once, as before. The fleet writes its own
+heartbeat (``hb/trainer.json``, with the run id): workers on other nodes exit when it stops; workers it started also
+die with it by ``PR_SET_PDEATHSIG``. Events are signed with the run's key (``secret.run_key`` of a run id drawn per
+trainer process): a stale worker of an earlier run is rejected and counted (``wrong_run``), even with a shared
+``--secret-file``.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -28,6 +42,9 @@ import time
 
 import torch
 
+from megatron_tsync.runtime import affinity, launch_env
+from megatron_tsync.runtime.validation import screen
+from megatron_tsync.runtime import supervision as sv
 from megatron_tsync.runtime.worker import WEIGHT_SYNC_OP_TIMEOUT_S, WEIGHT_WAIT_S, WorkerSpec
 from megatron_tsync.streaming.ready_queue import Sample
 from megatron_tsync.transport.ids import parse_traj_id, traj_ids
@@ -36,8 +53,8 @@ from megatron_tsync.transport.versions import VersionWindow
 log = logging.getLogger(__name__)
 
 
-class WorkerDied(RuntimeError):
-    pass
+WorkerDied = sv.WorkerFailure
+"""A rollout worker failed and the run cannot go on (``.worker``, ``.step``, ``.missing``)."""
 
 
 class RolloutFleet:
@@ -50,13 +67,25 @@ class RolloutFleet:
         # the policy versions accepted now: the one owner of that window; the receiver asks it for every frame
         self.versions = VersionWindow(base_spec.start_step, base_spec.rl.max_staleness)
         self.reward_floor = 0.0  # what a failed trajectory counts with (the task's lowest reward; set by open_fleet)
+        self.routing_expect: tuple[int, int, int] | None = None  # --moe-router-replay: (layers, topk, experts)
         # async mode: trajectories of a later step that arrived while an earlier one was trained (by step)
         self.early: dict[int, list] = {}
         self.receiver = EventReceiver(bind_address(base_spec.endpoint), self.key,
-                                      expected_version_fn=self.versions.accepted)
+                                      expected_version_fn=self.versions.accepted, run_id=base_spec.run_id)
         self.procs: list[subprocess.Popen] = []
+        self.abort_check = None  # the loop's StopFlag.check_abort: SIGTERM aborts the step at the next poll
         self.log_dir = log_dir or os.path.join(run_dir, "worker_logs")
         os.makedirs(self.log_dir, exist_ok=True)
+        ro = base_spec.rollout
+        self.ledgers: dict[int, sv.StepLedger] = {}
+        self.supervisor = sv.WorkerSupervisor(
+            num_workers=ro.num_workers, groups_per_step=base_spec.rl.groups_per_step,
+            group_size=base_spec.rl.group_size, run_dir=run_dir, run_id=base_spec.run_id,
+            key=sv_key(self.key, base_spec.run_id), timeout_s=ro.heartbeat_timeout_s, retries=ro.worker_retries,
+            procs=self.procs, log_tail=lambda w: _tail(os.path.join(self.log_dir, f"worker{w}.log")))
+        # before the specs exist: a worker never sees a directory without its run's trainer heartbeat
+        self.heartbeat = sv.BeatWriter(os.path.join(run_dir, "hb", "trainer.json"), base_spec.run_id,
+                                       sv.beat_interval(ro.heartbeat_timeout_s)).start()
         self.weight_publisher = self._start_weight_sync() if base_spec.rollout.weight_sync == "broadcast" else None
         self.spec_paths = self._write_specs(launch)
         if launch:
@@ -93,13 +122,18 @@ class RolloutFleet:
         return paths
 
     def _launch(self) -> None:
-        env = worker_env()
+        base = dict(worker_env(), TSYNC_PARENT_PID=str(os.getpid()))  # the worker sets PR_SET_PDEATHSIG
+        pinned = set(os.sched_getaffinity(0)) != set(affinity.startup_cpus())  # --trainer-cpus: not inherited
         for w, path in enumerate(self.spec_paths):
             out = open(os.path.join(self.log_dir, f"worker{w}.log"), "ab")
-            self.procs.append(
-                subprocess.Popen([sys.executable, "-m", "megatron_tsync.runtime.worker", path], env=env,
-                                 stdout=out, stderr=subprocess.STDOUT)
-            )
+            cpus = affinity.worker_cpus(self.spec.rollout, w, pinned)  # --rollout-cpus share, from exec on
+            env = launch_env.worker_process_env(base, self.spec.rollout, w)  # scrubbed; --rollout-gpus share
+            with affinity.children_on(cpus):
+                self.procs.append(
+                    subprocess.Popen([sys.executable, "-m", "megatron_tsync.runtime.worker", path],
+                                     env=env if cpus is None else dict(env, OMP_NUM_THREADS=str(len(cpus))),
+                                     stdout=out, stderr=subprocess.STDOUT)
+                )
 
     def publish(self, model_hf_state: dict[str, torch.Tensor], version: int) -> None:
         from megatron_tsync.transport import publish_weights
@@ -119,6 +153,29 @@ class RolloutFleet:
         """Accept events of policy versions [step − max_staleness, step] from now on (``self.versions``)."""
         self.versions.advance(step)
 
+    def supervise(self, source: "TransportSource") -> None:
+        """After a poll of a step's source: an urgent stop (``StopRequested``), worker failures (re-dispatch, or
+        ``WorkerDied`` past the budget)."""
+        if self.abort_check is not None:
+            self.abort_check()
+        if self.weight_publisher is not None:
+            return self.check_alive()  # broadcast: the collective needs every worker, nothing to re-dispatch
+        self.supervisor.check(source.seen, set(getattr(source, "delivered", ())))  # OPD: turns streamed
+
+    def begin_source(self, source: "TransportSource") -> sv.StepLedger:
+        """The ledger of the step ``source`` serves; the supervisor re-dispatches dead workers' shares of it."""
+        ledger = self.ledgers[source.step] = sv.StepLedger(source.step, sorted(source.expected))
+        for k in [k for k in self.ledgers if k < source.step - 8]:
+            del self.ledgers[k]
+
+        def version_of(gid: str) -> int:  # a group's trajectories are all sampled from one policy version
+            got = [s.policy_version for s in source.samples if s.group_id == gid]
+            acc = self.versions.accepted()
+            return got[0] if got else (acc if isinstance(acc, int) else acc[-1])
+
+        self.supervisor.begin(source.step, ledger, version_of)
+        return ledger
+
     def check_alive(self) -> None:
         for w, p in enumerate(self.procs):
             rc = p.poll()
@@ -129,18 +186,46 @@ class RolloutFleet:
     def source(self, step: int, max_seq_len: int) -> "TransportSource":
         return TransportSource(self, step, max_seq_len)
 
-    def close(self) -> None:
+    def close(self, grace_s: float = 2.0) -> None:
+        """Workers see the trainer's heartbeat say "closed" (external ones leave once idle); the ones this fleet
+        started get ``grace_s`` to leave, then SIGKILL (they ignore SIGTERM: a job-wide signal is the trainer's)."""
+        self.heartbeat.stop(closed=True)
+        deadline = time.monotonic() + grace_s
+        while any(p.poll() is None for p in self.procs) and time.monotonic() < deadline:
+            time.sleep(0.05)
         for p in self.procs:
             if p.poll() is None:
-                p.terminate()
+                p.kill()
         for p in self.procs:
             try:
                 p.wait(timeout=10)
             except subprocess.TimeoutExpired:
-                p.kill()
+                log.warning("rollout worker pid %d did not exit after SIGKILL", p.pid)
+        if self.procs:
+            print(f"[tsync] rollout workers closed: exit codes {[p.returncode for p in self.procs]}", flush=True)
         if self.weight_publisher is not None:
             self.weight_publisher.close()
         self.receiver.close()
+
+
+_IPC_PATH_MAX = 100  # bytes: a unix socket path must fit sockaddr_un.sun_path (108 with the NUL; 104 on macOS)
+
+
+def ipc_endpoint(run_dir: str) -> str:
+    """The default event endpoint: ``ipc://RUN_DIR/events.sock``, or, when that path is too long for a unix socket,
+    a socket in the temporary directory named by a hash of the run directory (the same run directory, the same
+    socket; another run directory, another socket)."""
+    import hashlib
+
+    path = os.path.join(os.path.abspath(run_dir), "events.sock")
+    if len(path.encode()) <= _IPC_PATH_MAX:
+        return f"ipc://{path}"
+    short = os.path.join(tempfile.gettempdir(), f"tsync-{hashlib.sha256(path.encode()).hexdigest()[:16]}.sock")
+    if len(short.encode()) > _IPC_PATH_MAX:
+        raise ValueError(f"the event socket path {short!r} is longer than {_IPC_PATH_MAX} bytes (TMPDIR too long); "
+                         "set --rollout-endpoint (e.g. tcp://127.0.0.1:PORT)")
+    log.info("run directory too long for a unix socket path (%d bytes): events on %s", len(path.encode()), short)
+    return f"ipc://{short}"
 
 
 def open_fleet(cfg, *, model_dir: str, start_step: int, reward_floor: float) -> RolloutFleet:
@@ -154,17 +239,20 @@ def open_fleet(cfg, *, model_dir: str, start_step: int, reward_floor: float) -> 
     for name in os.listdir(run_dir):  # stale specs of a previous job must not start workers early
         if name.startswith("worker") and name.endswith(".json"):
             os.remove(os.path.join(run_dir, name))
+    shutil.rmtree(os.path.join(run_dir, "assign"), ignore_errors=True)  # a previous run's re-dispatches
     spec = WorkerSpec(
         rl=cfg.rl, rollout=cfg.rollout,
         engine_dtype="bfloat16" if cfg.precision.bf16 else "float32",
         stream_turns=cfg.rl.algorithm == "opd" and cfg.learner.mode == "stream-turn",
         model_dir=model_dir, start_step=start_step, worker_id=0,
-        endpoint=cfg.rollout.endpoint or f"ipc://{os.path.abspath(run_dir)}/events.sock",
+        endpoint=cfg.rollout.endpoint or ipc_endpoint(run_dir),
         secret_file=cfg.rollout.secret_file or make_run_secret(run_dir),
+        run_id=new_run_id(),  # this trainer process: a stale worker of an earlier run is rejected
         weights_dir=fresh_dir(os.path.join(run_dir, "weights")),
         weight_sync_addr="",  # broadcast: set by the fleet once it hosts the group's store
         # NCCL only between GPUs: the trainer on CUDA and vLLM engines (the embedded engine receives CPU tensors)
         weight_sync_backend="nccl" if cfg.rollout.engine == "vllm" and torch.cuda.is_available() else "gloo",
+        record_routing=cfg.model.moe_router_replay,
     )
     fleet = RolloutFleet(spec, run_dir, launch=cfg.rollout.launch == "local")
     if cfg.rollout.launch == "external":
@@ -172,6 +260,7 @@ def open_fleet(cfg, *, model_dir: str, start_step: int, reward_floor: float) -> 
         print(f"[tsync] waiting for {n} external rollout worker(s): run "
               f"`python -m megatron_tsync.runtime.worker {run_dir}/worker<w>.json` (w = 0..{n - 1})", flush=True)
     fleet.reward_floor = reward_floor
+    fleet.routing_expect = routing_expect(model_dir) if cfg.model.moe_router_replay else None
     return fleet
 
 
@@ -194,6 +283,8 @@ class TransportSource:
         self.errors = 0
         self.stall_timeout_s = fleet.spec.rollout.stall_timeout_s
         self.last_event = time.perf_counter()
+        self.ledger = fleet.begin_source(self)
+        self._ledger_logged = False
         self._early = []
         for ev in fleet.early.pop(step, []):
             if ev.policy_version in fleet.versions:
@@ -203,17 +294,18 @@ class TransportSource:
                             ev.policy_version, fleet.versions, step)
 
     def _events(self, timeout_s: float) -> list:
-        """This step's events: those that arrived early (see the class docstring) first, then the receiver's."""
+        """This step's events: those that arrived early (see the class docstring) first, then the receiver's; only
+        those the learner's edge accepts (``runtime/validation.py``), plus failed stand-ins for rejected ones."""
         early, self._early = self._early, []
-        return early + self.fleet.receiver.poll(0 if early else int(timeout_s * 1000))
+        return screen(self, early + self.fleet.receiver.poll(0 if early else int(timeout_s * 1000)))
 
     def _progress(self, got_any: bool) -> None:
         """After a poll: note progress, or check the workers and the stall timeout (``rollout.stall_timeout_s``)."""
         now = time.perf_counter()
+        self.fleet.supervise(self)
         if got_any:
             self.last_event = now
             return
-        self.fleet.check_alive()
         if now - self.last_event > self.stall_timeout_s:
             missing = sorted(self.expected - self.seen)
             raise TimeoutError(f"step {self.step}: no trajectory for {self.stall_timeout_s:.0f}s; "
@@ -236,13 +328,17 @@ class TransportSource:
             if ids is not None and ids[0] > self.step:  # async: a later step's, early
                 self.fleet.early.setdefault(ids[0], []).append(ev)
                 return None
-            log.warning("dropping unexpected trajectory %s (%s; this is step %d)", ev.traj_id,
-                        "not a trajectory id" if ids is None else f"step {ids[0]} group {ids[1]}", self.step)
+            why = "not a trajectory id" if ids is None else f"step {ids[0]} group {ids[1]}"
+            log.warning("dropping unexpected trajectory %s (%s; this is step %d)", ev.traj_id, why, self.step)
+            self.ledger.dropped.append((ev.traj_id, f"unexpected: {why}"))
             return None
         if ev.traj_id in self.seen:
             log.warning("dropping duplicate trajectory %s", ev.traj_id)
+            self.ledger.dropped.append((ev.traj_id, f"duplicate (from worker {ev.meta.get('worker', '?')})"))
             return None
         self.seen.add(ev.traj_id)
+        self.ledger.used.append(ev.traj_id)
+        self._log_ledger()
         ids = torch.as_tensor(ev.token_ids.astype("int64"))
         mask = torch.as_tensor(ev.loss_mask.astype("float32"))
         beh = torch.as_tensor(ev.logprobs.astype("float64"))
@@ -260,28 +356,64 @@ class TransportSource:
             n = max(ids.numel(), 2)
             ids = torch.cat([ids, torch.zeros(n - ids.numel(), dtype=torch.long)])
             mask, beh = torch.zeros(n), torch.zeros(n, dtype=torch.float64)
+        routing = None
+        if self.fleet.routing_expect is not None and ev.status == "ok":
+            routing, why = _event_routing(ev, self.fleet.routing_expect, ids.numel())
+            if routing is None:
+                log.warning("trajectory %s: %s (--moe-router-replay): kept in its group without gradient",
+                            ev.traj_id, why)
+                mask = torch.zeros_like(mask)
         s = Sample(traj_id=ev.traj_id, group_id=ev.group_id, group_size=ev.group_size, token_ids=ids, loss_mask=mask,
                    reward=reward,
                    policy_version=ev.policy_version, behaviour_logp=beh, arrival_s=time.perf_counter() - self.t0,
-                   meta=dict(ev.meta))
+                   meta=dict(ev.meta), routing=routing)
         self.samples.append(s)
         return s
 
     def exhausted(self) -> bool:
         return self.seen >= self.expected
 
+    def _log_ledger(self) -> None:
+        """Once the step has all its trajectories: its ledger on stdout when anything happened (else the log)."""
+        if self._ledger_logged or not self.seen >= self.expected:
+            return
+        self._ledger_logged = True
+        led = self.ledger
+        if led.redispatched or led.dropped or led.failures:
+            print(led.line(), flush=True)
+        else:
+            log.info(led.line())
 
-_LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
-                  "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE")
+
+def _event_routing(ev, expect: tuple[int, int, int], t: int):
+    """(routing (P, L, k) uint8/int16 tensor, None) for a trajectory event, or (None, why) when it is unusable.
+    ``expect`` = (MoE layers, top-k, experts) of the policy; ``t`` its (possibly clipped) length."""
+    layers, k, experts = expect
+    if ev.routing is None:
+        return None, "no routing in the event"
+    if tuple(ev.routing_shape) != (layers, k):
+        return None, f"routing for {tuple(ev.routing_shape)} (layers, topk), the model has {(layers, k)}"
+    if ev.routing.size and int(ev.routing.max()) >= experts:
+        return None, f"expert index {int(ev.routing.max())} >= {experts} experts"
+    r = torch.from_numpy(ev.routing.reshape(-1, layers, k).copy())
+    return r[:t], ""
+
+
+def routing_expect(model_dir: str) -> tuple[int, int, int]:
+    """(MoE layers, top-k, experts) of an HF MoE folder, what router-replay events must carry."""
+    with open(os.path.join(model_dir, "config.json")) as f:
+        c = json.load(f)
+    if not c.get("num_experts"):
+        raise ValueError(f"--moe-router-replay needs a MoE model; {model_dir}/config.json has no num_experts")
+    return int(c["num_hidden_layers"]), int(c["num_experts_per_tok"]), int(c["num_experts"])
 
 
 def worker_env() -> dict:
-    """The trainer's environment minus its launcher's rendezvous (torchrun / srun ranks): workers are separate
-    single-process programs, not members of the trainer's process group."""
+    """The trainer's environment minus its launcher's rendezvous (torchrun / srun task variables,
+    ``launch_env.scrub_launcher_env``): workers are separate single-process programs, not members of the trainer's
+    process group."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    for k in list(env):
-        if k in _LAUNCHER_VARS or k.startswith("TORCHELASTIC_") or k.startswith("SLURM_PROCID"):
-            env.pop(k)
+    launch_env.scrub_launcher_env(env)
     return env
 
 
@@ -304,6 +436,37 @@ def weight_sync_host(endpoint: str) -> str:
         host = endpoint[len("tcp://"):].rpartition(":")[0].strip("[]")
         return socket.getfqdn() if host in ("*", "0.0.0.0", "") else host
     return "127.0.0.1"
+
+
+LEDGER_TB_NAMES = {"ledger_used": "rollout/ledger_used", "ledger_redispatched": "rollout/ledger_redispatched",
+                   "ledger_dropped": "rollout/ledger_dropped", "worker_failures": "rollout/worker_failures",
+                   "recovery_s": "rollout/recovery_s", "wrong_run_events": "transport/wrong_run_events"}
+"""TensorBoard tags of :func:`ledger_row`'s keys."""
+
+
+def ledger_row(fleet: RolloutFleet | None, step: int) -> dict:
+    """A step's ledger for the log row: ``ledger_used`` / ``ledger_redispatched`` / ``ledger_dropped`` trajectories,
+    ``worker_failures`` during the step, ``recovery_s`` (a failed worker's last heartbeat → its trajectories
+    re-dispatched, the longest of the step; None without a failure); ``wrong_run_events``: trajectory and turn
+    events of another run rejected so far (``wrong_run`` also counts their pings). Empty without a fleet (replay)."""
+    led = fleet.ledgers.get(step) if fleet is not None else None
+    if led is None:
+        return {}
+    kinds = fleet.receiver.wrong_run_kinds
+    return {**led.row(), "wrong_run_events": kinds.get("trajectory", 0) + kinds.get("turn", 0)}
+
+
+def sv_key(secret: bytes, run_id: str) -> bytes:
+    """The key re-dispatch files are signed with: the run's event key."""
+    from megatron_tsync.transport.secret import run_key
+
+    return run_key(secret, run_id)
+
+
+def new_run_id() -> str:
+    from megatron_tsync.transport.secret import new_run_id as fresh
+
+    return fresh()
 
 
 def make_run_secret(run_dir: str) -> str:

@@ -15,30 +15,46 @@ import random
 
 import torch.distributed as dist
 
+from megatron_tsync.config import reward_spec_conflict
 from megatron_tsync.runtime.context import RunContext, progress_bar
-from megatron_tsync.runtime.fleet import RolloutFleet, TransportSource
+from megatron_tsync.runtime.fleet import LEDGER_TB_NAMES, RolloutFleet, TransportSource, ledger_row
 from megatron_tsync.runtime.rollout_io import dump_grads, load_rollouts
 from megatron_tsync.runtime.spec import StepOutcome, TrainSpec
-from megatron_tsync.streaming.ready_queue import DataParallelAssigner, ListSource, Sample
+from megatron_tsync.runtime.validation import REJECTION_TB_NAMES, rejection_row
+from megatron_tsync.streaming.ready_queue import CoalescingSource, DataParallelAssigner, ListSource, Sample
 from megatron_tsync.training.learner import Learner, LearnerConfig
+from megatron_tsync.training.reference import KL_SUM
 from megatron_tsync.training.stream_fb import BatchShape
 from megatron_tsync.transport.ids import group_ids
 
 TB_NAMES = {"reward": "rollout/reward", "success_rate": "rollout/success_rate", "loss": "train/loss",
+            "loss_surrogate": "train/loss_surrogate",
             "grad_norm": "train/grad_norm", "step_time_s": "perf/step_time_s", "idle_frac": "perf/learner_idle_frac",
             "open_groups_peak_vectors": "stream/bucket_vectors_peak", "bucket_peak_bytes": "stream/bucket_bytes_peak",
-            "events_rejected": "transport/events_rejected", "staleness": "rollout/staleness"}
+            "events_rejected": "transport/events_rejected", "staleness": "rollout/staleness",
+            "kl_sum_mean": "train/kl_sum_mean"}
+TB_NAMES |= REJECTION_TB_NAMES  # transport/rejected_<reason>
 
 
-def learner_config(cfg, reward_spec) -> LearnerConfig:
-    """The learner's section with the task's reward spec; ``async`` trains each batch synchronously on engine
-    log-probs (the learner itself knows no async mode)."""
+def learner_config(cfg, task) -> LearnerConfig:
+    """The learner's section; ``async`` trains each batch synchronously on engine log-probs (the learner itself
+    knows no async mode). Its reward spec is ``--reward-kind/--reward-range`` (default: what the verifier declares),
+    checked against what the task declares (``config.reward_spec_conflict``: it may assume less, never more)."""
     lc = cfg.learner
+    conflict = reward_spec_conflict(lc.reward_spec, task.reward_spec, f"task {task.name} (verifier {task.verifier})")
+    if conflict is not None:
+        raise ValueError(conflict.replace("learner.reward_spec", "--reward-kind/--reward-range", 1))
     mode, loss = lc.mode, lc.loss
     if mode == "async":
         mode = "sync"
         loss = dataclasses.replace(loss, old_logprobs="engine")
-    return dataclasses.replace(lc, mode=mode, loss=loss, reward_spec=reward_spec)
+    return dataclasses.replace(lc, mode=mode, loss=loss)
+
+
+def batch_shape(cfg, sizes: dict[str, int]) -> BatchShape:
+    """The step's normaliser constants: B = trajectories of the step (every DP rank), L_max =
+    ``cfg.rl.max_action_tokens`` (seq-mean-token-sum-norm's constant: the action-token budget of a trajectory)."""
+    return BatchShape(num_sequences=sum(sizes.values()), max_len=cfg.rl.max_action_tokens)
 
 
 class BroadcastSource:
@@ -47,9 +63,9 @@ class BroadcastSource:
     sample is the :class:`DataParallelAssigner`'s. The broadcast is the trainer's own torch.distributed group (a
     trusted channel between trainer ranks), not a socket exposed to workers."""
 
-    def __init__(self, inner: TransportSource | None, dp: int):
+    def __init__(self, inner: TransportSource | None, dp: int, group_order: list[str] | None = None):
         self.inner = inner
-        self.assigner = DataParallelAssigner(dp)
+        self.assigner = DataParallelAssigner(dp, group_order)  # group_order: by group (--deterministic)
         self._done = False
         self.samples: list[Sample] = []
 
@@ -68,12 +84,12 @@ class BroadcastSource:
 class GRPO:
     """The GRPO algorithm of the loop (``runtime.spec.Algorithm``)."""
 
-    tb_names = TB_NAMES
+    tb_names = TB_NAMES | LEDGER_TB_NAMES  # + the step's trajectory ledger (rollout/ledger_*, worker failures)
 
     def __init__(self, ctx: RunContext):
         self.ctx = ctx
-        self.learner = Learner(ctx.ddp, ctx.opt, learner_config(ctx.cfg, ctx.task.reward_spec),
-                               dp_rank=ctx.dims.dp_rank, pp_size=ctx.dims.pp)
+        self.learner = Learner(ctx.ddp, ctx.opt, learner_config(ctx.cfg, ctx.task),
+                               dp_rank=ctx.dims.dp_rank, pp_size=ctx.dims.pp, reference=ctx.reference)
 
     def _source(self, k: int, fleet: RolloutFleet | None):
         """(arrival source, group sizes in batch order, () -> the step's samples in arrival order)."""
@@ -82,12 +98,14 @@ class GRPO:
             samples, groups = load_rollouts(cfg.logging.replay_rollouts, k)
             if cfg.logging.replay_shuffle_seed is not None:
                 random.Random(cfg.logging.replay_shuffle_seed * 1_000_003 + k).shuffle(samples)
-            DataParallelAssigner(dims.dp).assign_samples(samples)
+            DataParallelAssigner(dims.dp, list(groups) if cfg.learner.deterministic else None).assign_samples(samples)
             return ListSource(samples), {g: samples[0].group_size for g in groups}, lambda: samples
         source = fleet.source(k, cfg.rl.seq_length) if fleet is not None else None
-        if dims.world_size > 1:
-            source = BroadcastSource(source, dims.dp)
+        if source is not None and cfg.learner.mode in ("stream-group", "stream-trajectory") and cfg.learner.coalesce_ms:
+            source = CoalescingSource(source, cfg.learner.coalesce_ms / 1000.0)  # rank 0, before the broadcast
         sizes = {g: cfg.rl.group_size for g in group_ids(k, cfg.rl.groups_per_step)}
+        if dims.world_size > 1:
+            source = BroadcastSource(source, dims.dp, list(sizes) if cfg.learner.deterministic else None)
         return source, sizes, lambda: source.samples
 
     def step(self, k: int, fleet: RolloutFleet | None) -> StepOutcome:
@@ -96,7 +114,7 @@ class GRPO:
         if cfg.logging.dump_grads:
             root, learner, write = cfg.logging.dump_grads, self.learner, self.ctx.dims.rank == 0
             learner.grad_hook = lambda m: dump_grads(root, k, m, divisor=learner.last_divisor, write=write)
-        shape = BatchShape(num_sequences=sum(sizes.values()), max_len=cfg.rl.seq_length)
+        shape = batch_shape(cfg, sizes)
         res = self.learner.train_step(source, sizes, shape)
         return StepOutcome(result=res, samples=samples_of(), group_order=list(sizes))
 
@@ -107,14 +125,19 @@ class GRPO:
         return {
             "step": k, "reward": sum(rewards) / max(len(rewards), 1),
             "success_rate": sum(1.0 if r >= hi else 0.0 for r in rewards) / max(len(rewards), 1),
-            "loss": res.loss_sum, "grad_norm": res.grad_norm, "step_time_s": res.step_s, "idle_frac": res.idle_frac,
+            "loss": res.objective, "loss_surrogate": res.loss_sum,  # true objective value / Σ backpropagated terms
+            "grad_norm": res.grad_norm, "step_time_s": res.step_s, "idle_frac": res.idle_frac,
             "tail_after_last_arrival_s": res.work_after_last_arrival_s,
             "open_groups_peak_vectors": res.peak_bucket_vectors, "bucket_peak_bytes": res.peak_bucket_bytes,
+            **ledger_row(fleet, k),  # used / re-dispatched / dropped trajectories, worker failures, recovery
             "events_rejected": fleet.receiver.rejected if fleet is not None else 0,
+            **rejection_row(fleet),  # rejected_<reason>: the run's rejections so far, per reason
             "staleness": max((k - s.policy_version) for s in samples) if samples else 0,
             "trajectories": res.num_trajectories, **{f"plan_{a}": b for a, b in res.planner_stats.items()},
             "theta0_forwards": getattr(getattr(self.learner, "theta0", None), "forwards", 0),
             **{f"offload_{a}": b for a, b in (res.offload or {}).items()},
+            **_kl_row(self.learner, samples),
+            **_speculation_row(samples, self.ctx.cfg.rollout.speculative),
         }
 
     def line(self, row: dict, done: int, total: int, eta_s: float) -> str:
@@ -132,6 +155,28 @@ class GRPO:
         return (f"[tsync] summary: mode {mode}, {len(h)} steps, success {first:.2f} → {last:.2f} "
                 f"(first/last {n} steps), reward {h[0]['reward']:.3f} → {h[-1]['reward']:.3f}, "
                 f"mean step {mean_step:.2f}s, learner idle {sum(r['idle_frac'] for r in h) / len(h):.0%}")
+
+
+def _speculation_row(samples: list[Sample], on: bool) -> dict:
+    """``--speculative-rollouts``: the step's drafted first turns — trajectories that had one, tokens drafted and
+    kept (every kept token verified under the step's policy), the kept fraction, and the drafts rejected at some
+    token (verification stops at the first rejection: at most one per trajectory)."""
+    if not on:
+        return {}
+    had = [s.meta for s in samples if "spec_drafted" in s.meta]
+    drafted, kept = sum(m["spec_drafted"] for m in had), sum(m["spec_kept"] for m in had)
+    return {"spec_drafts": len(had), "spec_drafted_tokens": drafted, "spec_kept_tokens": kept,
+            "spec_kept_frac": kept / drafted if drafted else None,
+            "spec_rejections": sum(1 for m in had if m["spec_kept"] < m["spec_drafted"])}  # ≤ 1 per trajectory
+
+
+def _kl_row(learner: Learner, samples: list[Sample]) -> dict:
+    """Reference forwards of the step and, with --kl-mode reward, the mean Σ_t w_t kl_t at θ0 per trajectory."""
+    if learner.reference is None:
+        return {}
+    sums = [s.meta[KL_SUM] for s in samples if KL_SUM in s.meta]
+    return {"ref_forwards": learner.reference.forwards,
+            "kl_sum_mean": sum(sums) / len(sums) if sums else None}
 
 
 GRPO_SPEC = TrainSpec(name="grpo", build=GRPO)

@@ -2,8 +2,9 @@
 
 What differs between algorithms is the learner, the event source of a step and the log row; that is the spec's.
 Everything else is the loop's, and so the same for all: start-up (``RunContext``), the weight hand-off before every
-step, ``--dump-rollouts``, logging, ``--save-interval``, the save at the end (or on a signal: the step in flight
-finishes first), closing the rollout plane.
+step, ``--dump-rollouts``, logging, ``--save-interval``, the save at the end (or on an agreed stop: a signal or
+``--exit-duration-in-mins``; SIGTERM on one trainer rank aborts the step in flight, otherwise it finishes first),
+the stop record ``SAVE/tsync_stop.json`` (``runtime/stop.py``), closing the rollout plane.
 
     for k in steps:   publish θ_k → algorithm.step(k) (consume events as they land, barrier, optimizer step)
                       → dump → log → save every N
@@ -19,40 +20,30 @@ import torch
 
 from megatron_tsync.config import TrainConfig
 from megatron_tsync.model.parallel import destroy_parallel
-from megatron_tsync.runtime.context import RunContext, StopFlag
+from megatron_tsync.runtime import affinity, env_report, launch_env, run_dir
+from megatron_tsync.runtime.context import RunContext
+from megatron_tsync.runtime.fleet import WorkerDied
 from megatron_tsync.runtime.grpo import GRPO_SPEC
 from megatron_tsync.runtime.opd import OPD_SPEC
 from megatron_tsync.runtime.rollout_io import dump_rollouts
 from megatron_tsync.runtime.spec import Algorithm, TrainSpec
+from megatron_tsync.runtime.stop import StopAgreement, StopFlag, StopRequested, write_stop_file
 
 
 def train(ctx: RunContext, algo: Algorithm) -> list[dict]:
-    """Steps ``ctx.step .. train_iters`` (or until a signal); returns the per-step rows."""
+    """Steps ``ctx.step .. train_iters`` (or until an agreed stop: a signal, ``--exit-duration-in-mins``); returns
+    the per-step rows. After the last save rank 0 writes ``SAVE/tsync_stop.json`` (``runtime/stop.py``)."""
     cfg = ctx.cfg
     live = not cfg.logging.replay_rollouts
+    agreement = StopAgreement(ctx.dims.world_size)  # collective: every rank, before anything can stop
+    ctx.stop.abortable = ctx.dims.world_size == 1  # SIGTERM aborts the step in flight (several ranks: finish it)
     fleet = ctx.open_fleet() if live else None
     try:
+        if fleet is not None:
+            fleet.abort_check = ctx.stop.check_abort  # after every poll of a step's source
         if live:
             ctx.publish(fleet, ctx.step)
-        t_run = time.perf_counter()
-        first = saved = ctx.step
-        while ctx.step < cfg.rl.train_iters and not ctx.stop.stop:
-            k = ctx.step
-            if fleet is not None:
-                fleet.begin_step(k)
-            out = algo.step(k, fleet)
-            ctx.step += 1
-            if cfg.logging.dump_rollouts and ctx.dims.rank == 0:
-                dump_rollouts(cfg.logging.dump_rollouts, k, out.samples, out.group_order)
-            if live and ctx.step < cfg.rl.train_iters:
-                ctx.publish(fleet, ctx.step)
-            _log(ctx, algo, k, algo.row(k, out, fleet), time.perf_counter() - t_run, ctx.step - first)
-            si = cfg.checkpoint.save_interval
-            if si and ctx.step % si == 0:
-                ctx.save()
-                saved = ctx.step
-        if cfg.checkpoint.save and saved != ctx.step:  # the end of the run, or a signal
-            ctx.save()
+        _finish(ctx, _steps(ctx, algo, fleet, agreement))
     finally:
         if fleet is not None:
             fleet.close()
@@ -63,9 +54,78 @@ def train(ctx: RunContext, algo: Algorithm) -> list[dict]:
     return ctx.history
 
 
+def _steps(ctx: RunContext, algo: Algorithm, fleet, agreement: StopAgreement) -> str:
+    """The step loop; returns the agreed stop reason ("" at the end of training). Saves every --save-interval."""
+    cfg = ctx.cfg
+    live = not cfg.logging.replay_rollouts  # every rank publishes (a collective over TP/PP); rank 0 owns the fleet
+    t_run = time.perf_counter()
+    first = ctx.saved = ctx.step
+    while ctx.step < cfg.rl.train_iters:
+        k = ctx.step
+        reason = agreement.decide(ctx.stop)  # the same on every rank: all stop before the same step
+        if reason:
+            if ctx.dims.rank == 0:
+                print(f"[tsync] stopping before step {k} ({reason})", flush=True)
+            return reason
+        t_step, cpu_step = time.perf_counter(), time.process_time()
+        if fleet is not None:
+            fleet.begin_step(k)
+        try:
+            out = algo.step(k, fleet)
+        except StopRequested as e:  # SIGTERM, one rank: θ_k and the optimizer untouched; a resumed run redoes k
+            print(f"[tsync] step {k} aborted ({e}); saving step {k}", flush=True)
+            return ctx.stop.reason
+        except WorkerDied as e:  # past --rollout-retries: keep θ_k (a resumed run redoes step k), then fail
+            print(f"[tsync] step {k} failed: {e}", flush=True)
+            if cfg.checkpoint.save and ctx.dims.world_size == 1:  # several ranks: the others wait in a collective
+                ctx.save()
+            raise
+        ctx.step += 1
+        if cfg.logging.dump_rollouts and ctx.dims.rank == 0:
+            dump_rollouts(cfg.logging.dump_rollouts, k, out.samples, out.group_order)
+        if live and ctx.step < cfg.rl.train_iters:
+            ctx.publish(fleet, ctx.step)
+        row = {**algo.row(k, out, fleet), **perf_row(out, t_step, cpu_step)}
+        _log(ctx, algo, k, row, time.perf_counter() - t_run, ctx.step - first)
+        si = cfg.checkpoint.save_interval
+        if si and ctx.step % si == 0:
+            ctx.save()
+            ctx.saved = ctx.step
+    return ""
+
+
+def _finish(ctx: RunContext, reason: str) -> None:
+    """The last save (unless the step was just saved), then the stop record (rank 0, after the save is complete)."""
+    save = ctx.cfg.checkpoint.save
+    if not save:
+        return
+    if ctx.saved != ctx.step:
+        ctx.save()
+        ctx.saved = ctx.step
+    if ctx.dims.rank == 0:
+        finished = ctx.step >= ctx.cfg.rl.train_iters
+        path = write_stop_file(save, finished=finished, reason="done" if finished else reason, step=ctx.step)
+        print(f"[tsync] stop record {path}: finished {finished}, reason {'done' if finished else reason}, "
+              f"step {ctx.step}", flush=True)
+
+
+PERF_TB_NAMES = {"learner_busy_s": "perf/learner_busy_s", "wall_step_s": "perf/wall_step_s",
+                 "trainer_cpu_s": "perf/trainer_cpu_s"}
+"""TensorBoard tags of :func:`perf_row`'s keys."""
+
+
+def perf_row(out, t_step: float, cpu_step: float) -> dict:
+    """The loop's own per-step figures: ``learner_busy_s`` (the learner's busy seconds in the step: forward /
+    backward, π_θ0 and reference forwards, the barrier — ``step_time_s`` × (1 − ``idle_frac``); it grows when
+    the learner's cores are contended), ``wall_step_s`` (the whole iteration: source, learner, dump, the next
+    weights' publish) and ``trainer_cpu_s`` (CPU seconds of this trainer process in it, every thread)."""
+    return {"learner_busy_s": getattr(out.result, "busy_s", None), "wall_step_s": time.perf_counter() - t_step,
+            "trainer_cpu_s": time.process_time() - cpu_step}
+
+
 def _log(ctx: RunContext, algo: Algorithm, k: int, row: dict, elapsed: float, done: int) -> None:
     ctx.history.append(row)
-    ctx.write_scalars(row, algo.tb_names, k)
+    ctx.write_scalars(row, algo.tb_names | PERF_TB_NAMES, k)
     if ctx.dims.is_logging_rank and k % max(ctx.cfg.logging.log_interval, 1) == 0:
         total = ctx.cfg.rl.train_iters
         eta = elapsed / max(done, 1) * (total - ctx.step)
@@ -82,11 +142,26 @@ def train_spec(name: str) -> TrainSpec:
 
 def run(cfg: TrainConfig) -> list[dict]:
     """A whole run: signals first (so start-up is interruptible too), then start-up, the loop, teardown."""
-    stop = StopFlag()
+    stop = StopFlag(cfg.checkpoint.exit_duration_in_mins)
     logging.basicConfig(level=os.environ.get("TSYNC_LOG", "WARNING"), format="[%(name)s] %(message)s")
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    try:  # --trainer-cpus / --rollout-cpus: checked, logged, this rank pinned (before any thread pool exists)
+        affinity.setup_trainer(cfg, int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0")),
+                               int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except affinity.AffinityError as e:
+        raise SystemExit(f"error: {e}") from None
+    if cfg.rollout.launch == "local" and cfg.rollout.num_workers and not cfg.logging.replay_rollouts:
+        try:  # --rollout-gpus: every worker its GPUs, none of them a trainer rank's
+            launch_env.check_gpu_placement(cfg, cuda=torch.cuda.is_available())
+        except launch_env.PlacementError as e:
+            raise SystemExit(f"error: {e}") from None
     spec = train_spec(cfg.rl.algorithm)
-    ctx = RunContext(cfg, stop)
+    try:
+        ctx = RunContext(cfg, stop)
+    except (run_dir.RunLocked, run_dir.ConfigMismatch) as e:
+        destroy_parallel()
+        raise SystemExit(f"error: {e}") from None
+    env_report.print_report(cfg, ctx.dims)
     try:
         return train(ctx, spec.build(ctx))
     finally:

@@ -22,9 +22,10 @@ import torch
 import torch.distributed as dist
 
 from megatron_tsync.runtime.context import RunContext, progress_bar
-from megatron_tsync.runtime.fleet import RolloutFleet, TransportSource
+from megatron_tsync.runtime.fleet import LEDGER_TB_NAMES, RolloutFleet, TransportSource, ledger_row
 from megatron_tsync.runtime.rollout_io import load_rollouts
 from megatron_tsync.runtime.spec import StepOutcome, TrainSpec
+from megatron_tsync.runtime.validation import REJECTION_TB_NAMES, rejection_row
 from megatron_tsync.streaming.ready_queue import DataParallelAssigner
 from megatron_tsync.training.opd_learner import (ListChunkSource, OPDLearner, OPDLearnerConfig, TurnChunk,
                                                  chunks_from_sample)
@@ -37,6 +38,7 @@ TB_NAMES = {"reverse_kl": "opd/reverse_kl", "full_vocab_kl": "opd/full_vocab_kl"
             "loss": "train/loss", "grad_norm": "train/grad_norm", "step_time_s": "perf/step_time_s",
             "tail_after_last_arrival_s": "perf/tail_s", "teacher_s": "opd/teacher_s",
             "graph_peak_bytes": "opd/graph_peak_bytes"}
+TB_NAMES |= REJECTION_TB_NAMES  # transport/rejected_<reason>
 
 
 class OPDTransportSource(TransportSource):
@@ -136,7 +138,7 @@ class BroadcastChunks:
 class OPD:
     """The on-policy distillation algorithm of the loop (``runtime.spec.Algorithm``)."""
 
-    tb_names = TB_NAMES
+    tb_names = TB_NAMES | LEDGER_TB_NAMES  # + the step's trajectory ledger (rollout/ledger_*, worker failures)
 
     def __init__(self, ctx: RunContext):
         self.ctx = ctx
@@ -159,7 +161,7 @@ class OPD:
         scorer = TeacherChunks(self.teacher, full_vocab=cfg.rl.opd_objective == "full-vocab")
         source, samples_of = self._source(k, fleet, scorer)
         n = cfg.rl.group_size * cfg.rl.groups_per_step
-        res = self.learner.train_step(source, BatchShape(num_sequences=n, max_len=cfg.rl.seq_length))
+        res = self.learner.train_step(source, BatchShape(num_sequences=n, max_len=cfg.rl.max_action_tokens))
         samples = samples_of()
         return StepOutcome(result=res, samples=samples, group_order=sorted({s.group_id for s in samples}),
                            extra={"teacher_s": scorer.busy_s})
@@ -193,7 +195,9 @@ class OPD:
             "grad_norm": res.grad_norm, "step_time_s": res.step_s, "idle_frac": res.idle_frac,
             "tail_after_last_arrival_s": res.tail_s, "teacher_s": out.extra["teacher_s"], "mode": res.mode,
             "graph_peak_bytes": res.peak_graph_bytes, "chunks": res.num_chunks, "trajectories": res.num_trajectories,
+            **ledger_row(fleet, k),  # used / re-dispatched / dropped trajectories, worker failures, recovery
             "events_rejected": fleet.receiver.rejected if fleet is not None else 0,
+            **rejection_row(fleet),  # rejected_<reason>: the run's rejections so far, per reason
         }
 
     def line(self, row: dict, done: int, total: int, eta_s: float) -> str:

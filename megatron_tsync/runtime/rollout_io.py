@@ -51,9 +51,12 @@ def dump_rollouts(root: str, step: int, samples: list[Sample], group_order: list
             opt[k].append(None if v is None else v.double())
         rows.append({"traj_id": s.traj_id, "group_id": s.group_id, "group_size": s.group_size, "reward": s.reward,
                      "policy_version": s.policy_version, "arrival_index": i, "arrival_s": s.arrival_s,
-                     "offset": off, "length": T, "meta": dict(getattr(s, "meta", {}) or {})})
+                     "offset": off, "length": T, "meta": _json_meta(s)})
         off += T
     tensors = {k: torch.cat(v).contiguous() for k, v in flat.items()}
+    for i, s in enumerate(samples):  # router replay: (P, L, k) per trajectory, P varies
+        if s.routing is not None:
+            tensors[f"routing.{i}"] = s.routing.contiguous()
     for k, vs in opt.items():
         if vs and all(v is not None for v in vs):
             tensors[k] = torch.cat(vs).contiguous()
@@ -65,6 +68,12 @@ def dump_rollouts(root: str, step: int, samples: list[Sample], group_order: list
         json.dump(meta, f, indent=1)
     os.replace(tmp, os.path.join(d, "rollouts.json"))
     return d
+
+
+def _json_meta(s: Sample) -> dict:
+    """A sample's meta for the JSON index: the worker's scalars; the learner's tensors (π_θ0 log-probs with several
+    minibatches) are working state, not part of the rollout."""
+    return {k: v for k, v in (getattr(s, "meta", {}) or {}).items() if not torch.is_tensor(v)}
 
 
 def load_rollouts(root: str, step: int) -> tuple[list[Sample], list[str]]:
@@ -81,6 +90,7 @@ def load_rollouts(root: str, step: int) -> tuple[list[Sample], list[str]]:
     t = load_file(os.path.join(d, "rollouts.safetensors"))
     out = []
     for r in sorted(meta["trajectories"], key=lambda r: r["arrival_index"]):
+        routing = t.get(f"routing.{r['arrival_index']}")
         sl = slice(r["offset"], r["offset"] + r["length"])
         out.append(Sample(
             traj_id=r["traj_id"], group_id=r["group_id"], group_size=r["group_size"],
@@ -89,6 +99,7 @@ def load_rollouts(root: str, step: int) -> tuple[list[Sample], list[str]]:
             ref_logp=t["ref_logp"][sl].clone() if "ref_logp" in t else None,
             teacher_logp=t["teacher_logp"][sl].clone() if "teacher_logp" in t else None,
             arrival_s=float(r.get("arrival_s", 0.0)), meta=r.get("meta", {}),
+            routing=None if routing is None else routing.clone(),
         ))
     return out, list(meta["groups"])
 

@@ -36,8 +36,11 @@ only partially (see ``examples/tiny_agent/README.md`` for measured success rates
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import random
 import zlib
+from collections.abc import Iterator
 from typing import Any, Callable, Protocol, runtime_checkable
 
 from megatron_tsync.algorithms.streamability import RewardSpec
@@ -113,6 +116,28 @@ def get_task(name: str, **kwargs: Any) -> Task:
 
 def available_tasks() -> list[str]:
     return sorted(_REGISTRY)
+
+
+def read_jsonl(path: str) -> Iterator[tuple[int, dict]]:
+    """``(line number, object)`` of each non-blank line of a JSONL task file; every error names ``path:line``."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path}: no such task file")
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}:{n}: not UTF-8 ({e})") from None
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except ValueError as e:
+                raise ValueError(f"{path}:{n}: not valid JSON ({getattr(e, 'msg', e)} at column "
+                                 f"{getattr(e, 'colno', '?')})") from None
+            if not isinstance(rec, dict):
+                raise ValueError(f"{path}:{n}: expected a JSON object, got {type(rec).__name__}")
+            yield n, rec
 
 
 # ------------------------------------------------------------------------------------------------------ arithmetic
@@ -236,6 +261,13 @@ class ArithmeticCalculatorTask:
                 raise RuntimeError(f"no {split} expression found; widen the difficulty settings")
             out.append(self.instance(expr, step=step, group=g, split=split))
         return out
+
+    def make_environment(self, sandbox=None, *, delay_fn=None):
+        """The rollout worker's environment: the sandboxed calculator tool and this task's answer verifier
+        (``rollout/envs/calculator.py``); ``delay_fn(trajectory, turn)`` is the latency profile's tool delay."""
+        from megatron_tsync.rollout.envs.calculator import CalculatorEnv
+
+        return CalculatorEnv(sandbox, verifier=self.verifier, verifier_kwargs=self.verifier_kwargs, delay_fn=delay_fn)
 
     # ------------------------------------------------------------------ demonstrations
     def demonstration_segments(self, inst: TaskInstance) -> list[tuple[str, bool]]:

@@ -9,6 +9,13 @@ produced it (a trajectory whose rollout or verifier failed is sent too, with sta
 reward). Nothing waits for the group or the batch. With ``WorkerSpec.stream_turns`` each finished turn is also sent
 as a ``TurnEvent``.
 
+Supervision (``runtime/supervision.py``): from its first line of ``main`` the worker writes a heartbeat
+(``run_dir/hb/worker{w}.json``: step, events sent) and watches the trainer's (it exits when the trainer's is stale
+for ``rollout.heartbeat_timeout_s``, names another run, or says the trainer closed once the worker is idle); a
+worker started by the trainer also dies with it (``PR_SET_PDEATHSIG``). Its events are signed with the run's key
+(``WorkerSpec.run_id``). After its own share of a step, and while it waits for the next weights, it rolls out the
+trajectories the fleet re-dispatched to it (``run_dir/assign/``: a dead worker's, same step, same policy version).
+
 Run as ``python -m megatron_tsync.runtime.worker SPEC.json`` (the learner's fleet launcher does this, or srun).
 """
 
@@ -26,7 +33,8 @@ import time
 import numpy as np
 
 from megatron_tsync.config import RLConfig, RolloutConfig
-from megatron_tsync.transport.ids import group_ids, traj_id
+from megatron_tsync.runtime import supervision as sv
+from megatron_tsync.transport.ids import group_ids, parse_traj_id, traj_id
 from megatron_tsync.transport.versions import VersionWindow
 
 log = logging.getLogger("megatron_tsync.worker")
@@ -66,6 +74,9 @@ class WorkerSpec:
     """ZeroMQ endpoint of the learner's event receiver."""
     secret_file: str
     """The run's shared HMAC key."""
+    run_id: str
+    """This run's id (``transport.secret.new_run_id``, one per trainer process): events are signed with
+    ``secret.run_key(key, run_id)``, so a worker of an earlier run sharing the secret file is rejected (wrong_run)."""
     weights_dir: str
     """Where ``rollout.weight_sync`` "file" publishes each version."""
     weight_sync_addr: str
@@ -73,6 +84,8 @@ class WorkerSpec:
     ``1 + worker_id`` of a group of ``1 + rollout.num_workers`` (``transport/weight_broadcast.py``). "" otherwise."""
     weight_sync_backend: str
     """"gloo" (CPU tensors) or "nccl" (vLLM engines on GPUs next to a CUDA trainer; not run on a GPU yet)."""
+    record_routing: bool
+    """``--moe-router-replay``: the engine records each position's experts and the events carry them."""
 
     def to_json(self, path: str) -> None:
         data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -120,19 +133,20 @@ def _make_engine(spec: WorkerSpec):
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     initialize_parallel(1, 1, seed=spec.rl.seed)
 
-    return EmbeddedEngine.from_hf_dir(spec.model_dir)
+    return EmbeddedEngine.from_hf_dir(spec.model_dir, record_routing=spec.record_routing)
 
 
-def sampling_config(spec: WorkerSpec, tokenizer) -> "SamplingConfig":
+def sampling_config(spec: WorkerSpec, tokenizer, tool_stop: str = "</tool>") -> "SamplingConfig":
     """The engine's sampling parameters: the config's (``SamplingConfig.from_config``) plus the agent's stop tokens
-    (EOS and ``</answer>``) and tool token (``</tool>``) in this tokenizer."""
+    (EOS and ``</answer>``) and tool token (`tool_stop`: the task's ``tool_stop_text``, e.g. Qwen's
+    ``</tool_call>``; default ``</tool>``) in this tokenizer."""
     from megatron_tsync.rollout.engine import SamplingConfig
 
     ids = tokenizer.convert_tokens_to_ids
     return SamplingConfig.from_config(
         spec.rollout, spec.rl,
         stop_token_ids=tuple(i for i in (tokenizer.eos_token_id, ids("</answer>")) if i is not None),
-        tool_token_ids=(ids("</tool>"),),
+        tool_token_ids=(ids(tool_stop),),
     )
 
 
@@ -169,7 +183,11 @@ def _delay_fn(spec: WorkerSpec, step_holder: list):
 
 
 class RolloutWorker:
-    def __init__(self, spec: WorkerSpec):
+    """``run_dir``: the rollout-plane directory (heartbeats, re-dispatch files; default: the weights' parent);
+    ``status``: the dict ``main``'s heartbeat reports (step, phase, events sent); ``watch``: the trainer watch."""
+
+    def __init__(self, spec: WorkerSpec, run_dir: str | None = None, status: dict | None = None,
+                 watch: "sv.TrainerWatch | None" = None):
         from transformers import AutoTokenizer
 
         from megatron_tsync.rollout.agent_loop import AgentConfig, AgentLoop, RegistryTools
@@ -179,9 +197,18 @@ class RolloutWorker:
         from megatron_tsync.runtime.tasks import get_task
         from megatron_tsync.transport import EventSender, WeightSubscriber, load_secret
 
+        from megatron_tsync.transport.secret import run_key
+
         self.spec = spec
         self.key = load_secret(path=spec.secret_file)
-        self.sender = EventSender(spec.endpoint, self.key, f"worker{spec.worker_id}")
+        self.sender = EventSender(spec.endpoint, self.key, f"worker{spec.worker_id}", run_id=spec.run_id)
+        self.run_dir = run_dir or os.path.dirname(os.path.abspath(spec.weights_dir))
+        self.run_key = run_key(self.key, spec.run_id)
+        self.status = status if status is not None else {}
+        self.watch = watch
+        self.assign_done: set[str] = set()
+        # fault-injection tests only: seconds between two trajectory events, so that a kill lands mid-step
+        self.pace_s = float(os.environ.get("TSYNC_FAULT_PACE_S", "0") or 0)
         broadcast = spec.rollout.weight_sync == "broadcast"
         self.weights = None if broadcast else WeightSubscriber(spec.weights_dir, self.key)
         self.engine = _make_engine(spec)
@@ -189,32 +216,115 @@ class RolloutWorker:
         tok = AutoTokenizer.from_pretrained(spec.model_dir)
         self.codec = TokenizerCodec(tok)
         self.task = get_task(spec.rollout.task, verifier=spec.rollout.verifier)
-        self.verifier = get_verifier(self.task.verifier, **self.task.verifier_kwargs)
-        self.config = AgentConfig(sampling=sampling_config(spec, tok), max_turns=spec.rl.max_turns,
+        # a task with an environment (runtime.env_tasks, the calculator) owns each trajectory's tools and reward
+        has_env = hasattr(self.task, "make_environment")
+        self.verifier = None if has_env else get_verifier(self.task.verifier, **self.task.verifier_kwargs)
+        self.config = AgentConfig(sampling=sampling_config(spec, tok, getattr(self.task, "tool_stop_text", "</tool>")),
+                                  max_turns=spec.rl.max_turns,
                                   max_total_tokens=spec.rl.seq_length)
         self.step_holder = [spec.start_step]
         sandbox = Sandbox(SandboxConfig(wall_timeout_s=spec.rollout.sandbox_timeout_s))
         self.tools = RegistryTools(sandbox, delay_fn=_delay_fn(spec, self.step_holder))
+        self.env = self.task.make_environment(sandbox, delay_fn=self.tools.delay_fn) if has_env else None
         self.AgentLoop = AgentLoop
         self.sent = 0
+        self.drafter = None
+        if spec.rollout.speculative:  # drafts the next step's first turns while the weights are awaited
+            from megatron_tsync.rollout.embedded_engine import EmbeddedEngine
+            from megatron_tsync.runtime.speculation import Drafter
+
+            self.drafter = Drafter(self, lambda: EmbeddedEngine.from_hf_dir(spec.model_dir, version=-1))
+        from megatron_tsync.rollout.latency_trace import LatencyTrace  # each trajectory's real latencies (JSONL)
+
+        self.trace = LatencyTrace(os.path.join(self.run_dir, "latency_trace", f"worker{spec.worker_id}.jsonl"))
 
     # ---------------------------------------------------------------------------------------------
     def run(self) -> None:
         spec = self.spec
         for step in range(spec.start_step, spec.rl.train_iters):
+            self.status.update(step=step, phase="weights")
             if spec.rollout.weight_sync == "broadcast":
                 self._receive_broadcast(step)
-            else:
-                window = VersionWindow(step, spec.rl.max_staleness)  # what the learner will accept for this step
-                version, state = self.weights.wait_for(window.oldest, timeout_s=WEIGHT_WAIT_S)
-                if version not in window:
-                    raise RuntimeError(f"worker {spec.worker_id}: step {step} needs weights {window}, got v{version}")
-                if version != self.engine.policy_version or step == spec.start_step:
-                    self.engine.update_weights(state, version)
+            elif not self._file_weights(step):
+                break  # the trainer closed before this step: nothing more to do
             self.step_holder[0] = step
+            self.status.update(phase="rollout", step_sent=0)
             asyncio.run(self._run_step(step))
             self.sender.flush(timeout_s=600)
+            self.status.update(phase="idle")
+        else:
+            self._serve_until_closed(spec.rl.train_iters - 1)
         self.sender.close(flush_timeout_s=60)
+
+    def _closed(self) -> bool:
+        return self.watch is not None and self.watch.closed
+
+    def _file_weights(self, step: int) -> bool:
+        """Loads weights the learner accepts for ``step``, serving re-dispatched work of earlier steps meanwhile;
+        False if the trainer closed first."""
+        spec = self.spec
+        window = VersionWindow(step, spec.rl.max_staleness)  # what the learner will accept for this step
+        deadline = time.monotonic() + WEIGHT_WAIT_S
+        while True:
+            self._serve_assignments(step - 1)
+            latest = self.weights.latest_version()
+            if latest is not None and latest >= window.oldest:
+                break
+            if self._closed():
+                return False
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"worker {spec.worker_id}: no weights >= v{window.oldest} for step {step} in "
+                                   f"{WEIGHT_WAIT_S:.0f}s (latest: {latest})")
+            if self.drafter is None or not self.drafter.draft_some(step, lambda: self._weights_landed(window)):
+                time.sleep(0.05)
+        version, state = self.weights.wait_for(window.oldest, timeout_s=WEIGHT_WAIT_S)
+        if version not in window:
+            raise RuntimeError(f"worker {spec.worker_id}: step {step} needs weights {window}, got v{version}")
+        if self.drafter is not None:
+            self.drafter.before_load(step)  # the drafting engine keeps θ_{step-1}; the other one loads θ_step
+        if version != self.engine.policy_version or step == spec.start_step:
+            self.engine.update_weights(state, version)
+        return True
+
+    def _weights_landed(self, window: VersionWindow) -> bool:
+        latest = self.weights.latest_version()
+        return latest is not None and latest >= window.oldest
+
+    def _serve_until_closed(self, last_step: int) -> None:
+        """After the last step: re-dispatched work may still come until the trainer closes (or is gone)."""
+        if self.watch is None or self.weights is None:
+            return
+        while not self._closed():
+            self._serve_assignments(last_step)
+            time.sleep(0.05)
+
+    def _serve_assignments(self, max_step: int) -> None:
+        """Rolls out the trajectories the fleet re-dispatched to this worker (steps <= ``max_step``), each with the
+        policy version the assignment names (reloaded from the weight files if the engine has moved on)."""
+        if self.weights is None or max_step < self.spec.start_step:
+            return
+        for a in sv.read_assignments(self.run_dir, self.run_key, run_id=self.spec.run_id,
+                                     worker=self.spec.worker_id, done=self.assign_done, max_step=max_step):
+            step, version = int(a["step"]), int(a["version"])
+            if self.engine.policy_version != version:
+                from megatron_tsync.transport.errors import TransportError
+
+                try:
+                    self.engine.update_weights(self.weights.load(version), version)
+                except (OSError, RuntimeError, ValueError, TransportError) as e:  # gone (kept: the last 2) or bad
+                    log.error("worker %d: cannot load v%d for re-dispatched %s: %s", self.spec.worker_id, version,
+                              a["traj_ids"], e)
+                    continue
+            items = [(g, i) for tid in a["traj_ids"] for _, g, i in [parse_traj_id(tid)]]
+            log.warning("worker %d: rolling out %d re-dispatched trajectories of step %d (%s)", self.spec.worker_id,
+                        len(items), step, a["reason"])
+            self.status.update(phase=f"redo s{step}", step_sent=0)
+            held, self.step_holder[0] = self.step_holder[0], step
+            seed = self.spec.rl.seed * 100003 + step + 1_000_003 * (1 + int(a["n"]))  # a fresh draw, not a replay
+            asyncio.run(self._rollout(step, items, seed, {"redo": int(a["n"])}))
+            self.step_holder[0] = held
+            self.sender.flush(timeout_s=600)
+            self.status.update(phase="idle")
 
     def _receive_broadcast(self, version: int) -> None:
         """Exactly ``version`` (the config refuses async mode with broadcast); any other is rejected and counted by
@@ -228,18 +338,35 @@ class RolloutWorker:
             stats = dict(self.broadcast.last_stats, rejected=dict(self.broadcast.rejected))
         log.info("weights v%d by broadcast in %.3fs (%s)", version, time.perf_counter() - t0, stats)
 
+    def step_items(self) -> list[tuple[int, int]]:
+        """This worker's share of a step, (group, index) pairs: group ``g`` when ``g mod num_workers == worker_id``."""
+        spec = self.spec
+        return [(g, i) for g in range(spec.rl.groups_per_step) if g % spec.rollout.num_workers == spec.worker_id
+                for i in range(spec.rl.group_size)]
+
     async def _run_step(self, step: int) -> None:
+        from megatron_tsync.runtime.speculation import step_seed
+
+        # seed per step so that resumed runs sample the same trajectories
+        await self._rollout(step, self.step_items(), step_seed(self.spec.rl.seed, step), {})
+
+    async def _rollout(self, step: int, items: list[tuple[int, int]], seed: int, extra: dict) -> None:
+        """Rolls out trajectory ``i`` of group ``g`` of ``step`` for each ``(g, i)`` of ``items`` (sampling seed
+        ``seed``; ``extra`` goes into each event's meta) and sends each the moment it is scored."""
         spec = self.spec
         insts = self.task.sample_prompts(step, spec.rl.groups_per_step, spec.rl.seed)
         gids = group_ids(step, spec.rl.groups_per_step)
-        prompts, meta = [], []
-        for g, inst in enumerate(insts):
-            if g % spec.rollout.num_workers != spec.worker_id:
-                continue
-            ids = self.codec.encode(inst.prompt_text)
-            for i in range(spec.rl.group_size):
-                prompts.append(ids)
-                meta.append({"group": g, "index": i, "group_id": gids[g], "inst": inst})
+        prompts, meta, encoded = [], [], {}
+        for g, i in items:
+            if g not in encoded:
+                encoded[g] = self.codec.encode(insts[g].prompt_text)
+            prompts.append(encoded[g])
+            meta.append({"group": g, "index": i, "group_id": gids[g], "inst": insts[g],
+                         "seed_index": g * spec.rl.group_size + i, **extra})  # sampling: same on any worker
+        if self.env is not None:  # one episode (its own workspace) per trajectory; its prompt is the instance's
+            for m in meta:
+                m["episode"] = await self.env.start(m["inst"].meta.get("env_task", m["inst"]))
+        self._pace_lock = asyncio.Lock()
         pending: list[asyncio.Future] = []
         t0 = time.perf_counter()
 
@@ -259,12 +386,19 @@ class RolloutWorker:
                 end=end, token_ids=np.asarray(traj.token_ids[:end], dtype=np.int32), loss_mask=mask,
                 logprobs=np.asarray(traj.logprobs[:end], dtype=np.float32) * mask), timeout_s=600)
 
-        loop = self.AgentLoop(self.engine, self.codec, self.config, tools=self.tools, on_finish=on_finish,
-                              on_turn=on_turn if spec.stream_turns else None)
-        # seed per step so that resumed runs sample the same trajectories
-        loop.config = dataclasses.replace(
-            self.config, sampling=dataclasses.replace(self.config.sampling, seed=spec.rl.seed * 100003 + step)
-        )
+        from megatron_tsync.rollout.envs.base import EnvTools
+
+        tools = self.tools if self.env is None else EnvTools()
+        engine = self.engine if self.drafter is None or extra else self.drafter.attach(step)  # redo: no drafts
+        if engine is not self.engine:
+            from megatron_tsync.rollout.engine import derive_seed
+
+            for m in meta:  # the first turn's seed: what its draft is keyed by
+                m["spec_key"] = derive_seed(seed, m["seed_index"], 0)
+        idle = None if self.drafter is None or extra else (lambda: self.drafter.job(step + 1))  # draft step + 1
+        loop = self.AgentLoop(engine, self.codec, self.config, tools=tools, on_finish=on_finish,
+                              on_turn=on_turn if spec.stream_turns else None, idle_work=idle)
+        loop.config = dataclasses.replace(self.config, sampling=dataclasses.replace(self.config.sampling, seed=seed))
         await loop.run_async(prompts, metadata=meta)
         await asyncio.gather(*pending)
 
@@ -275,16 +409,24 @@ class RolloutWorker:
         inst = m["inst"]
         text = self.codec.decode(traj.token_ids[traj.prompt_len :])
         floor = float(self.task.reward_spec.lo)
+        episode = m.get("episode")
+        t_verify = time.perf_counter()
         if traj.error:
             reward, status, err = floor, "error", traj.error[:1000]
+            if episode is not None:
+                episode.close()
         else:
             try:  # a failing verifier or a non-finite score must not lose the trajectory: it counts as an error
-                score = await self.verifier.evaluate(text, inst.verifier_task())
+                if episode is not None:  # the environment's verdict (it closes the episode)
+                    score = await episode.finish(text)
+                else:
+                    score = await self.verifier.evaluate(text, inst.verifier_task())
                 reward, status, err = float(score.reward), "ok", ""
                 if not math.isfinite(reward):
                     reward, status, err = floor, "error", f"verifier returned a non-finite reward {score.reward!r}"
             except Exception as e:
                 reward, status, err = floor, "error", f"verifier failed: {type(e).__name__}: {e}"[:1000]
+        verify_s = time.perf_counter() - t_verify
         mask = np.asarray(traj.loss_mask, dtype=np.uint8)
         lp = np.asarray(traj.logprobs, dtype=np.float32) * mask
         ev = TrajectoryEvent(
@@ -301,26 +443,58 @@ class RolloutWorker:
             status=status,
             error=err,
             meta={"worker": self.spec.worker_id, "finish": traj.finish_reason or "", "latency_s": time.perf_counter() - t0,
-                  "turns": traj.num_turns},
+                  "turns": traj.num_turns, **({"redo": m["redo"]} if "redo" in m else {}),
+                  **(self.drafter.meta(m.get("spec_key")) if self.drafter is not None else {})},
+            **_routing_fields(traj),
         )
+        if self.pace_s > 0:
+            async with self._pace_lock:
+                await asyncio.sleep(self.pace_s)
         self.sender.send(ev, timeout_s=600)
+        from megatron_tsync.rollout.latency_trace import trace_record
+
+        try:  # a by-product: never lose the run over it
+            self.trace.append(trace_record(traj, group=m["group_id"], rollout_s=t_verify - t0, verify_s=verify_s,
+                                           step=step, worker=self.spec.worker_id, status=status))
+        except OSError as e:
+            log.warning("latency trace %s not written: %s", self.trace.path, e)
         self.sent += 1
+        self.status.update(sent=self.sent, step_sent=self.status.get("step_sent", 0) + 1)
+
+
+def _routing_fields(traj) -> dict:
+    """The event's router-replay fields: the trajectory's (P, L, k) routing flattened, and (L, k)."""
+    if traj.routing is None:
+        return {}
+    r = np.ascontiguousarray(traj.routing)
+    return {"routing": r.reshape(-1), "routing_shape": (int(r.shape[1]), int(r.shape[2]))}
+
+
+def shield_from_job_signals() -> None:
+    """SIGTERM, SIGUSR1 and SIGINT ignored: SLURM signals every process of a job (time-out, ``scancel``,
+    preemption, the pre-timeout USR1) and these are the trainer's cue to save; it stops its workers itself (closed
+    heartbeat, then SIGKILL), and a worker still dies with it (``PR_SET_PDEATHSIG``, or the trainer's heartbeat
+    going stale for a worker on another node). Children (sandboxed tool calls) inherit it; they are killed with
+    SIGKILL."""
+    import signal
+
+    for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
+        signal.signal(s, signal.SIG_IGN)
 
 
 def main(argv=None) -> int:
+    shield_from_job_signals()  # first: a job-wide SIGTERM must not kill a worker before the trainer has saved
+    from megatron_tsync.runtime.launch_env import scrub_launcher_env
+
+    scrub_launcher_env(os.environ)  # srun's task rank / count are not this single-process program's
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
         print("usage: python -m megatron_tsync.runtime.worker SPEC.json", file=sys.stderr)
         return 2
+    if os.environ.get("TSYNC_PARENT_PID"):  # started by the trainer: die with it
+        sv.set_parent_death_signal(int(os.environ["TSYNC_PARENT_PID"]))
     logging.basicConfig(level=os.environ.get("TSYNC_LOG", "WARNING"), format="[worker %(asctime)s] %(message)s")
-    import signal
-
-    # SLURM's pre-timeout USR1 goes to the whole step: it is the trainer's cue to save; the trainer stops us
-    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    import torch
-
-    torch.set_num_threads(1)
     deadline = time.time() + float(os.environ.get("TSYNC_SPEC_WAIT", "1800"))
     while not os.path.exists(argv[0]):  # started by srun beside the trainer: the trainer writes the spec
         if time.time() > deadline:
@@ -329,7 +503,24 @@ def main(argv=None) -> int:
             return 2
         time.sleep(1.0)
     spec = WorkerSpec.from_json(argv[0])
-    RolloutWorker(spec).run()
+    from megatron_tsync.runtime.affinity import AffinityError, fmt, setup_worker
+
+    try:  # --rollout-cpus: this process, its threads and its sandboxed tool calls (before any thread starts)
+        cpus = setup_worker(spec.rollout, spec.worker_id, started_by_trainer=bool(os.environ.get("TSYNC_PARENT_PID")))
+    except AffinityError as e:
+        print(f"worker {spec.worker_id}: error: {e}", file=sys.stderr)
+        return 2
+    import torch
+
+    given = "" if cpus is None else f" (--rollout-cpus {spec.rollout.cpus})"
+    print(f"[worker {spec.worker_id}] cpus {fmt(os.sched_getaffinity(0))}{given}, torch threads "
+          f"{torch.get_num_threads()}", flush=True)
+    run_dir, timeout = os.path.dirname(os.path.abspath(argv[0])), spec.rollout.heartbeat_timeout_s
+    status = {"worker": spec.worker_id, "step": spec.start_step, "phase": "start", "sent": 0}
+    sv.BeatWriter(os.path.join(run_dir, "hb", f"worker{spec.worker_id}.json"), spec.run_id, sv.beat_interval(timeout),
+                  payload=lambda: dict(status)).start()
+    watch = sv.TrainerWatch(os.path.join(run_dir, "hb", "trainer.json"), spec.run_id, timeout).start()
+    RolloutWorker(spec, run_dir=run_dir, status=status, watch=watch).run()
     return 0
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 
 from megatron_tsync.streaming.buckets import BucketPool, GradRouter, GradVector
-from megatron_tsync.streaming.offload import Residency
+from megatron_tsync.streaming.offload import Residency, ResidentVectors
 
 
 @dataclasses.dataclass
@@ -28,32 +28,12 @@ class _Bucket:
     alpha_known: float | None
 
 
-class GroupBuckets:
+class GroupBuckets(ResidentVectors):
     """``residency``: optional host offload of idle vectors (``streaming/offload.py``); None keeps all on the device."""
 
     def __init__(self, router: GradRouter, pool: BucketPool, residency: Residency | None = None):
-        self.router = router
-        self.pool = pool
-        self.accumulator = router.accumulator
+        super().__init__(router, pool, residency)
         self.buckets: dict[str, _Bucket] = {}
-        self.residency = residency
-
-    def _acquire(self, tag: str, keep: tuple[GradVector, ...] = ()) -> GradVector:
-        if self.residency is None:
-            return self.pool.acquire(tag)
-        self.residency.reserve(1, keep)
-        v = self.pool.acquire(tag)
-        self.residency.admit(v)
-        return v
-
-    def _need(self, *vs: GradVector) -> None:
-        if self.residency is not None:
-            self.residency.need(*vs)
-
-    def _release(self, v: GradVector) -> None:
-        if self.residency is not None:
-            self.residency.forget(v)
-        self.pool.release(v)
 
     @property
     def open_groups(self) -> int:

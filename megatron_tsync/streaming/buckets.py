@@ -38,6 +38,12 @@ class GradVector:
             a.add_(b, alpha=alpha)
         return self
 
+    def scale_(self, a: float) -> "GradVector":
+        """self *= a (in place)."""
+        for p in self.parts:
+            p.mul_(a)
+        return self
+
     def numel(self) -> int:
         return sum(p.numel() for p in self.parts)
 
@@ -109,15 +115,17 @@ class GradRouter:
         for bi, buf in enumerate(self.buffers):
             for param, (start, end, _bucket_id) in buf.param_index_map.items():
                 self._slots.append((param, bi, start, end, param.data.shape))
-        self._views: dict[int, list[torch.Tensor]] = {}
+        self._views: dict[int, tuple[tuple[int, ...], list[torch.Tensor]]] = {}
         self.current: GradVector = self.accumulator
 
     def _views_for(self, v: GradVector) -> list[torch.Tensor]:
-        views = self._views.get(id(v))
-        if views is None:
-            views = [v.parts[bi][s:e].view(shape) for (_, bi, s, e, shape) in self._slots]
-            self._views[id(v)] = views
-        return views
+        """Cached by id(v) and checked against the parts' storage: a new vector may reuse a dropped one's id (the
+        cached views keep the old storage alive, so an address match means the same storage)."""
+        key = tuple(p.data_ptr() for p in v.parts)
+        hit = self._views.get(id(v))
+        if hit is None or hit[0] != key:
+            hit = self._views[id(v)] = (key, [v.parts[bi][s:e].view(shape) for (_, bi, s, e, shape) in self._slots])
+        return hit[1]
 
     def drop_views(self, v: GradVector) -> None:
         """Forget the cached ``main_grad`` views of ``v`` (its parts moved to new storage)."""

@@ -24,7 +24,7 @@ from collections import OrderedDict
 
 import torch
 
-from megatron_tsync.streaming.buckets import GradRouter, GradVector
+from megatron_tsync.streaming.buckets import BucketPool, GradRouter, GradVector
 
 
 @dataclasses.dataclass
@@ -114,3 +114,35 @@ class Residency:
         s.device_in_use, s.host_in_use = len(self._on_device), len(self._on_host)
         s.peak_device = max(s.peak_device, s.device_in_use)
         s.peak_host = max(s.peak_host, s.host_in_use)
+
+
+class ResidentVectors:
+    """Gradient vectors from a pool, optionally under host offload: what ``GroupBuckets`` and ``CanonicalSum`` share.
+
+    ``_acquire`` makes room on the device first (``keep``: vectors that must stay there), ``_need`` brings vectors
+    back before use, ``_release`` returns one to the pool (and forgets the router's cached views of it: under offload
+    the pool drops released vectors, and a new vector may reuse ``id(v)``)."""
+
+    def __init__(self, router: GradRouter, pool: BucketPool, residency: Residency | None = None):
+        self.router = router
+        self.pool = pool
+        self.residency = residency
+        self.accumulator = router.accumulator
+
+    def _acquire(self, tag: str, keep: tuple[GradVector, ...] = ()) -> GradVector:
+        if self.residency is None:
+            return self.pool.acquire(tag)
+        self.residency.reserve(1, keep)
+        v = self.pool.acquire(tag)
+        self.residency.admit(v)
+        return v
+
+    def _need(self, *vs: GradVector) -> None:
+        if self.residency is not None:
+            self.residency.need(*vs)
+
+    def _release(self, v: GradVector) -> None:
+        if self.residency is not None:
+            self.residency.forget(v)
+            self.router.drop_views(v)
+        self.pool.release(v)

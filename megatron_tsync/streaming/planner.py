@@ -17,6 +17,21 @@ backward time. The three modes of one trainer:
 Groups close (bucket folded into the accumulator with two scalars) when all their rewards are known and their
 bucket items have run; with an estimator that needs batch statistics, at the barrier. A cap on open groups
 degrades the overflow to per-group streaming.
+
+``skip_zero_advantage`` (``--skip-zero-advantage``, the default): a trajectory whose advantage is exactly 0 (every
+member of an all-equal group under GRPO-style estimators) contributes an exactly zero policy gradient at any ratio
+(every policy loss is A times a finite factor), so it gets no work item when no KL/entropy term needs it (counted in
+``stats["skipped_zero_advantage"]``; its tokens still count in the denominators, which the learner takes from every
+landed trajectory). In stream-trajectory a group that turns out zero-variance after some of its trajectories ran into
+its bucket closes with α = 0 and c = 0 (the exact fold: every A_i is 0), instead of α = 1/ε times a cancelling sum;
+that bucket work is reported as wasted (``stats["wasted_bucket_items"]``). Off in deterministic mode.
+
+``deterministic`` (``--deterministic``, the bitwise mode of ``streaming/canonical.py``): every statistic is computed
+from the rewards in canonical order (groups in batch order, trajectories by ``canonical_key``), the advantage of
+every trajectory comes from the affine coefficients in every mode (sync included), and a trajectory's reward-free
+surrogate uses sign +1 when its ratios are sign-free, else the exact sign of r_i − m_g (rational arithmetic, known at
+group close): a trajectory whose clip mask depends on the sign is deferred to its group's close instead of being
+streamed with a sign the rule 2 certainty gives (which could disagree with sync when A_i rounds to ±0).
 """
 
 from __future__ import annotations
@@ -25,9 +40,12 @@ import dataclasses
 import enum
 from typing import Callable
 
+from fractions import Fraction
+
 import torch
 
 from megatron_tsync.algorithms.streamability import RewardSpec, decide
+from megatron_tsync.streaming.canonical import canonical_key
 
 MODES = ("sync", "stream-group", "stream-trajectory")
 
@@ -122,6 +140,8 @@ class StepPlanner:
         ratio_is_one: bool = True,
         ratio_known_before_backward: bool = True,
         dp_rank: int = 0,
+        deterministic: bool = False,
+        skip_zero_advantage: bool = False,
     ):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -136,10 +156,13 @@ class StepPlanner:
         self.ratio_is_one = ratio_is_one
         self.ratio_known_before_backward = ratio_known_before_backward
         self.dp_rank = dp_rank
+        self.deterministic = deterministic
+        self.skip_zero = skip_zero_advantage and not deterministic and aux_strategy == "none"
         self.groups = {g: _Group(size=n) for g, n in group_sizes.items()}
         self.batch_coupled = bool(getattr(estimator, "needs_batch_rewards", False))
         self.open_groups = 0
-        self.stats = {"direct": 0, "bucketed": 0, "deferred": 0, "second_backward": 0, "overflow_groups": 0}
+        self.stats = {"direct": 0, "bucketed": 0, "deferred": 0, "second_backward": 0, "overflow_groups": 0,
+                      "skipped_zero_advantage": 0, "wasted_bucket_items": 0}
 
     # ---------------------------------------------------------------- arrivals
     def on_ready(self, t: TrajMeta) -> list[WorkItem]:
@@ -173,8 +196,7 @@ class StepPlanner:
             if not local:
                 continue
             if complete and not self.batch_coupled:
-                self.stats["direct"] += 1
-                items.append(self._direct(t, g))
+                items.extend(self._directs([t], g))
             else:
                 items.extend(self._stream(t, g))
         if self.mode != "sync" and not self.batch_coupled:
@@ -182,6 +204,9 @@ class StepPlanner:
                 g = self.groups[gid]
                 if (self.mode == "stream-group" or g.overflow) and len(g.rewards) == g.size and not g.closed:
                     items.extend(self._release_group(gid))
+        # priority: work whose advantage is known first; bucket work (wasted if its group turns out zero-variance)
+        # after it. Stable, so each group's items keep their arrival order.
+        items.sort(key=lambda it: it.dest is Dest.BUCKET)
         return items
 
     def _stream(self, t: TrajMeta, g: _Group) -> list[WorkItem]:
@@ -194,6 +219,8 @@ class StepPlanner:
             g.bucket_open = True
             self.open_groups += 1
         in_band = self.ratio_is_one or self.loss_kind == "none"
+        if self.deterministic and not in_band:  # no rule-2 sign: sign-free now (executor) or the exact sign at close
+            return self._stream_or_defer(t, g)
         d = decide(
             ratio_in_band=in_band,
             reward=t.reward,
@@ -218,6 +245,19 @@ class StepPlanner:
             g.deferred.append((t, True))
             self.stats["deferred"] += 1
             return []
+        return self._bucket(t, g, sign, may_defer)
+
+    def _stream_or_defer(self, t: TrajMeta, g: _Group) -> list[WorkItem]:
+        """Deterministic mode, ratio ≠ 1: stream only if the executor finds the ratios sign-free (single stage), else
+        wait for the group's close."""
+        if not self.ratio_known_before_backward or self.aux_strategy == "defer":
+            g.deferred.append((t, True))
+            self.stats["deferred"] += 1
+            return []
+        return self._bucket(t, g, None, True)
+
+    def _bucket(self, t: TrajMeta, g: _Group, sign, may_defer: bool) -> list[WorkItem]:
+        """Stream ``t`` into its group's bucket (and its aux terms by a second backward into the accumulator)."""
         g.bucket_items += 1
         self.stats["bucketed"] += 1
         items = [WorkItem(t.traj_id, t.group_id, t.reward, Dest.BUCKET, adv_sign=sign, may_defer=may_defer)]
@@ -251,8 +291,18 @@ class StepPlanner:
             if len(g.rewards) != g.size:
                 raise RuntimeError(f"barrier reached but group {gid!r} has {len(g.rewards)}/{g.size} rewards")
         if self.mode == "sync":
-            return [], self._sync_items()
+            return [], self._det_sync_items() if self.deterministic else self._sync_items()
         return self._close_where(lambda g: True)
+
+    def _det_sync_items(self) -> list[WorkItem]:
+        """Deterministic sync: every trajectory with its advantage from the canonical coefficients (as in every
+        mode)."""
+        out = []
+        for g in self.groups.values():
+            out += self._directs(g.local_pending, g)
+            g.local_pending = []
+            g.closed = True
+        return out
 
     def _sync_items(self) -> list[WorkItem]:
         """The baseline: advantages from the estimator's batch reference (not from its affine coefficients)."""
@@ -270,8 +320,7 @@ class StepPlanner:
                     for t in g.local_pending]
             g.local_pending = []
             g.closed = True
-        self.stats["direct"] += len(out)
-        return out
+        return self._count_direct(out)
 
     def _close_where(self, pred) -> tuple[list[CloseOp], list[WorkItem]]:
         closes, items = [], []
@@ -286,8 +335,12 @@ class StepPlanner:
         return closes, items
 
     def _close_op(self, gid: str, g: _Group) -> CloseOp:
-        rewards = torch.tensor(list(g.rewards.values()), dtype=torch.float64)
+        rewards = torch.tensor(self._rewards(g), dtype=torch.float64)
         coeffs = self.est.coefficients(rewards, batch_rewards=self._batch_rewards())
+        zero = self.skip_zero and self.alpha_known(g.size) is None
+        if zero and all(coeffs.advantage(r) == 0.0 for r in g.rewards.values()):
+            self.stats["wasted_bucket_items"] += g.bucket_items  # every A_i = 0: the exact fold adds nothing
+            return CloseOp(gid, 0.0, lambda origin: 0.0)
         return CloseOp(gid, coeffs.alpha, lambda origin: self.est.close_coefficient(coeffs, origin, rewards))
 
     def alpha_known(self, group_size: int) -> float | None:
@@ -296,34 +349,77 @@ class StepPlanner:
         return self.est.alpha_known_in_advance(group_size)
 
     def _held_items(self, gid: str, g: _Group) -> list[WorkItem]:
-        out = [self._direct(t, g) for t in g.local_pending]
-        out += [self._direct(t, g, aux=needs_aux) for t, needs_aux in g.deferred]
-        self.stats["direct"] += len(out)
+        out = self._count_direct([self._direct(t, g) for t in g.local_pending]
+                                 + [self._direct(t, g, aux=needs_aux) for t, needs_aux in g.deferred])
         g.local_pending, g.deferred = [], []
         return out
 
     def _release_group(self, gid: str) -> list[WorkItem]:
         g = self.groups[gid]
         g.closed = True
-        items = [self._direct(t, g) for t in g.local_pending]
-        self.stats["direct"] += len(items)
+        items = self._directs(g.local_pending, g)
         g.local_pending = []
         return items
 
+    def _directs(self, ts: list[TrajMeta], g: _Group) -> list[WorkItem]:
+        return self._count_direct([self._direct(t, g) for t in ts])
+
+    def _count_direct(self, items: list[WorkItem]) -> list[WorkItem]:
+        """Count accumulator items; drop those of advantage exactly 0 when skipping (module docstring)."""
+        if self.skip_zero:
+            kept = [it for it in items if not (it.policy and it.advantage == 0.0)]
+            self.stats["skipped_zero_advantage"] += len(items) - len(kept)
+            items = kept
+        self.stats["direct"] += len(items)
+        return items
+
     def _direct(self, t: TrajMeta, g: _Group, aux: bool = True) -> WorkItem:
-        rewards = torch.tensor(list(g.rewards.values()), dtype=torch.float64)
+        rewards = torch.tensor(self._rewards(g), dtype=torch.float64)
         coeffs = self.est.coefficients(rewards, batch_rewards=self._batch_rewards())
         a = coeffs.advantage(t.reward)
-        return WorkItem(t.traj_id, t.group_id, t.reward, Dest.ACCUM, advantage=a, aux=aux)
+        sign = exact_sign(t.reward, g.rewards.values()) if self.deterministic else None
+        return WorkItem(t.traj_id, t.group_id, t.reward, Dest.ACCUM, advantage=a, adv_sign=sign, aux=aux)
+
+    def _rewards(self, g: _Group) -> list[float]:
+        """The group's rewards: arrival order, or canonical order in deterministic mode."""
+        if not self.deterministic:
+            return list(g.rewards.values())
+        return [g.rewards[tid] for tid in sorted(g.rewards, key=canonical_key)]
 
     def _batch_rewards(self):
         if not self.batch_coupled:
             return None
-        vals = [r for g in self.groups.values() for r in g.rewards.values()]
+        vals = [r for g in self.groups.values() for r in self._rewards(g)]
         return torch.tensor(vals, dtype=torch.float64)
+
+    # ---------------------------------------------------------------- deterministic mode
+    def closed_groups(self) -> list[str]:
+        """Groups whose work has all been released (their held items run before the caller folds them)."""
+        return [gid for gid, g in self.groups.items() if g.closed]
+
+    def final_groups(self) -> list[str]:
+        """Groups whose advantages are final: complete (and, with batch statistics, every group complete)."""
+        done = [gid for gid, g in self.groups.items() if len(g.rewards) == g.size]
+        return done if not self.batch_coupled or len(done) == len(self.groups) else []
+
+    def canonical_advantages(self, group_id: str) -> dict[str, float]:
+        """traj_id -> A_i of a complete group, from its rewards in canonical order (deterministic mode)."""
+        g = self._group(group_id)
+        if len(g.rewards) != g.size:
+            raise AssertionError(f"group {group_id!r} is not complete ({len(g.rewards)}/{g.size})")
+        rewards = torch.tensor(self._rewards(g), dtype=torch.float64)
+        coeffs = self.est.coefficients(rewards, batch_rewards=self._batch_rewards())
+        return {tid: coeffs.advantage(r) for tid, r in g.rewards.items()}
 
     def _group(self, gid: str) -> _Group:
         try:
             return self.groups[gid]
         except KeyError:
             raise ValueError(f"trajectory of unknown group {gid!r} (not in this step's batch)") from None
+
+
+def exact_sign(reward: float, group_rewards) -> int:
+    """sign(r − mean(group)) in exact rational arithmetic (+1 for 0: with A = 0 every sign gives the same zero)."""
+    rs = [Fraction(float(r)) for r in group_rewards]
+    d = Fraction(float(reward)) * len(rs) - sum(rs)
+    return -1 if d < 0 else 1

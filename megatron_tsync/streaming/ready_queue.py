@@ -38,6 +38,8 @@ class Sample:
     arrival_s: float = 0.0  # when its reward landed (seconds since step start), for timelines
     dp_rank: int = 0
     meta: dict = dataclasses.field(default_factory=dict)
+    routing: torch.Tensor | None = None
+    """Router replay (MoE): (P, L, k) experts the engine chose at positions 0..P-1 (P ≤ T), or None."""
 
     def __post_init__(self):
         t = self.token_ids.shape[0]
@@ -47,6 +49,9 @@ class Sample:
             v = getattr(self, name)
             if v is not None and v.shape != (t,):
                 raise ValueError(f"trajectory {self.traj_id}: {name} has shape {tuple(v.shape)}, expected ({t},)")
+        if self.routing is not None and (self.routing.dim() != 3 or self.routing.shape[0] > t):
+            raise ValueError(f"trajectory {self.traj_id}: routing has shape {tuple(self.routing.shape)}, expected "
+                             f"(P ≤ {t}, layers, topk)")
         if not math.isfinite(self.reward):
             raise ValueError(f"trajectory {self.traj_id}: reward {self.reward} is not finite")
 
@@ -97,22 +102,64 @@ class ListSource:
         return self.i >= len(self.samples)
 
 
+class CoalescingSource:
+    """``inner`` with arrivals coalesced: once a poll returns something, keep collecting for up to ``window_s`` more
+    (stopping early when the step is complete), so trajectories landing close together reach the learner as one
+    poll and can share microbatches (packing, shared prefixes) instead of one microbatch each. Work is delayed by at
+    most ``window_s`` after its reward; the step's last reward is never held (the step is complete). Wrap the
+    receiving side only (trainer rank 0 before the broadcast): time decides here, and other ranks must not decide
+    on their own clocks. ``window_s`` 0: ``inner`` unchanged."""
+
+    def __init__(self, inner: ArrivalSource, window_s: float):
+        if window_s < 0:
+            raise ValueError(f"coalescing window must be >= 0 s, got {window_s}")
+        self.inner, self.window_s = inner, float(window_s)
+
+    def __getattr__(self, name):  # the wrapped source's other attributes (samples, ...)
+        return getattr(self.inner, name)
+
+    def poll(self, timeout_s: float) -> list[Sample]:
+        got = list(self.inner.poll(timeout_s))
+        if not got or self.window_s <= 0:
+            return got
+        deadline = time.perf_counter() + self.window_s
+        while not self.inner.exhausted():
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                break
+            got += self.inner.poll(left)
+        return got
+
+    def exhausted(self) -> bool:
+        return self.inner.exhausted()
+
+
 class DataParallelAssigner:
     """The one owner of which data-parallel rank trains a trajectory: the i-th distinct trajectory to arrive (in the
     order rank 0 saw it, which every rank replays identically) goes to DP rank ``i mod dp``. Sticky: every later
     chunk of the same trajectory (turn-level OPD) gets the same rank. Arrival order, not group index, so the ranks'
-    loads stay balanced however the rewards land."""
+    loads stay balanced however the rewards land.
 
-    def __init__(self, dp: int):
+    ``group_order`` (the step's group ids in batch order; ``--deterministic``): group k's trajectories all go to rank
+    ``k mod dp`` instead, whatever the arrival order, so each rank's partial gradient sum is the same in every run."""
+
+    def __init__(self, dp: int, group_order: list[str] | None = None):
         if dp < 1:
             raise ValueError(f"data-parallel size must be >= 1, got {dp}")
         self.dp = dp
         self._rank: dict[str, int] = {}
+        self._group_pos = None if group_order is None else {g: k for k, g in enumerate(group_order)}
 
-    def assign(self, traj_id: str) -> int:
+    def assign(self, traj_id: str, group_id: str | None = None) -> int:
         r = self._rank.get(traj_id)
         if r is None:
-            r = self._rank[traj_id] = len(self._rank) % self.dp
+            if self._group_pos is None:
+                r = len(self._rank) % self.dp
+            elif group_id not in self._group_pos:
+                raise ValueError(f"trajectory {traj_id}: group {group_id!r} is not in this step's group order")
+            else:
+                r = self._group_pos[group_id] % self.dp
+            self._rank[traj_id] = r
         return r
 
     def rank_of(self, traj_id: str, default: int = 0) -> int:
@@ -122,4 +169,4 @@ class DataParallelAssigner:
     def assign_samples(self, samples: Iterable[Sample]) -> None:
         """Set ``dp_rank`` on each sample, in order."""
         for s in samples:
-            s.dp_rank = self.assign(s.traj_id)
+            s.dp_rank = self.assign(s.traj_id, s.group_id)

@@ -8,10 +8,14 @@ Layout (Megatron-LM's convention)::
     DIR/iter_0000007/                          dist_checkpointing files (metadata.json, common.pt, *.distcp)
         tsync_meta.json                        step, trainer_state, arch, layout at save time
         rng/rank_00000.pt                      per-rank RNG states (torch CPU/CUDA, python, numpy, megatron tracker)
+        tsync_checksums.json                   size + SHA-256 of every file above (``ckpt_integrity``), verified
+                                               before a load; ``fallback`` loads the newest older one that verifies
     DIR/hf_assets/                             optional: config.json + tokenizer files (for export to HF)
 
 A save writes ``iter_XXXXXXX.tmp`` first, renames it when every rank has finished, and only then rewrites the
-tracker file (atomically), so a process killed mid-save leaves the previous checkpoint as the latest.
+tracker file (atomically), so a process killed mid-save leaves the previous checkpoint as the latest; a save that
+fails (a full disk: reported as such) removes its ``.tmp`` and leaves the tracker alone. ``keep_last`` deletes all but
+the newest N checkpoints after a save.
 ``dist_checkpointing`` reshards on load: a checkpoint saved at one TP/PP/DP layout loads at another (model and,
 for the non-distributed optimizer, optimizer state). RNG states are restored only when the world size matches
 (a different layout cannot resume bitwise anyway); a warning says so otherwise.
@@ -35,13 +39,21 @@ import torch.distributed as dist
 
 from megatron_tsync.model import compat
 from megatron_tsync.model.builder import ModelArch, unwrap
+from megatron_tsync.training.ckpt_integrity import (
+    CheckpointCorrupt,
+    CheckpointSaveError,
+    disk_full,
+    free_bytes,
+    verify,
+    write_manifest,
+)
 
 log = logging.getLogger(__name__)
 
 TRACKER = "latest_checkpointed_iteration.txt"
 META = "tsync_meta.json"
 HF_ASSETS = "hf_assets"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: a checksum manifest (ckpt_integrity.MANIFEST) in every checkpoint
 
 
 def iter_dir(root: str, step: int) -> str:
@@ -65,8 +77,7 @@ def read_meta(root: str, step: int | None = None) -> dict:
     step = latest_step(root) if step is None else step
     if step is None:
         raise FileNotFoundError(f"no checkpoint in {root}")
-    with open(os.path.join(iter_dir(root, step), META)) as f:
-        return json.load(f)
+    return _read_meta_file(iter_dir(root, step))
 
 
 def arch_from_checkpoint(root: str, step: int | None = None) -> ModelArch:
@@ -142,6 +153,87 @@ def _copy_hf_assets(src: str, root: str) -> None:
             shutil.copyfile(os.path.join(src, fn), os.path.join(dst, fn))
 
 
+def _any_failed(exc: BaseException | None, probe_dir: str) -> tuple[str, bool] | None:
+    """Collective: ``None`` when no rank failed, else (the first failing rank's message, whether a disk was full)."""
+    lines = str(exc).strip().splitlines()
+    mine = None if exc is None else (f"{type(exc).__name__}: {lines[-1] if lines else ''}", disk_full(exc, probe_dir))
+    world = dist.get_world_size()
+    if world == 1:
+        return mine
+    every = [None] * world
+    dist.all_gather_object(every, mine)
+    failed = [m for m in every if m is not None]
+    return None if not failed else (failed[0][0], any(f[1] for f in failed))
+
+
+def _save_failed(save_dir: str, step: int, tmp: str, why: tuple[str, bool]) -> CheckpointSaveError:
+    msg, full = why
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    prev = latest_step(save_dir) if os.path.exists(os.path.join(save_dir, TRACKER)) else None
+    kept = f"the latest checkpoint is still step {prev}" if prev is not None else "no earlier checkpoint exists"
+    if full:
+        free = free_bytes(save_dir)
+        return CheckpointSaveError(f"no space left on device while saving step {step} to {iter_dir(save_dir, step)} "
+                                   f"({free} bytes free on that filesystem after removing the partial save): {kept}. "
+                                   f"Free space or pass --keep-last-checkpoints N. Cause: {msg}", disk_full=True)
+    return CheckpointSaveError(f"saving step {step} to {iter_dir(save_dir, step)} failed ({msg}); the partial save "
+                               f"was removed and {kept}", disk_full=False)
+
+
+def _attempt(fn) -> BaseException | None:
+    try:
+        fn()
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:  # reported collectively by _any_failed (torch's CheckpointException is a
+        return exc  # BaseException)
+    return None
+
+
+_SHIELDED_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT")
+_writer_manager = None
+
+
+def _shield_writer_process() -> None:
+    """In megatron's checkpoint-writer helper process (first thing): ignore the job-wide signals (the trainer
+    decides when to stop, and it is saving) and die with the trainer (``PR_SET_PDEATHSIG``, Linux)."""
+    import signal
+    import sys
+
+    for name in _SHIELDED_SIGNALS:
+        signal.signal(getattr(signal, name), signal.SIG_IGN)
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+
+
+def shield_checkpoint_writer() -> bool:
+    """megatron-core's torch_dist save collects its write results through a ``multiprocessing`` manager, a spawned
+    server process started at the first save (``filesystem_async._get_write_results_queue``). A job-wide SIGTERM
+    (SLURM time-out, ``scancel``) killed it, and the save made on that signal failed with BrokenPipeError. This
+    starts that manager once, ourselves, with :func:`_shield_writer_process` as its initializer, and hands its queue
+    to megatron. (The write processes megatron forks per save inherit the trainer's handlers: they only set the
+    stop flag.) False when this megatron-core has no such queue (nothing to shield)."""
+    global _writer_manager
+    try:
+        from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
+    except ImportError:
+        return False
+    if not hasattr(fa, "_results_queue"):
+        return False
+    if fa._results_queue is None:
+        import multiprocessing.managers as mpm
+
+        from torch import multiprocessing as mp
+
+        _writer_manager = mpm.SyncManager(ctx=mp.get_context("spawn"))
+        _writer_manager.start(initializer=_shield_writer_process)
+        fa._results_queue = _writer_manager.Queue()
+    return True
+
+
 def save_checkpoint(
     save_dir: str,
     step: int,
@@ -151,6 +243,7 @@ def save_checkpoint(
     *,
     hf_assets_src: str | None = None,
     optim_sharding: str = "dp_reshardable",
+    keep_last: int | None = None,
 ) -> str:
     """Save model (+ optimizer when given), RNG states, ``step`` and ``trainer_state`` (JSON-able) to
     ``save_dir/iter_{step:07d}``; returns that path. Collective. ``hf_assets_src``: an HF folder whose
@@ -159,8 +252,14 @@ def save_checkpoint(
     "dp_reshardable" (default, Megatron-LM's; fully parallel, reshards over DP only) or "fully_reshardable"
     (loads at any TP/PP/DP; gathers the optimizer state on DP rank 0 while saving). Ignored by the plain
     optimizer, whose state always reshards. Resume is bitwise (tested: 1 process, TP=2, DP=2 with the distributed
-    optimizer in both formats; megatron-core 0.16 fixes for torch Adam are in ``compat``)."""
+    optimizer in both formats; megatron-core 0.16 fixes for torch Adam are in ``compat``).
+
+    Every file written is checksummed (``ckpt_integrity``). A failure on any rank raises
+    :class:`CheckpointSaveError` on every rank (saying "no space left on device" when that was the cause) after the
+    partial save is removed; the previous checkpoint stays the latest. ``keep_last``: afterwards, delete all but the
+    newest ``keep_last`` checkpoints of ``save_dir``."""
     rank = dist.get_rank()
+    shield_checkpoint_writer()
     final = iter_dir(save_dir, step)
     tmp = final + ".tmp"
     state_json = json.dumps(trainer_state or {})  # fail early, on every rank, if it is not JSON-able
@@ -171,16 +270,20 @@ def save_checkpoint(
     dist.barrier()
     model = unwrap(ddp_model)
     rng = rng_state()  # before anything below could draw random numbers
-    sd = {"model": model.sharded_state_dict()}
-    if optimizer is not None:
-        sd["optimizer"] = optimizer.sharded_state_dict(
-            sd["model"], metadata={"distrib_optim_sharding_type": optim_sharding}
-        )
-    compat.dist_checkpointing_save(sd, tmp)
-    os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
-    torch.save(rng, _rng_path(tmp, rank))
-    dist.barrier()
-    if rank == 0:
+
+    def write_shards():
+        sd = {"model": model.sharded_state_dict()}
+        if optimizer is not None:
+            sd["optimizer"] = optimizer.sharded_state_dict(
+                sd["model"], metadata={"distrib_optim_sharding_type": optim_sharding}
+            )
+        compat.dist_checkpointing_save(sd, tmp)
+        os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
+        torch.save(rng, _rng_path(tmp, rank))
+
+    def write_meta():
+        if rank != 0:
+            return
         arch = getattr(model, "arch", None)
         meta = {
             "format_version": FORMAT_VERSION,
@@ -194,19 +297,113 @@ def save_checkpoint(
             "megatron_core": ".".join(map(str, compat.megatron_core_version())),
         }
         _write_atomic(os.path.join(tmp, META), json.dumps(meta, indent=2))
-        if hf_assets_src:
-            _copy_hf_assets(hf_assets_src, save_dir)
-        if os.path.exists(final):  # re-saving a step: the old copy goes only once the new one is complete
-            old = final + ".old"
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(final, old)
-            os.replace(tmp, final)
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, final)
-        _write_atomic(os.path.join(save_dir, TRACKER), str(step))
+
+    for part in (write_shards, write_meta, lambda: write_manifest(tmp), lambda: _publish(save_dir, step, tmp,
+                                                                                          hf_assets_src)):
+        why = _any_failed(_attempt(part), tmp if os.path.isdir(tmp) else save_dir)
+        if why is not None:
+            raise _save_failed(save_dir, step, tmp, why)
+    if rank == 0 and keep_last is not None:
+        try:
+            prune(save_dir, keep_last)
+        except OSError as exc:  # the new checkpoint is complete: a failed clean-up must not stop the run
+            log.warning("--keep-last-checkpoints: could not delete old checkpoints of %s: %s", save_dir, exc)
     dist.barrier()
     return final
+
+
+def _publish(save_dir: str, step: int, tmp: str, hf_assets_src: str | None) -> None:
+    """Rank 0: the complete ``tmp`` becomes ``iter_{step}``, then the tracker names it (atomically)."""
+    if dist.get_rank() != 0:
+        return
+    final = iter_dir(save_dir, step)
+    if hf_assets_src:
+        _copy_hf_assets(hf_assets_src, save_dir)
+    if os.path.exists(final):  # re-saving a step: the old copy goes only once the new one is complete
+        old = final + ".old"
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old)
+    else:
+        os.replace(tmp, final)
+    _write_atomic(os.path.join(save_dir, TRACKER), str(step))
+
+
+def saved_steps(root: str) -> list[int]:
+    """Steps of the complete checkpoints in ``root`` (``iter_XXXXXXX`` directories with a ``tsync_meta.json``),
+    ascending."""
+    if not os.path.isdir(root):
+        return []
+    steps = []
+    for name in os.listdir(root):
+        if name.startswith("iter_") and name[5:].isdigit() and os.path.exists(os.path.join(root, name, META)):
+            steps.append(int(name[5:]))
+    return sorted(steps)
+
+
+def prune(root: str, keep_last: int) -> list[int]:
+    """Deletes all but the newest ``keep_last`` (>= 1) checkpoints of ``root``; returns the steps deleted."""
+    if keep_last < 1:
+        raise ValueError(f"keep_last must be >= 1, got {keep_last}")
+    gone = saved_steps(root)[:-keep_last]
+    for s in gone:
+        shutil.rmtree(iter_dir(root, s))
+    if gone:
+        log.info("deleted checkpoint(s) %s of %s (keeping the last %d)", gone, root, keep_last)
+    return gone
+
+
+def _read_meta_file(d: str) -> dict:
+    path = os.path.join(d, META)
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise CheckpointCorrupt(f"damaged checkpoint {d}: {path}: missing", path) from None
+    except (OSError, ValueError) as exc:
+        raise CheckpointCorrupt(f"damaged checkpoint {d}: {path}: unreadable ({type(exc).__name__}: {exc})",
+                                path) from None
+
+
+def _candidates(load_dir: str, step: int | None, fallback: bool) -> list[int]:
+    """The steps to try, newest first: ``step`` (default: the tracker's), then with ``fallback`` every older one."""
+    if step is None:
+        try:
+            step = latest_step(load_dir)
+        except ValueError as exc:
+            if not fallback:
+                raise CheckpointCorrupt(str(exc), os.path.join(load_dir, TRACKER)) from None
+            log.warning("%s; falling back to the newest checkpoint directory", exc)
+            step = max(saved_steps(load_dir), default=None)
+    if step is None:
+        return []
+    return [step] + ([s for s in reversed(saved_steps(load_dir)) if s < step] if fallback else [])
+
+
+def _choose(load_dir: str, step: int | None, fallback: bool) -> tuple[int, str, dict] | None:
+    """(step, directory, meta) of the newest verified checkpoint among the candidates."""
+    steps = _candidates(load_dir, step, fallback)
+    if not steps:
+        return None
+    for i, s in enumerate(steps):
+        d = iter_dir(load_dir, s)
+        try:
+            if not verify(d) and dist.get_rank() == 0:
+                log.warning("checkpoint %s has no checksum manifest (saved before format 2): loaded unverified", d)
+            return s, d, _read_meta_file(d)
+        except CheckpointCorrupt as exc:
+            if not fallback:
+                older = [o for o in saved_steps(load_dir) if o < s]
+                hint = (f"; pass --load-fallback to resume from the newest good one of steps {older}" if older
+                        else "; no earlier checkpoint exists")
+                raise CheckpointCorrupt(f"{exc}{hint}", exc.path) from None
+            if i == len(steps) - 1:
+                raise CheckpointCorrupt(f"{exc}; no earlier checkpoint of {load_dir} is intact either",
+                                        exc.path) from None
+            if dist.get_rank() == 0:
+                log.warning("%s — falling back to step %d (--load-fallback)", exc, steps[i + 1])
+    return None
 
 
 def load_checkpoint(
@@ -216,19 +413,20 @@ def load_checkpoint(
     *,
     step: int | None = None,
     load_rng: bool = True,
+    fallback: bool = False,
 ) -> tuple[int, dict] | None:
     """Load the checkpoint at ``step`` (default: the latest) into ``ddp_model`` (and ``optimizer``).
 
     Returns ``(step, trainer_state)``, or None when ``load_dir`` holds no checkpoint. With an optimizer but a
     model-only checkpoint, the optimizer keeps its state and re-reads the model parameters. Collective.
+    Every file is verified against the checksums recorded at save before anything is loaded: a missing, truncated
+    or altered file raises :class:`CheckpointCorrupt` naming it; with ``fallback`` the newest older checkpoint that
+    verifies is loaded instead (a warning names the damaged file).
     """
-    if step is None:
-        step = latest_step(load_dir)
-        if step is None:
-            return None
-    d = iter_dir(load_dir, step)
-    with open(os.path.join(d, META)) as f:
-        meta = json.load(f)
+    chosen = _choose(load_dir, step, fallback)
+    if chosen is None:
+        return None
+    step, d, meta = chosen
     model = unwrap(ddp_model)
     load_opt = optimizer is not None and meta.get("has_optimizer", False)
     sd = {"model": model.sharded_state_dict()}

@@ -7,25 +7,37 @@ arrival where needed), drain (run what the planner still holds, close every grou
 barrier shared with the OPD learner (``training.barrier.barrier_step``): one DP reduction (``finalize_model_grads``),
 division by the explicit denominator, optional gradient hook, megatron's optimizer step (clipping if configured),
 zeroed grads.
+
+``deterministic`` (``--deterministic``): the bitwise mode. The gradient sum is the canonical-order reduction of
+``streaming.canonical`` in every mode, statistics use the rewards in canonical order, torch's deterministic
+algorithms are switched on, and a group's trajectories must all be on one DP rank (``DataParallelAssigner`` with
+``group_order``), so sync, stream-group and stream-trajectory give bitwise-identical weights for any arrival order.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
+
+import torch
 
 from megatron_tsync.algorithms.advantages import get_advantage_estimator
 from megatron_tsync.algorithms.aggregation import barrier_divisor
 from megatron_tsync.algorithms.streamability import RewardSpec, describe_config
 from megatron_tsync.streaming.accumulator import GroupBuckets
 from megatron_tsync.streaming.buckets import BucketPool, GradRouter
+from megatron_tsync.streaming.canonical import CanonicalSum
 from megatron_tsync.streaming.offload import Residency
 from megatron_tsync.streaming.planner import StepPlanner, TrajMeta
 from megatron_tsync.streaming.ready_queue import ArrivalSource, Sample
 from megatron_tsync.training.barrier import barrier_step
+from megatron_tsync.training.objective import objective_value, sum_over_replicas
 from megatron_tsync.training.old_logprobs import Theta0Logprobs
-from megatron_tsync.training.stream_fb import BatchShape, LossConfig, StreamExecutor
+from megatron_tsync.training.reference import ReferenceModel, shape_rewards
+from megatron_tsync.training.stream_fb import (SHAPED_REWARD, THETA0_LOGP, BatchShape, LossConfig, StreamExecutor,
+                                              train_reward)
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +57,11 @@ class LearnerConfig:
     epochs: int = 1  # passes over the batch; epochs after the first are synchronous
     sequence_packing: bool = False  # several trajectories per microbatch when their gradient destination agrees
     max_packed_tokens: int = 4096  # tokens per packed microbatch at most (with sequence_packing)
+    deterministic: bool = False  # bitwise arrival-order-invariant gradient sum (streaming/canonical.py); no packing
+    skip_zero_advantage: bool = True  # no work for trajectories of advantage exactly 0 (streaming/planner.py)
+    shared_prefix: bool = False  # a group's prompt forwarded/backpropagated once per microbatch (packing.PrefixLayout)
+    coalesce_ms: float = 0.0  # streaming modes: arrivals within this window reach the learner together (the runtime's
+    # source, streaming.ready_queue.CoalescingSource), so they can share microbatches
 
 
 @dataclasses.dataclass
@@ -57,7 +74,7 @@ class StepResult:
     num_trajectories: int
     num_action_tokens: int
     microbatches: int
-    loss_sum: float
+    loss_sum: float  # Σ of the backpropagated terms' values (surrogates included: mode and order dependent)
     peak_bucket_vectors: int
     peak_bucket_bytes: int
     planner_stats: dict
@@ -65,6 +82,8 @@ class StepResult:
     last_arrival_s: float
     work_after_last_arrival_s: float
     offload: dict | None = None  # host offload of bucket vectors (--max-device-buckets): peaks and moves
+    objective: float | None = None  # the objective's true value, mean over the step's optimizer steps
+    # (training/objective.py): the same in every mode and arrival order
 
 
 @dataclasses.dataclass
@@ -86,6 +105,8 @@ class _Batch:
     grad_norm: float | None = None  # of the last optimizer step
     ok: bool = True  # every optimizer step succeeded
     first_step: bool = True  # no optimizer step of this batch has run yet
+    objective: list = dataclasses.field(default_factory=list)  # J of each optimizer step (training/objective.py)
+    group_rank: dict = dataclasses.field(default_factory=dict)  # deterministic mode: group id -> its DP rank
 
     def sizes(self, j: int) -> dict[str, int]:
         """Group sizes of minibatch j, in batch order."""
@@ -93,7 +114,10 @@ class _Batch:
 
 
 class Learner:
-    def __init__(self, ddp_model, optimizer, cfg: LearnerConfig, *, dp_rank: int = 0, pp_size: int = 1):
+    def __init__(self, ddp_model, optimizer, cfg: LearnerConfig, *, dp_rank: int = 0, pp_size: int = 1,
+                 reference: ReferenceModel | None = None):
+        """``reference``: π_ref of the KL term (``training.reference``), scored on arrival; None = the samples carry
+        ``ref_logp`` (recorded rollouts) or there is no KL term."""
         self.model = ddp_model
         self.opt = optimizer
         self.cfg = cfg
@@ -104,9 +128,19 @@ class Learner:
         self.pool = BucketPool(self.router.accumulator, keep_free=cfg.max_device_buckets is None)
         residency = None if cfg.max_device_buckets is None else Residency(self.router, cfg.max_device_buckets)
         self.buckets = GroupBuckets(self.router, self.pool, residency)
+        self.canonical = _deterministic_sum(cfg, self.router, self.pool, residency)
         self.exec = StreamExecutor(ddp_model, self.buckets, cfg.loss,
-                                   max_packed_tokens=cfg.max_packed_tokens if cfg.sequence_packing else None)
+                                   max_packed_tokens=cfg.max_packed_tokens if cfg.sequence_packing else None,
+                                   canonical=self.canonical,
+                                   shared_prefix_tokens=cfg.max_packed_tokens if cfg.shared_prefix else None)
         self.theta0 = Theta0Logprobs(ddp_model, cfg.loss.temperature)
+        self.reference = reference
+        lc = cfg.loss
+        self.kl_active = lc.kl_mode != "none" and lc.kl_coef != 0.0
+        self.kl_reward = self.kl_active and lc.kl_mode == "reward"
+        # KL in the reward: shaped rewards r − β·KL are unbounded (k1 either way; k2/k3 below), so the clip rule's
+        # sign certainty uses no bounds (exact, only more deferral); raw rewards are still checked on arrival
+        self.train_spec = RewardSpec.continuous() if self.kl_reward else cfg.reward_spec
         self._described = False
         self.grad_hook = None  # callable(ddp_model) run after normalisation, before clipping (--dump-grads)
         self.sync_order: list[str] | None = None  # sync mode: microbatch order (permutation control)
@@ -119,7 +153,7 @@ class Learner:
         lc = self.cfg.loss
         kl_mode = {"none": "none", "loss": "loss", "reward": "in_reward"}[lc.kl_mode if lc.kl_coef else "none"]
         strategy = {"second-backward": "second_backward", "defer": "defer_to_close"}[self.cfg.aux_strategy]
-        msg = describe_config(lc.policy, self.cfg.reward_spec, kl_mode, lc.entropy_coef, aux_strategy=strategy)
+        msg = describe_config(lc.policy, self.train_spec, kl_mode, lc.entropy_coef, aux_strategy=strategy)
         log.warning("streamability: %s", msg) if self.cfg.mode == "stream-trajectory" else log.info("%s", msg)
 
     def _planner(self, sizes: dict[str, int], mode: str, lc: LossConfig) -> StepPlanner:
@@ -128,13 +162,15 @@ class Learner:
             self.estimator,
             sizes,
             mode=mode,
-            reward_spec=cfg.reward_spec,
+            reward_spec=self.train_spec,
             loss_kind=lc.policy.kind,
             aux_strategy=cfg.aux_strategy if lc.has_aux else "none",
             max_open_groups=cfg.max_open_groups,
             ratio_is_one=lc.old_logprobs == "trainer",
             ratio_known_before_backward=self.pp_size == 1,
             dp_rank=self.dp_rank,
+            deterministic=cfg.deterministic,
+            skip_zero_advantage=cfg.skip_zero_advantage,
         )
 
     def train_step(self, source: ArrivalSource, group_sizes: dict[str, int], shape: BatchShape) -> StepResult:
@@ -162,11 +198,37 @@ class Learner:
                 planner = self._planner(st.sizes(j), mode, lc)
                 n_seq = st.expected[j] if cfg.num_minibatches > 1 else shape.num_sequences
                 self.exec.begin_phase(planner, BatchShape(n_seq, shape.max_len), lc)
+                if self.canonical is not None:
+                    self.canonical.begin(list(st.sizes(j)), ("policy", "aux") if lc.has_aux else ("policy",))
+                    self._folded: set[str] = set()
+                    self._planned: set[str] = set()
                 self._consume(st, source, planner, j, replay=e > 0)
                 self._drain(st, planner, mode)
                 self._barrier(st, j, lc)
         self.theta0.end_batch()
         return self._result(st)
+
+    def _kl_on_arrival(self, st: "_Batch", landed: list[Sample]) -> None:
+        """π_ref for this replica's landed trajectories; with ``--kl-mode reward`` also π_θ0 and the shaped rewards
+        r − β·KL (every rank). Runs while the learner would otherwise wait for rewards (``training.reference``)."""
+        if not self.kl_reward:
+            for s in landed:  # a sample may have met a KL-in-reward learner before (benchmarks replay samples)
+                s.meta.pop(SHAPED_REWARD, None)
+        if not self.kl_active or not landed:
+            return
+        own = [s for s in landed if s.dp_rank == self.dp_rank]
+        if self.reference is not None:
+            self.reference.score(own)
+        if not self.kl_reward:
+            return
+        for s in landed:
+            self.cfg.reward_spec.check(s.reward)  # the verifier's reward, before shaping
+        self.theta0.score(own)
+        lc = self.cfg.loss
+        shape_rewards(landed, dp_rank=self.dp_rank, coef=lc.kl_coef, kind=lc.kl_kind)
+        if not st.theta0:  # π_θ0 is not needed again this batch (and Sample.meta is dumped as JSON)
+            for s in own:
+                s.meta.pop(THETA0_LOGP, None)
 
     def _begin_batch(self, group_sizes: dict[str, int], shape: BatchShape) -> _Batch:
         """Check the minibatch/epoch counts, assign groups to minibatches, reset the per-step bookkeeping."""
@@ -179,6 +241,8 @@ class Learner:
         theta0 = (M > 1 or E > 1) and cfg.loss.old_logprobs == "trainer"
         later_lc = dataclasses.replace(cfg.loss, old_logprobs="theta0" if theta0 else "engine")
         self.theta0.begin_batch()
+        if self.reference is not None:
+            self.reference.begin_batch()
         self.exec.keep_theta0 = theta0
         expected = [sum(n for g, n in group_sizes.items() if mb_of[g] == j) for j in range(M)]
         self.exec.begin_step(None, BatchShape(shape.num_sequences, shape.max_len))
@@ -215,23 +279,36 @@ class Learner:
             if k is None:
                 raise ValueError(f"trajectory {s.traj_id} of group {s.group_id!r}: not in this batch")
             st.seen[k].append(s)
+            if self.canonical is not None:
+                _check_group_rank(st, s)
             (feed if k == j else st.buffered[k]).append(s)
-        if st.theta0:  # π_θ0 on arrival for everything outside minibatch 1 (its own forward keeps it)
+        self._kl_on_arrival(st, landed)
+        if st.theta0 and not self.kl_reward:  # π_θ0 on arrival outside minibatch 1 (its own forward keeps it)
             self.theta0.score([s for s in landed if st.mb_of[s.group_id] > 0 and s.dp_rank == self.dp_rank])
         return feed
 
     def _drain(self, st: _Batch, planner: StepPlanner, mode: str) -> None:
         """All of the minibatch has landed: run what the planner still holds, close every group, add its stats."""
         closes, held = planner.finish()
+        if self.canonical is not None:
+            self._plan_final(planner)
         if mode == "sync" and self.sync_order is not None:
             rank = {tid: i for i, tid in enumerate(self.sync_order)}
             held.sort(key=lambda it: rank[it.traj_id])
-        self.exec.run(held)
-        self.exec.close(closes)
+        if self.canonical is not None:  # group by group, so sync holds one group's vectors at a time, not the batch's
+            for gid in planner.groups:
+                self.exec.run([it for it in held if it.group_id == gid])
+                self._fold_closed(planner, only=gid)
+            self._fold_closed(planner)
+            self.canonical.finish()
+        else:
+            self.exec.run(held)
+            self.exec.close(closes)
         if self.buckets.open_groups:
             raise AssertionError(f"{self.buckets.open_groups} buckets still open at the barrier")
         for k, v in planner.stats.items():
             st.stats[k] = st.stats.get(k, 0) + v
+        st.stats["shared_prefix_items"] = self.exec.shared_prefix_items
 
     def _barrier(self, st: _Batch, j: int, lc: LossConfig) -> None:
         """Minibatch j's optimizer step: release θ0 bookkeeping before the first one, then the shared barrier."""
@@ -242,15 +319,25 @@ class Learner:
         st.first_step = False
         n_tok = sum(s.num_action_tokens for s in st.seen[j])
         self.last_divisor = barrier_divisor(lc.aggregation, n_tok)
+        st.objective.append(self._objective(st, j))
         res = barrier_step(self.model, self.opt, self.last_divisor, self.grad_hook)
         st.ok = st.ok and res.update_ok
         st.grad_norm = res.grad_norm
         st.barrier_busy.append((t_b, res.end_s))
 
+    def _objective(self, st: _Batch, j: int) -> float:
+        """Minibatch j's objective value J_j (``training.objective``): its groups' rewards, this rank's scalars,
+        summed over replicas and stages (a collective: every rank reaches the barrier)."""
+        rewards: dict[str, dict[str, float]] = {g: {} for g in st.sizes(j)}
+        for s in st.seen[j]:
+            rewards[s.group_id][s.traj_id] = train_reward(s)
+        return sum_over_replicas(objective_value(rewards, self.estimator, self.exec.values, self.last_divisor))
+
     def _result(self, st: _Batch) -> StepResult:
         t_end = time.perf_counter()
         t_start = st.t_start
-        busy = [(a - t_start, b - t_start) for a, b in self.exec.busy + self.theta0.busy + st.barrier_busy]
+        ref_busy = self.reference.busy if self.reference is not None else []
+        busy = [(a - t_start, b - t_start) for a, b in self.exec.busy + self.theta0.busy + ref_busy + st.barrier_busy]
         busy_s = sum(b - a for a, b in busy)
         step_s = t_end - t_start
         la = st.last_arrival - t_start
@@ -271,21 +358,65 @@ class Learner:
             last_arrival_s=la,
             work_after_last_arrival_s=step_s - la,
             offload=None if self.buckets.residency is None else dataclasses.asdict(self.buckets.residency.stats),
+            objective=sum(st.objective) / len(st.objective) if st.objective else None,
         )
 
     def _feed(self, planner: StepPlanner, samples: list[Sample]) -> None:
         """Hand landed trajectories to the planner; run what it releases and what group closes release."""
         if samples:
             items = planner.on_ready_batch(
-                [TrajMeta(s.traj_id, s.group_id, s.reward, s.num_action_tokens, s.dp_rank) for s in samples])
+                [TrajMeta(s.traj_id, s.group_id, train_reward(s), s.num_action_tokens, s.dp_rank) for s in samples])
+            if self.canonical is not None:
+                self._plan_final(planner)
             self.exec.run(items)
         closes, held = planner.closable()
         self.exec.run(held)
         self.exec.close(closes)
+        if self.canonical is not None:
+            self._fold_closed(planner)
+
+    def _plan_final(self, planner: StepPlanner) -> None:
+        """Deterministic mode: groups whose advantages became final tell the canonical sum their local members, so it
+        folds them as they run (``CanonicalSum.plan``)."""
+        for gid in planner.final_groups():
+            if gid not in self._planned:
+                self._planned.add(gid)
+                members = [t for t, s in self.exec.samples.items() if s.group_id == gid and s.dp_rank == self.dp_rank]
+                self.canonical.plan(gid, members, planner.canonical_advantages(gid))
+
+    def _fold_closed(self, planner: StepPlanner, only: str | None = None) -> None:
+        """Deterministic mode: fold every group whose work has all run (canonical order, ``streaming.canonical``);
+        ``only``: just that group, if closed."""
+        for gid in planner.closed_groups():
+            if gid not in self._folded and only in (None, gid):
+                self._folded.add(gid)
+                self.canonical.close_group(gid, planner.canonical_advantages(gid))
+
+
+def _deterministic_sum(cfg: LearnerConfig, router, pool, residency) -> CanonicalSum | None:
+    """The bitwise mode's gradient sum, with torch's deterministic kernels (None in the default mode)."""
+    if not cfg.deterministic:
+        return None
+    if cfg.sequence_packing:
+        raise ValueError("--deterministic runs one trajectory per microbatch: --sequence-packing is refused")
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS reproducibility (before its first use)
+    torch.use_deterministic_algorithms(True)
+    return CanonicalSum(router, pool, residency)
+
+
+def _check_group_rank(st: _Batch, s: Sample) -> None:
+    """Deterministic mode: a group's trajectories share one DP rank (``DataParallelAssigner(dp, group_order=...)``);
+    an arrival-order assignment would make each rank's partial sum depend on the order."""
+    r = st.group_rank.setdefault(s.group_id, s.dp_rank)
+    if r != s.dp_rank:
+        raise ValueError(f"--deterministic: trajectory {s.traj_id} is on DP rank {s.dp_rank} but its group "
+                         f"{s.group_id} is on rank {r}: assign DP ranks by group (DataParallelAssigner group_order)")
 
 
 def shape_for(samples: list[Sample]) -> tuple[dict[str, int], BatchShape]:
-    """Group sizes and batch constants of a list of samples (a full step)."""
+    """Group sizes and batch constants of a list of samples (a full step: tests, benchmarks). L_max (``max_len``)
+    is the batch's most action tokens, which bounds every T_i as seq-mean-token-sum-norm needs; a live run uses
+    its budget ``RLConfig.max_action_tokens`` instead (``runtime.grpo.batch_shape``)."""
     sizes: dict[str, int] = {}
     for s in samples:
         sizes[s.group_id] = s.group_size

@@ -28,7 +28,10 @@ import time
 import torch
 
 from megatron_tsync.streaming.ready_queue import Sample
+from megatron_tsync.model import compat, moe
+from megatron_tsync.model.builder import unwrap
 from megatron_tsync.model.logprobs import vocab_parallel_logprobs
+from megatron_tsync.model.parallel import ExpertLockstep
 from megatron_tsync.training.stream_fb import THETA0_LOGP
 
 
@@ -41,6 +44,7 @@ class Theta0Logprobs:
         self.model = ddp_model
         self.temperature = temperature
         self.fb = get_forward_backward_func()
+        self.lockstep = ExpertLockstep(unwrap(ddp_model).config)
         self.snapshot: list[torch.Tensor] | None = None
         self.moved = False  # weights differ from θ0 (an optimizer step of this batch has run)
         self.forwards = 0  # trajectories scored by a forward-only pass (this batch)
@@ -65,19 +69,22 @@ class Theta0Logprobs:
         """Store π_θ0 of tokens 1..T−1 in ``s.meta[THETA0_LOGP]`` (last PP stage; other stages run their part).
 
         Collective over the TP/PP group: every rank of this DP replica passes the same samples in the same order."""
-        todo = list(samples)
-        if not todo:
+        todo: list[Sample | None] = list(samples)
+        n = self.lockstep.count(len(todo))  # EP > 1: idle forwards (None) keep the expert all-to-alls matched
+        if n == 0:
             return
+        todo += [None] * (n - len(todo))
         t0 = time.perf_counter()
         if self.moved and self.snapshot is None:
             raise AssertionError("θ0 snapshot missing: a trajectory arrived after the first step but the learner "
                                  "declared the batch fully scored")
         with self._at_theta0(), torch.no_grad():
             self.fb(forward_step_func=self._forward_step, data_iterator=iter(todo), model=[self.model],
-                    num_microbatches=len(todo), seq_length=max(s.token_ids.shape[0] for s in todo),
+                    num_microbatches=len(todo), seq_length=max(s.token_ids.shape[0] for s in todo if s is not None)
+                    if samples else 2,
                     micro_batch_size=1, forward_only=True)
-        self.forwards += len(todo)
-        self.swapped_forwards += len(todo) if self.moved else 0
+        self.forwards += len(samples)
+        self.swapped_forwards += len(samples) if self.moved else 0
         self.busy.append((t0, time.perf_counter()))
 
     @contextlib.contextmanager
@@ -96,11 +103,16 @@ class Theta0Logprobs:
                 p.data = t
 
     def _forward_step(self, data_iterator, model):
-        s: Sample = next(data_iterator)
+        s: Sample | None = next(data_iterator)
         dev = _device()
+        if s is None:  # an expert-lockstep idle forward
+            out = model(torch.zeros(1, 2, dtype=torch.long, device=dev), torch.arange(2, device=dev)[None], None)
+            return out, lambda logits: (logits.new_zeros(()), torch.tensor(0, dtype=torch.int), {})
         ids = s.token_ids.to(dev).unsqueeze(0)
         pos = torch.arange(ids.shape[1], device=dev).unsqueeze(0)
-        out = model(ids, pos, None)
+        with moe.replay_microbatch(model, moe.microbatch_routing([s.routing], [ids.shape[1]])), \
+                compat.forward_without_cpu_mode():
+            out = model(ids, pos, None)
 
         def loss(logits):
             logp = vocab_parallel_logprobs(logits[:, :-1], ids[:, 1:], temperature=self.temperature)

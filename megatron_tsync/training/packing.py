@@ -8,16 +8,16 @@ segment with that trajectory's own ν_i, advantage and clip mask; the backward o
 per-trajectory backwards — provided all segments share the gradient destination, which :func:`share_key` and
 :func:`plan_microbatches` guarantee.
 
-Two attention implementations, keyed on the layer spec in use (:func:`uses_te_attention`):
+Two attention formats, keyed on the layer spec's core attention (:func:`uses_varlen_attention`):
 
-- local spec (CPU, megatron's ``DotProductAttention``): an explicit ``(1, 1, T, T)`` boolean mask (True = masked
-  out; megatron fills it with −10000 before the softmax) and per-token RoPE positions
-  (``compat.rope_positions``: megatron-core 0.16's ``RotaryEmbedding`` ignores ``position_ids``). Memory and time
-  are O(T²) per head, like unpacked attention of the whole pack.
-- Transformer Engine spec (GPU): THD format, ``PackedSeqParams(qkv_format="thd", cu_seqlens_q/kv, max_seqlen)``,
-  no T×T mask; RoPE restarts per segment inside megatron (``apply_rotary_pos_emb`` with ``cu_seqlens``). With FP8
-  the pack is padded to a multiple of 16 tokens by a dummy segment that no loss term reads. **This branch only runs
-  on a GPU and has not been run in this repository's CPU tests** (``tools/gpu_smoke.py`` checks it).
+- THD, ``PackedSeqParams(qkv_format="thd", cu_seqlens_q/kv, max_seqlen)``, no T×T mask; RoPE restarts per segment
+  inside megatron (``apply_rotary_pos_emb`` with ``cu_seqlens``). Used with Transformer Engine's attention (GPU; with
+  FP8 the pack is padded to a multiple of 16 tokens by a dummy segment that no loss term reads — run only by
+  ``tools/gpu_smoke.py``) and with the local spec's ``compat.SDPAttention`` (CPU: one causal SDPA per segment, time
+  and memory linear in the pack; the default local spec).
+- An explicit ``(1, 1, T, T)`` boolean mask (True = masked out) and per-token RoPE positions
+  (``compat.rope_positions``: megatron-core 0.16's ``RotaryEmbedding`` ignores ``position_ids``), for megatron's own
+  ``DotProductAttention`` (``local_layer_spec(sdpa=False)``): O(T²) memory and time per head.
 
 Pure bookkeeping plus tensor construction: no megatron schedule, no gradient routing here.
 """
@@ -29,6 +29,7 @@ from typing import Callable, Hashable, Sequence
 
 import torch
 
+from megatron_tsync.model import compat
 from megatron_tsync.streaming.planner import Dest, WorkItem
 
 
@@ -99,6 +100,10 @@ class PackLayout:
         o = self.offsets
         return [(o[k], o[k + 1]) for k in range(len(self.lengths))]
 
+    def starts(self) -> list[int]:
+        """Where in its trajectory each segment starts (0: a packed segment is the whole trajectory)."""
+        return [0] * len(self.lengths)
+
     def cu_seqlens(self) -> list[int]:
         """Cumulative segment boundaries including the padding segment: (K + 1,) or (K + 2,)."""
         o = self.offsets
@@ -138,6 +143,94 @@ def layout_for(lengths: Sequence[int], *, align: int = 1) -> PackLayout:
     return PackLayout(tuple(int(n) for n in lengths), pad)
 
 
-def uses_te_attention(model) -> bool:
-    """Whether ``model``'s attention is Transformer Engine's (THD packing) or megatron's local one (T×T mask)."""
-    return any(type(m).__name__ == "TEDotProductAttention" for m in model.modules())
+def uses_varlen_attention(model) -> bool:
+    """Whether ``model``'s core attention takes THD packed sequences (Transformer Engine's, or the local spec's
+    ``compat.SDPAttention``) rather than a T×T mask (megatron's ``DotProductAttention``)."""
+    return any(type(m).__name__ in ("TEDotProductAttention", "SDPAttention") for m in model.modules())
+
+
+# ------------------------------------------------------------------------------------------------ shared prefix
+@dataclasses.dataclass(frozen=True)
+class PrefixLayout:
+    """A shared-prefix microbatch: a group's common prompt once (its first ``prefix`` tokens), then each
+    trajectory's continuation from token ``prefix`` on. A continuation attends to the whole prefix and causally to
+    itself, never to another continuation; its positions continue the prefix's (RoPE sees the positions of the
+    unshared sequence). The prefix stops one token before the first action token, so every scored log-prob comes
+    from a continuation's own position: the prefix's logits are never read, and its forward and backward run once
+    for the whole pack (the backward receives the sum of the continuations' gradients)."""
+
+    prefix: int  # o >= 1: the shared tokens
+    lengths: tuple[int, ...]  # T_i of each trajectory (> prefix)
+    pad: int = 0  # no padding segment (read by the MoE routing code, which shared prefixes do not use)
+
+    @property
+    def total(self) -> int:
+        return self.prefix + sum(n - self.prefix for n in self.lengths)
+
+    def segments(self) -> list[tuple[int, int]]:
+        """Each continuation's (start, end) in the microbatch."""
+        out, a = [], self.prefix
+        for n in self.lengths:
+            out.append((a, a + n - self.prefix))
+            a += n - self.prefix
+        return out
+
+    def starts(self) -> list[int]:
+        return [self.prefix] * len(self.lengths)
+
+    def token_ids(self, tokens: Sequence[torch.Tensor]) -> torch.Tensor:
+        """(T,) the microbatch's tokens from the trajectories' (their first ``prefix`` tokens must agree)."""
+        return torch.cat([tokens[0][: self.prefix]] + [t[self.prefix:] for t in tokens])
+
+    def position_ids(self, device=None) -> torch.Tensor:
+        return torch.cat([torch.arange(self.prefix, device=device)]
+                         + [torch.arange(self.prefix, n, device=device) for n in self.lengths])
+
+    def mask(self, device=None) -> torch.Tensor:
+        """(1, 1, T, T) bool, True = masked out: prefix causal; continuation k sees the prefix and itself causally."""
+        o = self.prefix
+        seg = torch.repeat_interleave(torch.arange(len(self.lengths) + 1, device=device),
+                                      torch.tensor([o] + [n - o for n in self.lengths], device=device))  # (T,)
+        idx = torch.arange(self.total, device=device)
+        allowed = ((seg[:, None] == seg[None, :]) | (seg[None, :] == 0)) & (idx[None, :] <= idx[:, None])
+        mask = (~allowed).view(1, 1, self.total, self.total)
+        # compat.SDPAttention reads the structure off the mask and attends block by block (no T×T scores)
+        setattr(mask, compat.PREFIX_TREE_ATTR, (self.prefix, [n - self.prefix for n in self.lengths]))
+        return mask
+
+
+def prompt_length(loss_mask: torch.Tensor) -> int:
+    """Tokens before the first action token (the whole length when nothing is trained)."""
+    nz = torch.nonzero(loss_mask).flatten()
+    return int(nz[0]) if nz.numel() else int(loss_mask.numel())
+
+
+def plan_shared_prefix(items: Sequence[WorkItem], tokens: Callable[[WorkItem], torch.Tensor],
+                       mask: Callable[[WorkItem], torch.Tensor], max_tokens: int
+                       ) -> tuple[list[tuple[list[WorkItem], PrefixLayout]], list[WorkItem]]:
+    """Shared-prefix microbatches of ``items``: members of one group with one :func:`share_key` whose prompts
+    agree (the longest common prompt less its last token, >= 1 token), at least two per microbatch, at most
+    ``max_tokens`` tokens each. Returns (packs with their layouts, the items left over, in their order)."""
+    by_key: dict[Hashable, list[WorkItem]] = {}
+    for it in items:
+        k = share_key(it)
+        if k is not None:
+            by_key.setdefault((it.group_id, k), []).append(it)
+    packs, used = [], set()
+    for members in by_key.values():
+        if len(members) < 2:
+            continue
+        first = tokens(members[0])
+        o = min(prompt_length(mask(it)) for it in members) - 1
+        same = [it for it in members if o >= 1 and torch.equal(tokens(it)[:o], first[:o])]
+        cur: list[WorkItem] = []
+        for it in same + [None]:  # greedy chunks under max_tokens; a chunk of one is left unshared
+            n = 0 if it is None else tokens(it).numel() - o
+            if cur and (it is None or o + sum(tokens(c).numel() - o for c in cur) + n > max_tokens):
+                if len(cur) >= 2:
+                    packs.append((cur, PrefixLayout(o, tuple(tokens(c).numel() for c in cur))))
+                    used.update(c.traj_id for c in cur)
+                cur = []
+            if it is not None:
+                cur.append(it)
+    return packs, [it for it in items if it.traj_id not in used]

@@ -18,6 +18,12 @@ Loss per trajectory i (B = trajectories in the batch, ν_i from ``algorithms.agg
   aux terms (accumulator only):  ν_i Σ_t w_t (β_KL·kl_t − c_H·H_t)
 The schedule is run with ``calculate_per_token_loss`` so it neither averages nor scales; the explicit
 denominator is applied once at the barrier.
+
+Deterministic mode (``canonical`` given, ``--deterministic``): every trajectory runs as one policy microbatch (the
+surrogate with sign +1 when its ratios are sign-free, else the exact sign the planner gives; the advantage is applied
+when its group is folded) and, with KL/entropy terms, one aux microbatch, each backward into a fresh vector of
+``streaming.canonical.CanonicalSum``, in every mode (sync included), so the bits of each contribution and of their
+sum do not depend on when it ran. No packing.
 """
 
 from __future__ import annotations
@@ -32,14 +38,25 @@ from megatron_tsync.algorithms.aggregation import sequence_weight
 from megatron_tsync.algorithms.kl import kl_penalty
 from megatron_tsync.algorithms.policy_loss import PolicyLossConfig, policy_loss, sign_free, surrogate
 from megatron_tsync.streaming.accumulator import GroupBuckets
+from megatron_tsync.streaming.canonical import CanonicalSum, canonical_key
 from megatron_tsync.streaming.planner import Dest, StepPlanner, TrajMeta, WorkItem
 from megatron_tsync.streaming.ready_queue import Sample
-from megatron_tsync.model import compat
+from megatron_tsync.model import compat, moe
 from megatron_tsync.model.logprobs import vocab_parallel_entropy, vocab_parallel_logprobs
 from megatron_tsync.model.builder import unwrap
-from megatron_tsync.training.packing import layout_for, plan_microbatches, uses_te_attention
+from megatron_tsync.model.parallel import ExpertLockstep
+from megatron_tsync.training.objective import signed_policy_values
+from megatron_tsync.training.packing import (PrefixLayout, layout_for, plan_microbatches, plan_shared_prefix,
+                                             uses_varlen_attention)
 
+_IDLE_TOKENS = 2  # length of an expert-lockstep idle microbatch
 THETA0_LOGP = "theta0_logp"  # Sample.meta key: (T-1,) trainer log-probs of tokens 1..T-1 at θ0
+SHAPED_REWARD = "shaped_reward"  # Sample.meta key: r − β·KL (--kl-mode reward; training/reference.py)
+
+
+def train_reward(s: Sample) -> float:
+    """The reward the advantages are computed from: the KL-shaped one with ``--kl-mode reward``, else ``s.reward``."""
+    return s.meta.get(SHAPED_REWARD, s.reward)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,9 +92,17 @@ class StreamExecutor:
     π_θ0 into ``Sample.meta[THETA0_LOGP]`` (``keep_theta0``) and deferrals into the planner. Gradient memory is not
     its own: the DDP grad buffers and ``GroupBuckets`` hold it."""
 
-    def __init__(self, ddp_model, buckets: GroupBuckets, loss_cfg: LossConfig, *, max_packed_tokens: int | None = None):
+    def __init__(self, ddp_model, buckets: GroupBuckets, loss_cfg: LossConfig, *, max_packed_tokens: int | None = None,
+                 canonical: CanonicalSum | None = None, shared_prefix_tokens: int | None = None):
         """``max_packed_tokens``: pack items that share a gradient destination into microbatches of at most this many
-        tokens (``training.packing``); None = one trajectory per microbatch."""
+        tokens (``training.packing``); None = one trajectory per microbatch. ``canonical``: the deterministic mode's
+        gradient sum (module docstring); refuses packing. ``shared_prefix_tokens``: run members of one group that
+        share a destination and a prompt as shared-prefix microbatches of at most this many tokens
+        (``packing.PrefixLayout``: the prompt's forward and backward once); None = off."""
+        if canonical is not None and (max_packed_tokens or shared_prefix_tokens):
+            raise ValueError("deterministic mode runs one trajectory per microbatch: sequence packing and shared "
+                             "prefixes are refused")
+        self.canonical = canonical
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         self.model = ddp_model
@@ -87,17 +112,30 @@ class StreamExecutor:
         self.max_packed_tokens = max_packed_tokens
         gpt = unwrap(ddp_model)
         self._gpt = gpt
-        self._thd = bool(max_packed_tokens) and uses_te_attention(gpt)
+        self.lockstep = ExpertLockstep(gpt.config)  # EP > 1: idle microbatches keep the expert all-to-alls matched
+        if canonical is not None and self.lockstep.on:
+            raise ValueError("--deterministic with expert parallelism is not supported: a rank's expert gradients "
+                             "mix the tokens of every EP rank's trajectory of a slot, which the per-trajectory "
+                             "canonical sum cannot separate")
+        self._thd = bool(max_packed_tokens) and uses_varlen_attention(gpt)
         self._align = 16 if self._thd and getattr(gpt.config, "fp8", None) else 1  # FP8 GEMMs want T % 16 == 0
-        if max_packed_tokens and not self._thd:
+        self.shared_prefix_tokens = shared_prefix_tokens
+        if shared_prefix_tokens:
+            cores = {type(m).__name__ for m in gpt.modules() if "DotProductAttention" in type(m).__name__
+                     or type(m).__name__ == "SDPAttention"}
+            if not cores or cores - {"SDPAttention", "DotProductAttention"}:
+                raise ValueError(f"--shared-prefix needs the local layer spec's attention (a T×T mask), not {cores}")
+        if (max_packed_tokens and not self._thd) or shared_prefix_tokens:
             compat.install_per_token_rope(gpt)
         self.samples: dict[str, Sample] = {}
         self.planner: StepPlanner | None = None
         self.shape: BatchShape | None = None
         self.busy: list[tuple[float, float]] = []  # (start, end) perf_counter of each schedule call
-        self.losses: list[float] = []
+        self.losses: list[float] = []  # the value of each backpropagated term (surrogates included)
+        self.values: dict[str, list] = {}  # traj_id -> [P, N, K] of this minibatch, read at the barrier (objective.py)
         self.microbatches = 0
         self.packed_items = 0  # items that shared a microbatch with others
+        self.shared_prefix_items = 0  # items that ran as continuations of a shared prefix
         self.keep_theta0 = False  # store π_θ0 of each forward at θ0 in Sample.meta[THETA0_LOGP]
 
     def begin_step(self, planner: StepPlanner, shape: BatchShape) -> None:
@@ -105,24 +143,39 @@ class StreamExecutor:
         self.samples.clear()
         self.busy.clear()
         self.losses.clear()
+        self.values.clear()
         self.microbatches = 0
         self.packed_items = 0
+        self.shared_prefix_items = 0
 
     def begin_phase(self, planner: StepPlanner, shape: BatchShape, loss_cfg: LossConfig) -> None:
         """A new minibatch/epoch of the same step: new planner, denominators and loss config; samples are kept."""
         self.planner, self.shape, self.cfg = planner, shape, loss_cfg
+        self.values.clear()
 
     def add_sample(self, s: Sample) -> None:
         self.samples[s.traj_id] = s
 
     # ------------------------------------------------------------------ schedule
     def run(self, items: list[WorkItem]) -> None:
-        if not items:
+        if self.canonical is not None:  # canonical order within a call: sync / stream-group fold as they go
+            items = _split_parts(sorted(items, key=lambda it: canonical_key(it.traj_id)), self.cfg.has_aux)
+        if not items and not self.lockstep.on:
             return
         t0 = time.perf_counter()
-        packs = plan_microbatches(items, lambda it: self.samples[it.traj_id].token_ids.shape[0],
-                                  self.max_packed_tokens)
-        seq = max(self._pack_tokens(p) for p in packs)
+        packs: list = []
+        if self.shared_prefix_tokens and items:
+            shared, items = plan_shared_prefix(items, lambda it: self.samples[it.traj_id].token_ids,
+                                               lambda it: self.samples[it.traj_id].loss_mask, self.shared_prefix_tokens)
+            packs = [_PrefixPack(p, lay) for p, lay in shared]
+            self.shared_prefix_items += sum(len(p) for p in packs)
+        packs += plan_microbatches(items, lambda it: self.samples[it.traj_id].token_ids.shape[0],
+                                   self.max_packed_tokens) if items else []
+        if self.lockstep.on:  # the same slots on every expert-parallel rank
+            packs = self._lockstep_slots(packs)
+            if not packs:
+                return
+        seq = max(max(self._pack_tokens(p) for p in packs), _IDLE_TOKENS)
         self.fb(
             forward_step_func=self._forward_step,
             data_iterator=iter(packs),
@@ -138,6 +191,8 @@ class StreamExecutor:
         self.busy.append((t0, time.perf_counter()))
 
     def _pack_tokens(self, pack: list[WorkItem]) -> int:
+        if isinstance(pack, _PrefixPack):
+            return pack.layout.total
         n = sum(self.samples[it.traj_id].token_ids.shape[0] for it in pack)
         return n if len(pack) == 1 else n + (-n) % self._align
 
@@ -150,33 +205,94 @@ class StreamExecutor:
 
     def _forward_step(self, data_iterator, model):
         pack: list[WorkItem] = next(data_iterator)
+        if isinstance(pack, _IdleSlot):
+            return self._idle_forward(model, pack.key)
         samples = [self.samples[it.traj_id] for it in pack]
         states = [{"deferred": False} for _ in pack]
         dev = _device()
-        if len(pack) == 1:  # one trajectory: plain causal attention, as without packing
+        lengths = [s.token_ids.shape[0] for s in samples]
+        if isinstance(pack, _PrefixPack):  # one prompt, several continuations (packing.PrefixLayout)
+            layout = pack.layout
+            ids = layout.token_ids([s.token_ids for s in samples]).to(dev).unsqueeze(0)  # (1, T)
+            pos = layout.position_ids(dev)
+            with compat.rope_positions(self._gpt, pos), compat.forward_without_cpu_mode():
+                out = model(ids, pos.unsqueeze(0), layout.mask(dev))
+        elif len(pack) == 1:  # one trajectory: plain causal attention, as without packing
             ids = samples[0].token_ids.to(dev).unsqueeze(0)  # (1, T)
             pos = torch.arange(ids.shape[1], device=dev).unsqueeze(0)
-            out = model(ids, pos, None)  # last stage: (1, T, V/tp) logits; other stages: hidden states
+            with moe.replay_microbatch(model, moe.microbatch_routing([samples[0].routing], lengths)), \
+                    compat.forward_without_cpu_mode():
+                out = model(ids, pos, None)  # last stage: (1, T, V/tp) logits; other stages: hidden states
             layout = None
         else:
-            layout = layout_for([s.token_ids.shape[0] for s in samples], align=self._align)
+            layout = layout_for(lengths, align=self._align)
             parts = [s.token_ids for s in samples] + ([torch.zeros(layout.pad, dtype=torch.long)] if layout.pad else [])
             ids = torch.cat(parts).to(dev).unsqueeze(0)  # (1, T) all segments (+ padding)
             pos = layout.position_ids(dev)  # (T,) restarting per segment
-            if self._thd:
-                out = model(ids, pos.unsqueeze(0), None, packed_seq_params=layout.packed_seq_params(dev))
-            else:
-                with compat.rope_positions(self._gpt, pos):
-                    out = model(ids, pos.unsqueeze(0), layout.block_causal_mask(dev))
+            routing = moe.microbatch_routing([s.routing for s in samples], lengths, layout.pad)
+            with moe.replay_microbatch(model, routing), compat.forward_without_cpu_mode():
+                if self._thd:
+                    out = model(ids, pos.unsqueeze(0), None, packed_seq_params=layout.packed_seq_params(dev))
+                else:
+                    with compat.rope_positions(self._gpt, pos):
+                        out = model(ids, pos.unsqueeze(0), layout.block_causal_mask(dev))
         if out.grad_fn is not None:
             out.grad_fn.register_prehook(functools.partial(self._before_backward, pack[0], states))
         return out, functools.partial(self._loss, pack, samples, states, layout)
 
+    def _slot_key(self, pack: list[WorkItem]) -> tuple:
+        """Where a microbatch's gradient goes (``_before_backward``): a group's bucket at a reward, or the
+        accumulator."""
+        it = pack[0]
+        return ("bucket", it.group_id, float(it.reward)) if it.dest is Dest.BUCKET and it.policy else ("accum",)
+
+    def _lockstep_slots(self, packs: list[list[WorkItem]]) -> list[list[WorkItem]]:
+        """EP > 1: the run point's slots, agreed over the expert-parallel group (``ExpertLockstep.schedule``): each
+        slot has one gradient destination on every rank, because a rank's expert gradients hold the other ranks'
+        tokens of that slot too; a rank with no microbatch for a slot runs an idle one routed there."""
+        keys = [self._slot_key(p) for p in packs]
+        queues: dict[tuple, list] = {}
+        for p, k in zip(packs, keys):
+            queues.setdefault(k, []).append(p)
+        return [queues[k].pop(0) if queues.get(k) else _IdleSlot(k) for k in self.lockstep.schedule(keys)]
+
+    def _route_slot(self, key: tuple) -> None:
+        if key[0] == "bucket":
+            _, gid, reward = key
+            self.buckets.enter(gid, reward, self.planner.alpha_known(self.planner.groups[gid].size))
+        else:
+            self.buckets.route_accumulator()
+
+    def _idle_forward(self, model, key: tuple):
+        """An expert-lockstep idle microbatch (``_lockstep_slots``): 2 tokens through the model, loss 0·Σ logits;
+        its backward runs the all-to-alls and brings the other ranks' tokens' expert gradients to its slot's
+        destination (its own tokens add exact zeros)."""
+        dev = _device()
+        ids = torch.zeros(1, _IDLE_TOKENS, dtype=torch.long, device=dev)
+        out = model(ids, torch.arange(_IDLE_TOKENS, device=dev).unsqueeze(0), None)
+        if out.grad_fn is not None:
+            out.grad_fn.register_prehook(lambda grad_outputs: self._route_slot(key))
+
+        def loss(logits):
+            zero = 0.0 * logits.sum()
+            return zero, torch.tensor(0, dtype=torch.int), {"loss": zero.detach()}
+
+        return out, loss
+
     def _before_backward(self, item: WorkItem, states: list[dict], grad_outputs):
         """Route the microbatch's gradient. Items of one microbatch share the destination (``packing.share_key``):
         an accumulator pack, or bucket items of one group with one reward. A bucket pack whose items all deferred
-        contributes zero and enters no bucket (as an unpacked deferred item)."""
-        if item.dest is Dest.BUCKET and item.policy and not all(st["deferred"] for st in states):
+        contributes zero and enters no bucket (as an unpacked deferred item). Deterministic mode: the trajectory's own
+        vector for this part (a deferred item adds exact zeros to the accumulator)."""
+        if self.canonical is not None:
+            if states[0]["deferred"]:
+                self.canonical.route_accumulator()
+            else:
+                self.canonical.enter(item.traj_id, item.group_id, "policy" if item.policy else "aux")
+            return None
+        if self.lockstep.on:  # the slot's destination on every EP rank, deferred or not (a deferred item adds 0)
+            self._route_slot(self._slot_key([item]))
+        elif item.dest is Dest.BUCKET and item.policy and not all(st["deferred"] for st in states):
             alpha = self.planner.alpha_known(self.planner.groups[item.group_id].size)
             self.buckets.enter(item.group_id, item.reward, alpha)
         else:
@@ -185,30 +301,42 @@ class StreamExecutor:
 
     # ------------------------------------------------------------------ loss
     def _loss(self, pack: list[WorkItem], samples: list[Sample], states: list[dict], layout, logits: torch.Tensor):
-        """Sum of the segments' loss terms; logits (1, T, V/tp) of the whole (packed) microbatch."""
-        if layout is None:
-            total, n_act = self._segment_loss(pack[0], samples[0], states[0], logits)
-        else:
-            total, n_act = logits.new_zeros(()), 0
-            for it, s, st, (a, b) in zip(pack, samples, states, layout.segments()):
-                term, n = self._segment_loss(it, s, st, logits[:, a:b])  # (1, T_k, V/tp): this segment only
-                total, n_act = total + term, n_act + n
+        """Sum of the segments' loss terms; logits (1, T, V/tp) of the whole (packed) microbatch. Log-probs (and
+        entropies) are computed once over the whole microbatch and cut per segment (the last position of each
+        segment, which would "predict" the next segment's first token, is never used): no slice of the (T, V) logits,
+        whose backward would fill a zero (T, V) gradient per segment."""
+        cfg = self.cfg
+        need_ent = cfg.entropy_coef != 0.0 and any(it.aux for it in pack)
+        segs = [(0, samples[0].token_ids.numel())] if layout is None else layout.segments()
+        starts = [0] if layout is None else layout.starts()  # where each segment starts in its trajectory
+        targets = torch.zeros(logits.shape[1], dtype=torch.long, device=logits.device)
+        for s, (a, b), o in zip(samples, segs, starts):
+            targets[a : b - 1] = s.token_ids[o + 1:].to(logits.device)  # position t predicts token t + 1
+        logp = vocab_parallel_logprobs(logits, targets.unsqueeze(0), temperature=cfg.temperature)  # (1, T)
+        ent = vocab_parallel_entropy(logits, temperature=cfg.temperature) if need_ent else None
+        total, n_act = logits.new_zeros(()), 0
+        for it, s, st, (a, b), o in zip(pack, samples, states, segs, starts):
+            seg_ent = None if ent is None else ent[:, a : b - 1]
+            term, n = self._segment_loss(it, s, st, logp[:, a : b - 1], seg_ent, o)
+            total, n_act = total + term, n_act + n
         if not total.requires_grad:  # every term deferred: keep the graph alive, contribute exactly zero
             total = total + 0.0 * logits.sum()
         report = total.detach().clone()
         return total, torch.tensor(n_act, dtype=torch.int), {"loss": report}
 
-    def _segment_loss(self, item: WorkItem, s: Sample, state: dict, logits: torch.Tensor):
-        """One trajectory's loss term from its own logits (1, T_i, V/tp); returns (term, action tokens)."""
+    def _segment_loss(self, item: WorkItem, s: Sample, state: dict, logp: torch.Tensor, ent: torch.Tensor | None,
+                      start: int = 0):
+        """One trajectory's loss term from its log-probs (1, T_i - 1 - start) of tokens start + 1.. (entropies
+        likewise, when an entropy term is on; ``start`` > 0: a shared-prefix continuation, whose tokens before
+        ``start`` are prompt, loss mask 0); returns (term, action tokens)."""
         cfg = self.cfg
-        ids = s.token_ids.to(logits.device).unsqueeze(0)
-        logp = vocab_parallel_logprobs(logits[:, :-1], ids[:, 1:], temperature=cfg.temperature)  # (1, T-1)
-        w = s.loss_mask[1:].to(logp).unsqueeze(0)  # (1, T-1) action tokens
+        o = start
+        w = s.loss_mask[1 + o:].to(logp).unsqueeze(0)  # (1, T-1-o) action tokens
         n_act = int(s.loss_mask[1:].sum())
         nu = sequence_weight(
             cfg.aggregation, n_act, num_sequences=self.shape.num_sequences, max_len=self.shape.max_len
         )
-        beh = None if s.behaviour_logp is None else s.behaviour_logp[1:].to(logp).unsqueeze(0)
+        beh = None if s.behaviour_logp is None else s.behaviour_logp[1 + o:].to(logp).unsqueeze(0)
         if cfg.old_logprobs == "engine":
             if beh is None:
                 raise ValueError(f"trajectory {s.traj_id}: --old-logprobs engine needs behaviour log-probs")
@@ -217,13 +345,26 @@ class StreamExecutor:
             old = s.meta.get(THETA0_LOGP)
             if old is None:
                 raise AssertionError(f"trajectory {s.traj_id}: no θ0 log-probs were kept for it")
-            old = old.to(logp).unsqueeze(0)
+            old = old[o:].to(logp).unsqueeze(0)
         else:
             old = logp.detach()
             if self.keep_theta0:  # this forward runs at θ0: keep π_θ0 for later minibatches / epochs
-                s.meta[THETA0_LOGP] = old[0].clone()
-        total = logits.new_zeros(())
+                s.meta[THETA0_LOGP] = torch.cat([old.new_zeros(o), old[0]])  # (T-1,); the prompt's entries unread
+        total = logp.new_zeros(())
+        value = self.values.setdefault(s.traj_id, [0.0, 0.0, 0.0])  # the objective's scalars, for the log
         if item.policy:
+            value[0], value[1] = signed_policy_values(logp, old, w, nu, cfg.policy, beh)
+        if item.policy and self.canonical is not None:
+            ratio = torch.exp(logp.detach() - old)
+            sign = 1 if sign_free(ratio, cfg.policy, w) else item.adv_sign
+            if sign is None:  # clip mask depends on a sign only the group's close knows
+                if not item.may_defer:
+                    raise AssertionError(f"trajectory {s.traj_id}: no sign for a clipped surrogate")
+                state["deferred"] = True
+                self.planner.report_deferred(item, _meta(s))
+            else:
+                total = total + nu * (surrogate(logp, old, sign, cfg.policy, beh) * w).sum()
+        elif item.policy:
             if item.advantage is not None:
                 adv = torch.tensor([item.advantage], dtype=logp.dtype, device=logp.device)
                 per = policy_loss(logp, old, adv, cfg.policy, beh)
@@ -237,21 +378,52 @@ class StreamExecutor:
                     per = surrogate(logp, old, item.adv_sign or 1, cfg.policy, beh)
                     total = total + nu * (per * w).sum()
         if item.aux:
+            aux = 0.0
             if cfg.kl_mode == "loss" and cfg.kl_coef != 0.0:
                 if s.ref_logp is None:
                     raise ValueError(f"trajectory {s.traj_id}: KL loss needs reference log-probs")
-                ref = s.ref_logp[1:].to(logp).unsqueeze(0)
-                total = total + nu * cfg.kl_coef * (kl_penalty(logp, ref, cfg.kl_kind) * w).sum()
+                ref = s.ref_logp[1 + o:].to(logp).unsqueeze(0)
+                kl = nu * cfg.kl_coef * (kl_penalty(logp, ref, cfg.kl_kind) * w).sum()
+                total, aux = total + kl, aux + kl.detach()
             if cfg.entropy_coef != 0.0:
-                ent = vocab_parallel_entropy(logits[:, :-1], temperature=cfg.temperature)  # (1, T-1)
-                total = total - nu * cfg.entropy_coef * (ent * w).sum()
+                bonus = nu * cfg.entropy_coef * (ent * w).sum()
+                total, aux = total - bonus, aux - bonus.detach()
+            value[2] = aux
         self.losses.append(float(total.detach()))
         return total, n_act
 
 
+def _split_parts(items: list[WorkItem], has_aux: bool) -> list[WorkItem]:
+    """Deterministic mode: one microbatch per (trajectory, part): the policy term, then the aux terms if any."""
+    out = []
+    for it in items:
+        if it.policy:
+            out.append(dataclasses.replace(it, aux=False))
+        if it.aux and has_aux:
+            out.append(dataclasses.replace(it, policy=False, may_defer=False))
+    return out
+
+
+class _PrefixPack(list):
+    """The work items of one shared-prefix microbatch and its ``packing.PrefixLayout``."""
+
+    def __init__(self, items: list[WorkItem], layout: PrefixLayout):
+        super().__init__(items)
+        self.layout = layout
+
+
+class _IdleSlot(list):
+    """An empty microbatch of an expert-lockstep slot whose destination is ``key`` (``_lockstep_slots``)."""
+
+    def __init__(self, key: tuple):
+        super().__init__()
+        self.key = key
+
+
 def _meta(s: Sample) -> TrajMeta:
-    return TrajMeta(s.traj_id, s.group_id, s.reward, s.num_action_tokens, s.dp_rank)
+    return TrajMeta(s.traj_id, s.group_id, train_reward(s), s.num_action_tokens, s.dp_rank)
 
 
 def _device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+

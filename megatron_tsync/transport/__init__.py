@@ -21,15 +21,19 @@ from .codec import FrameHeader, ReplayGuard, decode, decode_frame, encode
 from .errors import (
     REJECT_REASONS,
     BackpressureTimeout,
+    BadGroup,
     BadSignature,
     Malformed,
+    NonFinite,
+    OutOfVocab,
     Oversize,
     Replayed,
+    TooLong,
     TransportError,
     Unsigned,
     WrongVersion,
 )
-from .schema import SchemaError, SchemaLimits, TrajectoryEvent, TurnEvent
+from .schema import NonFiniteError, SchemaError, SchemaLimits, TrajectoryEvent, TurnEvent
 from .secret import SecretError, generate_secret, load_secret, write_secret_file
 from .versions import VersionWindow
 
@@ -37,8 +41,8 @@ _LAZY = {"publish_weights", "WeightSubscriber", "WeightPublisher", "FileWeightPu
 _LAZY_BROADCAST = {"BroadcastWeightPublisher", "BroadcastWeightSubscriber", "WeightSyncGroup", "WeightSyncError"}
 
 __all__ = [
-    "BackpressureTimeout", "BadSignature", "DEFAULT_MAX_BYTES", "EventReceiver",
-    "EventSender", "FrameHeader", "Malformed", "Oversize", "REJECT_REASONS", "Replayed", "ReplayGuard",
+    "BackpressureTimeout", "BadGroup", "BadSignature", "DEFAULT_MAX_BYTES", "EventReceiver",
+    "EventSender", "FrameHeader", "Malformed", "NonFinite", "NonFiniteError", "OutOfVocab", "Oversize", "TooLong", "REJECT_REASONS", "Replayed", "ReplayGuard",
     "SchemaError", "SchemaLimits", "SecretError", "TrajectoryEvent", "TransportError", "TurnEvent",
     "Unsigned", "VersionWindow", "WrongVersion", "decode", "decode_frame", "encode", "generate_secret", "load_secret",
     "write_secret_file", *sorted(_LAZY), *sorted(_LAZY_BROADCAST),

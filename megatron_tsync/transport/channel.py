@@ -33,6 +33,12 @@ the same endpoint; the senders reconnect by themselves and resend what the old o
 across a restart relies on the old receiver's acks reaching the senders; if it crashed instead, pass its
 ``replay_state()`` (a plain list) to the new receiver to drop what it had already delivered.
 
+Runs.  A sender and receiver built with ``run_id`` sign with ``secret.run_key(key, run_id)`` instead of the shared
+key, and the sender's wire id is ``name@run_id``.  A frame that fails the receiver's run key but verifies under the
+key of the run its sender id names is another run's (a stale worker of an earlier run, a second job sharing the
+secret file): rejected as ``wrong_run``, never answered, never delivered.  Without ``run_id`` both sides use the
+shared key as before.
+
 Rejections never raise out of ``poll``: each is counted in ``receiver.stats[reason]`` (reasons of ``errors.py``), the
 last few are kept in ``receiver.recent_rejections``.  Accepted events are counted in ``stats["accepted"]``.
 
@@ -57,15 +63,23 @@ from typing import Any
 
 import zmq
 
-from .codec import ReplayGuard, _SEQUENCED, check_key, decode_frame, encode
-from .errors import REJECT_REASONS, BackpressureTimeout, Oversize, Replayed, TransportError
+from .codec import _FIXED, ReplayGuard, _SEQUENCED, _parse_header, check_key, decode_frame, encode
+from .errors import REJECT_REASONS, BackpressureTimeout, BadSignature, Oversize, Replayed, TransportError, WrongRun
 from .schema import Ack, Ping, SchemaLimits
+from .secret import run_key
 
 __all__ = ["EventSender", "EventReceiver", "DEFAULT_MAX_BYTES"]
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BYTES = 64 << 20
+_MIN_HARD_CAP = 1 << 30
+
+
+def hard_cap_bytes(max_bytes: int) -> int:
+    """The receiver's ZMQ-level cap for a ``max_bytes`` limit: ``max(16 × max_bytes, 1 GiB)`` (1 GiB by default).
+    Frames up to it are read and counted as ``oversize``; larger ones make ZMQ drop the connection, uncounted."""
+    return max(16 * max_bytes, _MIN_HARD_CAP)
 _HANDSHAKE_INTERVAL_S = 0.02
 _MAX_PING_SEQS = 65536
 
@@ -94,9 +108,11 @@ class EventSender:
 
     def __init__(self, endpoint: str, key: bytes, sender_id: str, hwm: int = 1024, *, max_inflight: int = 256,
                  initial_credit: int = 8, ping_interval_s: float = 0.5, max_bytes: int = DEFAULT_MAX_BYTES,
-                 limits: SchemaLimits | None = None, context: zmq.Context | None = None) -> None:
-        self._key = check_key(key)
-        self.endpoint, self.sender_id = endpoint, sender_id
+                 limits: SchemaLimits | None = None, context: zmq.Context | None = None,
+                 run_id: str | None = None) -> None:
+        # a run's sender signs with the run's key and names its run in its (signed) id: see "Runs" above
+        self._key = check_key(key) if run_id is None else run_key(check_key(key), run_id)
+        self.endpoint, self.sender_id = endpoint, sender_id if run_id is None else f"{sender_id}@{run_id}"
         self.epoch = secrets.randbits(63) | 1  # nonzero, fits uint64
         self.max_inflight, self.ping_interval_s, self.max_bytes, self.limits = max_inflight, ping_interval_s, \
             max_bytes, limits
@@ -299,8 +315,11 @@ class EventReceiver:
                  expected_version_fn: Callable[[], int | Container[int] | None] | None = None,
                  limits: SchemaLimits | None = None, credit: int = 64, hwm: int = 1024,
                  receiver_id: str = "learner", replay_state: list[list[Any]] | None = None, linger_ms: int = 2000,
-                 bind_timeout_s: float = 5.0, context: zmq.Context | None = None) -> None:
-        self._key = check_key(key)
+                 bind_timeout_s: float = 5.0, context: zmq.Context | None = None,
+                 hard_max_bytes: int | None = None, run_id: str | None = None) -> None:
+        self._secret, self.run_id = check_key(key), run_id
+        self.wrong_run_kinds: dict[str, int] = {}  # wrong_run rejections by frame kind (trajectory, turn, ping)
+        self._key = self._secret if run_id is None else run_key(self._secret, run_id)
         self.max_bytes, self.limits, self.credit, self.receiver_id = max_bytes, limits, credit, receiver_id
         self._expected_version_fn = expected_version_fn
         self._guard = ReplayGuard.from_state(replay_state) if replay_state else ReplayGuard()
@@ -308,11 +327,15 @@ class EventReceiver:
         self.stats: dict[str, int] = {"accepted": 0, **{r: 0 for r in REJECT_REASONS},
                                       "pings": 0, "acks_sent": 0, "ack_send_failed": 0}
         self.recent_rejections: deque[tuple[str, str]] = deque(maxlen=128)
+        # authentic trajectory events rejected for their content, as (traj_id, group_id, policy_version, reason,
+        # detail): the learner accounts those trajectories instead of waiting for them (runtime/validation.py)
+        self.rejected_events: deque[tuple[str, str, int, str, str]] = deque(maxlen=65536)
         self._sock = _socket(context, zmq.ROUTER, hwm, linger_ms)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        # hard cap: ZMQ drops the connection of a peer sending more than this; frames between max_bytes and the
-        # cap reach decode() and are counted as "oversize"
-        self._sock.setsockopt(zmq.MAXMSGSIZE, max(4 * max_bytes, max_bytes + (1 << 20)))
+        # hard cap: ZMQ drops the connection of a peer sending more than this without telling us (libzmq 4.3 reports a
+        # plain disconnect); frames between max_bytes and the cap reach decode() and are counted as "oversize"
+        self.hard_max_bytes = hard_cap_bytes(max_bytes) if hard_max_bytes is None else hard_max_bytes
+        self._sock.setsockopt(zmq.MAXMSGSIZE, self.hard_max_bytes)
         self._bind(endpoint, bind_timeout_s)
         self.endpoint: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._closed = False
@@ -378,6 +401,9 @@ class EventReceiver:
     def _reject(self, exc: TransportError) -> None:
         self.stats[exc.reason] += 1
         self.recent_rejections.append((exc.reason, exc.detail[:512]))
+        ids, h = getattr(exc, "event_ids", None), exc.header
+        if ids is not None and h is not None and h.kind == "trajectory":
+            self.rejected_events.append((ids[0], ids[1], h.policy_version, exc.reason, exc.detail[:512]))
         log.debug("receiver: rejected frame: %s", exc)
 
     def _handle(self, parts: list[bytes], events: list[Any], replies: dict[tuple[bytes, int], _Reply]) -> None:
@@ -395,6 +421,8 @@ class EventReceiver:
             self._reply(replies, ident, exc.header.epoch).acked.append(exc.header.seq)
             return
         except TransportError as exc:
+            if isinstance(exc, BadSignature) and self.run_id is not None:
+                exc = self._other_run(parts[1]) or exc
             self._reject(exc)
             h = exc.header
             if h is not None and h.seq >= 1 and h.kind in {c.KIND for c in _SEQUENCED}:
@@ -416,6 +444,23 @@ class EventReceiver:
             self.stats["accepted"] += 1
             events.append(ev)
             self._reply(replies, ident, header.epoch).acked.append(header.seq)
+
+    def _other_run(self, frame: bytes) -> WrongRun | None:
+        """A frame that failed this run's key: ``WrongRun`` when it verifies under the key of the run its sender id
+        names (``name@RUN``; a sender of no run: the bare secret), i.e. it is authentic but another run's. Never
+        answered: its sender cannot verify this run's acks, and a stale worker has nothing to learn from us."""
+        try:
+            slen = _FIXED.unpack_from(frame)[-1]
+            sender = bytes(frame[_FIXED.size:_FIXED.size + slen]).decode("utf-8")
+            other = sender.rpartition("@")[2] if "@" in sender else None
+            if other == self.run_id:
+                return None
+            kind = _parse_header(frame, self._secret if other is None else run_key(self._secret, other),
+                                 self.max_bytes)[0].kind
+        except Exception:  # struct, utf-8, key or tag failure: a forgery (or garbage), not another run's frame
+            return None
+        self.wrong_run_kinds[kind] = self.wrong_run_kinds.get(kind, 0) + 1
+        return WrongRun(f"{kind} from sender {sender!r} signed for run {other or '(none)'}; this is run {self.run_id}")
 
     @staticmethod
     def _reply(replies: dict[tuple[bytes, int], _Reply], ident: bytes, epoch: int) -> _Reply:

@@ -20,7 +20,9 @@ Frame layout (all integers little-endian)::
 ``decode`` checks, in this order, and raises the first failure: size (``Oversize``, before anything is parsed),
 fixed header / magic / protocol / declared lengths (``Malformed``), auth scheme (``Unsigned``), tag
 (``BadSignature``, ``hmac.compare_digest``), replay (``Replayed``, when a :class:`ReplayGuard` is given), policy
-version (``WrongVersion``), then the msgpack payload and the schema (``Malformed``).  The version is checked from
+version (``WrongVersion``), then the msgpack payload and the schema (``Malformed``; ``NonFinite`` for a NaN or an
+infinity anywhere, ``meta`` included).  A schema rejection of an authentic frame carries the ``(traj_id, group_id)``
+its payload names in ``exc.event_ids`` (``None`` when the payload names none).  The version is checked from
 the authenticated header before the payload is parsed, and the payload's ``policy_version`` must equal the header's.
 
 Deviation from the brief: the header carries a *sender epoch* besides the sender id.  Replay protection keys on
@@ -41,8 +43,8 @@ from typing import Any
 
 import msgpack
 
-from .errors import BadSignature, Malformed, Oversize, Replayed, Unsigned, WrongVersion
-from .schema import Ack, Ping, SchemaError, SchemaLimits, TrajectoryEvent, TurnEvent
+from .errors import BadSignature, Malformed, NonFinite, Oversize, Replayed, Unsigned, WrongVersion
+from .schema import Ack, NonFiniteError, Ping, SchemaError, SchemaLimits, TrajectoryEvent, TurnEvent
 
 __all__ = [
     "MAGIC",
@@ -218,6 +220,15 @@ def _parse_header(frame: Any, key: bytes, max_bytes: int) -> tuple[FrameHeader, 
     return header, cls, frame[_FIXED.size + slen:body_end]
 
 
+def _with_ids(exc: Malformed, obj: Any) -> Malformed:
+    """Records the (traj_id, group_id) an authentic but invalid payload names, when both are bounded strings, in
+    ``exc.event_ids``: the learner then accounts that trajectory as rejected instead of waiting for it."""
+    ids = (obj.get("traj_id"), obj.get("group_id")) if isinstance(obj, dict) else (None, None)
+    ok = all(isinstance(i, str) and 0 < len(i) <= 512 for i in ids)
+    exc.event_ids = ids if ok else None  # type: ignore[attr-defined]
+    return exc
+
+
 def decode_frame(frame: Any, key: bytes, *, max_bytes: int, expected_version: int | Container[int] | None = None,
                  limits: SchemaLimits | None = None,
                  replay_guard: ReplayGuard | None = None) -> tuple[FrameHeader, Any]:
@@ -244,9 +255,10 @@ def decode_frame(frame: Any, key: bytes, *, max_bytes: int, expected_version: in
         event = cls.from_wire(obj)
         event.validate(limits)
     except SchemaError as exc:
-        raise Malformed(f"schema: {exc}", header=header) from None
+        err = NonFinite if isinstance(exc, NonFiniteError) else Malformed
+        raise _with_ids(err(f"schema: {exc}", header=header), obj) from None
     except (TypeError, ValueError) as exc:  # e.g. a payload whose value types break a check's arithmetic
-        raise Malformed(f"schema: {type(exc).__name__}: {exc}", header=header) from None
+        raise _with_ids(Malformed(f"schema: {type(exc).__name__}: {exc}", header=header), obj) from None
     if header.policy_version is not None and event.policy_version != header.policy_version:
         raise Malformed(f"payload policy_version {event.policy_version} != header {header.policy_version}",
                         header=header)

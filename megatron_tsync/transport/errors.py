@@ -19,8 +19,13 @@ __all__ = [
     "Unsigned",
     "BadSignature",
     "Malformed",
+    "NonFinite",
+    "OutOfVocab",
+    "TooLong",
+    "BadGroup",
     "Oversize",
     "WrongVersion",
+    "WrongRun",
     "Replayed",
     "BackpressureTimeout",
     "REJECT_REASONS",
@@ -56,6 +61,30 @@ class Malformed(TransportError):
     reason = "malformed"
 
 
+class NonFinite(Malformed):
+    """An authentic event whose payload holds a NaN or an infinity (reward, log-probs, a ``meta`` value)."""
+
+    reason = "non_finite"
+
+
+class OutOfVocab(TransportError):
+    """An authentic, schema-valid trajectory with a token id outside the model's vocabulary (the learner's edge)."""
+
+    reason = "out_of_vocab"
+
+
+class TooLong(TransportError):
+    """An authentic, schema-valid trajectory longer than the learner's ``--seq-length`` (the learner's edge)."""
+
+    reason = "too_long"
+
+
+class BadGroup(TransportError):
+    """An authentic event whose group id or group size contradicts the step's (the learner's edge)."""
+
+    reason = "bad_group"
+
+
 class Oversize(TransportError):
     """The frame is larger than the receiver's ``max_bytes``; rejected before any parsing."""
 
@@ -71,6 +100,13 @@ class WrongVersion(TransportError):
         super().__init__(detail, header=header)
         self.got = got
         self.expected = expected
+
+
+class WrongRun(TransportError):
+    """A frame signed with the shared secret but for another run (``secret.run_key`` of another run id): a stale
+    worker of an earlier run, or another job sharing the secret file. Authentic, but not this run's: dropped."""
+
+    reason = "wrong_run"
 
 
 class Replayed(TransportError):
@@ -89,7 +125,12 @@ REJECT_REASONS: tuple[str, ...] = (
     Unsigned.reason,
     BadSignature.reason,
     Malformed.reason,
+    NonFinite.reason,
     Oversize.reason,
     WrongVersion.reason,
+    WrongRun.reason,
     Replayed.reason,
+    OutOfVocab.reason,
+    TooLong.reason,
+    BadGroup.reason,
 )

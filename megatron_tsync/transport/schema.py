@@ -34,6 +34,7 @@ import numpy as np
 
 __all__ = [
     "SchemaError",
+    "NonFiniteError",
     "SchemaLimits",
     "TrajectoryEvent",
     "TurnEvent",
@@ -45,12 +46,16 @@ __all__ = [
 _INT64_MIN, _UINT64_MAX = -(2**63), 2**64 - 1
 
 # wire dtype strings (numpy ``dtype.str``), little-endian where byte order matters
-_I32, _U8, _BOOL, _F32 = "<i4", "|u1", "|b1", "<f4"
+_I32, _U8, _BOOL, _F32, _I16 = "<i4", "|u1", "|b1", "<f4", "<i2"
 _MASK_DTYPES = (_U8, _BOOL)
 
 
 class SchemaError(ValueError):
     """An event violates the schema; the message names the field and the rule."""
+
+
+class NonFiniteError(SchemaError):
+    """A float field (reward, a log-prob, a ``meta`` value) is NaN or infinite."""
 
 
 @dataclass(frozen=True)
@@ -105,7 +110,7 @@ def _check_finite_float(cls: str, name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):
         raise _fail(cls, name, f"expected float, got {type(value).__name__}")
     if not math.isfinite(float(value)):
-        raise _fail(cls, name, f"must be finite, got {value}")
+        raise NonFiniteError(f"{cls}.{name}: must be finite, got {value}")
 
 
 def _check_array(cls: str, name: str, value: Any, dtypes: tuple[str, ...], length: int | None, max_len: int) -> int:
@@ -130,7 +135,7 @@ def _check_finite_array(cls: str, name: str, value: np.ndarray) -> None:
     bad = ~np.isfinite(value)
     if bad.any():
         i = int(np.flatnonzero(bad)[0])
-        raise _fail(cls, name, f"non-finite value {value[i]} at index {i} ({int(bad.sum())} non-finite)")
+        raise NonFiniteError(f"{cls}.{name}: non-finite value {value[i]} at index {i} ({int(bad.sum())} non-finite)")
 
 
 def _check_mask(cls: str, name: str, mask: np.ndarray) -> None:
@@ -163,7 +168,9 @@ def _check_meta(cls: str, meta: Any, limits: SchemaLimits) -> None:
             _check_str(cls, f"meta[{k!r}]", v, limits.max_text_len, nonempty=False)
         elif isinstance(v, (bool, int)):
             _check_int(cls, f"meta[{k!r}]", int(v), _INT64_MIN, _UINT64_MAX)
-        elif not isinstance(v, float):
+        elif isinstance(v, float):
+            _check_finite_float(cls, f"meta[{k!r}]", v)
+        else:
             raise _fail(cls, f"meta[{k!r}]", f"value must be str, int or float, got {type(v).__name__}")
 
 
@@ -240,6 +247,7 @@ _ARRAY_FIELDS: dict[str, tuple[str, ...]] = {
     "loss_mask": _MASK_DTYPES,
     "logprobs": (_F32,),
     "teacher_logprobs": (_F32,),
+    "routing": (_U8, _I16),
 }
 _ARRAY_KIND = {"token_ids": "int32", "loss_mask": "mask", "logprobs": "float32", "teacher_logprobs": "float32"}
 
@@ -265,6 +273,8 @@ class _WireMixin:
                 v = _array_to_wire(v)
             elif f.name == "turn_spans":
                 v = [[int(s), int(e)] for s, e in v]
+            elif f.name == "routing_shape":
+                v = [int(x) for x in v] if isinstance(v, (tuple, list)) else v
             elif isinstance(v, np.integer):
                 v = int(v)
             elif isinstance(v, np.floating):
@@ -293,6 +303,8 @@ class _WireMixin:
                 raise _fail(name, n, "required array is null")
             elif n == "turn_spans" and isinstance(v, list):
                 v = [tuple(s) if isinstance(s, list) else s for s in v]
+            elif n == "routing_shape" and isinstance(v, list):
+                v = tuple(v)
             kwargs[n] = v
         return cls(**kwargs)
 
@@ -312,7 +324,7 @@ class TrajectoryEvent(_WireMixin):
     """One trajectory, finished or failed; ``T`` = ``len(token_ids)``."""
 
     KIND: ClassVar[str] = "trajectory"
-    _OPTIONAL: ClassVar[frozenset[str]] = frozenset({"teacher_logprobs"})
+    _OPTIONAL: ClassVar[frozenset[str]] = frozenset({"teacher_logprobs", "routing"})
 
     traj_id: str
     group_id: str
@@ -328,6 +340,8 @@ class TrajectoryEvent(_WireMixin):
     status: str = "ok"  # "ok" | "error": a failed trajectory is still accounted for in its group
     error: str = ""  # the error message when status == "error", else ""
     meta: dict[str, str | int | float] = field(default_factory=dict)
+    routing: np.ndarray | None = None  # (P·L·k,) uint8|int16: MoE experts per computed position, layer, slot
+    routing_shape: tuple[int, int] = (0, 0)  # (L, k) of ``routing``: MoE layers and experts per token
 
     def validate(self, limits: SchemaLimits | None = None) -> None:
         lim, c = limits or _DEFAULT_LIMITS, "TrajectoryEvent"
@@ -364,6 +378,23 @@ class TrajectoryEvent(_WireMixin):
             raise _fail(c, "loss_mask", f"is 1 at index {int(np.flatnonzero(outside)[0])}, outside every turn span "
                         "(only generated tokens may be trained on)")
         _check_meta(c, self.meta, lim)
+        _check_routing(c, self.routing, self.routing_shape, t)
+
+
+def _check_routing(c: str, routing: np.ndarray | None, shape: Any, t: int) -> None:
+    """Router replay data: P·L·k expert indices for P ≤ T positions (``routing_shape`` = (L, k))."""
+    if routing is None:
+        return
+    if not (isinstance(shape, (tuple, list)) and len(shape) == 2):
+        raise _fail(c, "routing_shape", f"expected (layers, topk), got {shape!r}")
+    for i, v in enumerate(shape):
+        _check_int(c, f"routing_shape[{i}]", v, 1, 1 << 16)
+    per = int(shape[0]) * int(shape[1])
+    n = _check_array(c, "routing", routing, (_U8, _I16), None, per * max(t, 1))
+    if n % per:
+        raise _fail(c, "routing", f"length {n} is not a multiple of layers x topk = {per}")
+    if n and int(routing.min()) < 0:
+        raise _fail(c, "routing", f"negative expert index {int(routing.min())}")
 
 
 @dataclass(eq=False)

@@ -10,18 +10,27 @@ A key file must be a regular file readable by its owner only (mode 0600 or 0400;
 as ssh does for private keys).  Make one with ``python -m megatron_tsync.transport.secret PATH`` (or print a fresh
 key to stdout with no argument).  The same key must reach the learner and every rollout worker — e.g. a 0600 file on
 a shared filesystem, or the env var set by the job script.
+
+Runs: the key that signs a run's events is not the shared secret itself but :func:`run_key` of it and the run's id
+(:func:`new_run_id`, drawn by each trainer process at start-up). Two runs sharing one secret file (a rerun, a resumed
+run, a second job) therefore sign with different keys: an event of another run does not verify under this run's key,
+and the channel tells it apart from a forgery by re-deriving the key of the run id the frame names
+(``channel.EventReceiver``, counted as ``wrong_run``).
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import os
+import re
 import secrets
 import stat
 import sys
 from collections.abc import Mapping
 
 __all__ = ["ENV_VAR", "ENV_FILE_VAR", "MIN_SECRET_BYTES", "SecretError", "generate_secret", "load_secret",
-           "write_secret_file"]
+           "new_run_id", "run_key", "write_secret_file"]
 
 ENV_VAR = "TSYNC_SECRET"
 ENV_FILE_VAR = "TSYNC_SECRET_FILE"
@@ -40,6 +49,26 @@ def generate_secret(nbytes: int = 32) -> bytes:
     if nbytes < MIN_SECRET_BYTES:
         raise ValueError(f"a secret needs at least {MIN_SECRET_BYTES} bytes")
     return secrets.token_bytes(nbytes)
+
+
+_RUN_ID = re.compile(r"[0-9a-f]{8,64}")
+
+
+def new_run_id() -> str:
+    """A fresh run id: 16 random hex digits (one per trainer process; a resumed run gets a new one)."""
+    return secrets.token_hex(8)
+
+
+def run_key(secret: bytes, run_id: str) -> bytes:
+    """The key that signs the events of run ``run_id``: HMAC-SHA256(secret, "tsync-run-key/v1:" + run_id).
+
+    Anyone holding the secret can derive it (the learner does, to recognise another run's events); without the
+    secret it is unknown, and one run's key says nothing about another's."""
+    if not isinstance(run_id, str) or not _RUN_ID.fullmatch(run_id):
+        raise ValueError(f"run id must be 8–64 lowercase hex digits, got {run_id!r}")
+    if len(secret) < MIN_SECRET_BYTES:
+        raise ValueError(f"a secret needs at least {MIN_SECRET_BYTES} bytes")
+    return hmac.new(bytes(secret), b"tsync-run-key/v1:" + run_id.encode(), hashlib.sha256).digest()
 
 
 def _parse_hex(text: str, where: str) -> bytes:

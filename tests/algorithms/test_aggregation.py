@@ -36,7 +36,7 @@ def _loop_reference(per_token, mask, mode, l_max):
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_streamed_equals_aggregate(mode, seed):
     per_token, mask = _batch(seed)
-    b, l_max = per_token.shape[0], 16  # L_max: the generation limit, a constant larger than this batch's width
+    b, l_max = per_token.shape[0], 16  # L_max: the action-token budget, a constant larger than this batch's width
     n_tok = int(mask.sum())
     nu = [sequence_weight(mode, int(mask[i].sum()), num_sequences=b, max_len=l_max) for i in range(b)]
     streamed = sum(nu[i] * float((per_token[i] * mask[i]).sum()) for i in range(b)) / barrier_divisor(mode, n_tok)
@@ -89,6 +89,9 @@ def test_validation():
         sequence_weight("sum", 3, num_sequences=2)
     with pytest.raises(ValueError, match="max_len"):
         sequence_weight("seq-mean-token-sum-norm", 3, num_sequences=2)
+    assert sequence_weight("seq-mean-token-sum-norm", 8, num_sequences=2, max_len=8) == 1 / 16  # T_i = L_max
+    with pytest.raises(ValueError, match=r"9 action tokens > L_max = 8"):  # L_max must bound every T_i
+        sequence_weight("seq-mean-token-sum-norm", 9, num_sequences=2, max_len=8)
     with pytest.raises(ValueError, match="unknown aggregation mode"):
         barrier_divisor("mean", 3)
     with pytest.raises(ValueError):

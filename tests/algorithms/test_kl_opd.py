@@ -52,6 +52,37 @@ def test_k2_k3_nonnegative_and_values():
         kl_penalty(d, d, "k4")
 
 
+def test_sequence_kl_is_the_masked_token_sum():
+    from megatron_tsync.algorithms.kl import sequence_kl
+
+    gen = torch.Generator().manual_seed(3)
+    logp, ref = -torch.rand(3, 9, generator=gen, dtype=torch.float64) * 4, -torch.rand(3, 9, generator=gen,
+                                                                                      dtype=torch.float64) * 4
+    mask = (torch.rand(3, 9, generator=gen) < 0.6).double()
+    for kind in ("k1", "k2", "k3"):
+        got = sequence_kl(logp, ref, mask, kind)
+        assert got.shape == (3,)
+        want = [sum(float(kl_penalty(logp[b, t:t + 1], ref[b, t:t + 1], kind)) for t in range(9) if mask[b, t])
+                for b in range(3)]
+        torch.testing.assert_close(got, torch.tensor(want, dtype=torch.float64), rtol=1e-14, atol=1e-15)
+    assert float(sequence_kl(logp, ref, torch.zeros_like(mask), "k3").abs().sum()) == 0.0
+
+
+def test_kl_gradients_at_the_reference():
+    """At log π = log π_ref: k2 and k3 have zero gradient, k1's is 1 per token whatever the reference — why a
+    frozen initial reference moves the loss-mode gradient at θ0 only through k1."""
+    gen = torch.Generator().manual_seed(4)
+    ref = -torch.rand(2, 7, generator=gen, dtype=torch.float64) * 3
+    for kind, want in (("k1", 1.0), ("k2", 0.0), ("k3", 0.0)):
+        logp = ref.clone().requires_grad_(True)
+        (g,) = torch.autograd.grad(kl_penalty(logp, ref, kind).sum(), logp)
+        assert torch.equal(g, torch.full_like(g, want)), kind
+    logp = (ref + 0.3).requires_grad_(True)
+    for other in (ref, ref - 1.0):
+        (g,) = torch.autograd.grad(kl_penalty(logp, other, "k1").sum(), logp)
+        assert torch.equal(g, torch.ones_like(g))
+
+
 def test_entropy():
     for v in (2, 7, 4096):
         assert float(entropy_from_logits(torch.zeros(v))) == pytest.approx(math.log(v), rel=1e-6)

@@ -133,3 +133,43 @@ def test_megatron_matches_transformers_tp2_and_pp2_round_trip(models, tmp_path):
     assert rc == 0, log[-4000:]
     _check_report(out, {(2, 1), (1, 2)})
     print(f"worker wall time {secs:.1f}s")
+
+
+def _broken_copy(src, dst, damage):
+    import shutil
+
+    shutil.copytree(src, dst)
+    damage(dst)
+    return str(dst)
+
+
+def _write(name, text):
+    return lambda d: (d / name).write_text(text) if isinstance(text, str) else (d / name).write_bytes(text)
+
+
+@pytest.mark.parametrize("damage, file, words", [
+    (_write("config.json", "{}"), "config.json", "missing field(s) ['vocab_size', 'hidden_size',"),
+    (_write("config.json", "garbage{"), "config.json", "not valid JSON (Expecting value: line 1 column 1"),
+    (_write("config.json", "[1, 2]"), "config.json", "expected a JSON object, got list"),
+    (_write("config.json", json.dumps({"model_type": "gpt2", "vocab_size": 8, "hidden_size": 8,
+                                        "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 1})),
+     "config.json", "unsupported model_type 'gpt2'"),
+    (_write("config.json", json.dumps({"vocab_size": 8, "hidden_size": "wide", "intermediate_size": 8,
+                                        "num_hidden_layers": 1, "num_attention_heads": 1})),
+     "config.json", "unsupported operand"),
+    (lambda d: (d / "config.json").unlink(), "config.json", "no such file"),
+    (_write("model.safetensors", os.urandom(4096)), "model.safetensors", "not a valid safetensors file"),
+    (_write("model.safetensors", b""), "model.safetensors", "not a valid safetensors file"),
+    (lambda d: (d / "model.safetensors").write_bytes((d / "model.safetensors").read_bytes()[:5000]),
+     "model.safetensors", "not a valid safetensors file"),  # truncated
+    (lambda d: (d / "model.safetensors").unlink(), "model.safetensors", "no such file"),
+    (_write("model.safetensors.index.json", "{]"), "model.safetensors.index.json", "not a safetensors index"),
+])
+def test_a_bad_model_folder_names_the_file(models, tmp_path, damage, file, words):
+    """``{}`` / garbage / missing config.json, garbage / empty / truncated / missing safetensors, a broken shard index:
+    each error names the file and what is wrong with it. Control: the intact folder loads."""
+    hc.load_hf_dir(models["llama"])
+    bad = _broken_copy(models["llama"], tmp_path / "m", damage)
+    with pytest.raises((ValueError, FileNotFoundError)) as e:
+        hc.load_hf_dir(bad)
+    assert os.path.join(bad, file) in str(e.value) and words in str(e.value), str(e.value)

@@ -360,10 +360,12 @@ def test_convert_checkpoint_bit_identical(models, tmp_path, name, tp, pp):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family, extra", [("qwen3", ["--tie"]), ("qwen3_moe", [])])
-def test_quickstart_trains_tiny_qwen3(tmp_path, family, extra):
+@pytest.mark.parametrize("family, extra, replay", [("qwen3", ["--tie"], False), ("qwen3_moe", [], False),
+                                                   ("qwen3_moe", [], True)])
+def test_quickstart_trains_tiny_qwen3(tmp_path, family, extra, replay):
     """The quickstart's config (examples/tiny_agent/config.yaml) with ``--model`` a tiny Qwen3 / Qwen3-MoE made by the
-    tool; 2 RL steps after a short warm start (small batches: this checks that it runs, not that it learns)."""
+    tool; 2 RL steps after a short warm start (small batches: this checks that it runs, not that it learns). With
+    ``--moe-router-replay`` every trajectory of the live run arrives with the engine's routing (dumped)."""
     from tests.conftest import free_port
 
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", MASTER_PORT=str(free_port()))
@@ -376,7 +378,7 @@ def test_quickstart_trains_tiny_qwen3(tmp_path, family, extra):
     args = ["--config", os.path.join(common.REPO, "examples", "tiny_agent", "config.yaml"), "--model", model,
             "--save", str(tmp_path / "ck"), "--tensorboard-dir", str(tmp_path / "tb"), "--train-iters", "2",
             "--sft-warmup-steps", "5", "--group-size", "2", "--global-batch-size", "4", "--max-new-tokens", "16",
-            "--no-progress"]
+            "--no-progress"] + (["--moe-router-replay", "--dump-rollouts", str(tmp_path / "dump")] if replay else [])
     p = subprocess.run([sys.executable, "-m", "megatron_tsync.train", *args], cwd=tmp_path, env=env,
                        capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, f"{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
@@ -387,6 +389,16 @@ def test_quickstart_trains_tiny_qwen3(tmp_path, family, extra):
 
     assert (tmp_path / "ck" / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
     assert ck.arch_from_checkpoint(str(tmp_path / "ck")) == ModelArch.from_hf_dir(model)  # the Qwen3 was trained
+    if replay:
+        from megatron_tsync.runtime.rollout_io import load_rollouts
+
+        arch = ModelArch.from_hf_dir(model)
+        for step in (0, 1):
+            samples, _ = load_rollouts(str(tmp_path / "dump"), step)
+            assert len(samples) == 4
+            for s in samples:  # routed by the engine at every position it computed, and trained on
+                assert s.routing is not None and s.routing.shape[1:] == (arch.num_layers, arch.moe_router_topk)
+                assert 0 < s.routing.shape[0] < s.token_ids.numel() and s.loss_mask.sum() > 0
 
 
 @pytest.mark.slow
@@ -422,9 +434,9 @@ def test_qwen3_tp2_pp2_dp2_match_single_process(models, tmp_path):
 
 
 @pytest.mark.slow
-def test_qwen3_moe_pp2_dp2_match_single_process(tmp_path):
-    """The same parallel-equivalence worker on a tiny Qwen3-MoE at the layouts this version trains (PP=2, DP=2;
-    TP > 1 and EP > 1 training are refused for MoE, see model/moe.py): log-probs, gradient and post-Adam-step weights
+def test_qwen3_moe_layouts_match_single_process(tmp_path):
+    """The same parallel-equivalence worker on a tiny Qwen3-MoE at TP=2 (sequence parallelism: megatron's MoE layer
+    needs it; the model pads to even lengths), PP=2, DP=2 and EP=2: log-probs, gradient and post-Adam-step weights
     equal one process's (1e-5, as for the dense models), with non-zero router and expert gradients."""
     from megatron_tsync.model.tiny_model import make_tiny_model
     from tests.training._launch import torchrun
@@ -432,7 +444,7 @@ def test_qwen3_moe_pp2_dp2_match_single_process(tmp_path):
     worker = os.path.join(common.WORKERS, "parallel_equiv_worker.py")
     model = make_tiny_model(str(tmp_path / "moe"), family="qwen3_moe", seed=0, experts=4, topk=2)
     torchrun(worker, ["--model", model, "--out-dir", str(tmp_path), "--layouts", "single"], nproc=1)
-    torchrun(worker, ["--model", model, "--out-dir", str(tmp_path), "--layouts", "pp2", "dp2"], nproc=2)
+    torchrun(worker, ["--model", model, "--out-dir", str(tmp_path), "--layouts", "tp2", "pp2", "dp2", "ep2"], nproc=2)
     ref = torch.load(str(tmp_path / "single.pt"))
 
     def rel(a, b, keys):
@@ -441,7 +453,7 @@ def test_qwen3_moe_pp2_dp2_match_single_process(tmp_path):
 
     moe = [k for k in ref["grads"] if ".mlp.gate.weight" in k or ".experts." in k]
     assert moe and all(ref["grads"][k].abs().max() > 0 for k in moe if ".mlp.gate.weight" in k)
-    for layout in ("pp2", "dp2"):
+    for layout in ("tp2", "pp2", "dp2", "ep2"):
         got = torch.load(str(tmp_path / f"{layout}.pt"))
         assert set(got["grads"]) == set(ref["grads"])
         lp = max(float((got["logprobs"][k] - ref["logprobs"][k]).abs().max()) for k in ref["logprobs"])

@@ -4,7 +4,7 @@
 - pure conversion: HF → (TP, PP, EP) shards → HF bit-identical per tensor, fused transformers-5 experts read;
 - logits: Megatron vs transformers fp32 ≤ 1e-5 max abs at 1 process (default tier) and TP=2, EP=2, PP=2 with two
   gloo processes (slow), with the round trip through real models at each layout (measured 4.2e-7 everywhere);
-- tools/convert_checkpoint.py: HF → Megatron (TP=2) → HF (PP=2) bit-identical (slow);
+- tools/convert_checkpoint.py: HF → Megatron (TP=2 | EP=2 | PP=2) → HF (PP=2 | EP=2) bit-identical (slow);
 - float64 streaming: stream-trajectory and stream-group gradient vs sync ≤ 1e-12 relative on a tiny MoE (router and
   experts included, and they move), single process.
 - control: megatron's per-sequence aux loss (what ``--moe-aux-loss-coeff`` would enable) breaks streaming (0.73
@@ -279,9 +279,14 @@ def test_float64_stream_equals_sync(moe64, estimator, reward, old):
 
 
 @pytest.mark.slow
-def test_convert_checkpoint_tool_round_trip(tiny_moe, tmp_path):
-    """tools/convert_checkpoint.py: HF → Megatron checkpoint written at TP=2 → HF read back at PP=2, bit-identical
-    (the tool has no EP flag yet; EP=2 round trips are tested through real models above)."""
+@pytest.mark.parametrize("save_at, export_at", [
+    (["--target-tensor-parallel-size", "2"], ["--target-pipeline-model-parallel-size", "2"]),
+    (["--target-expert-model-parallel-size", "2"], ["--target-pipeline-model-parallel-size", "2"]),
+    (["--target-pipeline-model-parallel-size", "2"], ["--target-expert-model-parallel-size", "2"]),
+], ids=["tp2-to-pp2", "ep2-to-pp2", "pp2-to-ep2"])
+def test_convert_checkpoint_tool_round_trip(tiny_moe, tmp_path, save_at, export_at):
+    """tools/convert_checkpoint.py: HF → Megatron checkpoint written at one layout → HF read back at another
+    (TP=2, PP=2, EP=2: each EP rank writes / reads its half of the experts), bit-identical per tensor."""
     import subprocess
     import sys
 
@@ -289,10 +294,8 @@ def test_convert_checkpoint_tool_round_trip(tiny_moe, tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     ck, back = str(tmp_path / "ck"), str(tmp_path / "back")
-    for args in (["--direction", "hf-to-megatron", "--load", tiny_moe, "--save", ck,
-                  "--target-tensor-parallel-size", "2"],
-                 ["--direction", "megatron-to-hf", "--load", ck, "--save", back,
-                  "--target-pipeline-model-parallel-size", "2"]):
+    for args in (["--direction", "hf-to-megatron", "--load", tiny_moe, "--save", ck, *save_at],
+                 ["--direction", "megatron-to-hf", "--load", ck, "--save", back, *export_at]):
         p = subprocess.run([sys.executable, tool, *args], env=env, capture_output=True, text=True, timeout=600)
         assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     a, b = hc.load_hf_state(tiny_moe), hc.load_hf_state(back)

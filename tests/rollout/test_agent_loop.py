@@ -282,3 +282,33 @@ def test_real_engine_concurrent_rollouts_match_trainer(real, codec, ids):
     # Per-turn seeds make the rollout reproducible whatever the batching.
     again = AgentLoop(engine, codec, cfg, tools=trivial_tool).run(prompts)
     assert [t.token_ids for t in again] == [t.token_ids for t in trajs]
+
+
+def test_idle_work_runs_only_while_no_trajectory_needs_the_engine(codec, ids):
+    """``idle_work`` jobs run on the engine thread while every trajectory is in a (slow) tool call, and yield within
+    their interrupt as soon as one needs the engine; the trajectories are the same as without idle work."""
+    scripts = {100: ["<tool>slow: 1</tool>", "<answer>1</answer>"], 101: ["<tool>slow: 2</tool>", "<answer>2</answer>"]}
+
+    def slow(args):
+        time.sleep(0.3)
+        return args
+
+    ran, yielded, busy, engines = [], [], [], []
+
+    def job(interrupt):
+        ran.append(time.monotonic())
+        busy.append(len(engines[-1].calls))
+        while not interrupt():
+            time.sleep(0.005)
+        yielded.append(time.monotonic())
+
+    def run(idle):
+        engines.append(ScriptedEngine(codec, scripts, ids["</result>"]))
+        loop = AgentLoop(engines[-1], codec, agent_config(ids, max_turns=3, max_total_tokens=400),
+                         tools=FunctionTools({"slow": slow}), idle_work=idle)
+        return [t.token_ids for t in loop.run([[100, 40], [101, 41]])]
+
+    plain = run(None)
+    assert run(lambda: job if len(ran) < 3 else None) == plain
+    # the first job started once both trajectories were in their tool call, and yielded when their second turn came
+    assert ran and busy[0] == 1 and len(yielded) == len(ran) and yielded[0] - ran[0] > 0.2

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from megatron_tsync.arguments import parse_args
-from megatron_tsync.runtime.fleet import WorkerDied, open_fleet
+from megatron_tsync.runtime.fleet import WorkerDied, open_fleet, sv_key
 from megatron_tsync.runtime.worker import WorkerSpec
 from megatron_tsync.transport import EventSender, TrajectoryEvent, load_secret
 
@@ -42,6 +42,12 @@ def _traj(tid, version, reward=1.0, status="ok"):
                            token_ids=np.array([3, 4, 5, 6], np.int32), prompt_len=2, loss_mask=mask,
                            logprobs=np.where(mask == 1, -0.5, 0).astype(np.float32), reward=reward,
                            turn_spans=[(2, 4)], status=status, error="" if ok else "sandbox crashed")
+
+
+def _sender(fleet, name="worker0"):
+    """A worker's sender of this fleet's run (its key is the run's: ``secret.run_key``)."""
+    return EventSender(fleet.receiver.endpoint, load_secret(path=fleet.spec.secret_file), name,
+                       run_id=fleet.spec.run_id)
 
 
 def _drain(source, tx, timeout_s=10.0):
@@ -93,7 +99,7 @@ def test_transport_source_takes_one_step_of_trajectories(plane) -> None:
         fleet.begin_step(0)
         src = fleet.source(0, max_seq_len=64)
         assert src.expected == {"s0g0t0", "s0g0t1", "s0g1t0", "s0g1t1"}
-        with EventSender(fleet.receiver.endpoint, load_secret(path=fleet.spec.secret_file), "worker0") as tx:
+        with _sender(fleet) as tx:
             for ev in (_traj("s0g0t0", 0, reward=1.0),
                        _traj("s0g0t1", 0, reward=0.5, status="error"),  # failed: counts with the learner's floor
                        _traj("s1g0t0", 0),  # another step's id: dropped
@@ -126,19 +132,92 @@ def test_stall_timeout_comes_from_the_config(plane) -> None:
 
 
 def test_a_dead_worker_is_named_with_its_log(plane) -> None:
-    """What the fleet promises of a worker that died: its id, exit code and log tail (not the lost trajectories)."""
-    _, fleet = _fleet(plane)
+    """Past the retry budget: the worker's id, exit code, log tail and the trajectories of the step not received."""
+    _, fleet = _fleet(plane, "--rollout-retries", "0")
     try:
         with open(os.path.join(fleet.log_dir, "worker1.log"), "w") as f:
             f.write("loading weights\nRuntimeError: out of memory\n")
-        fleet.procs += [subprocess.Popen([sys.executable, "-c", "pass"]),
+        fleet.procs += [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]),
                         subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(3)"])]
-        for p in fleet.procs:
-            p.wait(30)
+        fleet.procs[1].wait(30)
         src = fleet.source(0, max_seq_len=64)
-        with pytest.raises(WorkerDied, match=r"(?s)rollout worker 1 exited with code 3.*out of memory"):
+        with pytest.raises(WorkerDied, match=r"(?s)step 0: rollout worker 1 exited with code 3; --rollout-retries 0 "
+                                             r"spent \(1 worker failures\)\. 2 trajectories of the step were not "
+                                             r"received from it: \['s0g1t0', 's0g1t1'\].*out of memory") as e:
             src.poll(0.05)
+        assert (e.value.worker, e.value.step, e.value.missing) == (1, 0, ["s0g1t0", "s0g1t1"])
     finally:
+        fleet.close()
+
+
+def _beats(fleet, workers, interval=0.05):
+    from megatron_tsync.runtime import supervision as sv
+
+    return {w: sv.BeatWriter(os.path.join(fleet.run_dir, "hb", f"worker{w}.json"), fleet.spec.run_id, interval,
+                             payload=lambda: {"step": 0}).start() for w in workers}
+
+
+def test_a_hung_worker_is_redispatched_and_the_step_completes(plane) -> None:
+    """Two played workers beat; worker 1 delivers one of its group's two trajectories, then falls silent. After the
+    heartbeat deadline its missing one is re-dispatched to worker 0 (a signed file under the run's key, same policy
+    version); worker 0 delivers it and the step completes with exactly its 4 trajectories; the ledger says so."""
+    from megatron_tsync.runtime import supervision as sv
+
+    _, fleet = _fleet(plane, "--rollout-heartbeat-timeout", "0.5")
+    beats = _beats(fleet, (0, 1))
+    try:
+        fleet.begin_step(0)
+        src = fleet.source(0, max_seq_len=64)
+        with _sender(fleet, "worker0") as w0, _sender(fleet, "worker1") as w1:
+            for tid in ("s0g0t0", "s0g0t1"):
+                w0.send(_traj(tid, 0), timeout_s=5)
+            w1.send(_traj("s0g1t0", 0), timeout_s=5)
+            got = _drain(src, w0) + _drain(src, w1)
+            beats[1].stop()  # hung: no more heartbeats
+            t0 = time.monotonic()
+            while not src.ledger.failures and time.monotonic() - t0 < 10:
+                got += src.poll(0.05)
+            assert src.ledger.failures and src.ledger.failures[0]["worker"] == 1
+            assert 0.5 <= time.monotonic() - t0 < 3 and "hung" in src.ledger.failures[0]["why"]
+            key = sv_key(load_secret(path=fleet.spec.secret_file), fleet.spec.run_id)
+            todo = sv.read_assignments(plane, key, run_id=fleet.spec.run_id, worker=0, done=set(), max_step=0)
+            assert [(a["traj_ids"], a["version"]) for a in todo] == [(["s0g1t1"], 0)]
+            assert sv.read_assignments(plane, load_secret(path=fleet.spec.secret_file), run_id=fleet.spec.run_id,
+                                       worker=0, done=set(), max_step=0) == []  # control: the bare secret won't do
+            w0.send(_traj("s0g1t1", 0), timeout_s=5)
+            got += _drain(src, w0)
+        assert src.exhausted() and sorted(s.traj_id for s in got) == sorted(src.expected)
+        assert fleet.ledgers[0].row() == {"ledger_used": 4, "ledger_redispatched": 1, "ledger_dropped": 0,
+                                          "worker_failures": 1,
+                                          "recovery_s": pytest.approx(fleet.ledgers[0].row()["recovery_s"])}
+        assert 0.5 <= fleet.ledgers[0].row()["recovery_s"] < 3
+        assert fleet.ledgers[0].redispatched == {"s0g1t1": (1, 0, src.ledger.failures[0]["why"])}
+        # the next step: the dead worker's whole share goes to worker 0 as the step begins
+        fleet.begin_step(1)
+        src1 = fleet.source(1, max_seq_len=64)
+        assert sorted(fleet.ledgers[1].redispatched) == ["s1g1t0", "s1g1t1"]
+        todo = sv.read_assignments(plane, key, run_id=fleet.spec.run_id, worker=0, done=set(), max_step=1)
+        assert [a["traj_ids"] for a in todo if a["step"] == 1] == [["s1g1t0", "s1g1t1"]] and src1 is not None
+    finally:
+        for b in beats.values():
+            b.stop()
+        fleet.close()
+
+
+def test_a_late_event_of_a_redispatched_trajectory_is_a_counted_duplicate(plane) -> None:
+    _, fleet = _fleet(plane, "--rollout-heartbeat-timeout", "0.5")
+    beats = _beats(fleet, (0, 1))
+    try:
+        src = fleet.source(0, max_seq_len=64)
+        with _sender(fleet, "worker0") as w0:
+            for tid in ("s0g0t0", "s0g0t1", "s0g1t0", "s0g1t1", "s0g1t1"):
+                w0.send(_traj(tid, 0), timeout_s=5)
+            _drain(src, w0)
+        assert src.exhausted() and src.ledger.dropped == [("s0g1t1", "duplicate (from worker ?)")]
+        assert fleet.ledgers[0].row()["ledger_dropped"] == 1
+    finally:
+        for b in beats.values():
+            b.stop()
         fleet.close()
 
 
@@ -149,7 +228,7 @@ def test_async_early_trajectories_wait_for_their_step(plane) -> None:
     try:
         fleet.begin_step(0)
         src0 = fleet.source(0, max_seq_len=64)
-        with EventSender(fleet.receiver.endpoint, load_secret(path=fleet.spec.secret_file), "worker0") as tx:
+        with _sender(fleet) as tx:
             for tid in ("s0g0t0", "s1g0t0", "s0g0t1", "s0g1t0", "s0g1t1", "s2g1t0"):
                 tx.send(_traj(tid, 0), timeout_s=5)
             got = _drain(src0, tx)
@@ -163,3 +242,32 @@ def test_async_early_trajectories_wait_for_their_step(plane) -> None:
         assert src2._early == [] and fleet.early == {}
     finally:
         fleet.close()
+
+
+def test_ipc_endpoint_short_for_a_long_run_directory(tmp_path):
+    """A run directory whose events.sock path is too long for a unix socket gets a socket in the temporary
+    directory (stable per run directory); a short one keeps its own; a real receiver binds and a sender connects."""
+    import zmq
+
+    from megatron_tsync.runtime.fleet import _IPC_PATH_MAX, ipc_endpoint
+
+    short_dir = tmp_path / "rp"
+    assert ipc_endpoint(str(short_dir)) == f"ipc://{short_dir}/events.sock"
+    long_dir = tmp_path / ("x" * 120) / "rollout_plane"
+    ep = ipc_endpoint(str(long_dir))
+    assert ep.startswith("ipc://") and len(ep[len("ipc://"):].encode()) <= _IPC_PATH_MAX
+    assert ep == ipc_endpoint(str(long_dir)) and ep != ipc_endpoint(str(tmp_path / ("y" * 120)))
+    ctx = zmq.Context()
+    try:
+        pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+        pull.bind(ep)
+        push.connect(ep)
+        push.send(b"hi")
+        assert pull.poll(5000) and pull.recv() == b"hi"
+        # control: the long path itself cannot be bound
+        bad = ctx.socket(zmq.PULL)
+        long_dir.mkdir(parents=True)
+        with pytest.raises(zmq.ZMQError):
+            bad.bind(f"ipc://{long_dir}/events.sock")
+    finally:
+        ctx.destroy(linger=0)

@@ -145,3 +145,38 @@ def test_demonstration_tokens_equal_agent_loop_trajectory(codec):
         assert t.token_ids == ids
         assert t.loss_mask == mask
         assert codec.decode(ids) == task.demonstration(inst)
+
+
+# ------------------------------------------------------------------------------------------------------ JSONL files
+GOOD = '{"id": "p1", "prompt": "Write f", "tests": ["assert f() == 1"]}'
+
+
+@pytest.mark.parametrize("lines, where, words", [
+    ([GOOD, '{"id": "p2", "prompt": "x", "tests": ["1"]'], 2, "not valid JSON"),  # a truncated line
+    ([GOOD, "", "[1, 2]"], 3, "expected a JSON object, got list"),
+    ([GOOD, "garbage"], 2, "not valid JSON (Expecting value at column 1)"),
+    ([GOOD, '{"id": "p3"}'], 2, "a problem needs 'id', 'prompt' and 'tests' or 'test_command'"),
+])
+def test_a_broken_jsonl_task_line_names_file_and_line(tmp_path, lines, where, words):
+    """Through the recipes' JSONL task (``examples/jsonl_tasks.py``, read with ``runtime.tasks.read_jsonl``).
+    Control: the good line alone loads."""
+    path = tmp_path / "tasks.jsonl"
+    task = get_task("examples.jsonl_tasks:swe-jsonl", path=str(path), heldout_mod=1000)
+    path.write_text(GOOD + "\n")
+    assert [r["id"] for r in task.records("train")] == ["p1"]
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(ValueError) as e:
+        task.records("train")
+    assert f"{path}:{where}: " in str(e.value) and words in str(e.value), str(e.value)
+
+
+def test_read_jsonl_names_a_missing_or_non_utf8_file(tmp_path):
+    from megatron_tsync.runtime.tasks import read_jsonl
+
+    with pytest.raises(FileNotFoundError, match=f"{tmp_path / 'nope.jsonl'}: no such task file"):
+        list(read_jsonl(str(tmp_path / "nope.jsonl")))
+    (tmp_path / "bin.jsonl").write_bytes(GOOD.encode() + b"\n\xff\xfe\n")
+    with pytest.raises(ValueError, match=f"{tmp_path / 'bin.jsonl'}:2: not UTF-8"):
+        list(read_jsonl(str(tmp_path / "bin.jsonl")))
+    (tmp_path / "ok.jsonl").write_text(f"\n{GOOD}\n\n")
+    assert [n for n, _ in read_jsonl(str(tmp_path / "ok.jsonl"))] == [2]

@@ -18,7 +18,8 @@ def _spec(**changes) -> WorkerSpec:
     base = WorkerSpec(rl=RLConfig(group_size=3, max_new_tokens=16, seq_length=128),
                       rollout=RolloutConfig(temperature=0.7, top_k=5, top_p=0.9), engine_dtype="float32",
                       stream_turns=False, model_dir="m", start_step=2, worker_id=1, endpoint="ipc:///tmp/x.sock",
-                      secret_file="s.hex", weights_dir="w", weight_sync_addr="", weight_sync_backend="gloo")
+                      secret_file="s.hex", run_id="0123456789abcdef", weights_dir="w", weight_sync_addr="", weight_sync_backend="gloo",
+                      record_routing=False)
     return dataclasses.replace(base, **changes)
 
 

@@ -56,3 +56,26 @@ def arrival_order(samples: list[Sample], seed: int) -> list[Sample]:
     order = list(samples)
     random.Random(seed).shuffle(order)
     return order
+
+
+def prompt_groups(seed: int, groups: int = 3, G: int = 4, prompt: int = 14, vocab: int = 256) -> list[Sample]:
+    """Groups of G trajectories with one prompt each (loss mask 0), then action spans and tool outputs; group 0 has
+    equal rewards; rewards binary."""
+    g = torch.Generator().manual_seed(seed)
+    rnd = random.Random(seed)
+    out = []
+    for k in range(groups):
+        p = torch.randint(0, vocab, (prompt + k,), generator=g)
+        for i in range(G):
+            cont = rnd.randint(6, 16)
+            ids = torch.cat([p, torch.randint(0, vocab, (cont,), generator=g)])
+            mask = torch.zeros(ids.numel())
+            mask[p.numel():] = 1
+            if cont > 10:
+                mask[p.numel() + 4: p.numel() + 7] = 0  # a tool output inside the continuation
+            r = 1.0 if k == 0 else (float(i % 2) if i < 2 else float(rnd.random() < 0.5))  # groups 1.. mixed
+            beh = -torch.rand(ids.numel(), generator=g, dtype=torch.float64) * 3 - 1.0
+            ref = -torch.rand(ids.numel(), generator=g, dtype=torch.float64) * 3 - 1.0
+            out.append(Sample(traj_id=f"g{k}t{i}", group_id=f"g{k}", group_size=G, token_ids=ids, loss_mask=mask,
+                              reward=r, behaviour_logp=beh, ref_logp=ref))
+    return out

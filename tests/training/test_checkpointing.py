@@ -104,3 +104,148 @@ def test_latest_step_and_meta(tmp_path):
     (tmp_path / ck.TRACKER).write_text("12\n")
     assert ck.latest_step(str(tmp_path)) == 12
     assert ck.iter_dir("/x", 12) == "/x/iter_0000012"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# integrity: checksums, damaged checkpoints, --load-fallback, a full disk, --keep-last-checkpoints
+# ---------------------------------------------------------------------------------------------------------------------
+
+INTEGRITY = os.path.join(common.WORKERS, "ckpt_integrity_worker.py")
+
+
+@pytest.fixture(scope="module")
+def small_hf(tmp_path_factory):
+    from megatron_tsync.model.tiny_model import make_tiny_model
+
+    return make_tiny_model(str(tmp_path_factory.mktemp("tiny") / "small"), seed=3, hidden=64, layers=1, heads=2,
+                           kv_heads=1)
+
+
+def _integrity(args, tmp_path, prefix=()):
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "res.json"
+    if prefix:  # run under a wrapper (unshare + mount): as run_isolated does, but with the wrapper in front
+        env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(common.free_port()), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+        cmd = " ".join([*prefix, "&&", "exec", sys.executable, INTEGRITY, *args, "--out", str(out)])
+        p = subprocess.run(["unshare", "-rm", "sh", "-c", cmd], cwd=common.REPO, env=env, capture_output=True,
+                           text=True, timeout=300)
+        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    else:
+        rc, log, _ = common.run_isolated([INTEGRITY, *args, "--out", str(out)])
+        assert rc == 0, log[-4000:]
+    return json.loads(out.read_text())
+
+
+def test_a_damaged_latest_checkpoint_names_the_file_and_falls_back(small_hf, tmp_path):
+    """A flipped bit, a truncated file, a missing file in the latest checkpoint: each is refused before anything is
+    loaded, naming the file; with fallback the previous checkpoint loads bitwise. keep_last 2 kept steps 2 and 3.
+    Control: the undamaged checkpoint loads step 3."""
+    r = _integrity(["--case", "damage", "--hf", small_hf, "--root", str(tmp_path)], tmp_path)
+    assert r["kept"] == [2, 3] and r["manifest_complete"]
+    assert r["control_step"] == 3 and r["control_equal"]
+    for how, words in (("bitflip", "SHA-256 differs"), ("truncate", "truncated"), ("missing", "missing")):
+        c = r[how]
+        assert c["raised"] and c["path"] == c["damaged"] and c["damaged"] in c["raised"], c
+        assert words in c["raised"] and "--load-fallback" in c["raised"] and c["untouched"], c
+        assert (c["fallback_step"], c["fallback_state"], c["fallback_equal"]) == (2, {"step": 2}, True), c
+
+
+@pytest.mark.slow
+def test_a_damaged_checkpoint_is_refused_on_every_rank_at_tp2(small_hf, tmp_path):
+    """TP=2 (two processes, files hashed and checked round-robin over the ranks): both ranks raise the same error
+    naming the file, and both fall back to step 2 bitwise."""
+    import json
+
+    out = tmp_path / "res.json"
+    rc, log, _ = common.run_isolated([INTEGRITY, "--case", "damage", "--hf", small_hf, "--root", str(tmp_path),
+                                      "--out", str(out), "--tp", "2"], nproc=2, timeout=900)
+    assert rc == 0, log[-4000:]
+    ranks = [json.loads((tmp_path / f"res.json.rank{r}").read_text()) for r in (0, 1)]
+    for r in ranks:
+        assert r["kept"] == [2, 3] and r["control_step"] == 3 and r["control_equal"]
+        for how in ("bitflip", "truncate", "missing"):
+            c = r[how]
+            assert c["raised"] and c["damaged"] in c["raised"] and c["untouched"], c
+            assert (c["fallback_step"], c["fallback_equal"]) == (2, True), c
+    assert all(ranks[0][h]["raised"] == ranks[1][h]["raised"] for h in ("bitflip", "truncate", "missing"))
+
+
+def _check_full_disk(r):
+    assert r["raised"] and r["raised"].startswith("no space left on device while saving step 2") and r["disk_full"]
+    assert "the latest checkpoint is still step 1" in r["raised"]
+    assert r["latest"] == 1 and r["left"] == ["iter_0000001", "latest_checkpointed_iteration.txt"]
+    assert r["load_step"] == 1 and r["load_equal"]
+
+
+def test_a_full_disk_during_save_says_so_and_keeps_the_previous_checkpoint(small_hf, tmp_path):
+    """A real full filesystem: an 8 MiB tmpfs (private mount namespace), filled up to half a checkpoint before the
+    second save. torch's own message would be "unexpected pos 704 vs 598"."""
+    import shutil as sh
+
+    if sh.which("unshare") is None:
+        pytest.skip("no unshare(1): the injected-ENOSPC test covers the path")
+    root = tmp_path / "fs"
+    root.mkdir()
+    probe = __import__("subprocess").run(["unshare", "-rm", "sh", "-c", f"mount -t tmpfs -o size=8m tmpfs {root}"],
+                                         capture_output=True, text=True)
+    if probe.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs in a user namespace here ({probe.stderr.strip()}): the injected-ENOSPC "
+                    "test covers the path")
+    _check_full_disk(_integrity(["--case", "enospc", "--hf", small_hf, "--root", str(root)], tmp_path,
+                                prefix=("mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(root))))
+
+
+@pytest.mark.slow  # the tmpfs test above is the fast-tier one; this one needs no mount
+def test_an_injected_enospc_during_save_says_so_and_keeps_the_previous_checkpoint(small_hf, tmp_path):
+    """torch.save writes half its file, then raises OSError(ENOSPC) (what a full disk does to a plain write)."""
+    _check_full_disk(_integrity(["--case", "enospc", "--inject", "--hf", small_hf, "--root", str(tmp_path)],
+                                tmp_path))
+
+
+def test_prune_and_saved_steps(tmp_path):
+    for s in (1, 2, 5, 7):
+        d = tmp_path / f"iter_{s:07d}"
+        d.mkdir()
+        (d / ck.META).write_text("{}")
+    (tmp_path / "iter_0000009.tmp").mkdir()  # an interrupted save is not a checkpoint
+    (tmp_path / "reference").mkdir()
+    assert ck.saved_steps(str(tmp_path)) == [1, 2, 5, 7]
+    assert ck.prune(str(tmp_path), 2) == [1, 2] and ck.saved_steps(str(tmp_path)) == [5, 7]
+    assert (tmp_path / "reference").is_dir() and (tmp_path / "iter_0000009.tmp").is_dir()
+    with pytest.raises(ValueError, match="keep_last must be >= 1"):
+        ck.prune(str(tmp_path), 0)
+
+
+def test_unreadable_meta_and_tracker_name_their_file(tmp_path):
+    (tmp_path / ck.TRACKER).write_text("seven")
+    with pytest.raises(ValueError, match=f"{tmp_path / ck.TRACKER}: expected an iteration number"):
+        ck.latest_step(str(tmp_path))
+    d = tmp_path / "iter_0000003"
+    d.mkdir()
+    (d / ck.META).write_text('{"step": 3')  # truncated JSON
+    with pytest.raises(ck.CheckpointCorrupt, match=f"{d / ck.META}: unreadable"):
+        ck.read_meta(str(tmp_path), 3)
+
+
+def test_verify_without_a_process_group(tmp_path):
+    """``ckpt_integrity`` on plain files: a pre-checksum checkpoint (no manifest) is reported unverified, an unreadable
+    manifest and an altered file are named. Control: the intact folder verifies."""
+    from megatron_tsync.training import ckpt_integrity as ci
+
+    d = tmp_path / "iter_0000001"
+    (d / "rng").mkdir(parents=True)
+    (d / "a.distcp").write_bytes(b"x" * 1000)
+    (d / "rng" / "rank_00000.pt").write_bytes(b"y" * 10)
+    assert ci.verify(str(d)) is False  # format 1: nothing to verify against
+    ci.write_manifest(str(d))
+    assert ci.verify(str(d)) is True
+    (d / "a.distcp").write_bytes(b"x" * 999 + b"z")
+    with pytest.raises(ci.CheckpointCorrupt, match=f"{d / 'a.distcp'}: SHA-256 differs"):
+        ci.verify(str(d))
+    (d / ci.MANIFEST).write_text("{")
+    with pytest.raises(ci.CheckpointCorrupt, match=f"{d / ci.MANIFEST}: unreadable checksum manifest"):
+        ci.verify(str(d))

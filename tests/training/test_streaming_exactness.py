@@ -38,9 +38,11 @@ def model64(megatron_single):
     return ddp, build_optimizer(ddp, OptimConfig(optimizer="sgd", lr=0.0, clip_grad=0))
 
 
-def gradient(model64, mode, samples, order, **kw):
+def gradient(model64, mode, samples, order, reference=None, **kw):
+    """(gradient after the barrier, StepResult) of one learner step of ``mode`` over ``order`` (``reference``: the
+    KL reference model, ``training.reference``)."""
     ddp, opt = model64
-    learner = Learner(ddp, opt, LearnerConfig(mode=mode, **kw))
+    learner = Learner(ddp, opt, LearnerConfig(mode=mode, **kw), reference=reference)
     got = {}
     learner.grad_hook = lambda d: got.setdefault("g", torch.cat([b.grad_data.clone() for b in d.buffers]))
     sizes, shape = shape_for(samples)

@@ -23,6 +23,7 @@ LAYOUTS = ["tp2", "pp2", "dp2"]
 CHECK_OF = {  # test function -> the worker check it reads (layout from its `layout` parameter, else dp2)
     "test_float64_stream_equals_sync": "f64",
     "test_float64_packed_equals_unpacked_sync": "packed",
+    "test_float64_shared_prefix_and_skip": "shared",
     "test_float32_three_steps": "f32-sgd",
     "test_float32_adam_delta_k_report": "f32-adam",
 }
@@ -61,6 +62,29 @@ def test_float64_stream_equals_sync(layout, stream_reports):
         assert row["stream-group"] < 1e-12, row
 
 
+def test_float64_objective_equal_in_every_mode_and_layout(stream_reports):
+    """train/loss (``training/objective.py``) of the same batch: equal in sync, stream-trajectory and stream-group on
+    every layout (≤ 1e-12), and across layouts: tp2 and dp2 build the same θ0, so their values agree case by case
+    (dp2 sums two replicas' halves; rank 0, which writes the report, holds one); pp2 builds another θ0, so only the
+    cases whose value does not depend on θ (ratio 1, no TIS/KL/entropy: J = −Σ A_i ν_i T_i / divisor) are
+    compared there (its rank 0 is the first stage, which has no values of its own: the PP sum brings them)."""
+    reps = {layout: stream_reports(layout, "f64")["result"] for layout in LAYOUTS}
+    for layout, rows in reps.items():
+        for row in rows:
+            if "objective" not in row:
+                continue  # the minibatch rows
+            j = row["objective"]
+            for mode in ("stream-trajectory", "stream-group"):
+                assert abs(j[mode] - j["sync"]) <= 1e-12 * max(1.0, abs(j["sync"])), (layout, row)
+    for tp, dp, pp in zip(reps["tp2"], reps["dp2"], reps["pp2"]):
+        if "objective" not in tp:
+            continue
+        assert abs(tp["objective"]["sync"] - dp["objective"]["sync"]) <= 1e-12 * max(1.0, abs(tp["objective"]["sync"]))
+        if set(tp["loss_keys"]) <= {"aggregation"}:
+            assert abs(pp["objective"]["sync"] - tp["objective"]["sync"]) <= 1e-12, (tp, pp)
+    assert any(abs(r["objective"]["sync"]) > 1e-3 for r in reps["dp2"] if "objective" in r)  # not all zero
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_float64_packed_equals_unpacked_sync(layout, stream_reports):
@@ -71,6 +95,21 @@ def test_float64_packed_equals_unpacked_sync(layout, stream_reports):
             assert row[mode] < 1e-12, (mode, row)
         mb = row["microbatches"]
         assert mb["sync"] < mb["sync-unpacked"], row  # packing really packed
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_float64_shared_prefix_and_skip(layout, stream_reports):
+    """--shared-prefix + --skip-zero-advantage: sync, stream-trajectory and stream-group vs sync with neither
+    ≤ 1e-12; the shared prefix and the skip really happened (sync and stream-group, whole groups at once)."""
+    rep = stream_reports(layout, "shared")
+    for row in rep["result"]:
+        for mode in ("sync", "stream-trajectory", "stream-group"):
+            assert row[mode] < 1e-12, (mode, row)
+        for mode in ("sync", "stream-group"):
+            st = row["stats"][mode]
+            assert st["shared_prefix_items"] > 0 and st["skipped_zero_advantage"] > 0, (mode, st)
+        assert row["stats"]["sync-plain"]["shared_prefix_items"] == 0
 
 
 @pytest.mark.slow

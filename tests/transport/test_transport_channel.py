@@ -277,3 +277,30 @@ def test_receiver_crash_before_acking(ipc_dir, carry_state) -> None:
         assert second == [] and tx.stats["resent"] == 0
     else:
         assert sorted(e.traj_id for e in second) == [f"traj-{i}" for i in range(5)] and tx.stats["resent"] == 5
+
+
+def _oversize_counted(endpoint, size: int, **kw) -> tuple[int, list]:
+    """Sends one ``size``-byte frame and then a valid event on one raw connection; returns (oversize count, events)."""
+    with EventReceiver(endpoint, KEY, **kw) as rx:
+        raw = zmq.Context.instance().socket(zmq.DEALER)
+        raw.setsockopt(zmq.LINGER, 0)
+        raw.connect(rx.endpoint)
+        raw.send(b"\0" * size)
+        raw.send(encode(make_small(0), KEY, sender_id="raw", seq=1, epoch=1))
+        got = collect(rx, 1, timeout_s=10)
+        raw.close()
+        return rx.stats["oversize"], got
+
+
+def test_a_frame_over_the_cap_is_counted_before_it_is_dropped(endpoint) -> None:
+    """20 MiB against a 1 MiB limit: read, counted as oversize, dropped; the connection survives for the next event.
+    Control: with ZMQ's old hard cap (4 × max_bytes) the same frame vanished uncounted, with the connection."""
+    n, got = _oversize_counted(endpoint, 20 << 20, max_bytes=1 << 20)
+    assert n == 1 and [e.traj_id for e in got] == ["traj-0"]
+    n, _ = _oversize_counted(endpoint, 20 << 20, max_bytes=1 << 20, hard_max_bytes=4 << 20)
+    assert n == 0  # the case this cap exists for; above hard_max_bytes ZMQ gives no count
+
+
+def test_a_300mb_frame_is_counted_with_the_default_limits(endpoint) -> None:
+    n, got = _oversize_counted(endpoint, 300 << 20)
+    assert n == 1 and [e.traj_id for e in got] == ["traj-0"]

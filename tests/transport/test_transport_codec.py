@@ -4,12 +4,14 @@ import os
 import struct
 
 import msgpack
+import numpy as np
 import pytest
 from tsync_transport_helpers import KEY, make_small, make_traj
 
 from megatron_tsync.transport import (
     BadSignature,
     Malformed,
+    NonFinite,
     Oversize,
     Replayed,
     ReplayGuard,
@@ -79,7 +81,6 @@ def test_malformed_frames() -> None:
     (1, b"\xc1\xc1", "payload is not msgpack"),
     (1, msgpack.packb([1, 2, 3]), "payload must be a map"),
     (1, msgpack.packb({"traj_id": 3}), "missing field"),
-    (1, msgpack.packb({**make_small(0).to_wire(), "reward": float("nan")}, use_bin_type=True), "reward: must be finite"),
     (1, msgpack.packb({**make_small(0).to_wire(), "reward": None}, use_bin_type=True), "reward: expected float"),
     (3, msgpack.packb({**make_small(0).to_wire()}, use_bin_type=True), "unknown field"),  # a trajectory sent as a turn
     (1, msgpack.packb({**make_small(0).to_wire(), "policy_version": 4}, use_bin_type=True),
@@ -93,6 +94,35 @@ def test_valid_hmac_but_bad_payload_is_malformed(code, payload, match) -> None:
     frame = _seal(code, payload, KEY, sender_id="w", seq=1, epoch=1, policy_version=0)
     err = _raises(Malformed, frame, match)
     assert err.header is not None and err.header.seq == 1  # authentic: the channel can tell the sender
+
+
+def _nan_at(field: str) -> bytes:
+    wire = make_traj(0).to_wire()
+    if field == "meta":
+        wire["meta"] = {"latency_s": float("nan")}
+    elif field == "reward":
+        wire["reward"] = float("inf")
+    else:  # an array: put a NaN on a trained token (index 40 is inside the first turn)
+        a = getattr(make_traj(0), field).copy()
+        a[40] = np.nan
+        wire[field] = ["<f4", a.size, a.tobytes()]
+    return msgpack.packb(wire, use_bin_type=True)
+
+
+@pytest.mark.parametrize("field", ["reward", "logprobs", "teacher_logprobs", "meta"])
+def test_a_non_finite_number_anywhere_is_rejected_and_names_its_trajectory(field) -> None:
+    frame = _seal(1, _nan_at(field), KEY, sender_id="w", seq=1, epoch=1, policy_version=0)
+    err = _raises(NonFinite, frame, f"TrajectoryEvent.{field}")
+    assert isinstance(err, Malformed) and err.reason == "non_finite"
+    assert err.event_ids == ("traj-0", "group-0")  # authentic: the learner can account the trajectory
+    control = _seal(1, msgpack.packb(make_traj(0).to_wire(), use_bin_type=True), KEY, sender_id="w", seq=1, epoch=1,
+                    policy_version=0)
+    assert decode(control, KEY, max_bytes=MAX).traj_id == "traj-0"
+
+
+def test_a_payload_naming_no_ids_carries_none() -> None:
+    frame = _seal(1, msgpack.packb({"traj_id": 3}), KEY, sender_id="w", seq=1, epoch=1, policy_version=0)
+    assert _raises(Malformed, frame, "missing field").event_ids is None
 
 
 def test_oversize_checked_before_parsing() -> None:

@@ -176,3 +176,37 @@ def test_from_wire_missing_and_unknown_fields() -> None:
     wire["loss_mask"] = None
     with pytest.raises(SchemaError, match="loss_mask: required array is null"):
         TurnEvent.from_wire(wire)
+
+
+def _routed(n_pos: int = 31, layers: int = 2, k: int = 2, dtype=np.uint8):
+    ev = make_traj(0, T=32)
+    ev.routing = np.arange(n_pos * layers * k, dtype=dtype) % 8
+    ev.routing_shape = (layers, k)
+    return ev
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.int16])
+def test_router_replay_routing_round_trips(dtype) -> None:
+    ev = _routed(dtype=dtype)
+    ev.validate()
+    out = decode(encode(ev, KEY), KEY, max_bytes=1 << 20)
+    assert out.routing.dtype == ev.routing.dtype and np.array_equal(out.routing, ev.routing)
+    assert out.routing_shape == (2, 2) and out == ev
+
+
+@pytest.mark.parametrize("ev, match", [
+    (_routed(n_pos=33), r"routing: length 132 exceeds"),
+    (_routed(layers=3, k=2), None),
+    (_routed(dtype=np.int32), r"routing: dtype <i4"),
+])
+def test_router_replay_routing_validated(ev, match) -> None:
+    if match is None:  # 31 positions × 3 × 2 is consistent; a shape that does not divide the length is not
+        ev.validate()
+        ev.routing_shape = (4, 2)
+        match = r"routing: length 186 is not a multiple of layers x topk = 8"
+    with pytest.raises(SchemaError, match=match):
+        ev.validate()
+    bad = _routed()
+    bad.routing_shape = (0, 2)
+    with pytest.raises(SchemaError, match=r"routing_shape\[0\]: 0 < minimum 1"):
+        bad.validate()

@@ -25,7 +25,8 @@ def batch(vocab, n=4, T=24, seed=0):
     return [torch.randint(0, vocab, (T - i,), generator=g) for i in range(n)]
 
 
-LAYOUTS = {"single": (1, 1), "tp2": (2, 1), "pp2": (1, 2), "dp2": (1, 1)}  # (tp, pp); dp = world / (tp × pp)
+LAYOUTS = {"single": (1, 1, 1), "tp2": (2, 1, 1), "pp2": (1, 2, 1), "dp2": (1, 1, 1),
+           "ep2": (1, 1, 2)}  # (tp, pp, ep); dp = world / (tp × pp); ep2: MoE experts split over the 2 DP ranks
 
 
 def run(model_dir, dims, out):
@@ -79,7 +80,8 @@ def main():
     ap.add_argument("--out-dir", required=True)
     a = ap.parse_args()
     for layout in a.layouts:
-        dims = initialize_parallel(*LAYOUTS[layout])
+        tp, pp, ep = LAYOUTS[layout]
+        dims = initialize_parallel(tp, pp, ep=ep)
         run(a.model, dims, os.path.join(a.out_dir, f"{layout}.pt"))
     destroy_parallel()
 

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from stream_cases import TINY, arrival_order, make_samples, spec_for  # noqa: E402
+from stream_cases import TINY, arrival_order, make_samples, prompt_groups, spec_for  # noqa: E402
 
 from megatron_tsync.algorithms.policy_loss import PolicyLossConfig  # noqa: E402
 from megatron_tsync.streaming.ready_queue import ListSource  # noqa: E402
@@ -101,7 +101,9 @@ def run_f64(dims):
             grads[mode] = (got["g"], res)
         row = {"case": ci, "estimator": case["estimator"], "reward": case["reward"],
                "peak_vectors": grads["stream-trajectory"][1].peak_bucket_vectors,
-               "stats": grads["stream-trajectory"][1].planner_stats}
+               "stats": grads["stream-trajectory"][1].planner_stats,
+               "loss_keys": sorted(case["loss"]),  # train/loss (training/objective.py) of each mode:
+               "objective": {mode: r.objective for mode, (_, r) in grads.items()}}
         for mode in ("stream-trajectory", "stream-group"):
             row[mode] = global_rel(grads[mode][0], grads["sync"][0], dims)
         out.append(row)
@@ -174,6 +176,43 @@ def run_packed(dims):
     return out
 
 
+SHARED_CASES = [
+    dict(estimator="grpo", reward="binary", loss={}),
+    dict(estimator="rloo", reward="binary", loss={"aggregation": "seq-mean-token-sum", "old_logprobs": "engine"}),
+]
+
+
+def run_shared(dims):
+    """float64: --shared-prefix and --skip-zero-advantage (sync, stream-trajectory, stream-group) vs sync with neither,
+    on groups that share a prompt (one of them all-equal); arrivals four per poll."""
+    out = []
+    for ci, case in enumerate(SHARED_CASES):
+        grads = {}
+        runs = (("sync-plain", "sync", None, False), ("sync", "sync", None, True),
+                ("stream-trajectory", "stream-trajectory", 51 + ci, True), ("stream-group", "stream-group", 61 + ci, True))
+        for name, mode, order_seed, on in runs:
+            ddp = wrap_ddp(build_model(TINY, PrecisionConfig(params_dtype=torch.float64), seed=0))
+            opt = build_optimizer(ddp, OptimConfig(optimizer="sgd", lr=0.0, clip_grad=0))
+            cfg = LearnerConfig(mode=mode, estimator=case["estimator"], loss=LossConfig(**case["loss"]),
+                                reward_spec=spec_for(case["reward"]), shared_prefix=on, skip_zero_advantage=on)
+            L = Learner(ddp, opt, cfg, dp_rank=dims.dp_rank, pp_size=dims.pp)
+            S = prompt_groups(400 + ci)
+            order = S if order_seed is None else arrival_order(S, order_seed)
+            for s in S:  # whole groups per rank, so a rank has members to share a prompt between
+                s.dp_rank = int(s.group_id[1:]) % dims.dp
+            got = {}
+            L.grad_hook = lambda d: got.setdefault("g", torch.cat([b.grad_data.clone() for b in d.buffers]))
+            sizes, shape = shape_for(S)
+            res = L.train_step(ListSource(order, batch=4), sizes, shape)
+            grads[name] = (got["g"], res)
+        row = {"case": ci, "estimator": case["estimator"],
+               "stats": {k: v[1].planner_stats for k, v in grads.items()}}
+        for name in ("sync", "stream-trajectory", "stream-group"):
+            row[name] = global_rel(grads[name][0], grads["sync-plain"][0], dims)
+        out.append(row)
+    return out
+
+
 def run_f32(dims, steps=3, seed=0, optimizer="adam"):
     """Δ_k of each float32 mode against float32 sync, next to the permutation control; and every float32 run's
     distance to the float64 sync run from the same θ0 (the exact update), which separates streaming's rounding
@@ -226,6 +265,7 @@ LAYOUTS = {"tp2": (2, 1), "pp2": (1, 2), "dp2": (1, 1)}  # (tp, pp) of 2 process
 CHECKS = {
     "f64": run_f64,
     "packed": run_packed,
+    "shared": run_shared,
     "f32-sgd": lambda dims, seed: run_f32(dims, seed=seed, optimizer="sgd"),
     "f32-adam": lambda dims, seed: run_f32(dims, seed=seed, optimizer="adam"),
 }
@@ -255,7 +295,7 @@ def main():
         for check in checks:
             t0 = time.time()
             fn = CHECKS[check]
-            res = fn(dims) if check in ("f64", "packed") else fn(dims, a.seed)
+            res = fn(dims) if check in ("f64", "packed", "shared") else fn(dims, a.seed)
             if dims.rank == 0:
                 path = os.path.join(a.out_dir, f"{layout}-{check}.json")
                 with open(path + ".tmp", "w") as f:

@@ -1,0 +1,225 @@
+"""The workspace environment: a task's files in a persistent sandboxed workspace, the tools ``bash``, ``view``,
+``edit``, ``submit``, and the hidden-test verdict (``envs/verifier.py``). swe-lite, terminal-lite and the
+SWE-bench / Terminal-Bench loaders all produce :class:`WorkspaceTask` s for it.
+
+An episode: ``start`` opens ``sandbox.workspace(files=task.files, copy_from=task.copy_from)`` (own uid, 0700,
+isolated from every other trajectory) and runs the task's ``setup`` commands in it; each ``step`` parses the last
+tool call of the model's turn (tool format "tag" or "qwen", ``envs/tool_format.py``) and runs it there; ``submit``
+ends the episode; ``finish`` hands the final workspace to the verifier (fresh dir, another uid, the task's tests
+restored, decoys), then removes the workspace. Standard library + rollout.sandbox only.
+"""
+
+from __future__ import annotations
+
+import random
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+from megatron_tsync.rollout.envs.base import Observation, register_environment
+from megatron_tsync.rollout.envs.checks import Check, render_checks
+from megatron_tsync.rollout.envs.tool_format import CallError, ToolFormat, bind_args, get_tool_format
+from megatron_tsync.rollout.envs.verifier import HiddenTestVerifier, TestSpec, Verdict
+from megatron_tsync.rollout.envs.workspace_tools import WORKSPACE_TOOLS, result_text, run_workspace_tool
+
+__all__ = ["WorkspaceTask", "WorkspaceEnv", "WorkspaceEpisode", "render_prompt", "demonstration_segments"]
+
+
+@dataclass(frozen=True)
+class WorkspaceTask:
+    """One task of a workspace environment."""
+
+    task_id: str
+    instruction: str
+    """The issue text / instruction the agent gets."""
+    files: Mapping[str, str] = field(default_factory=dict)
+    """Initial workspace files (relative path -> text)."""
+    checks: Sequence[Check] = ()
+    """Hidden checks with expected values (rendered with decoys at each verification)."""
+    preambles: Mapping[str, str] = field(default_factory=dict)
+    """Test file -> its imports/helpers, for ``checks``."""
+    test_files: Mapping[str, str] = field(default_factory=dict)
+    """Fixed hidden test files (loaders), restored as they are."""
+    must_pass: Sequence[str] = ()
+    """Node ids (or test files) of ``test_files`` that must pass."""
+    protected: Sequence[str] = ("tests",)
+    """Workspace paths never copied to the verifier (the task's tests live there)."""
+    noconftest: bool = True
+    copy_from: str | None = None
+    """A local directory copied into the workspace first (loaders: the repository checkout)."""
+    setup: Sequence[str] = ()
+    """Shell commands run in the workspace before the episode (Terminal-Bench ``setup``)."""
+    solution: Sequence[tuple[str, dict]] = ()
+    """The known fix as tool calls ``(name, args)``, ending with submit (scripted policies, demonstrations)."""
+    meta: Mapping[str, Any] = field(default_factory=dict)
+
+    def test_spec(self, rng: random.Random) -> TestSpec:
+        files, must_pass, must_fail = render_checks(self.checks, dict(self.preambles), rng)
+        for path, text in self.test_files.items():
+            files[path] = text
+        return TestSpec(files, [*must_pass, *self.must_pass], must_fail, protected=tuple(self.protected),
+                        noconftest=self.noconftest)
+
+
+_TAG_HELP = """Tools (one call per turn, the result comes back in <result>...</result>):
+<tool>bash: COMMAND</tool>   run a shell command in the repository root
+<tool>view: PATH</tool>      show a file with line numbers, or list a directory
+<tool>edit: {"path": "...", "old_str": "...", "new_str": "..."}</tool>   replace the one occurrence of old_str
+<tool>submit: </tool>        finish; hidden tests are then run
+"""
+
+
+def _qwen_system(instruction_kind: str) -> str:
+    import json
+
+    tools = [{"type": "function", "function": {"name": s.name, "description": s.description, "parameters": {
+        "type": "object", "properties": {p: {"type": "integer" if p.endswith("_line") else "string"} for p in s.params},
+        "required": list(s.required)}}} for s in WORKSPACE_TOOLS.values()]
+    return (f"You are a {instruction_kind}. Work in the repository with the tools, then call submit.\n\n# Tools\n\n"
+            "You may call one or more functions to assist with the user query.\n\nYou are provided with function "
+            "signatures within <tools></tools> XML tags:\n<tools>\n" + "\n".join(json.dumps(t) for t in tools)
+            + "\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
+            '<tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": '
+            "<args-json-object>}\n</tool_call>")
+
+
+DEFAULT_ROLE = "software engineer fixing an issue"
+
+
+def render_prompt(task: WorkspaceTask, tool_format: str = "tag", role: str = DEFAULT_ROLE) -> str:
+    """The episode's first observation: the role, the tools in the tool format, the task's instruction."""
+    if tool_format == "qwen":
+        return (f"<|im_start|>system\n{_qwen_system(role)}<|im_end|>\n<|im_start|>user\n{task.instruction}"
+                "<|im_end|>\n<|im_start|>assistant\n")
+    return f"You are a {role}.\n{_TAG_HELP}\nTask:\n{task.instruction}\n"
+
+
+def demonstration_segments(task: WorkspaceTask, tool_format: str = "tag", role: str = DEFAULT_ROLE
+                           ) -> list[tuple[str, bool]]:
+    """The known solution as (text, is_action) segments, observations as the environment writes them, without
+    running anything (for supervised warm starts): ``edit`` -> "edited PATH at line N", ``bash`` -> its output is
+    assumed empty (true for the suites' solutions), ``submit`` -> "submitted"."""
+    fmt = get_tool_format(tool_format)
+    segs = [(render_prompt(task, tool_format, role), False)]
+    files = dict(task.files)
+    for name, args in task.solution:
+        if name == "edit":
+            text = files[args["path"]]
+            line = text[:text.index(args["old_str"])].count("\n") + 1
+            files[args["path"]] = text.replace(args["old_str"], args["new_str"], 1)
+            out = f"edited {args['path']} at line {line}"
+        else:
+            out = "submitted" if name == "submit" else ""
+        segs += [(fmt.render_call(name, args), True), (fmt.render_result(out), False)]
+    return segs
+
+
+class WorkspaceEnv:
+    """Workspace episodes (see the module docstring).
+
+    Args:
+        sandbox: the episodes' sandbox (limits of each tool call); default ``Sandbox(SandboxConfig())``.
+        verifier: default :class:`HiddenTestVerifier` (its own sandbox and limits).
+        tool_format: "tag" or "qwen".
+        max_obs_chars: tool output kept per observation.
+        role: how the system prompt names the agent.
+    """
+
+    name = "workspace"
+
+    def __init__(self, sandbox=None, verifier: HiddenTestVerifier | None = None, tool_format: str = "tag",
+                 max_obs_chars: int = 4000, role: str = DEFAULT_ROLE):
+        if sandbox is None:
+            from megatron_tsync.rollout.sandbox import Sandbox
+
+            sandbox = Sandbox()
+        self.sandbox = sandbox
+        self.verifier = verifier or HiddenTestVerifier()
+        self.format: ToolFormat = get_tool_format(tool_format)
+        self.max_obs_chars = max_obs_chars
+        self.role = role
+
+    def prompt(self, task: WorkspaceTask) -> str:
+        return render_prompt(task, self.format.name, self.role)
+
+    async def start(self, task: WorkspaceTask) -> "WorkspaceEpisode":
+        import asyncio
+
+        loop = asyncio.get_running_loop()
+        from megatron_tsync.rollout.sandbox import _get_executor
+
+        ws = await loop.run_in_executor(_get_executor(self.sandbox._max_workers), self._open, task)
+        return WorkspaceEpisode(self, task, ws)
+
+    def _open(self, task: WorkspaceTask):
+        ws = self.sandbox.workspace(files=dict(task.files), copy_from=task.copy_from)
+        for cmd in task.setup:
+            res = ws.run(["/bin/sh", "-c", cmd])
+            if not res.ok:
+                ws.close()
+                raise RuntimeError(f"task {task.task_id}: setup command {cmd!r} failed: {res.error}: "
+                                   f"{res.stderr[-500:]}")
+        return ws
+
+    def render_solution(self, task: WorkspaceTask) -> list[str]:
+        """The known fix as model turns in this environment's tool format."""
+        return [self.format.render_call(name, args) for name, args in task.solution]
+
+
+class WorkspaceEpisode:
+    def __init__(self, env: WorkspaceEnv, task: WorkspaceTask, ws):
+        self.env, self.task, self.ws = env, task, ws
+        self.prompt = env.prompt(task)
+        self.done = False
+        self.turns = 0
+        self.tool_s = 0.0
+        self.t_start = time.monotonic()
+
+    def _obs(self, text: str, **kw) -> Observation:
+        return Observation(self.env.format.render_result(text), **kw)
+
+    async def step(self, action_text: str) -> Observation:
+        self.turns += 1
+        if self.done:
+            return self._obs("error: the episode is over", done=True, ok=False, error="episode over")
+        call = self.env.format.parse(action_text)
+        if call is None:
+            msg = f"no tool call found; end the turn with {self.env.format.stop_text} after one call"
+            return self._obs(f"error: {msg}", ok=False, error=msg)
+        if isinstance(call, CallError):
+            return self._obs(f"error: {call.message}", ok=False, error=call.message)
+        if call.name == "submit":
+            self.done = True
+            return self._obs("submitted", done=True, tool="submit")
+        spec = WORKSPACE_TOOLS.get(call.name)
+        args = bind_args(call, spec.params) if spec is not None else dict(call.args)
+        res = await _run_tool_async(self.ws, call.name, args)
+        self.tool_s += res.wall_s
+        return self._obs(result_text(res, self.env.max_obs_chars), ok=res.ok, tool=call.name, error=res.error,
+                         wall_s=res.wall_s)
+
+    async def finish(self, transcript: str = "") -> Verdict:
+        """Verify the final workspace and close the episode (the verdict's ``verify_s`` is the verifier's time)."""
+        try:
+            spec = self.task.test_spec(random.Random(secrets.randbits(64)))
+            return await self.env.verifier.verify_async(self.ws.path, spec)
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        self.ws.close()
+
+
+async def _run_tool_async(ws, name: str, args: dict):
+    import asyncio
+
+    from megatron_tsync.rollout.sandbox import _get_executor
+
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(_get_executor(ws.sandbox._max_workers), run_workspace_tool, ws, name, args)
+
+
+@register_environment("workspace")
+def _make_workspace_env(**kwargs) -> WorkspaceEnv:
+    return WorkspaceEnv(**kwargs)

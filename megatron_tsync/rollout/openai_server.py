@@ -1,0 +1,678 @@
+"""An OpenAI-compatible chat-completions endpoint on top of any :class:`RolloutEngine`, so a user's own agent harness
+drives an episode while the rollout side keeps the exact tokens and log-probs the learner trains on.
+
+Endpoints (local HTTP, stdlib ``http.server``; bind port 0 for a free port)::
+
+    GET  /v1/models                         the served model, as NAME and NAME@vVERSION
+    POST /v1/chat/completions               one completion of an episode (OpenAI request/response format)
+    POST /v1/episodes/{id}/finish           end the episode, get its trajectory (body: {"verify_s", "metadata"})
+    DELETE /v1/episodes/{id}                drop an episode
+
+Episode identity: the ``X-Episode-Id`` header, else the request's ``user`` field (one is required). The first
+completion of an episode renders its messages with the chat template; every later request must repeat the
+conversation so far (the server's replies included) and may only add tool / user / system messages, which are
+appended as tokens with loss mask 0 after the exact sampled tokens (``rollout/openai_chat.py`` explains how).
+
+Policy versions: every completion is stamped with the engine's ``policy_version`` (response field
+``tsync.policy_version``). ``model`` may pin a version as ``NAME@vN`` (or the ``X-Policy-Version`` header): another
+version is refused (409). An episode is sampled by one version: once the engine's weights change, the episode's next
+completion is refused (409) and the harness must finish it (the trajectory so far is whole) and start a new one.
+
+Sampling: the server's :class:`SamplingConfig` (the run's temperature, top-k/top-p, per-turn cap) is the one the
+learner assumes for its log-probs; with ``fixed_sampling=True`` (default) a request asking for another temperature or
+top_p is refused (400) and ``max_tokens`` may only lower the cap; with ``fixed_sampling=False`` requests choose, and
+the trajectory's ``metadata["temperatures"]`` says which temperature sampled each turn. Penalties, logit_bias, n > 1
+and streaming are always refused. Tool calls: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks of
+the generated text become OpenAI ``tool_calls`` (finish_reason "tool_calls").
+
+Batching: concurrent requests (of different episodes) are handed to ONE ``engine.generate`` call on the engine
+thread (those waiting when it frees up, plus any arriving within ``batch_wait_s``), grouped by sampling parameters;
+each request keeps its own seed and cap (a completion sampled under a larger cap is cut at its own, which is the
+sample the smaller cap gives), so batched results equal one-at-a-time ones. An episode serves one request at a time
+(a concurrent one gets 409). Latency trace: with ``trace_path`` every finished episode appends
+one JSON line (rollout, generation, harness/tool and verification seconds; ``rollout/latency_trace.py``), which
+``trace-to-profile`` turns into a ``--latency-profile`` file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import json
+import os
+import re
+import signal
+import sys
+import threading
+import time
+import zlib
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from megatron_tsync.rollout.agent_loop import ToolCallRecord, Trajectory
+from megatron_tsync.rollout.engine import RolloutEngine, SamplingConfig, derive_seed
+from megatron_tsync.rollout.latency_trace import LatencyTrace, latency_profile_from_trace
+from megatron_tsync.rollout.openai_chat import (
+    ApiError, ChatTemplate, first_difference, normalize_messages, normalize_tools, parse_tool_calls,
+)
+
+__all__ = ["ChatServer", "Episode", "trajectory_to_json", "trajectory_event", "latency_profile_from_trace"]
+
+MAX_BODY_BYTES = 32 << 20
+_REFUSED_FIELDS = ("presence_penalty", "frequency_penalty", "logit_bias")
+
+
+@dataclasses.dataclass
+class Episode:
+    """The token record of one harness-driven episode (``Trajectory`` fields, built up per completion)."""
+
+    id: str
+    index: int
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    loss_mask: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    prompt_len: int = 0
+    turn_spans: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    turn_versions: list[int] = dataclasses.field(default_factory=list)
+    observations: list[ToolCallRecord] = dataclasses.field(default_factory=list)
+    messages: list[dict] = dataclasses.field(default_factory=list)
+    """The conversation so far as the server saw it, ending with its own last reply."""
+    tools: list[dict] | None = None
+    closed: bool = False
+    """Whether the last completion generated the end-of-turn marker itself."""
+    policy_version: int = -1
+    finish_reason: str | None = None
+    t_start: float = 0.0
+    t_reply: float = 0.0
+    generate_s: list[float] = dataclasses.field(default_factory=list)
+    temperatures: list[float] = dataclasses.field(default_factory=list)
+
+    def trajectory(self, metadata: dict | None = None) -> Trajectory:
+        return Trajectory(
+            index=self.index, token_ids=list(self.token_ids), prompt_len=self.prompt_len,
+            loss_mask=list(self.loss_mask), logprobs=list(self.logprobs), turn_spans=list(self.turn_spans),
+            turn_versions=list(self.turn_versions), tool_calls=list(self.observations),
+            finish_reason=self.finish_reason, policy_version=self.policy_version,
+            metadata={"episode_id": self.id, **(metadata or {})},
+        )
+
+
+def trajectory_to_json(traj: Trajectory) -> dict:
+    """The JSON form of a trajectory (what ``/finish`` returns)."""
+    d = dataclasses.asdict(traj)
+    d.pop("routing", None)
+    d["turn_spans"] = [list(s) for s in traj.turn_spans]
+    return d
+
+
+def trajectory_event(traj: Trajectory, *, group_id: str, index: int, group_size: int, reward: float,
+                     status: str = "ok", error: str = ""):
+    """The transport ``TrajectoryEvent`` of a finished episode (what a rollout worker sends the learner): the exact
+    token ids, loss mask and behaviour log-probs (0 off the mask), turn spans and the episode's policy version."""
+    import numpy as np
+
+    from megatron_tsync.transport import TrajectoryEvent
+    from megatron_tsync.transport.ids import traj_id
+
+    mask = np.asarray(traj.loss_mask, dtype=np.uint8)
+    meta = {k: v for k, v in traj.metadata.items() if isinstance(v, (str, int, float)) and not isinstance(v, bool)}
+    return TrajectoryEvent(
+        traj_id=traj_id(group_id, index), group_id=group_id, group_size=group_size,
+        policy_version=traj.policy_version, token_ids=np.asarray(traj.token_ids, dtype=np.int32),
+        prompt_len=traj.prompt_len, loss_mask=mask, logprobs=np.asarray(traj.logprobs, dtype=np.float32) * mask,
+        reward=float(reward), turn_spans=[tuple(s) for s in traj.turn_spans], status=status, error=error,
+        meta={**meta, "finish": traj.finish_reason or "", "turns": traj.num_turns},
+    )
+
+
+def _model_and_version(model: Any) -> tuple[str, int | None]:
+    if not isinstance(model, str) or not model:
+        raise ApiError(400, "'model' must be a non-empty string (NAME or NAME@vVERSION, see GET /v1/models)", "model")
+    m = re.fullmatch(r"(.*)@v(\d+)", model)
+    return (m.group(1), int(m.group(2))) if m else (model, None)
+
+
+class ChatServer:
+    """The endpoint (see the module docstring).
+
+    Args:
+        engine: any :class:`RolloutEngine`. Multi-token end-of-turn markers are stop strings, so an engine that
+            stops on strings (the embedded engine built with ``detokenize=...``) is needed then.
+        codec: the policy tokenizer (:class:`TokenizerCodec`).
+        template: chat template + end-of-turn marker (:meth:`ChatTemplate.from_hf_dir`).
+        sampling: the run's sampling; ``stop_token_ids`` (EOS) stay, the end-of-turn marker is added.
+        model_name: the name clients put in ``model``.
+        max_context_tokens: cap on an episode's total tokens (prompt + completions + observations).
+        fixed_sampling: refuse requests for another temperature / top_p (see the module docstring).
+        trace_path: JSONL latency trace, one line per finished episode (None: no trace).
+        batch_wait_s: how long the engine thread waits for more requests before a batched ``generate``.
+    """
+
+    def __init__(self, engine: RolloutEngine, codec, template: ChatTemplate, *, sampling: SamplingConfig,
+                 model_name: str = "tsync-policy", max_context_tokens: int = 4096, fixed_sampling: bool = True,
+                 trace_path: str | None = None, batch_wait_s: float = 0.002, host: str = "127.0.0.1",
+                 port: int = 0):
+        self.engine, self.codec, self.template = engine, codec, template
+        self.model_name = model_name
+        self.max_context_tokens = int(max_context_tokens)
+        self.fixed_sampling = bool(fixed_sampling)
+        self.trace = None if trace_path is None else LatencyTrace(trace_path)
+        eot = codec.encode(template.end_of_turn)
+        if len(eot) == 1:
+            sampling = dataclasses.replace(sampling, stop_token_ids=tuple(sampling.stop_token_ids) + (eot[0],))
+        else:
+            if getattr(engine, "detokenize", True) is None:
+                raise ValueError(f"the end-of-turn marker {template.end_of_turn!r} is {len(eot)} tokens for this "
+                                 f"tokenizer: the engine must stop on strings (EmbeddedEngine(detokenize=...))")
+            stops = tuple(sampling.stop_strings) + (template.end_of_turn,)
+            sampling = dataclasses.replace(sampling, stop_strings=stops)
+        self.sampling = sampling
+        self.episodes: dict[str, Episode] = {}
+        self._lock = threading.Lock()
+        self._count = 0
+        self._batcher = _EngineBatcher(engine, batch_wait_s)
+        self._httpd = ThreadingHTTPServer((host, port), _handler_for(self))
+        self._httpd.daemon_threads = True
+        self._thread: threading.Thread | None = None
+
+    @classmethod
+    def from_hf_dir(cls, engine: RolloutEngine, model_dir: str, *, sampling: SamplingConfig | None = None,
+                    end_of_turn: str | None = None, **kwargs) -> "ChatServer":
+        """Tokenizer and chat template of a Hugging Face folder; EOS (``generation_config.json``) as stop token."""
+        from transformers import AutoTokenizer
+
+        from megatron_tsync.model.tokenizer import TokenizerCodec
+
+        tok = AutoTokenizer.from_pretrained(model_dir)
+        if sampling is None:
+            sampling = SamplingConfig(stop_token_ids=() if tok.eos_token_id is None else (tok.eos_token_id,))
+        return cls(engine, TokenizerCodec(tok), ChatTemplate.from_hf_dir(model_dir, end_of_turn=end_of_turn),
+                   sampling=sampling, **kwargs)
+
+    # ------------------------------------------------------------------ lifecycle
+    @property
+    def url(self) -> str:
+        host, port = self._httpd.server_address[:2]
+        return f"http://{host}:{port}/v1"
+
+    def start(self) -> "ChatServer":
+        self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05},
+                                        name="chat-server", daemon=True)
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._httpd.shutdown()
+            self._thread.join()
+            self._thread = None
+        self._httpd.server_close()
+        self._batcher.close()
+
+    def __enter__(self) -> "ChatServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def served_model(self) -> str:
+        return f"{self.model_name}@v{self.engine.policy_version}"
+
+    # ------------------------------------------------------------------ routing (no sockets: testable directly)
+    def handle(self, method: str, path: str, headers: dict[str, str], body: bytes) -> tuple[int, dict]:
+        """One HTTP request -> (status, JSON body). Never raises: bad requests are 4xx, failures 500."""
+        try:
+            path = path.split("?", 1)[0].rstrip("/")
+            headers = {k.lower(): v for k, v in headers.items()}
+            if method == "GET" and path == "/v1/models":
+                return 200, self.models()
+            if method == "POST" and path == "/v1/chat/completions":
+                return 200, self.chat_completion(_json_body(body), headers)
+            m = re.fullmatch(r"/v1/episodes/([^/]+)(/finish)?", path)
+            if m and method == "POST" and m.group(2):
+                req = _json_body(body) if body.strip() else {}
+                if not isinstance(req, dict):
+                    raise ApiError(400, "the finish body must be a JSON object {verify_s, metadata}")
+                verify_s = req.get("verify_s")
+                if verify_s is not None and not isinstance(verify_s, (int, float)):
+                    raise ApiError(400, "'verify_s' must be a number of seconds", "verify_s")
+                meta = req.get("metadata") or {}
+                if not isinstance(meta, dict):
+                    raise ApiError(400, "'metadata' must be an object", "metadata")
+                return 200, trajectory_to_json(self.finish(m.group(1), verify_s=verify_s, metadata=meta))
+            if m and method == "DELETE" and not m.group(2):
+                self.abort(m.group(1))
+                return 200, {"deleted": m.group(1)}
+            raise ApiError(404, f"no endpoint {method} {path}; see GET /v1/models, POST /v1/chat/completions, "
+                                f"POST /v1/episodes/ID/finish, DELETE /v1/episodes/ID")
+        except ApiError as e:
+            return e.status, e.body()
+        except Exception as e:  # a server bug answers 500 with its reason; the server keeps serving
+            return 500, ApiError(500, f"internal error: {type(e).__name__}: {e}").body()
+
+    def models(self) -> dict:
+        return {"object": "list", "data": [
+            {"id": name, "object": "model", "created": 0, "owned_by": "megatron_tsync",
+             "policy_version": self.engine.policy_version}
+            for name in (self.model_name, self.served_model)]}
+
+    # ------------------------------------------------------------------ episodes
+    def finish(self, episode_id: str, *, verify_s: float | None = None, metadata: dict | None = None) -> Trajectory:
+        """End an episode: its trajectory (agent-loop fields; ``metadata`` added); appends its latency trace line."""
+        with self._lock:
+            ep = self.episodes.get(episode_id)
+            if ep is None:
+                raise ApiError(404, f"no episode {episode_id!r} (never completed, finished, or deleted)")
+            if not ep.lock.acquire(blocking=False):
+                raise ApiError(409, f"episode {episode_id!r} has a request in flight; finish it afterwards")
+            del self.episodes[episode_id]
+        try:
+            traj = ep.trajectory(metadata)
+        finally:
+            ep.lock.release()
+        rollout_s = ep.t_reply - ep.t_start
+        traj.metadata.update(rollout_s=rollout_s, generate_s=list(ep.generate_s), temperatures=list(ep.temperatures))
+        if verify_s is not None:
+            traj.metadata["verify_s"] = float(verify_s)
+        if self.trace is not None:
+            self.trace.append({"episode_id": ep.id, "group": str(traj.metadata.get("group", ep.id)),
+                               "index": ep.index, "policy_version": ep.policy_version, "turns": len(ep.turn_spans),
+                               "rollout_s": rollout_s, "generate_s": list(ep.generate_s),
+                               "tool_s": [o.wall_s for o in ep.observations],
+                               "verify_s": None if verify_s is None else float(verify_s)})
+        return traj
+
+    def abort(self, episode_id: str) -> None:
+        with self._lock:
+            if self.episodes.pop(episode_id, None) is None:
+                raise ApiError(404, f"no episode {episode_id!r}")
+
+    def _episode(self, episode_id: str) -> tuple[Episode, bool]:
+        with self._lock:
+            ep = self.episodes.get(episode_id)
+            if ep is None:
+                ep = self.episodes[episode_id] = Episode(episode_id, self._count)
+                self._count += 1
+            if not ep.lock.acquire(blocking=False):
+                raise ApiError(409, f"episode {episode_id!r} already has a request in flight (one at a time)")
+            return ep, not ep.turn_spans
+
+    # ------------------------------------------------------------------ chat completions
+    def chat_completion(self, body: Any, headers: dict[str, str]) -> dict:
+        t_arrive = time.perf_counter()
+        if not isinstance(body, dict):
+            raise ApiError(400, "the request body must be a JSON object")
+        name, pinned = _model_and_version(body.get("model"))
+        if name != self.model_name:
+            raise ApiError(404, f"model {name!r} is not served here; this server serves {self.served_model!r}",
+                           "model", "model_not_found")
+        if "x-policy-version" in headers:
+            try:
+                pinned = int(headers["x-policy-version"])
+            except ValueError:
+                raise ApiError(400, "the X-Policy-Version header must be an integer") from None
+        episode_id = headers.get("x-episode-id") or body.get("user")
+        if not isinstance(episode_id, str) or not episode_id:
+            raise ApiError(400, "name the episode: an X-Episode-Id header or the 'user' field", "user")
+        messages = normalize_messages(body.get("messages"))
+        tools = normalize_tools(body.get("tools"))
+        sampling, seed = self._sampling(body)
+        want_logprobs = self._check_options(body)
+        if pinned is not None and pinned != self.engine.policy_version:
+            raise ApiError(409, f"policy version v{pinned} requested, the engine serves v{self.engine.policy_version}",
+                           "model", "policy_version_mismatch")
+        ep, new = self._episode(episode_id)
+        try:
+            comp, prompt, obs = self._generate(ep, new, messages, tools, sampling, seed, pinned, t_arrive)
+            reply = self._record(ep, new, messages, tools, comp, prompt, obs, t_arrive)
+            ep.temperatures.append(sampling.temperature)
+        finally:
+            if new and not ep.turn_spans:  # a refused first request leaves no episode behind
+                with self._lock:
+                    self.episodes.pop(episode_id, None)
+            ep.lock.release()
+        return self._response(ep, comp, reply, len(prompt), want_logprobs)
+
+    def _sampling(self, body: dict) -> tuple[SamplingConfig, int | None]:
+        base = self.sampling
+        kw: dict[str, Any] = {}
+        for field, name in (("temperature", "temperature"), ("top_p", "top_p")):
+            v = body.get(name)
+            if v is None:
+                continue
+            if not isinstance(v, (int, float)) or isinstance(v, bool):
+                raise ApiError(400, f"'{name}' must be a number", name)
+            if self.fixed_sampling and float(v) != getattr(base, field):
+                raise ApiError(400, f"this server samples with {name}={getattr(base, field)} (the learner's "
+                                    f"log-probs assume it); the request asks for {v}", name)
+            kw[field] = float(v)
+        cap = body.get("max_completion_tokens", body.get("max_tokens"))
+        if cap is not None:
+            if not isinstance(cap, int) or isinstance(cap, bool) or cap < 1:
+                raise ApiError(400, "'max_tokens' must be an integer >= 1", "max_tokens")
+            kw["max_new_tokens"] = min(cap, base.max_new_tokens) if self.fixed_sampling else cap
+        stop = body.get("stop")
+        if stop is not None:
+            stop = [stop] if isinstance(stop, str) else stop
+            if not (isinstance(stop, list) and all(isinstance(s, str) and s for s in stop)):
+                raise ApiError(400, "'stop' must be a string or a list of non-empty strings", "stop")
+            kw["stop_strings"] = tuple(base.stop_strings) + tuple(stop)
+        seed = body.get("seed")
+        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+            raise ApiError(400, "'seed' must be an integer", "seed")
+        try:
+            return dataclasses.replace(base, **kw), seed
+        except ValueError as e:
+            raise ApiError(400, str(e)) from None
+
+    @staticmethod
+    def _check_options(body: dict) -> bool:
+        if body.get("stream"):
+            raise ApiError(400, "streaming responses are not supported; send stream=false", "stream")
+        if body.get("n", 1) != 1:
+            raise ApiError(400, "only n=1 is supported (one completion per request)", "n")
+        for name in _REFUSED_FIELDS:
+            if body.get(name):
+                raise ApiError(400, f"'{name}' is not supported: it would change the sampling distribution the "
+                                    f"learner's log-probs assume", name)
+        if body.get("tool_choice") not in (None, "auto", "none"):
+            raise ApiError(400, "tool_choice must be 'auto' or 'none' (forcing a tool is not supported)", "tool_choice")
+        fmt = body.get("response_format")
+        if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+            raise ApiError(400, "only response_format {'type': 'text'} is supported", "response_format")
+        if body.get("top_logprobs"):
+            raise ApiError(400, "top_logprobs is not supported (the sampled token's log-prob is)", "top_logprobs")
+        return bool(body.get("logprobs"))
+
+    def _prompt(self, ep: Episode, new: bool, messages: list[dict], tools) -> tuple[list[int], list[int]]:
+        """(context tokens, the appended observation tokens) for this request."""
+        if new:
+            if messages[-1]["role"] == "assistant":
+                raise ApiError(400, "the last message is an assistant message: nothing for the model to answer",
+                               "messages")
+            return self.codec.encode(self.template.render(messages, tools, True)), []
+        if tools != ep.tools:
+            raise ApiError(409, "'tools' differ from the episode's first request (they are part of its prompt)",
+                           "tools")
+        why = first_difference(ep.messages, messages)
+        if why is not None:
+            raise ApiError(409, f"the messages do not extend episode {ep.id!r}: {why}", "messages")
+        added = messages[len(ep.messages):]
+        for k, m in enumerate(added):
+            if m["role"] == "assistant":
+                raise ApiError(409, f"messages[{len(ep.messages) + k}] is an assistant message this server did not "
+                                    f"generate: an episode's assistant turns must be its completions", "messages")
+        obs = self.codec.encode(self.template.continuation(messages[:len(ep.messages)], messages, tools, ep.closed))
+        return list(ep.token_ids) + obs, obs
+
+    def _generate(self, ep, new, messages, tools, sampling, seed, pinned, t_arrive):
+        prompt, obs = self._prompt(ep, new, messages, tools)
+        if not new and self.engine.policy_version != ep.policy_version:
+            raise ApiError(409, f"the policy weights changed mid-episode (episode {ep.id!r} was sampled by "
+                                f"v{ep.policy_version}, the engine now serves v{self.engine.policy_version}): finish "
+                                f"this episode and start a new one", "model", "policy_version_changed")
+        room = self.max_context_tokens - len(prompt)
+        if room < 1:
+            raise ApiError(400, f"context full: {len(prompt)} tokens, max_context_tokens {self.max_context_tokens}",
+                           "messages", "context_length_exceeded")
+        sampling = dataclasses.replace(sampling, max_new_tokens=min(sampling.max_new_tokens, room))
+        turn = len(ep.turn_spans)
+        if seed is None and sampling.seed is not None:
+            seed = derive_seed(sampling.seed, zlib.crc32(ep.id.encode()), turn)
+        try:
+            comp = self._batcher.generate(prompt, sampling, seed)
+        except ValueError as e:  # the engine's own argument checks (prompt too long for the model, ...)
+            raise ApiError(400, f"engine refused the request: {e}") from None
+        want = ep.policy_version if not new else pinned
+        if want is not None and comp.policy_version != want:
+            raise ApiError(409, f"the weights changed while this completion was sampled (v{comp.policy_version}, "
+                                f"expected v{want}); the completion is discarded", "model", "policy_version_changed")
+        return comp, prompt, obs
+
+    def _record(self, ep: Episode, new: bool, messages, tools, comp, prompt, obs, t_arrive) -> dict:
+        now = time.perf_counter()
+        if new:
+            ep.token_ids, ep.loss_mask, ep.logprobs = list(prompt), [0] * len(prompt), [0.0] * len(prompt)
+            ep.prompt_len, ep.tools, ep.policy_version, ep.t_start = len(prompt), tools, comp.policy_version, t_arrive
+        else:
+            start = len(ep.token_ids)
+            ep.token_ids += obs
+            ep.loss_mask += [0] * len(obs)
+            ep.logprobs += [0.0] * len(obs)
+            calls = {c["id"]: c["function"] for c in ep.messages[-1].get("tool_calls", ())}
+            added = [calls.get(m.get("tool_call_id"), {"name": m.get("name") or m["role"], "arguments": None})
+                     for m in messages[len(ep.messages):]]
+            ep.observations.append(ToolCallRecord(
+                len(ep.turn_spans) - 1, ",".join(a["name"] for a in added),
+                json.dumps([a["arguments"] for a in added]), True, None, (start, len(ep.token_ids)),
+                t_arrive - ep.t_reply))
+        start = len(ep.token_ids)
+        ep.token_ids += comp.token_ids
+        ep.loss_mask += [1] * len(comp.token_ids)
+        ep.logprobs += [float(x) for x in comp.logprobs]
+        ep.turn_spans.append((start, len(ep.token_ids)))
+        ep.turn_versions.append(comp.policy_version)
+        ep.generate_s.append(now - t_arrive)
+        text = self.codec.decode(comp.token_ids)
+        eot = text.rfind(self.template.end_of_turn)
+        ep.closed = eot >= 0
+        body = text[:eot] if eot >= 0 else text
+        eos = [self.codec.decode([t]) for t in self.sampling.stop_token_ids if comp.token_ids[-1:] == [t]]
+        if eos and not ep.closed and body.endswith(eos[0]):
+            body = body[: len(body) - len(eos[0])]
+        content, calls = parse_tool_calls(body, f"call_{ep.index}_{len(ep.turn_spans) - 1}")
+        reply = {"role": "assistant", "content": content or None}
+        if calls:
+            reply["tool_calls"] = calls
+        ep.finish_reason = "tool_calls" if calls else ("length" if comp.finish_reason == "length" else "stop")
+        ep.messages = messages + normalize_messages([reply])
+        ep.t_reply = time.perf_counter()
+        return reply
+
+    def _response(self, ep: Episode, comp, reply: dict, prompt_len: int, want_logprobs: bool) -> dict:
+        turn = len(ep.turn_spans) - 1
+        choice: dict[str, Any] = {"index": 0, "message": reply, "finish_reason": ep.finish_reason, "logprobs": None}
+        if want_logprobs:
+            choice["logprobs"] = {"content": [
+                {"token": (s := self.codec.decode([t])), "logprob": float(lp), "bytes": list(s.encode()),
+                 "top_logprobs": []} for t, lp in zip(comp.token_ids, comp.logprobs)]}
+        return {
+            "id": f"chatcmpl-{ep.index}-{turn}", "object": "chat.completion", "created": int(time.time()),
+            "model": f"{self.model_name}@v{comp.policy_version}", "choices": [choice],
+            "usage": {"prompt_tokens": prompt_len, "completion_tokens": len(comp.token_ids),
+                      "total_tokens": prompt_len + len(comp.token_ids)},
+            "tsync": {"episode_id": ep.id, "turn": turn, "policy_version": comp.policy_version,
+                      "completion_token_ids": list(comp.token_ids), "context_tokens": len(ep.token_ids)},
+        }
+
+
+# ------------------------------------------------------------------------------------------------ batching
+
+
+class _EngineBatcher:
+    """One engine thread serving every request; waiting requests with equal sampling go into one ``generate``."""
+
+    def __init__(self, engine: RolloutEngine, wait_s: float):
+        self.engine, self.wait_s = engine, float(wait_s)
+        self.pending: list[tuple[list[int], SamplingConfig, int | None, concurrent.futures.Future]] = []
+        self.cond = threading.Condition()
+        self.closed = False
+        self.batches: list[int] = []  # batch sizes, for tests and metrics
+        self.thread = threading.Thread(target=self._loop, name="chat-engine", daemon=True)
+        self.thread.start()
+
+    def generate(self, prompt: list[int], sampling: SamplingConfig, seed: int | None):
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        with self.cond:
+            if self.closed:
+                raise RuntimeError("the server is closed")
+            self.pending.append((prompt, sampling, seed, fut))
+            self.cond.notify()
+        return fut.result()
+
+    def close(self) -> None:
+        with self.cond:
+            self.closed = True
+            self.cond.notify()
+        self.thread.join()
+
+    def _loop(self) -> None:
+        while True:
+            with self.cond:
+                while not self.pending and not self.closed:
+                    self.cond.wait()
+                if self.closed and not self.pending:
+                    return
+            time.sleep(self.wait_s)  # let concurrent requests join this batch
+            with self.cond:
+                jobs, self.pending = self.pending, []
+            groups: dict[tuple, list] = {}
+            for job in jobs:  # same sampling except the cap; seeded and unseeded requests apart
+                key = (dataclasses.replace(job[1], max_new_tokens=1), job[2] is None)
+                groups.setdefault(key, []).append(job)
+            for (cfg, unseeded), group in groups.items():
+                self._run(cfg, unseeded, group)
+
+    def _run(self, cfg: SamplingConfig, unseeded: bool, group: list) -> None:
+        from megatron_tsync.rollout.agent_loop import _truncate
+
+        cap = max(job[1].max_new_tokens for job in group)
+        self.batches.append(len(group))
+        try:
+            outs = self.engine.generate([job[0] for job in group], dataclasses.replace(cfg, max_new_tokens=cap), 1,
+                                        seeds=None if unseeded else [job[2] for job in group])
+        except Exception as e:
+            if len(group) > 1 and isinstance(e, ValueError):  # one bad request: find it, serve the others
+                for job in group:
+                    self._run(cfg, unseeded, [job])
+                return
+            for job in group:
+                job[3].set_exception(e)
+            return
+        for job, out in zip(group, outs):
+            job[3].set_result(_truncate(out[0], job[1].max_new_tokens))
+
+
+# ------------------------------------------------------------------------------------------------ HTTP
+
+
+def _json_body(body: bytes) -> Any:
+    try:
+        return json.loads(body)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+
+
+def _handler_for(server: ChatServer):
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def _serve(self, method: str) -> None:
+            try:
+                n = int(self.headers.get("Content-Length") or 0)
+            except ValueError:
+                n = -1
+            if n < 0 or n > MAX_BODY_BYTES:
+                status, out = (413 if n > 0 else 400), ApiError(
+                    413 if n > 0 else 400, f"Content-Length must be 0..{MAX_BODY_BYTES} bytes").body()
+                self.close_connection = True
+            else:
+                body = self.rfile.read(n) if n else b""
+                status, out = server.handle(method, self.path, dict(self.headers.items()), body)
+            data = json.dumps(out).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):
+            self._serve("GET")
+
+        def do_POST(self):
+            self._serve("POST")
+
+        def do_DELETE(self):
+            self._serve("DELETE")
+
+        def log_message(self, *args):  # quiet: the harness and the tests report what matters
+            pass
+
+    return Handler
+
+
+# ------------------------------------------------------------------------------------------------ command line
+
+
+def _serve_main(a) -> int:
+    import socket
+
+    from megatron_tsync.model.parallel import destroy_parallel, initialize_parallel
+    from megatron_tsync.model.tokenizer import TokenizerCodec
+    from megatron_tsync.rollout.embedded_engine import EmbeddedEngine
+
+    if "MASTER_PORT" not in os.environ:  # the embedded engine is a private single-process megatron group
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(sock.getsockname()[1])
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    initialize_parallel(1, 1, seed=0)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(a.model)
+    codec = TokenizerCodec(tok)
+    engine = EmbeddedEngine.from_hf_dir(a.model, detokenize=codec.decode)
+    sampling = SamplingConfig(temperature=a.temperature, top_k=a.top_k, max_new_tokens=a.max_new_tokens,
+                              stop_token_ids=() if tok.eos_token_id is None else (tok.eos_token_id,))
+    server = ChatServer(engine, codec, ChatTemplate.from_hf_dir(a.model), sampling=sampling, model_name=a.model_name,
+                        max_context_tokens=a.max_context_tokens, trace_path=a.trace, host=a.host, port=a.port)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        with server:
+            print(f"serving {server.url} (model {server.served_model})", flush=True)
+            stop.wait()
+    finally:  # gloo groups left to interpreter teardown can abort the process (exit -6 seen once in CI)
+        destroy_parallel()
+    return 0
+
+
+def main(argv=None) -> int:
+    """``serve``: a Hugging Face folder on the embedded engine (CPU); ``trace-to-profile``: a JSONL latency trace to a
+    ``--latency-profile`` JSON file."""
+    p = argparse.ArgumentParser(prog="python -m megatron_tsync.rollout.openai_server", description=main.__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("serve", help="serve --model on the embedded engine until SIGINT/SIGTERM")
+    s.add_argument("--model", required=True, help="Hugging Face folder (weights, tokenizer, optional chat template)")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000, help="0: a free port (printed)")
+    s.add_argument("--model-name", default="tsync-policy", help="the name clients put in 'model'")
+    s.add_argument("--temperature", type=float, default=1.0)
+    s.add_argument("--top-k", type=int, default=0)
+    s.add_argument("--max-new-tokens", type=int, default=256, help="per-completion cap (requests may lower it)")
+    s.add_argument("--max-context-tokens", type=int, default=4096)
+    s.add_argument("--trace", default=None, help="append each finished episode's latencies to this JSONL file")
+    t = sub.add_parser("trace-to-profile", help="write a --latency-profile JSON replaying JSONL traces")
+    t.add_argument("trace", nargs="+", help="JSONL trace files (this server's --trace, rollout workers' traces)")
+    t.add_argument("--out", required=True, help="the profile JSON to write")
+    t.add_argument("--no-verify", action="store_true", help="leave the verification seconds out of the replay")
+    a = p.parse_args(argv)
+    if a.cmd == "serve":
+        return _serve_main(a)
+    try:
+        profile = latency_profile_from_trace(a.trace, include_verify=not a.no_verify)
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    with open(a.out, "w") as f:
+        json.dump(profile, f)
+    print(f"{a.out}: {sum(len(v) for v in profile['groups'].values())} trajectories in {len(profile['groups'])} groups")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,120 @@
+"""The generated environment suites as RL tasks: ``swe-lite`` and ``terminal-lite`` (``rollout/envs``).
+
+Select with ``--task megatron_tsync.runtime.env_tasks:swe-lite`` (or ``:terminal-lite``). A task instance carries its
+:class:`~megatron_tsync.rollout.envs.workspace_env.WorkspaceTask` in ``meta["env_task"]``; the rollout worker opens
+one episode per trajectory through :meth:`EnvSuiteTask.make_environment` (the workspace, the tools, the hidden-test
+verdict as the reward: binary 0/1), so ``verifier`` names no registry verifier: it must be "hidden_tests".
+
+The suite is ``num_tasks`` tasks of suite seed ``suite_seed``; group ``g`` of step ``k`` draws task
+``mix(seed, split, k, g) mod`` the split's pool, where task ``i`` belongs to the eval split iff
+``i % heldout_mod == 0``.
+Demonstrations (the supervised warm start) are the known solutions with the observations the environment writes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from megatron_tsync.algorithms.streamability import RewardSpec
+from megatron_tsync.runtime.tasks import TaskInstance, _mix, register_task
+
+__all__ = ["EnvSuiteTask"]
+
+_SPLITS = {"train": 0, "eval": 1}
+
+
+@dataclasses.dataclass(frozen=True)
+class EnvSuiteTask:
+    """A generated suite as a task (see the module docstring)."""
+
+    suite: str = "swe-lite"
+    num_tasks: int = 200
+    suite_seed: int = 0
+    tool_format: str = "tag"
+    verifier: str = "hidden_tests"
+    verifier_kwargs: dict = dataclasses.field(default_factory=dict)
+    heldout_mod: int = 8
+    verify_timeout_s: float = 60.0
+    name: str = "swe-lite"
+
+    def __post_init__(self):
+        if self.suite not in ("swe-lite", "terminal-lite"):
+            raise ValueError(f"suite must be 'swe-lite' or 'terminal-lite', got {self.suite!r}")
+        if self.verifier != "hidden_tests":
+            raise ValueError(f"task {self.name}: the reward is the environment's hidden-test verdict: --verifier "
+                             f"must be 'hidden_tests', got {self.verifier!r}")
+        if self.tool_format not in ("tag", "qwen"):
+            raise ValueError(f"tool_format must be 'tag' or 'qwen', got {self.tool_format!r}")
+        if self.num_tasks < self.heldout_mod or self.heldout_mod < 2:
+            raise ValueError(f"need heldout_mod >= 2 and num_tasks >= heldout_mod, got {self.num_tasks}, "
+                             f"{self.heldout_mod}")
+
+    @property
+    def reward_spec(self) -> RewardSpec:
+        return RewardSpec.binary(0.0, 1.0)
+
+    @property
+    def tool_stop_text(self) -> str:
+        """The text whose token ends a tool turn (the worker's ``tool_token_ids``): ``</tool>`` or ``</tool_call>``."""
+        from megatron_tsync.rollout.envs.tool_format import get_tool_format
+
+        return get_tool_format(self.tool_format).stop_text
+
+    def _module(self):
+        if self.suite == "swe-lite":
+            from megatron_tsync.rollout.envs import swe_lite
+
+            return swe_lite
+        from megatron_tsync.rollout.envs import terminal_lite
+
+        return terminal_lite
+
+    def _role(self) -> str:
+        from megatron_tsync.rollout.envs import terminal_lite, workspace_env
+
+        return terminal_lite.ROLE if self.suite == "terminal-lite" else workspace_env.DEFAULT_ROLE
+
+    def sample_prompts(self, step: int, num_groups: int, seed: int, *, split: str = "train") -> list[TaskInstance]:
+        from megatron_tsync.rollout.envs.workspace_env import render_prompt
+
+        if split not in _SPLITS:
+            raise ValueError(f"split must be one of {sorted(_SPLITS)}, got {split!r}")
+        pool = [i for i in range(self.num_tasks) if (i % self.heldout_mod == 0) == (split == "eval")]
+        out = []
+        for g in range(num_groups):
+            index = pool[_mix(seed, _SPLITS[split], step, g) % len(pool)]
+            task = self._module().generate_task(self.suite_seed, index)
+            out.append(TaskInstance(render_prompt(task, self.tool_format, self._role()), None,
+                                    {"env_task": task, "task_id": task.task_id, "step": step, "group": g,
+                                     "split": split}))
+        return out
+
+    def make_environment(self, sandbox=None, *, delay_fn=None) -> Any:
+        """The episodes' environment (``delay_fn`` is not applied: tool latency is real)."""
+        from megatron_tsync.rollout.envs.verifier import HiddenTestVerifier
+        from megatron_tsync.rollout.sandbox import SandboxConfig
+
+        verifier = HiddenTestVerifier(config=SandboxConfig(
+            wall_timeout_s=self.verify_timeout_s, cpu_seconds=int(self.verify_timeout_s), memory_bytes=2 << 30,
+            max_output_bytes=4 << 20))
+        cls = self._module().SweLiteEnv if self.suite == "swe-lite" else self._module().TerminalLiteEnv
+        return cls(sandbox=sandbox, verifier=verifier, tool_format=self.tool_format, role=self._role())
+
+    def demonstration_segments(self, inst: TaskInstance) -> list[tuple[str, bool]]:
+        from megatron_tsync.rollout.envs.workspace_env import demonstration_segments
+
+        return demonstration_segments(inst.meta["env_task"], self.tool_format, self._role())
+
+    def demonstration(self, inst: TaskInstance) -> str:
+        return "".join(text for text, _ in self.demonstration_segments(inst))
+
+
+@register_task("swe-lite")
+def _swe_lite(**kwargs) -> EnvSuiteTask:
+    return EnvSuiteTask(**{"suite": "swe-lite", "name": "swe-lite", **kwargs})
+
+
+@register_task("terminal-lite")
+def _terminal_lite(**kwargs) -> EnvSuiteTask:
+    return EnvSuiteTask(**{"suite": "terminal-lite", "name": "terminal-lite", **kwargs})

@@ -1,0 +1,53 @@
+"""swe-lite: >= 200 distinct tasks by seed, deterministic; the known fix through the tools scores 1 and doing nothing
+scores 0 on every task (a 12-task fast subset; all 200 in the slow tier, with the latency figures printed)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from megatron_tsync.rollout.envs.swe_lite import generate_task, generate_tasks
+from tests.rollout.envs.suite_helpers import do_nothing, known_fix, latency_line, run_policy
+
+pytestmark = pytest.mark.timeout(1800)
+
+
+def test_generates_200_distinct_deterministic_tasks():
+    t0 = time.perf_counter()
+    tasks = generate_tasks(7, 200)
+    rate = len(tasks) / (time.perf_counter() - t0)
+    assert len({repr(sorted(t.files.items())) for t in tasks}) == 200
+    assert len({t.meta["template"] for t in tasks}) >= 12 and len({t.meta["bug"] for t in tasks}) >= 24
+    assert [t.files for t in generate_tasks(7, 5)] == [t.files for t in tasks[:5]]  # same seed, same tasks
+    assert generate_tasks(8, 5)[0].files != tasks[0].files  # control: another seed, other tasks
+    for t in tasks:
+        assert t.meta["fail_to_pass"] >= 3 and t.meta["pass_to_pass"] >= 6
+        assert not any(p.startswith("tests/") and "FAIL" in p for p in t.files)
+    print(f"swe-lite: {rate:.0f} tasks generated per second")
+
+
+def test_hidden_fail_to_pass_checks_are_not_in_the_workspace():
+    t = generate_task(0, 3)
+    f2p = [c.expr for c in t.checks if c.kind == "FAIL_TO_PASS"]
+    visible = "".join(t.files.values())
+    assert f2p and not any(e in visible for e in f2p[1:])  # only the issue's example is quoted (in the issue)
+
+
+def test_known_fix_scores_1_and_nothing_scores_0_fast_subset(swe_env):
+    tasks = [generate_task(0, i) for i in range(0, 120, 10)]
+    good = run_policy(swe_env, tasks, known_fix)
+    assert [v.reward for _, v, _ in good] == [1.0] * len(tasks), [(t.task_id, v.reason) for t, v, _ in good]
+    bad = run_policy(swe_env, tasks, do_nothing)
+    assert [v.reward for _, v, _ in bad] == [0.0] * len(tasks), [(t.task_id, v.reason) for t, v, _ in bad]
+
+
+@pytest.mark.slow
+def test_known_fix_scores_1_and_nothing_scores_0_on_all_200(swe_env):
+    tasks = generate_tasks(0, 200)
+    good = run_policy(swe_env, tasks, known_fix)
+    assert [t.task_id for t, v, _ in good if v.reward != 1.0] == []
+    bad = run_policy(swe_env, tasks, do_nothing)
+    assert [t.task_id for t, v, _ in bad if v.reward != 0.0] == []
+    print(latency_line("swe-lite known fix", good))
+    print(latency_line("swe-lite do nothing", bad))

@@ -1,0 +1,513 @@
+"""The OpenAI-compatible endpoint: a user's harness drives a 3-turn tool-use episode through the ``openai`` client;
+the trajectory is token-exact (trained tokens = sampled tokens, observations appended as tokens with mask 0),
+its log-probs equal the trainer's, wrong policy versions are refused, bad requests get 4xx, never a crash.
+
+The tiny Llama is first taught the episode (a few Adam steps on its exact token sequence) so that it really emits
+Qwen-style ``<tool_call>`` JSON at temperature 0.7; every completion is still sampled by the embedded engine.
+"""
+
+import json
+import urllib.error
+import urllib.request
+
+import pytest
+import torch
+
+torch.set_num_threads(1)
+
+from megatron_tsync.rollout.engine import SamplingConfig  # noqa: E402
+from megatron_tsync.rollout.openai_chat import ChatTemplate, normalize_messages, normalize_tools  # noqa: E402
+
+ATOL = 1e-5
+TEMPERATURE = 0.7
+SYSTEM = "Use calc."
+QUESTION = "(12+7*3)*2?"
+TOOLS = [{"type": "function", "function": {"name": "calc", "parameters": {"type": "object", "properties": {
+    "e": {"type": "string"}}}}}]
+CALLS = ["12+7*3", "33*2"]
+FINAL = "The answer is 66."
+
+
+def _call_text(expr: str) -> str:
+    return '<tool_call>{"name": "calc", "arguments": {"e": "%s"}}</tool_call><|im_end|>' % expr
+
+
+class RecordingEngine:
+    """The real engine, with every (prompt, completion) it produced kept as the witness of what was sampled."""
+
+    def __init__(self, engine):
+        self.engine, self.calls = engine, []
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    @property
+    def policy_version(self):
+        return self.engine.policy_version
+
+    def generate(self, prompts, sampling, n=1, *, seeds=None):
+        out = self.engine.generate(prompts, sampling, n, seeds=seeds)
+        self.calls.extend((list(p), o[0]) for p, o in zip(prompts, out))
+        self.sampling, self.batch_sizes = sampling, getattr(self, "batch_sizes", []) + [len(prompts)]
+        return out
+
+    def update_weights(self, state, version):
+        self.engine.update_weights(state, version)
+
+
+def _script_tokens(codec, template):
+    """The token sequence the server builds when the model emits the scripted turns: (ids, generated mask)."""
+    tools = normalize_tools(TOOLS)
+    msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}]
+    ids = codec.encode(template.render(normalize_messages(msgs), tools, True))
+    mask = [0] * len(ids)
+    results = {"12+7*3": "33", "33*2": "66"}
+    for k, text in enumerate([_call_text(e) for e in CALLS] + [FINAL + "<|im_end|>"]):
+        gen = codec.encode(text)
+        ids, mask = ids + gen, mask + [1] * len(gen)
+        if k == len(CALLS):
+            break
+        reply = {"role": "assistant", "content": None, "tool_calls": [{"id": f"c{k}", "type": "function", "function": {
+            "name": "calc", "arguments": json.dumps({"e": CALLS[k]})}}]}
+        seen = normalize_messages(msgs + [reply])
+        msgs = msgs + [reply, {"role": "tool", "tool_call_id": f"c{k}", "content": results[CALLS[k]]}]
+        obs = codec.encode(template.continuation(seen, normalize_messages(msgs), tools, True))
+        ids, mask = ids + obs, mask + [0] * len(obs)
+    return ids, mask
+
+
+def _teach(model, ids, mask, *, steps=300):
+    """Adam on the scripted sequence until the model's most likely next token is the script's at every generated
+    position (greedy decoding then replays the episode)."""
+    from megatron_tsync.model.logprobs import model_logits
+
+    x = torch.tensor([ids])
+    m, target = torch.tensor(mask[1:], dtype=torch.bool), x[0, 1:]
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    model.train()
+    for step in range(steps):
+        logits = model_logits(model, x)[0, :-1]  # (T-1, V)
+        if (logits.argmax(-1) == target)[m].all():
+            break
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(logits[m], target[m]).backward()
+        opt.step()
+    else:
+        raise AssertionError(f"the tiny model did not learn the episode in {steps} steps")
+    model.eval()
+    return step
+
+
+@pytest.fixture(scope="module")
+def base(megatron_single, tiny_dir):
+    """Codec, template, the tiny model's weights and a (recording) embedded engine on them."""
+    from transformers import AutoTokenizer
+
+    from megatron_tsync.model.hf_conversion import load_hf_dir
+    from megatron_tsync.model.tokenizer import TokenizerCodec
+    from megatron_tsync.rollout.embedded_engine import EmbeddedEngine
+
+    codec = TokenizerCodec(AutoTokenizer.from_pretrained(tiny_dir))
+    arch, state = load_hf_dir(tiny_dir)
+    engine = EmbeddedEngine.from_hf_dir(tiny_dir, detokenize=codec.decode)
+    return dict(codec=codec, template=ChatTemplate.from_hf_dir(tiny_dir), arch=arch, state=state,
+                engine=RecordingEngine(engine), eos=codec.encode("</s>")[0])
+
+
+@pytest.fixture(scope="module")
+def taught(base):
+    """A trainer model taught the scripted episode, and its weights (Megatron names)."""
+    from megatron_tsync.model.builder import build_model
+    from megatron_tsync.model.hf_conversion import load_hf_into_model
+
+    trainer = build_model(base["arch"], seed=1)
+    load_hf_into_model(trainer, base["state"])
+    steps = _teach(trainer, *_script_tokens(base["codec"], base["template"]))
+    weights = {k: v.clone() for k, v in trainer.state_dict().items() if torch.is_tensor(v)}
+    return dict(trainer=trainer, weights=weights, steps=steps)
+
+
+def _serve(base, weights, trace_path=None, max_new_tokens=96, **kw):
+    from megatron_tsync.rollout.openai_server import ChatServer
+
+    base["engine"].update_weights(weights, 0)
+    base["engine"].calls.clear()
+    sampling = SamplingConfig(temperature=TEMPERATURE, top_k=1, max_new_tokens=max_new_tokens,
+                              stop_token_ids=(base["eos"],))
+    return ChatServer(base["engine"], base["codec"], base["template"], sampling=sampling, model_name="tiny",
+                      trace_path=trace_path, **kw)
+
+
+@pytest.fixture()
+def server(base):
+    """A server on the untrained weights (greedy at T=0.7)."""
+    with _serve(base, base["state"], max_new_tokens=16) as srv:
+        yield srv
+
+
+@pytest.fixture()
+def taught_server(base, taught, tmp_path):
+    """A server on the taught weights, writing a latency trace."""
+    with _serve(base, taught["weights"], trace_path=str(tmp_path / "trace.jsonl")) as srv:
+        yield srv
+
+
+_CLIENTS = {}
+
+
+def _client(server, episode):
+    """An ``openai`` client of ``server`` naming ``episode`` in every request (one HTTP client per server)."""
+    import openai
+
+    if server.url not in _CLIENTS:
+        _CLIENTS.clear()
+        _CLIENTS[server.url] = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=60)
+    return _CLIENTS[server.url].with_options(default_headers={"X-Episode-Id": episode})
+
+
+def _http(server, method, path, body=None, headers=None):
+    data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
+    req = urllib.request.Request(server.url + path, data=data, method=method,
+                                 headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def _harness(client, model="tiny@v0", max_turns=5):
+    """A user's agent harness: the OpenAI chat loop with a local calculator tool."""
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}]
+    responses = []
+    for _ in range(max_turns):
+        r = client.chat.completions.create(model=model, messages=messages, tools=TOOLS)
+        responses.append(r)
+        msg = r.choices[0].message
+        messages.append(msg.model_dump(exclude_none=True))
+        if not msg.tool_calls:
+            break
+        for call in msg.tool_calls:
+            expr = json.loads(call.function.arguments)["e"]
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": str(eval(expr))})  # noqa: S307
+    return messages, responses
+
+
+def _trainer_logprobs(model, ids):
+    from megatron_tsync.model.logprobs import token_logprobs
+
+    with torch.no_grad():
+        return token_logprobs(model, torch.tensor([ids]), temperature=TEMPERATURE)[0].tolist()
+
+
+def test_three_turn_tool_episode_is_token_exact(base, taught, taught_server, tmp_path):
+    from megatron_tsync.rollout.agent_loop import Trajectory
+    from megatron_tsync.rollout.openai_server import latency_profile_from_trace, main, trajectory_event
+    from megatron_tsync.runtime.latency import load_latency_profile
+
+    messages, responses = _harness(_client(taught_server, "ep-1"))
+    assert len(responses) == 3, [r.choices[0].message for r in responses]
+    for r, expr in zip(responses[:2], CALLS):
+        (call,) = r.choices[0].message.tool_calls
+        assert r.choices[0].finish_reason == "tool_calls"
+        assert call.function.name == "calc" and json.loads(call.function.arguments) == {"e": expr}
+    assert responses[2].choices[0].message.content == FINAL and responses[2].choices[0].finish_reason == "stop"
+    assert all(r.model == "tiny@v0" and r.tsync["policy_version"] == 0 for r in responses)
+
+    status, traj = _http(taught_server, "POST", "/episodes/ep-1/finish",
+                         {"verify_s": 0.25, "metadata": {"group": "g0"}})
+    assert status == 200, traj
+    ids, mask, lps, spans = traj["token_ids"], traj["loss_mask"], traj["logprobs"], traj["turn_spans"]
+    calls = base["engine"].calls
+    assert len(calls) == 3 and len(spans) == 3 and traj["policy_version"] == 0 and traj["turn_versions"] == [0] * 3
+    for (prompt, comp), (s, e), r in zip(calls, spans, responses):
+        assert ids[s:e] == comp.token_ids == r.tsync["completion_token_ids"]  # trained = sampled, exactly
+        assert prompt == ids[:s]  # each turn continued the episode's exact tokens (nothing re-tokenised)
+        assert lps[s:e] == [float(x) for x in comp.logprobs]
+    on = [i for s, e in spans for i in range(s, e)]
+    assert [i for i, v in enumerate(mask) if v] == on and traj["prompt_len"] == spans[0][0]
+    assert [(c["name"], json.loads(c["args"])) for c in traj["tool_calls"]] == [("calc", [{"e": e}]) for e in CALLS]
+    assert [tuple(c["result_span"]) for c in traj["tool_calls"]] == [(spans[0][1], spans[1][0]),
+                                                                      (spans[1][1], spans[2][0])]
+    # what the engine saw is the sequence the model was taught (the template continuation is the scripted one)
+    assert (ids, mask) == _script_tokens(base["codec"], base["template"])
+
+    ref = _trainer_logprobs(taught["trainer"], ids)
+    diff = max(abs(ref[i - 1] - lps[i]) for i in on)
+    perturbed = {k: v + 0.02 * torch.randn_like(v) for k, v in taught["weights"].items()}
+    taught["trainer"].load_state_dict(perturbed, strict=False)
+    try:
+        other = _trainer_logprobs(taught["trainer"], ids)
+        control = max(abs(other[i - 1] - lps[i]) for i in on)
+    finally:
+        taught["trainer"].load_state_dict(taught["weights"], strict=False)
+    print(f"\nopenai episode: {len(ids)} tokens, {len(on)} trained, taught in {taught['steps']} steps; "
+          f"log-prob max |engine - trainer| {diff:.2e} (perturbed-weights control {control:.2e})")
+    assert diff <= ATOL and control > 1e-3
+
+    # what the worker sends the learner: a valid transport event, bit-exact over the wire
+    ev = trajectory_event(Trajectory(**{k: traj[k] for k in ("index", "token_ids", "prompt_len", "loss_mask",
+                                                             "logprobs", "turn_spans", "policy_version", "metadata")}),
+                          group_id="s0-g0", index=0, group_size=1, reward=1.0)
+    ev.validate()
+    assert type(ev).from_wire(ev.to_wire()) == ev and ev.token_ids.tolist() == ids and ev.policy_version == 0
+    assert ev.logprobs[on].tolist() == pytest.approx([lps[i] for i in on], abs=1e-7)
+
+    lines = [json.loads(x) for x in open(tmp_path / "trace.jsonl")]
+    assert len(lines) == 1 and lines[0]["turns"] == 3 and len(lines[0]["tool_s"]) == 2 and lines[0]["verify_s"] == 0.25
+    spec = latency_profile_from_trace(str(tmp_path / "trace.jsonl"))
+    assert spec["groups"]["g0"][0] == lines[0]["tool_s"] + [0.25]
+    assert latency_profile_from_trace(str(tmp_path / "trace.jsonl"), include_verify=False)["groups"]["g0"][0] == \
+        lines[0]["tool_s"]
+    assert main(["trace-to-profile", str(tmp_path / "trace.jsonl"), "--out", str(tmp_path / "p.json")]) == 0
+    profile = load_latency_profile(str(tmp_path / "p.json"))  # what --latency-profile FILE.json loads
+    assert [profile.sample(0, 0, t) for t in range(3)] == pytest.approx(lines[0]["tool_s"] + [0.25])
+    assert main(["trace-to-profile", str(tmp_path / "none.jsonl"), "--out", str(tmp_path / "q.json")]) == 2
+    assert _http(taught_server, "POST", "/episodes/ep-1/finish")[0] == 404  # finished once
+
+
+def test_wrong_policy_version_refused(base, server):
+    import openai
+
+    msgs = [{"role": "user", "content": QUESTION}]
+    with pytest.raises(openai.ConflictError, match="v3 requested"):
+        _client(server, "ep-v").chat.completions.create(model="tiny@v3", messages=msgs)
+    st, out = _http(server, "POST", "/chat/completions", {"model": "tiny", "messages": msgs},
+                    {"X-Episode-Id": "ep-v", "X-Policy-Version": "2"})
+    assert st == 409 and "v2 requested" in out["error"]["message"]
+    with pytest.raises(openai.NotFoundError, match="not served"):
+        _client(server, "ep-v").chat.completions.create(model="other", messages=msgs)
+    assert "ep-v" not in server.episodes  # refused first requests leave no episode
+
+    client = _client(server, "ep-mid")
+    r1 = client.chat.completions.create(model="tiny", messages=[{"role": "system", "content": SYSTEM},
+                                                                   {"role": "user", "content": QUESTION}], tools=TOOLS)
+    assert r1.tsync["policy_version"] == 0
+    base["engine"].update_weights(base["state"], 1)  # the learner published new weights mid-episode
+    follow = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION},
+              r1.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "go on"}]
+    n_calls = len(base["engine"].calls)
+    with pytest.raises(openai.ConflictError, match="changed mid-episode"):
+        client.chat.completions.create(model="tiny", messages=follow, tools=TOOLS)
+    assert len(base["engine"].calls) == n_calls  # refused before sampling
+    traj = server.finish("ep-mid")  # the trajectory so far is whole and single-version
+    assert traj.turn_versions == [0] and traj.policy_version == 0
+    r2 = _client(server, "ep-new").chat.completions.create(model="tiny@v1", messages=follow[:2], tools=TOOLS)
+    assert r2.model == "tiny@v1" and server.finish("ep-new").policy_version == 1
+    st, models = _http(server, "GET", "/models")
+    assert st == 200 and [m["id"] for m in models["data"]] == ["tiny", "tiny@v1"]
+
+
+def test_conversation_must_extend_the_episode(base, taught_server):
+    server = taught_server
+    client = _client(server, "ep-x")
+    messages, responses = _harness(client, max_turns=1)
+    assert responses[0].choices[0].message.tool_calls
+    edited = json.loads(json.dumps(messages))
+    edited[2]["tool_calls"][0]["function"]["arguments"] = json.dumps({"e": "1+1"})
+    base = {"model": "tiny", "tools": TOOLS}
+    hdr = {"X-Episode-Id": "ep-x"}
+    cases = [
+        ({**base, "messages": edited}, "messages[2] (assistant) differs"),
+        ({**base, "messages": messages[:2]}, "already has 3"),
+        ({**base, "messages": messages + [{"role": "assistant", "content": "forged"},
+                                          {"role": "user", "content": "?"}]},
+         "did not generate"),
+        ({"model": "tiny", "messages": messages}, "'tools' differ"),
+    ]
+    for body, needle in cases:
+        st, out = _http(server, "POST", "/chat/completions", body, hdr)
+        assert st == 409 and needle in out["error"]["message"], (needle, st, out)
+    # the episode is unchanged by the refusals: the real continuation still works
+    r = client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS)
+    assert json.loads(r.choices[0].message.tool_calls[0].function.arguments) == {"e": "33*2"}
+
+
+def test_malformed_requests_get_400(base, server):
+    ok = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+    hdr = {"X-Episode-Id": "ep-bad"}
+    cases = [
+        (b"{not json", "not valid JSON"),
+        (b"[1, 2]", "must be a JSON object"),
+        ({"model": "tiny"}, "'messages' must be a non-empty list"),
+        ({**ok, "model": 7}, "'model' must be a non-empty string"),
+        ({**ok, "messages": ["hi"]}, "messages[0] must be an object"),
+        ({**ok, "messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role must be one of"),
+        ({**ok, "messages": [{"role": "user"}]}, "messages[0].content is required"),
+        ({**ok, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "only text parts"),
+        ({**ok, "messages": [{"role": "tool", "content": "33"}]}, "needs a 'tool_call_id'"),
+        ({**ok, "messages": [{"role": "assistant", "content": None, "tool_calls": [
+            {"type": "function", "function": {"name": "calculator", "arguments": "{oops"}}]}]},
+         "messages[0].tool_calls[0].function.arguments is not valid JSON"),
+        ({**ok, "tools": [{"type": "function"}]}, "tools[0] must be"),
+        ({**ok, "temperature": 1.3}, "samples with temperature=0.7"),
+        ({**ok, "temperature": "hot"}, "'temperature' must be a number"),
+        ({**ok, "max_tokens": 0}, "'max_tokens' must be an integer >= 1"),
+        ({**ok, "n": 2}, "only n=1"),
+        ({**ok, "stream": True}, "streaming responses are not supported"),
+        ({**ok, "logit_bias": {"5": 10}}, "'logit_bias' is not supported"),
+        ({**ok, "tool_choice": "required"}, "tool_choice must be"),
+        ({**ok, "stop": [3]}, "'stop' must be"),
+        ({**ok, "seed": "x"}, "'seed' must be an integer"),
+        ({**ok, "messages": [{"role": "assistant", "content": "x"}]}, "nothing for the model to answer"),
+    ]
+    for body, needle in cases:
+        st, out = _http(server, "POST", "/chat/completions", body, hdr)
+        assert st == 400 and needle in out["error"]["message"], (needle, st, out)
+    st, out = _http(server, "POST", "/chat/completions", ok)  # no episode id
+    assert st == 400 and "X-Episode-Id" in out["error"]["message"]
+    st, out = _http(server, "POST", "/chat/completions", {**ok, "messages": [{"role": "user", "content": "x" * 20000}]},
+                    hdr)
+    assert st == 400 and "context full" in out["error"]["message"]
+    assert _http(server, "GET", "/nowhere")[0] == 404
+    assert _http(server, "POST", "/episodes/unknown/finish")[0] == 404
+    assert _http(server, "POST", "/episodes/unknown/finish", b"[]")[0] == 400
+    assert not base["engine"].calls and not server.episodes  # nothing was sampled, nothing was left behind
+    st, out = _http(server, "POST", "/chat/completions", {**ok, "user": "ep-ok", "max_tokens": 5, "logprobs": True})
+    assert st == 200 and out["usage"]["completion_tokens"] <= 5  # and the server still serves
+    assert [c["logprob"] for c in out["choices"][0]["logprobs"]["content"]] == base["engine"].calls[0][1].logprobs
+
+
+def test_fixed_sampling_flag(base):
+    """``fixed_sampling=False`` lets a request choose its temperature and a larger cap; the trajectory records the
+    temperature of each turn (with the default, the same request is refused: test_malformed_requests_get_400)."""
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "temperature": 1.3, "max_tokens": 40}
+    for fixed in (True, False):
+        with _serve(base, base["state"], max_new_tokens=16, fixed_sampling=fixed) as srv:
+            st, out = _http(srv, "POST", "/chat/completions", body, {"X-Episode-Id": "t"})
+            if fixed:
+                assert st == 400 and "temperature=0.7" in out["error"]["message"]
+                continue
+            assert st == 200 and base["engine"].sampling.temperature == 1.3
+            assert base["engine"].sampling.max_new_tokens == 40
+            assert srv.finish("t").metadata["temperatures"] == [1.3]
+
+
+def test_concurrent_episodes_are_batched_exactly(base):
+    """Four harnesses at once: their requests share engine calls, and every episode gets exactly the tokens it gets
+    alone (per-episode seeds, per-request caps)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from megatron_tsync.rollout.openai_server import ChatServer
+
+    engine = base["engine"]
+    engine.update_weights(base["state"], 0)
+    sampling = SamplingConfig(max_new_tokens=12, stop_token_ids=(base["eos"],), seed=5)
+
+    def episode(srv, k):
+        c = _client(srv, f"cc-{k}")
+        msgs = [{"role": "user", "content": f"task {k}"}]
+        r = c.chat.completions.create(model="raw", messages=msgs, max_tokens=6 + 2 * k)
+        msgs += [r.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "next"}]
+        c.chat.completions.create(model="raw", messages=msgs)
+        return srv.finish(f"cc-{k}").token_ids
+
+    results = {}
+    for wait in (0.0, 0.5):
+        engine.batch_sizes = []
+        with ChatServer(engine, base["codec"], base["template"], sampling=sampling, model_name="raw",
+                        batch_wait_s=wait) as srv:
+            if wait == 0.0:
+                results[wait] = [episode(srv, k) for k in range(4)]  # one at a time
+            else:
+                with ThreadPoolExecutor(4) as pool:
+                    results[wait] = list(pool.map(lambda k: episode(srv, k), range(4)))
+        sizes = list(engine.batch_sizes)
+    assert max(sizes) > 1 and len(sizes) < 8, sizes  # batched: fewer engine calls than the 8 requests
+    assert results[0.5] == results[0.0]
+    assert len({tuple(t) for t in results[0.0]}) == 4
+
+
+def test_batcher_serves_the_others_when_one_request_is_bad(base):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from megatron_tsync.rollout.openai_server import _EngineBatcher
+
+    engine = base["engine"]
+    engine.update_weights(base["state"], 0)
+    cfg = SamplingConfig(max_new_tokens=8, seed=1)
+    jobs = [([5, 6, 7], 11), ([9] * 4094, 12), ([8, 9], 13)]  # the middle one exceeds the model's 4096 positions
+    alone = [engine.generate([p], cfg, 1, seeds=[sd])[0][0].token_ids for p, sd in (jobs[0], jobs[2])]
+    batcher = _EngineBatcher(engine, 0.5)
+    try:
+        def submit(job):
+            try:
+                return batcher.generate(job[0], cfg, job[1]).token_ids
+            except ValueError as e:
+                return str(e)
+
+        with ThreadPoolExecutor(3) as pool:
+            out = list(pool.map(submit, jobs))
+    finally:
+        batcher.close()
+    assert out[0] == alone[0] and out[2] == alone[1] and "max_position_embeddings" in out[1]
+    assert batcher.batches[0] == 3 and batcher.batches[1:] == [1, 1, 1], batcher.batches
+
+
+def test_generated_tokens_are_not_retokenised(base):
+    """An untrained policy sampled at T=1 emits token sequences that decode -> encode changes (control); the server
+    still continues each episode from the exact sampled ids."""
+    from megatron_tsync.rollout.openai_server import ChatServer
+
+    engine, codec = base["engine"], base["codec"]
+    engine.update_weights(base["state"], 0)
+    engine.calls.clear()
+    sampling = SamplingConfig(max_new_tokens=24, stop_token_ids=(base["eos"],), seed=11)
+    changed = 0
+    with ChatServer(engine, codec, base["template"], sampling=sampling, model_name="raw") as srv:
+        for k in range(4):
+            msgs = [{"role": "user", "content": f"question {k}"}]
+            c = _client(srv, f"raw-{k}")
+            r = c.chat.completions.create(model="raw", messages=msgs)
+            msgs += [r.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "more"}]
+            c.chat.completions.create(model="raw", messages=msgs)
+            (p1, c1), (p2, _) = engine.calls[-2:]
+            assert p2[: len(p1) + len(c1.token_ids)] == p1 + c1.token_ids
+            changed += codec.encode(codec.decode(c1.token_ids)) != c1.token_ids
+            traj = srv.finish(f"raw-{k}")
+            assert traj.token_ids[traj.turn_spans[0][0]:traj.turn_spans[0][1]] == c1.token_ids
+            assert traj.token_ids[: len(p2)] == p2 and traj.turn_spans[1][0] == len(p2)
+    assert changed > 0, "control: re-tokenising the sampled text never changed it, the test could not fail"
+
+
+@pytest.mark.slow
+def test_command_line_serve(tiny_dir, tmp_path):
+    """``python -m megatron_tsync.rollout.openai_server serve``: each flag visibly in effect, the trace written, a clean
+    exit on SIGTERM (~30 s on 2 busy cores: a fresh interpreter loads megatron and the model)."""
+    import os
+    import subprocess
+    import sys
+    import types
+
+    trace = tmp_path / "trace.jsonl"
+    cmd = [sys.executable, "-m", "megatron_tsync.rollout.openai_server", "serve", "--model", tiny_dir, "--port", "0",
+           "--model-name", "cli", "--temperature", "0.5", "--top-k", "1", "--max-new-tokens", "8",
+           "--max-context-tokens", "200", "--trace", str(trace)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    env.pop("MASTER_PORT", None)
+    err = open(tmp_path / "serve.err", "w")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("serving http://"), line
+        srv = types.SimpleNamespace(url=line.split()[1])
+        assert [m["id"] for m in _http(srv, "GET", "/models")[1]["data"]] == ["cli", "cli@v0"]
+        body = {"model": "cli", "messages": [{"role": "user", "content": "2+2?"}]}
+        st, out = _http(srv, "POST", "/chat/completions", {**body, "temperature": 0.7}, {"X-Episode-Id": "a"})
+        assert st == 400 and "temperature=0.5" in out["error"]["message"]
+        outs = [_http(srv, "POST", "/chat/completions", body, {"X-Episode-Id": ep})[1] for ep in ("a", "b")]
+        assert all(o["usage"]["completion_tokens"] <= 8 for o in outs)
+        ids = [o["tsync"]["completion_token_ids"] for o in outs]
+        assert ids[0] == ids[1]  # --top-k 1: greedy, the same in every episode
+        long = {**body, "messages": [{"role": "user", "content": "9" * 300}]}
+        st, out = _http(srv, "POST", "/chat/completions", long, {"X-Episode-Id": "c"})
+        assert st == 400 and "max_context_tokens 200" in out["error"]["message"]
+        assert _http(srv, "POST", "/episodes/a/finish", {"verify_s": 1.5})[0] == 200
+        proc.terminate()
+        assert proc.wait(timeout=30) == 0, (tmp_path / "serve.err").read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        err.close()
+    (rec,) = [json.loads(x) for x in open(trace)]
+    assert rec["turns"] == 1 and rec["verify_s"] == 1.5

@@ -1,0 +1,102 @@
+"""tools/bench_live.py: the summary's fields and arithmetic on known rows (fast), the flags it builds, and one
+short real run of the tool (two modes, two steps, a tiny warm start; slow) whose JSON holds every field."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SPEC = importlib.util.spec_from_file_location("bench_live", os.path.join(ROOT, "tools", "bench_live.py"))
+bl = importlib.util.module_from_spec(SPEC)
+SPEC.loader.exec_module(bl)
+
+FIELDS = {"step_s", "learner_step_s", "idle_frac", "learner_busy_s", "trainer_cpu_s", "success_rate",
+          "speedup_vs_sync", "spec_kept_frac"}
+
+
+def _run(mode, rep, walls, busy, success=None):
+    success = success or [0.5] * len(walls)
+    steps = [{"step": i, "wall_step_s": w, "step_time_s": w * 0.9, "idle_frac": 1 - b / w, "learner_busy_s": b,
+              "trainer_cpu_s": b, "success_rate": sr} for i, (w, b, sr) in enumerate(zip(walls, busy, success))]
+    return {"mode": mode, "repeat": rep, "steps": steps}
+
+
+def test_summary_fields_and_paired_speedup():
+    runs = [_run("sync", 0, [9.0, 2.0, 2.0], [1, 1, 1]), _run("stream-trajectory", 0, [9.0, 1.0, 1.0], [1, 1, 1]),
+            _run("sync", 1, [9.0, 4.0, 4.0], [1, 1, 1]), _run("stream-trajectory", 1, [9.0, 1.0, 3.0], [1, 2, 2])]
+    s = bl.summarize(runs, skip=1)
+    assert set(s) == {"sync", "stream-trajectory"} and all(set(v) == FIELDS for v in s.values())
+    st = s["stream-trajectory"]
+    assert st["step_s"] == {"median": 1.5, "min": 1.0, "max": 2.0, "n": 2}  # step 0 (start-up) left out
+    assert st["speedup_vs_sync"] == {"median": 2.0, "min": 2.0, "max": 2.0, "n": 2}  # 2/1 and 4/2, by repeat
+    assert st["learner_busy_s"]["max"] == 2.0 and s["sync"]["speedup_vs_sync"]["median"] == 1.0
+    # control: with skip 0 the start-up step counts and the figures move
+    assert bl.summarize(runs, skip=0)["stream-trajectory"]["step_s"]["median"] != 1.5
+    text = bl.table(s, dict(bl.machine(), load_before=(1.0, 1, 1), load_after=(2.0, 2, 2)), ["--trainer-cpus", "0"])
+    assert "cores" in text and "load avg 1.00 before / 2.00 after" in text and "2.00x" in text
+
+
+def test_task_args_leave_the_run_keys_to_the_tool():
+    args = bl.task_args(bl.CONFIG)
+    assert "--task" in args and "--global-batch-size" in args
+    assert not {"--save", "--rl-mode", "--train-iters", "--model", "--init-tiny-model"} & set(args)
+
+
+def test_cpu_flags():
+    assert bl.cpu_flags("none") == [] and bl.cpu_flags("0:1") == ["--trainer-cpus", "0", "--rollout-cpus", "1"]
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) >= 2:
+        flags = bl.cpu_flags("split")
+        assert flags[0] == "--trainer-cpus" and flags[2] == "--rollout-cpus"
+    with pytest.raises(SystemExit):
+        bl.cpu_flags("0")
+
+
+def test_bad_modes_are_refused(capsys):
+    with pytest.raises(SystemExit):
+        bl.parse(["--modes", "sync,fast"])
+    assert "--modes" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="--cpus"):
+        bl.parse(["--cpus", "split", "--cpus", "0"])
+    assert bl.parse([]).cpus == ["split"] and bl.parse(["--cpus", "none", "--cpus", "0:1"]).cpus == ["none", "0:1"]
+
+
+@pytest.mark.slow
+def test_tool_runs_the_real_trainer_and_writes_every_field(tmp_path):
+    out = tmp_path / "result.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "bench_live.py"), "--modes", "sync,async",
+                        "--repeats", "1", "--steps", "2", "--sft-steps", "1", "--warm-dir", str(tmp_path / "warm"),
+                        "--work-dir", str(tmp_path / "runs"), "--out", str(out),
+                        "--train-args", "--global-batch-size 8 --max-turns 2"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert list(r["summary"]) == ["split"] and set(r["summary"]["split"]) == {"sync", "async"}
+    assert all(set(v) == FIELDS for v in r["summary"]["split"].values())
+    assert all(run["load_at_start"] >= 0 and run["cpus"] == "split" for run in r["runs"])
+    assert r["machine"]["cores"] == os.cpu_count() and len(r["machine"]["load_after"]) == 3
+    assert all(len(run["steps"]) == 2 and run["steps"][1]["learner_busy_s"] > 0 for run in r["runs"])
+    assert "speedup vs sync" in p.stdout and "machine:" in p.stdout
+
+
+def test_reward_curve_test_detects_a_shift_and_not_noise():
+    """The +spec curve test: the same per-step successes up to small noise are indistinguishable (p large); a
+    curve lower by 0.3 at every step is not (p small) — the control that the test can fail."""
+    import random
+
+    rng = random.Random(0)
+    base = [_run("stream-trajectory", r, [1.0] * 12, [0.5] * 12, [0.4 + 0.02 * i for i in range(12)]) for r in (0, 1)]
+    same = [_run("stream-trajectory+spec", r, [0.8] * 12, [0.5] * 12,
+                 [0.4 + 0.02 * i + (-1) ** (i + r) * rng.uniform(0, 0.05) for i in range(12)]) for r in (0, 1)]
+    lower = [_run("stream-trajectory+spec", r, [0.8] * 12, [0.5] * 12, [0.1 + 0.02 * i for i in range(12)])
+             for r in (0, 1)]
+    ok = bl.summarize(base + same, skip=1)["stream-trajectory+spec"]["reward_curve_vs_base"]
+    bad = bl.summarize(base + lower, skip=1)["stream-trajectory+spec"]["reward_curve_vs_base"]
+    assert ok["pairs"] == 22 and ok["p_value"] > 0.05 and bad["p_value"] < 1e-3, (ok, bad)

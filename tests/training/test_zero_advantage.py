@@ -1,0 +1,120 @@
+"""--skip-zero-advantage (streaming/planner.py): trajectories of advantage exactly 0 get no work, a zero-variance group
+whose members already ran into its bucket folds with α = c = 0, and the update equals the unskipped synchronous one.
+
+float64, one process: every estimator × aggregation, sync / stream-group / stream-trajectory with several arrival
+orders, against sync with the skip off (every trajectory forwarded and backpropagated); the skipped trajectories'
+tokens still count in the token-mean denominator (a control drops them and fails).
+"""
+
+import pytest
+import torch
+
+from megatron_tsync.streaming.planner import StepPlanner, TrajMeta
+from megatron_tsync.algorithms.advantages import get_advantage_estimator
+
+from .stream_cases import arrival_order, make_samples, spec_for
+from .test_streaming_exactness import AGGREGATIONS, ESTIMATORS, TOL, gradient, model64, rel  # noqa: F401
+
+
+def _two_zero_groups(seed, reward="binary"):
+    """3 groups, the first zero-variance; plus a second all-equal group (all 1 or all 0) made from group 3."""
+    samples = make_samples(seed, num_groups=3, reward_kind=reward)
+    last = samples[-1].group_id
+    for s in samples:
+        if s.group_id == last:
+            s.reward = 1.0
+    return samples
+
+
+@pytest.mark.parametrize("estimator", ESTIMATORS)
+@pytest.mark.parametrize("aggregation", AGGREGATIONS)
+def test_skip_equals_unskipped_sync(model64, estimator, aggregation):
+    samples = _two_zero_groups(11)
+    kw = dict(estimator=estimator, reward_spec=spec_for("binary"), loss=_loss(aggregation))
+    g_ref, r_ref = gradient(model64, "sync", samples, samples, skip_zero_advantage=False, **kw)
+    assert r_ref.planner_stats["skipped_zero_advantage"] == 0
+    assert g_ref.norm() > 0
+    zero_members = sum(1 for s in samples if s.group_id in _all_equal_groups(samples))
+    for mode in ("sync", "stream-group", "stream-trajectory"):
+        for seed in (0, 1, 2):
+            g, res = gradient(model64, mode, samples, arrival_order(samples, seed), **kw)
+            err = rel(g, g_ref)
+            assert err < TOL, (mode, seed, err)
+            st = res.planner_stats
+            # each member of an all-equal group is skipped, or ran into a bucket that was then wasted (α known in
+            # advance, as dr_grpo's and rloo's: the bucket was already folded on the way, and closes normally)
+            alpha_known = get_advantage_estimator(estimator).alpha_known_in_advance(4) is not None
+            assert st["skipped_zero_advantage"] + (0 if alpha_known else st["wasted_bucket_items"]) <= zero_members
+            if not alpha_known:
+                assert st["skipped_zero_advantage"] + st["wasted_bucket_items"] == zero_members, (mode, st)
+            if mode != "stream-trajectory":
+                assert st["skipped_zero_advantage"] == zero_members
+            assert res.microbatches == len(samples) - st["skipped_zero_advantage"] + st["second_backward"]
+            assert res.num_action_tokens == r_ref.num_action_tokens  # the denominators count every trajectory
+
+
+def _loss(aggregation):
+    from megatron_tsync.training.stream_fb import LossConfig
+
+    return LossConfig(aggregation=aggregation)
+
+
+def _all_equal_groups(samples):
+    by = {}
+    for s in samples:
+        by.setdefault(s.group_id, set()).add(s.reward)
+    return {g for g, rs in by.items() if len(rs) == 1}
+
+
+def test_denominator_control(model64):
+    """Control: dropping the skipped trajectories from the batch (their tokens leave the token-mean denominator)
+    changes the gradient far beyond the tolerance, so the equality above could fail."""
+    samples = _two_zero_groups(11)
+    kw = dict(estimator="grpo", reward_spec=spec_for("binary"), loss=_loss("token-mean"))
+    g_ref, _ = gradient(model64, "sync", samples, samples, skip_zero_advantage=False, **kw)
+    zero = _all_equal_groups(samples)
+    rest = [s for s in samples if s.group_id not in zero]
+    g_drop, _ = gradient(model64, "sync", rest, rest, **kw)
+    assert rel(g_drop, g_ref) > 1e-3
+
+
+def test_kl_term_keeps_the_work(model64):
+    """With a KL loss term the zero-advantage trajectories still carry a gradient: nothing is skipped."""
+    samples = make_samples(5, with_ref=True)
+    from megatron_tsync.training.stream_fb import LossConfig
+
+    kw = dict(estimator="grpo", reward_spec=spec_for("binary"), loss=LossConfig(kl_mode="loss", kl_coef=0.1))
+    g_ref, _ = gradient(model64, "sync", samples, samples, skip_zero_advantage=False, **kw)
+    g, res = gradient(model64, "stream-trajectory", samples, arrival_order(samples, 3), **kw)
+    assert res.planner_stats["skipped_zero_advantage"] == 0
+    assert rel(g, g_ref) < TOL
+
+
+def test_planner_zero_variance_close_is_exact_zero():
+    """Planner only: a zero-variance group whose first members went to the bucket closes with α = c = 0 and its
+    last member gets no work; off (the default of the class), the close is α = 1/ε."""
+    est = get_advantage_estimator("grpo")
+    for skip, alpha in ((True, 0.0), (False, 1e6)):
+        pl = StepPlanner(est, {"g": 3}, mode="stream-trajectory", reward_spec=spec_for("binary"), loss_kind="ppo_clip",
+                         skip_zero_advantage=skip)
+        items = pl.on_ready(TrajMeta("a", "g", 1.0, 5)) + pl.on_ready(TrajMeta("b", "g", 1.0, 5))
+        assert [it.traj_id for it in items] == ["a", "b"]
+        last = pl.on_ready(TrajMeta("c", "g", 1.0, 5))
+        (close,), held = pl.closable()
+        assert (len(last) == 0) == skip
+        assert close.alpha == pytest.approx(alpha, rel=1e-9)
+        if skip:
+            assert close.q_coefficient(1.0) == 0.0
+            assert pl.stats["wasted_bucket_items"] == 2 and pl.stats["skipped_zero_advantage"] == 1
+        assert torch.isfinite(torch.tensor(close.alpha))
+
+
+def test_planner_known_advantage_work_first():
+    """Priority: when one poll brings a group's last reward and a new group's first ones, the completed group's
+    known-advantage items come first and the bucket items after them (each group's order kept)."""
+    est = get_advantage_estimator("grpo")
+    pl = StepPlanner(est, {"a": 2, "b": 3}, mode="stream-trajectory", reward_spec=spec_for("binary"),
+                     loss_kind="ppo_clip")
+    pl.on_ready(TrajMeta("a0", "a", 1.0, 5))  # bucket item of group a
+    items = pl.on_ready_batch([TrajMeta("b0", "b", 1.0, 5), TrajMeta("b1", "b", 0.0, 5), TrajMeta("a1", "a", 0.0, 5)])
+    assert [(it.traj_id, it.dest.value) for it in items] == [("a1", "accum"), ("b0", "bucket"), ("b1", "bucket")]

@@ -1,0 +1,301 @@
+"""Live benchmark of the training modes on the real rollout plane: ``python -m megatron_tsync.train`` with its own
+rollout workers (embedded engine, sandboxed calculator, signed events) on the quickstart task, every mode on the
+same seeds, interleaved and repeated.
+
+    python tools/bench_live.py --repeats 3 --steps 8                      # the four modes, the machine's cores split
+    python tools/bench_live.py --cpus none --modes sync,stream-trajectory  # no affinity flags (all share every core)
+    python tools/bench_live.py --cpus split --cpus none                   # both, interleaved, side by side
+
+One supervised warm start (``--sft-steps``, default the quickstart's) is made once and cached under ``--warm-dir``
+(keyed by the task config, the SFT steps and the seed); every run starts from it (``--load``, step 0), so all runs
+begin with the same weights. Run ``r`` of every mode uses seed ``--seed + r``; the order of the modes rotates with
+``r`` (interleaved, so drift of the machine's load spreads over every mode).
+
+Per step the trainer logs (``history.json``; ``runtime/loop.py`` and ``runtime/grpo.py``): ``wall_step_s`` (the
+whole iteration, the next weights' publish included), ``step_time_s`` (the learner's step: first wait → optimizer
+step), ``idle_frac`` (share of it the learner waited), ``learner_busy_s`` (the learner's compute seconds: grows
+when its cores are contended) and ``trainer_cpu_s``. The first ``--skip`` steps of a run (worker start-up, engine
+load) are left out. Per mode: the median over runs of each run's mean step (spread: min–max over runs), mean idle,
+median busy per step, and the speedup against sync paired by repeat (sync_r / mode_r; median and min–max).
+
+The machine is stated next to the numbers: cores, the cores allowed, the load average before and after, and the
+CPU split used (``--cpus``: ``split`` gives the trainer the first half of the allowed cores and the rollout workers
+the rest, as ``TSYNC_CPU_SPLIT=1 tools/quickstart.sh`` does; ``none`` passes no affinity flag; or
+``TRAINER:ROLLOUT`` lists; repeat ``--cpus`` to compare splits: they are interleaved like the modes, and each has
+its own summary, its speedups against its own sync runs). Each run records the load average at its start.
+Writes ``--out`` (JSON: machine, settings, every run's per-step rows, the summary) and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIG = os.path.join(ROOT, "examples", "tiny_agent", "config.yaml")
+MODES = ("sync", "stream-group", "stream-trajectory", "async", "sync+spec", "stream-trajectory+spec")
+"""``+spec``: the mode with ``--speculative-rollouts`` (next-step first turns drafted while the learner finishes)."""
+# keys of the task config a run sets itself (or that would write into the quickstart's folders)
+RUN_KEYS = {"model", "init-tiny-model", "sft-warmup-steps", "rl-mode", "train-iters", "seed", "save", "save-interval",
+            "load", "tensorboard-dir", "max-staleness", "trainer-cpus", "rollout-cpus"}
+STEP_KEYS = ("wall_step_s", "step_time_s", "idle_frac", "learner_busy_s", "trainer_cpu_s", "success_rate",
+             "spec_drafted_tokens", "spec_kept_tokens")
+
+
+# ------------------------------------------------------------------------------------------------------ machine
+def machine() -> dict:
+    model = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        pass
+    return {"host": socket.gethostname(), "platform": platform.platform(), "cpu_model": model,
+            "cores": os.cpu_count(), "cores_allowed": sorted(os.sched_getaffinity(0)), "load_avg": os.getloadavg()}
+
+
+def cpu_flags(spec: str) -> list[str]:
+    """``split`` | ``none`` | ``TRAINER:ROLLOUT`` → the trainer's affinity flags."""
+    if spec == "none":
+        return []
+    if spec == "split":
+        cores = sorted(os.sched_getaffinity(0))
+        if len(cores) < 2:
+            return []
+        half = len(cores) // 2
+        from megatron_tsync.runtime.affinity import fmt
+
+        return ["--trainer-cpus", fmt(cores[:half]), "--rollout-cpus", fmt(cores[half:])]
+    trainer, sep, rollout = spec.partition(":")
+    if not sep or not trainer or not rollout:
+        raise SystemExit(f"--cpus {spec!r}: split, none or TRAINER:ROLLOUT (CPU lists, e.g. 0:1 or 0-3:4-7)")
+    return ["--trainer-cpus", trainer, "--rollout-cpus", rollout]
+
+
+# ------------------------------------------------------------------------------------------------------ runs
+def task_args(config: str) -> list[str]:
+    """The task config's flags, minus those each run sets itself (``RUN_KEYS``)."""
+    import yaml
+
+    with open(config) as f:
+        data = yaml.safe_load(f) or {}
+    out = []
+    for key, value in data.items():
+        if str(key).replace("_", "-") in RUN_KEYS or value is None or value is False:
+            continue
+        out += [f"--{key}"] if value is True else [f"--{key}", str(value)]
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(argv: list[str], log_path: str, timeout_s: float) -> float:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(_free_port()))
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        env.pop(k, None)
+    t0 = time.perf_counter()
+    with open(log_path, "w") as log:
+        p = subprocess.run(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s)
+    if p.returncode != 0:
+        with open(log_path) as f:
+            tail = f.read()[-3000:]
+        raise RuntimeError(f"{' '.join(argv[:4])} ... failed ({p.returncode}); {log_path}:\n{tail}")
+    return time.perf_counter() - t0
+
+
+_WARM = ("import sys\nfrom megatron_tsync.arguments import parse_args\n"
+         "from megatron_tsync.runtime.context import RunContext, StopFlag\n"
+         "from megatron_tsync.model.parallel import destroy_parallel\n"
+         "ctx = RunContext(parse_args(sys.argv[1:]), StopFlag())\nctx.save()\nctx.close()\ndestroy_parallel()\n")
+
+
+def warm_start(a, base: list[str]) -> tuple[str, str]:
+    """(model folder, checkpoint) of the shared warm start: made once per (config, SFT steps, seed), then reused."""
+    key = hashlib.sha256(json.dumps([base, a.sft_steps, a.seed]).encode()).hexdigest()[:12]
+    d = os.path.join(a.warm_dir, key)
+    model, ckpt = os.path.join(d, "model"), os.path.join(d, "ckpt")
+    if os.path.exists(os.path.join(ckpt, "latest_checkpointed_iteration.txt")):
+        print(f"[bench_live] warm start (cached): {ckpt}", flush=True)
+        return model, ckpt
+    os.makedirs(d, exist_ok=True)
+    argv = [sys.executable, "-c", _WARM, *base, "--model", model, "--init-tiny-model", "--sft-warmup-steps",
+            str(a.sft_steps), "--seed", str(a.seed), "--save", ckpt]
+    s = _run(argv, os.path.join(d, "warm.log"), a.timeout)
+    print(f"[bench_live] warm start ({a.sft_steps} SFT steps) made in {s:.0f}s: {ckpt}", flush=True)
+    return model, ckpt
+
+
+def run_mode(a, base: list[str], model: str, ckpt: str, mode: str, rep: int, cpus: list[str], label: str) -> dict:
+    out = os.path.join(a.work_dir, f"r{rep}c{a.cpus.index(label)}_{mode}")  # short: the ipc socket path is bounded
+    os.makedirs(out, exist_ok=True)
+    rl_mode, _, spec = mode.partition("+")
+    argv = [sys.executable, "-m", "megatron_tsync.train", *base, "--model", model, "--load", ckpt, "--finetune",
+            *(["--speculative-rollouts"] if spec else []), "--sft-warmup-steps", "0", "--rl-mode", rl_mode, "--train-iters", str(a.steps), "--seed", str(a.seed + rep),
+            "--tensorboard-dir", out, "--rollout-dir", os.path.join(out, "rp"), "--no-progress", *cpus,
+            *(["--max-staleness", str(a.max_staleness)] if mode == "async" else []), *a.train_args]
+    load = os.getloadavg()[0]
+    wall = _run(argv, os.path.join(out, "train.log"), a.timeout)
+    with open(os.path.join(out, "history.json")) as f:
+        hist = json.load(f)
+    steps = [{k: h.get(k) for k in ("step", *STEP_KEYS)} for h in hist]
+    return {"mode": mode, "cpus": label, "cpu_flags": cpus, "repeat": rep, "seed": a.seed + rep, "load_at_start": load,
+            "process_wall_s": wall, "steps": steps}
+
+
+# ------------------------------------------------------------------------------------------------------ summary
+def _spread(xs: list[float]) -> dict:
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)} if xs else {}
+
+
+def summarize(runs: list[dict], skip: int) -> dict:
+    """Per mode: step time (median of the runs' mean measured step, min–max), idle fraction, learner busy and
+    trainer CPU seconds per step, and the speedup against sync paired by repeat."""
+    def measured(r):
+        return [s for s in r["steps"] if s["step"] >= skip] or r["steps"][-1:]
+
+    def mean(r, k):
+        xs = [s[k] for s in measured(r) if s.get(k) is not None]
+        return sum(xs) / len(xs) if xs else float("nan")
+
+    by_mode: dict[str, list[dict]] = {}
+    for r in runs:
+        by_mode.setdefault(r["mode"], []).append(r)
+    sync = {r["repeat"]: mean(r, "wall_step_s") for r in by_mode.get("sync", [])}
+    out = {}
+    for mode, rs in by_mode.items():
+        ratios = [sync[r["repeat"]] / mean(r, "wall_step_s") for r in rs if r["repeat"] in sync]
+        out[mode] = {"step_s": _spread([mean(r, "wall_step_s") for r in rs]),
+                     "learner_step_s": _spread([mean(r, "step_time_s") for r in rs]),
+                     "idle_frac": statistics.mean(mean(r, "idle_frac") for r in rs),
+                     "learner_busy_s": _spread([mean(r, "learner_busy_s") for r in rs]),
+                     "trainer_cpu_s": _spread([mean(r, "trainer_cpu_s") for r in rs]),
+                     "success_rate": statistics.mean(mean(r, "success_rate") for r in rs),
+                     "speedup_vs_sync": _spread(ratios), "spec_kept_frac": _kept_frac(rs, measured)}
+    for mode in out:
+        base = mode.partition("+")[0]
+        if mode != base and base in by_mode:
+            out[mode]["reward_curve_vs_base"] = curve_test(by_mode[base], by_mode[mode], measured)
+    return out
+
+
+def curve_test(base: list[dict], spec: list[dict], measured, draws: int = 20000) -> dict:
+    """Is the success curve of ``spec`` runs distinguishable from ``base`` runs of the same seeds? Per-step success
+    differences paired by (repeat, step); two-sided sign-flip permutation test of their mean (exchangeable under
+    the null that both modes draw from one distribution per step). Returns the mean success of each, the mean
+    paired difference, the number of pairs and the p-value."""
+    import random as _random
+
+    b = {(r["repeat"], s["step"]): s["success_rate"] for r in base for s in measured(r)}
+    d = [s["success_rate"] - b[(r["repeat"], s["step"])] for r in spec for s in measured(r) if (r["repeat"], s["step"]) in b]
+    if not d:
+        return {}
+    obs, rng = abs(sum(d)), _random.Random(0)
+    hits = sum(abs(sum(x if rng.random() < 0.5 else -x for x in d)) >= obs - 1e-12 for _ in range(draws))
+    return {"pairs": len(d), "success_base": statistics.mean(b[k] for k in b), "mean_diff": sum(d) / len(d),
+            "success_spec": statistics.mean(s["success_rate"] for r in spec for s in measured(r)),
+            "p_value": (hits + 1) / (draws + 1)}
+
+
+def _kept_frac(rs: list[dict], measured) -> float | None:
+    """Speculative modes: drafted tokens kept by verification, over every measured step of every run."""
+    drafted = sum(s.get("spec_drafted_tokens") or 0 for r in rs for s in measured(r))
+    kept = sum(s.get("spec_kept_tokens") or 0 for r in rs for s in measured(r))
+    return kept / drafted if drafted else None
+
+
+def table(summary: dict, mach: dict, cpus: list[str]) -> str:
+    head = (f"machine: {mach['cores']} cores (allowed {mach['cores_allowed']}), {mach['cpu_model']}; load avg "
+            f"{mach['load_before'][0]:.2f} before / {mach['load_after'][0]:.2f} after; cpu split "
+            f"{' '.join(cpus) or 'none (every process on every core)'}")
+    rows = [head, f"{'mode':<18} {'step s (min-max)':<20} {'idle':>5} {'busy s/step':>16} {'cpu s/step':>10} "
+                  f"{'speedup vs sync (min-max)':>26} {'kept':>5}"]
+    for mode in [m for m in MODES if m in summary] + [m for m in summary if m not in MODES]:
+        s = summary[mode]
+        st, b, sp = s["step_s"], s["learner_busy_s"], s["speedup_vs_sync"]
+        sp_txt = f"{sp['median']:.2f}x ({sp['min']:.2f}-{sp['max']:.2f})" if sp else "-"
+        rows.append(f"{mode:<18} {st['median']:6.2f} ({st['min']:.2f}-{st['max']:.2f})    {s['idle_frac']:5.0%} "
+                    f"{b['median']:6.2f} ({b['min']:.2f}-{b['max']:.2f}) {s['trainer_cpu_s']['median']:10.2f} "
+                    f"{sp_txt:>26} {'' if s.get('spec_kept_frac') is None else format(s['spec_kept_frac'], '5.0%'):>5}")
+    return "\n".join(rows)
+
+
+# ------------------------------------------------------------------------------------------------------ main
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated modes (default: all of {MODES})")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--steps", type=int, default=8, help="RL steps per run")
+    p.add_argument("--skip", type=int, default=1, help="first steps of a run left out (start-up)")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--max-staleness", type=int, default=1, help="async mode's staleness")
+    p.add_argument("--cpus", action="append", help="split | none | TRAINER:ROLLOUT (CPU lists); repeatable "
+                                                    "(default: split)")
+    p.add_argument("--config", default=CONFIG, help="task config (YAML of training flags)")
+    p.add_argument("--sft-steps", type=int, default=None, help="warm start SFT steps (default: the config's)")
+    p.add_argument("--warm-dir", default=os.path.join(ROOT, "runs", "bench_live", "warm"))
+    p.add_argument("--work-dir", default=os.path.join(ROOT, "runs", "bench_live", "runs"))
+    p.add_argument("--out", default=os.path.join(ROOT, "runs", "bench_live", "result.json"))
+    p.add_argument("--timeout", type=float, default=1800, help="seconds per trainer process")
+    p.add_argument("--train-args", default="", help="extra training flags for every run (quoted)")
+    a = p.parse_args(argv)
+    a.modes = [m for m in a.modes.split(",") if m]
+    bad = [m for m in a.modes if m not in MODES]
+    if bad or not a.modes:
+        p.error(f"--modes: unknown {bad}; choose from {MODES}")
+    if a.repeats < 1 or a.steps <= a.skip:
+        p.error(f"--repeats must be >= 1 and --steps > --skip, got {a.repeats}, {a.steps}, {a.skip}")
+    a.train_args = a.train_args.split()
+    a.cpus = a.cpus or ["split"]
+    for c in a.cpus:
+        cpu_flags(c)  # a bad spec fails before any run
+    return a
+
+
+def main(argv=None) -> int:
+    a = parse(argv)
+    base = task_args(a.config)
+    if a.sft_steps is None:
+        import yaml
+
+        with open(a.config) as f:
+            a.sft_steps = int((yaml.safe_load(f) or {}).get("sft-warmup-steps", 0))
+    mach = machine()
+    flags = {c: cpu_flags(c) for c in a.cpus}
+    model, ckpt = warm_start(a, base)
+    runs = []
+    for rep in range(a.repeats):
+        order = a.modes[rep % len(a.modes):] + a.modes[:rep % len(a.modes)]  # interleaved, rotating
+        for c in a.cpus[rep % len(a.cpus):] + a.cpus[:rep % len(a.cpus)]:
+            for mode in order:
+                r = run_mode(a, base, model, ckpt, mode, rep, flags[c], c)
+                runs.append(r)
+                print(f"[bench_live] repeat {rep} cpus {c} {mode}: {len(r['steps'])} steps, process "
+                      f"{r['process_wall_s']:.0f}s (load {r['load_at_start']:.2f})", flush=True)
+    mach.update(load_before=mach.pop("load_avg"), load_after=os.getloadavg())
+    summary = {c: summarize([r for r in runs if r["cpus"] == c], a.skip) for c in a.cpus}
+    result = {"machine": mach, "cpu_flags": flags, "settings": {k: v for k, v in vars(a).items()},
+              "summary": summary, "runs": runs}
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    with open(a.out, "w") as f:
+        json.dump(result, f, indent=1)
+    for c in a.cpus:
+        print(table(summary[c], mach, flags[c]))
+    print(f"[bench_live] wrote {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
