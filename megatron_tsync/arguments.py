@@ -152,6 +152,10 @@ _FLAGS: tuple[_Flag, ...] = (
     _f("--stream-coalesce-ms", "learner.coalesce_ms", _G_RL, type=float, metavar="MS",
        help="streaming modes: once a reward lands, collect the rewards landing in the next MS ms too, so they share "
             "microbatches (work waits at most MS ms; the step's last reward never waits; default 0: none)"),
+    _f("--stream-coalesce-tokens", "learner.coalesce_tokens", _G_RL, type=int, metavar="N",
+       help="streaming modes: once a reward lands, keep collecting rewards until the landed trajectories hold N "
+            "tokens (a microbatch's worth; with --stream-coalesce-ms: whichever comes first), so a learner bound by "
+            "per-microbatch overhead runs full microbatches; the step's last reward never waits; default 0: none"),
     _f("--shared-prefix", "learner.shared_prefix", _G_RL, action=argparse.BooleanOptionalAction,
        help="run a group's trajectories that share a prompt and a gradient destination as one microbatch: the "
             "prompt's forward and backward once, each continuation attending to it (T×T mask, local layer spec; "

@@ -142,6 +142,7 @@ ELSEWHERE = {
     "--shared-prefix": "tests/training/test_shared_prefix.py::test_shared_equals_unshared_sync",
     # the runtime's arrival source, not the learner: fewer microbatches for the same update there
     "--stream-coalesce-ms": "tests/streaming/test_coalescing.py::test_learner_update_unchanged_with_fewer_microbatches",
+    "--stream-coalesce-tokens": "tests/streaming/test_coalescing.py::test_token_target_fills_polls_and_update_unchanged",
 }
 
 # Flags that legitimately leave a one-process run unchanged, with the reason.

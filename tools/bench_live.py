@@ -41,8 +41,10 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "examples", "tiny_agent", "config.yaml")
-MODES = ("sync", "stream-group", "stream-trajectory", "async", "sync+spec", "stream-trajectory+spec")
-"""``+spec``: the mode with ``--speculative-rollouts`` (next-step first turns drafted while the learner finishes)."""
+MODES = ("sync", "stream-group", "stream-trajectory", "async", "sync+spec", "stream-trajectory+spec",
+         "stream-group+coalesce", "stream-trajectory+coalesce")
+"""``+spec``: the mode with ``--speculative-rollouts`` (next-step first turns drafted while the learner finishes);
+``+coalesce``: with ``--stream-coalesce-tokens`` (``--coalesce-tokens``: arrivals collected into fuller microbatches)."""
 # keys of the task config a run sets itself (or that would write into the quickstart's folders)
 RUN_KEYS = {"model", "init-tiny-model", "sft-warmup-steps", "rl-mode", "train-iters", "seed", "save", "save-interval",
             "load", "tensorboard-dir", "max-staleness", "trainer-cpus", "rollout-cpus"}
@@ -138,12 +140,19 @@ def warm_start(a, base: list[str]) -> tuple[str, str]:
     return model, ckpt
 
 
+def mode_flags(a, mode: str) -> tuple[str, list[str]]:
+    """``--rl-mode`` and the extra training flags of a benchmark mode (``MODES``: ``MODE[+spec|+coalesce]``)."""
+    rl_mode, _, suffix = mode.partition("+")
+    return rl_mode, {"": [], "spec": ["--speculative-rollouts"],
+                     "coalesce": ["--stream-coalesce-tokens", str(a.coalesce_tokens)]}[suffix]
+
+
 def run_mode(a, base: list[str], model: str, ckpt: str, mode: str, rep: int, cpus: list[str], label: str) -> dict:
     out = os.path.join(a.work_dir, f"r{rep}c{a.cpus.index(label)}_{mode}")  # short: the ipc socket path is bounded
     os.makedirs(out, exist_ok=True)
-    rl_mode, _, spec = mode.partition("+")
+    rl_mode, extra = mode_flags(a, mode)
     argv = [sys.executable, "-m", "megatron_tsync.train", *base, "--model", model, "--load", ckpt, "--finetune",
-            *(["--speculative-rollouts"] if spec else []), "--sft-warmup-steps", "0", "--rl-mode", rl_mode, "--train-iters", str(a.steps), "--seed", str(a.seed + rep),
+            *extra, "--sft-warmup-steps", "0", "--rl-mode", rl_mode, "--train-iters", str(a.steps), "--seed", str(a.seed + rep),
             "--tensorboard-dir", out, "--rollout-dir", os.path.join(out, "rp"), "--no-progress", *cpus,
             *(["--max-staleness", str(a.max_staleness)] if mode == "async" else []), *a.train_args]
     load = os.getloadavg()[0]
@@ -249,6 +258,7 @@ def parse(argv=None):
     p.add_argument("--work-dir", default=os.path.join(ROOT, "runs", "bench_live", "runs"))
     p.add_argument("--out", default=os.path.join(ROOT, "runs", "bench_live", "result.json"))
     p.add_argument("--timeout", type=float, default=1800, help="seconds per trainer process")
+    p.add_argument("--coalesce-tokens", type=int, default=2048, help="the +coalesce modes' --stream-coalesce-tokens")
     p.add_argument("--train-args", default="", help="extra training flags for every run (quoted)")
     a = p.parse_args(argv)
     a.modes = [m for m in a.modes.split(",") if m]

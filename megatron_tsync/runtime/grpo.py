@@ -51,6 +51,15 @@ def learner_config(cfg, task) -> LearnerConfig:
     return dataclasses.replace(lc, mode=mode, loss=loss)
 
 
+def coalesced(source, lc: LearnerConfig):
+    """Rank 0's arrival source with ``--stream-coalesce-ms`` / ``--stream-coalesce-tokens`` applied (streaming modes;
+    ``sync`` waits for the whole batch anyway)."""
+    if source is None or lc.mode not in ("stream-group", "stream-trajectory") or not (lc.coalesce_ms or
+                                                                                   lc.coalesce_tokens):
+        return source
+    return CoalescingSource(source, lc.coalesce_ms / 1000.0, lc.coalesce_tokens)
+
+
 def batch_shape(cfg, sizes: dict[str, int]) -> BatchShape:
     """The step's normaliser constants: B = trajectories of the step (every DP rank), L_max =
     ``cfg.rl.max_action_tokens`` (seq-mean-token-sum-norm's constant: the action-token budget of a trajectory)."""
@@ -101,8 +110,7 @@ class GRPO:
             DataParallelAssigner(dims.dp, list(groups) if cfg.learner.deterministic else None).assign_samples(samples)
             return ListSource(samples), {g: samples[0].group_size for g in groups}, lambda: samples
         source = fleet.source(k, cfg.rl.seq_length) if fleet is not None else None
-        if source is not None and cfg.learner.mode in ("stream-group", "stream-trajectory") and cfg.learner.coalesce_ms:
-            source = CoalescingSource(source, cfg.learner.coalesce_ms / 1000.0)  # rank 0, before the broadcast
+        source = coalesced(source, cfg.learner)  # rank 0, before the broadcast
         sizes = {g: cfg.rl.group_size for g in group_ids(k, cfg.rl.groups_per_step)}
         if dims.world_size > 1:
             source = BroadcastSource(source, dims.dp, list(sizes) if cfg.learner.deterministic else None)

@@ -103,31 +103,41 @@ class ListSource:
 
 
 class CoalescingSource:
-    """``inner`` with arrivals coalesced: once a poll returns something, keep collecting for up to ``window_s`` more
-    (stopping early when the step is complete), so trajectories landing close together reach the learner as one
-    poll and can share microbatches (packing, shared prefixes) instead of one microbatch each. Work is delayed by at
-    most ``window_s`` after its reward; the step's last reward is never held (the step is complete). Wrap the
-    receiving side only (trainer rank 0 before the broadcast): time decides here, and other ranks must not decide
-    on their own clocks. ``window_s`` 0: ``inner`` unchanged."""
+    """``inner`` with arrivals coalesced, so trajectories landing close together reach the learner as one poll and
+    share microbatches (packing, shared prefixes) instead of one microbatch each. Once a poll returns something, keep
+    collecting
 
-    def __init__(self, inner: ArrivalSource, window_s: float):
+    - for up to ``window_s`` more seconds (``--stream-coalesce-ms``), and/or
+    - until the collected trajectories hold ``min_tokens`` tokens (``--stream-coalesce-tokens``: a microbatch's worth,
+      where one trajectory alone leaves the learner bound by per-microbatch overhead);
+
+    both given: whichever comes first; only ``min_tokens``: no time bound. The step's last reward is never held (the
+    step is complete). Wrap the receiving side only (trainer rank 0 before the broadcast): time decides here, and
+    other ranks must not decide on their own clocks. Both 0: ``inner`` unchanged."""
+
+    def __init__(self, inner: ArrivalSource, window_s: float, min_tokens: int = 0, poll_s: float = 0.05):
         if window_s < 0:
             raise ValueError(f"coalescing window must be >= 0 s, got {window_s}")
-        self.inner, self.window_s = inner, float(window_s)
+        if min_tokens < 0:
+            raise ValueError(f"coalescing token target must be >= 0, got {min_tokens}")
+        self.inner, self.window_s, self.min_tokens, self.poll_s = inner, float(window_s), int(min_tokens), poll_s
 
     def __getattr__(self, name):  # the wrapped source's other attributes (samples, ...)
         return getattr(self.inner, name)
 
     def poll(self, timeout_s: float) -> list[Sample]:
         got = list(self.inner.poll(timeout_s))
-        if not got or self.window_s <= 0:
+        if not got or (self.window_s <= 0 and self.min_tokens <= 0):
             return got
-        deadline = time.perf_counter() + self.window_s
-        while not self.inner.exhausted():
+        deadline = time.perf_counter() + self.window_s if self.window_s > 0 else math.inf
+        tokens = sum(s.token_ids.shape[0] for s in got)
+        while not self.inner.exhausted() and (self.min_tokens <= 0 or tokens < self.min_tokens):
             left = deadline - time.perf_counter()
             if left <= 0:
                 break
-            got += self.inner.poll(left)
+            more = self.inner.poll(min(left, self.poll_s))
+            tokens += sum(s.token_ids.shape[0] for s in more)
+            got += more
         return got
 
     def exhausted(self) -> bool:

@@ -62,6 +62,7 @@ class LearnerConfig:
     shared_prefix: bool = False  # a group's prompt forwarded/backpropagated once per microbatch (packing.PrefixLayout)
     coalesce_ms: float = 0.0  # streaming modes: arrivals within this window reach the learner together (the runtime's
     # source, streaming.ready_queue.CoalescingSource), so they can share microbatches
+    coalesce_tokens: int = 0  # streaming modes: ... and arrivals are collected until they hold this many tokens
 
 
 @dataclasses.dataclass

@@ -1,6 +1,8 @@
-"""streaming.ready_queue.CoalescingSource (--stream-coalesce-ms): arrivals close together reach the learner as one
-poll, the step's last arrival never waits, and the streamed update is unchanged (float64) with fewer microbatches."""
+"""streaming.ready_queue.CoalescingSource (--stream-coalesce-ms, --stream-coalesce-tokens): arrivals close together
+(or until a token target) reach the learner as one poll, the step's last arrival never waits, and the streamed update
+is unchanged (float64) with fewer microbatches."""
 
+import dataclasses
 import time
 
 import pytest
@@ -37,6 +39,32 @@ def test_window_coalesces_and_last_arrival_does_not_wait():
         CoalescingSource(src, -1.0)
 
 
+def _tokens(samples):
+    return sum(s.token_ids.shape[0] for s in samples)
+
+
+def test_token_target_collects_until_reached_and_last_arrival_does_not_wait():
+    S, rel = _timed(gap=0.004)
+    src = ListSource(S, rel)
+    c = CoalescingSource(src, 0.0, min_tokens=_tokens(S[:3]) + 1)
+    polls = []
+    while not c.exhausted():
+        got = c.poll(0.05)
+        if got:
+            polls.append(got)
+    t_last = time.perf_counter()
+    assert sum(map(len, polls)) == len(S)
+    assert all(_tokens(p) >= _tokens(S[:3]) + 1 for p in polls[:-1]), [len(p) for p in polls]  # each full but the last
+    assert len(polls) < len(S) // 2
+    assert t_last - src.t0 - rel[-1] < 0.03  # the step's last reward is not held for a target it cannot reach
+    # both bounds: the window ends a poll that the token target alone would keep open
+    slow = ListSource(S, [0.02 + 0.05 * i for i in range(len(S))])
+    sizes, _ = _polls(CoalescingSource(slow, 0.02, min_tokens=10 ** 6))
+    assert max(sizes) <= 2 and sum(sizes) == len(S), sizes
+    with pytest.raises(ValueError):
+        CoalescingSource(src, 0.0, min_tokens=-1)
+
+
 def test_learner_update_unchanged_with_fewer_microbatches(megatron_single):
     from megatron_tsync.model.builder import PrecisionConfig, build_model
     from megatron_tsync.training.learner import Learner, LearnerConfig, shape_for
@@ -57,5 +85,36 @@ def test_learner_update_unchanged_with_fewer_microbatches(megatron_single):
         res = L.train_step(CoalescingSource(ListSource(S, rel), window), sizes, shape)
         out[window] = (got["g"], res.microbatches)
     (g0, mb0), (g1, mb1) = out[0.0], out[0.06]
+    assert ((g1 - g0).norm() / g0.norm()).item() < 1e-12
+    assert mb1 < mb0, (mb0, mb1)
+
+
+def test_token_target_fills_polls_and_update_unchanged(megatron_single):
+    """--stream-coalesce-tokens through parse_args → the runtime's source wrapping (``runtime.grpo.coalesced``) → the
+    megatron learner: the same float64 update as without it, in fewer microbatches."""
+    from megatron_tsync.arguments import parse_args
+    from megatron_tsync.model.builder import PrecisionConfig, build_model
+    from megatron_tsync.runtime.grpo import coalesced
+    from megatron_tsync.training.learner import Learner, shape_for
+    from megatron_tsync.training.optimizer import OptimConfig, build_optimizer, wrap_ddp
+    from tests.training.stream_cases import TINY, spec_for
+
+    ddp = wrap_ddp(build_model(TINY, PrecisionConfig(params_dtype=torch.float64), seed=0))
+    opt = build_optimizer(ddp, OptimConfig(optimizer="sgd", lr=0.0, clip_grad=0))
+    out = {}
+    for tokens in (0, 400):
+        lc = parse_args(["--rl-mode", "stream-trajectory", "--sequence-packing",
+                         "--stream-coalesce-tokens", str(tokens)]).learner
+        lc = dataclasses.replace(lc, reward_spec=spec_for("binary"), poll_timeout_s=0.005)
+        S = make_samples(4, num_groups=4)
+        src = coalesced(ListSource(S, [0.01 * i for i in range(len(S))]), lc)
+        assert isinstance(src, CoalescingSource) == bool(tokens)
+        L = Learner(ddp, opt, lc)
+        got = {}
+        L.grad_hook = lambda d, got=got: got.setdefault("g", torch.cat([b.grad_data.clone() for b in d.buffers]))
+        sizes, shape = shape_for(S)
+        res = L.train_step(src, sizes, shape)
+        out[tokens] = (got["g"], res.microbatches)
+    (g0, mb0), (g1, mb1) = out[0], out[400]
     assert ((g1 - g0).norm() / g0.norm()).item() < 1e-12
     assert mb1 < mb0, (mb0, mb1)

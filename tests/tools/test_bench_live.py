@@ -58,6 +58,13 @@ def test_cpu_flags():
         bl.cpu_flags("0")
 
 
+def test_mode_suffixes_add_their_flags():
+    a = bl.parse(["--modes", "stream-trajectory+coalesce,sync+spec,async", "--coalesce-tokens", "999"])
+    assert bl.mode_flags(a, "stream-trajectory+coalesce") == ("stream-trajectory", ["--stream-coalesce-tokens", "999"])
+    assert bl.mode_flags(a, "sync+spec") == ("sync", ["--speculative-rollouts"])
+    assert bl.mode_flags(a, "async") == ("async", [])
+
+
 def test_bad_modes_are_refused(capsys):
     with pytest.raises(SystemExit):
         bl.parse(["--modes", "sync,fast"])
