@@ -586,6 +586,9 @@ class TrainConfig:
         _check(lr.coalesce_ms >= 0, f"learner.coalesce_ms must be >= 0, got {lr.coalesce_ms}", "learner.coalesce_ms")
         _check(lr.coalesce_tokens >= 0, f"learner.coalesce_tokens must be >= 0, got {lr.coalesce_tokens}",
                "learner.coalesce_tokens")
+        _check(not ((lr.coalesce_ms or lr.coalesce_tokens) and self.rl.algorithm == "opd"),
+               "learner.coalesce_ms / learner.coalesce_tokens coalesce GRPO arrivals; OPD streams turns as they land "
+               "(they would do nothing there)", "learner.coalesce_ms", "learner.coalesce_tokens")
         _check(lr.max_packed_tokens >= 1, f"learner.max_packed_tokens must be >= 1, got {lr.max_packed_tokens}",
                "learner.max_packed_tokens")
         _check(not (lr.sequence_packing and self.rl.algorithm == "opd"),
