@@ -237,6 +237,8 @@ _FLAGS: tuple[_Flag, ...] = (
        help="MoE: the learner routes each token to the experts the engine chose for it (recorded per token)"),
     _f("--sft-warmup-steps", "model.sft_warmup_steps", _G_MODEL, type=int, metavar="N",
        help="supervised warm-start steps on the task's demonstrations before RL (0 = off)"),
+    _f("--sft-warmup-lr", "model.sft_warmup_lr", _G_MODEL, type=float, metavar="LR",
+       help="learning rate of the supervised warm start (default 1e-3, for the 128-wide quickstart model)"),
     # ---- checkpointing
     _f("--load", "checkpoint.load", _G_CKPT, metavar="DIR", help="checkpoint to resume from"),
     _f("--save", "checkpoint.save", _G_CKPT, metavar="DIR", help="checkpoint directory to save to"),

@@ -161,6 +161,9 @@ class ModelConfig:
     """Create a tiny random model at ``path`` if the folder does not exist yet (quickstart and tests)."""
     sft_warmup_steps: int = 0
     """Supervised warm-start steps on the task's demonstrations before RL (0 = off)."""
+    sft_warmup_lr: float | None = None
+    """Learning rate of the warm start (Adam); None = ``training.sft.WARM_START_OPTIM``'s 1e-3, which suits the
+    128-wide quickstart model; wider models want less (a 512 x 4-layer one: 3e-4)."""
     moe_aux_loss_coeff: float = 0.0
     """MoE load-balancing loss coefficient (megatron's ``--moe-aux-loss-coeff``). Only 0 is accepted: megatron
     injects the aux-loss gradient inside the policy-loss backward, and streaming scales a trajectory's backward by
@@ -184,6 +187,8 @@ class ModelConfig:
                "model.init_tiny_model", "model.path")
         _check(self.sft_warmup_steps >= 0, f"model.sft_warmup_steps must be >= 0, got {self.sft_warmup_steps}",
                "model.sft_warmup_steps")
+        _check(self.sft_warmup_lr is None or self.sft_warmup_lr > 0,
+               f"model.sft_warmup_lr must be > 0, got {self.sft_warmup_lr}", "model.sft_warmup_lr")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -71,6 +71,7 @@ def test_defaults_valid_and_frozen(cls):
     (LoggingConfig, dict(dump_rollouts="d", replay_rollouts="d"), "logging.replay_rollouts"),
     (ModelConfig, dict(init_tiny_model=True), "model.path"),
     (ModelConfig, dict(sft_warmup_steps=-1), "model.sft_warmup_steps"),
+    (ModelConfig, dict(sft_warmup_lr=0.0), "model.sft_warmup_lr"),
     (ModelConfig, dict(moe_aux_loss_coeff=1e-3), "model.moe_aux_loss_coeff"),  # not exact when streaming
 ])
 def test_section_validation_names_fields(cls, kwargs, field):

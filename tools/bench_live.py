@@ -126,15 +126,22 @@ _WARM = ("import sys\nfrom megatron_tsync.arguments import parse_args\n"
 
 def warm_start(a, base: list[str]) -> tuple[str, str]:
     """(model folder, checkpoint) of the shared warm start: made once per (config, SFT steps, seed), then reused."""
-    key = hashlib.sha256(json.dumps([base, a.sft_steps, a.seed]).encode()).hexdigest()[:12]
+    extra = ([] if a.model_size is None else [list(a.model_size)]) + ([] if a.sft_lr is None else [a.sft_lr])
+    key = hashlib.sha256(json.dumps([base, a.sft_steps, a.seed, *extra]).encode()).hexdigest()[:12]  # defaults: old key
     d = os.path.join(a.warm_dir, key)
     model, ckpt = os.path.join(d, "model"), os.path.join(d, "ckpt")
     if os.path.exists(os.path.join(ckpt, "latest_checkpointed_iteration.txt")):
         print(f"[bench_live] warm start (cached): {ckpt}", flush=True)
         return model, ckpt
     os.makedirs(d, exist_ok=True)
+    if a.model_size is not None and not os.path.exists(os.path.join(model, "config.json")):
+        from megatron_tsync.model.tiny_model import make_tiny_model
+
+        hidden, layers = a.model_size
+        make_tiny_model(model, hidden=hidden, layers=layers, seed=a.seed)  # what --init-tiny-model makes, resized
     argv = [sys.executable, "-c", _WARM, *base, "--model", model, "--init-tiny-model", "--sft-warmup-steps",
-            str(a.sft_steps), "--seed", str(a.seed), "--save", ckpt]
+            str(a.sft_steps), "--seed", str(a.seed), "--save", ckpt,
+            *([] if a.sft_lr is None else ["--sft-warmup-lr", str(a.sft_lr)])]
     s = _run(argv, os.path.join(d, "warm.log"), a.timeout)
     print(f"[bench_live] warm start ({a.sft_steps} SFT steps) made in {s:.0f}s: {ckpt}", flush=True)
     return model, ckpt
@@ -254,13 +261,25 @@ def parse(argv=None):
                                                     "(default: split)")
     p.add_argument("--config", default=CONFIG, help="task config (YAML of training flags)")
     p.add_argument("--sft-steps", type=int, default=None, help="warm start SFT steps (default: the config's)")
+    p.add_argument("--sft-lr", type=float, default=None, help="warm start learning rate (--sft-warmup-lr; default "
+                                                                "1e-3; wider --model-size wants less, 512x4: 3e-4)")
     p.add_argument("--warm-dir", default=os.path.join(ROOT, "runs", "bench_live", "warm"))
     p.add_argument("--work-dir", default=os.path.join(ROOT, "runs", "bench_live", "runs"))
     p.add_argument("--out", default=os.path.join(ROOT, "runs", "bench_live", "result.json"))
     p.add_argument("--timeout", type=float, default=1800, help="seconds per trainer process")
     p.add_argument("--coalesce-tokens", type=int, default=2048, help="the +coalesce modes' --stream-coalesce-tokens")
     p.add_argument("--train-args", default="", help="extra training flags for every run (quoted)")
+    p.add_argument("--model-size", default=None, metavar="HIDDENxLAYERS",
+                   help="the task's tiny Llama at another size, e.g. 512x4 (default: the config's, 128x2): where one "
+                        "trajectory's microbatch is compute-bound rather than bound by per-op overhead")
     a = p.parse_args(argv)
+    if a.model_size is not None:
+        raw = a.model_size
+        try:
+            a.model_size = tuple(int(x) for x in raw.lower().split("x"))
+            assert len(a.model_size) == 2 and min(a.model_size) > 0
+        except (ValueError, AssertionError):
+            p.error(f"--model-size: expected HIDDENxLAYERS such as 512x4, got {raw!r}")
     a.modes = [m for m in a.modes.split(",") if m]
     bad = [m for m in a.modes if m not in MODES]
     if bad or not a.modes:

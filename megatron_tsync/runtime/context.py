@@ -164,6 +164,7 @@ class RunContext:
         sft_opt, clip = build_sft_optimizer(self.ddp)  # float64: clips in float64 itself (megatron: float32 only)
         losses = sft_warmup(self.ddp, sft_opt, codec, self.task, self.cfg.model.sft_warmup_steps, batch_size=16,
                             seed=self.cfg.rl.seed + 1,  # not the RL prompts
+                            lr=self.cfg.model.sft_warmup_lr,
                             dp_group=self.dims.dp_group() if self.dims.dp > 1 else None, clip_grad=clip)
         # the RL optimizer's fp32 master copies (if any) must see the new weights
         if hasattr(self.opt, "reload_model_params"):

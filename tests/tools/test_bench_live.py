@@ -107,3 +107,24 @@ def test_reward_curve_test_detects_a_shift_and_not_noise():
     ok = bl.summarize(base + same, skip=1)["stream-trajectory+spec"]["reward_curve_vs_base"]
     bad = bl.summarize(base + lower, skip=1)["stream-trajectory+spec"]["reward_curve_vs_base"]
     assert ok["pairs"] == 22 and ok["p_value"] > 0.05 and bad["p_value"] < 1e-3, (ok, bad)
+
+
+def test_model_size_makes_that_model_and_keys_its_own_warm_start(tmp_path, monkeypatch):
+    """``--model-size 256x3`` writes the task's tiny Llama at that size into its own warm-start folder (the default
+    size keeps the old cache key, so cached warm starts stay valid); a bad spec is refused."""
+    assert bl.parse(["--model-size", "512x4"]).model_size == (512, 4) and bl.parse([]).model_size is None
+    for bad in ("512", "512x", "0x4", "ax4"):
+        with pytest.raises(SystemExit):
+            bl.parse(["--model-size", bad])
+    ran = []
+    monkeypatch.setattr(bl, "_run", lambda argv, log, timeout: ran.append(argv) or 0.0)  # no SFT run: the folders only
+    base = bl.task_args(bl.CONFIG)
+    a = bl.parse(["--model-size", "256x3", "--warm-dir", str(tmp_path), "--sft-steps", "1", "--sft-lr", "3e-4"])
+    model, _ = bl.warm_start(a, base)
+    cfg = json.loads(open(os.path.join(model, "config.json")).read())
+    assert (cfg["hidden_size"], cfg["num_hidden_layers"]) == (256, 3) and ran and model in ran[0]
+    assert ran[0][-2:] == ["--sft-warmup-lr", "0.0003"]
+    d = bl.parse(["--warm-dir", str(tmp_path), "--sft-steps", "1"])
+    default_model, _ = bl.warm_start(d, base)
+    assert default_model != model and not os.path.exists(os.path.join(default_model, "config.json"))
+    assert "--sft-warmup-lr" not in ran[1]

@@ -113,6 +113,28 @@ def test_float64_run_context_warm_start(megatron_single, tiny_dir):
     assert all(p.dtype == torch.float64 for p in ctx.ddp.parameters())
 
 
+def test_sft_warmup_lr_flag_sets_the_warm_start_step(megatron_single, tiny_dir):
+    """``--sft-warmup-lr``: one warm-start Adam step moves every weight by about lr (|m / √v| = 1 at the first
+    step), so 1e-2 moves the weights 10x as far as the default 1e-3; the RL optimizer keeps its own lr."""
+    import types
+
+    from megatron_tsync.arguments import parse_args
+    from megatron_tsync.runtime.context import RunContext
+
+    def moved(*extra):
+        ctx = RunContext(parse_args(["--model", tiny_dir, "--sft-warmup-steps", "0", "--lr", "3e-4"]),
+                         types.SimpleNamespace(stop=False))
+        before = _flat(ctx.ddp)
+        ctx = RunContext(parse_args(["--model", tiny_dir, "--sft-warmup-steps", "1", "--lr", "3e-4", *extra]),
+                         types.SimpleNamespace(stop=False))
+        assert [g["lr"] for g in ctx.opt.param_groups] == [3e-4] * len(ctx.opt.param_groups)
+        return (_flat(ctx.ddp) - before).abs().max().item()
+
+    default, big = moved(), moved("--sft-warmup-lr", "1e-2")
+    print(f"largest weight change after one warm-start step: lr 1e-3 {default:.3g}, lr 1e-2 {big:.3g}")
+    assert 1e-3 * 0.9 <= default <= 1e-3 * 1.1 and 1e-2 * 0.9 <= big <= 1e-2 * 1.1
+
+
 def test_float64_warm_start_loss_is_float64(megatron_single, tiny_dir, codec):
     """The logged loss (and the backward it comes from) stays in float64: equal to a float64 recomputation to
     1e-14 relative (the loss used to be taken in float32: ~1e-8 off)."""
