@@ -149,6 +149,10 @@ _FLAGS: tuple[_Flag, ...] = (
     _f("--skip-zero-advantage", "learner.skip_zero_advantage", _G_RL, action=argparse.BooleanOptionalAction,
        help="no forward/backward for trajectories whose advantage is exactly 0 (all-equal groups) when no KL/entropy "
             "term needs them; their tokens still count in the denominators; exact (default on)"),
+    _f("--stream-wait-for-variance", "learner.wait_for_variance", _G_RL, action=argparse.BooleanOptionalAction,
+       help="stream-trajectory with --skip-zero-advantage: a trajectory whose group's rewards are so far all equal "
+            "waits until one differs (until then the whole group may turn out advantage 0 and its bucket work be "
+            "wasted); the waiting ones then share microbatches; exact either way (default on)"),
     _f("--stream-coalesce-ms", "learner.coalesce_ms", _G_RL, type=float, metavar="MS",
        help="streaming modes: once a reward lands, collect the rewards landing in the next MS ms too, so they share "
             "microbatches (work waits at most MS ms; the step's last reward never waits; default 0: none)"),

@@ -30,7 +30,7 @@ EXPECTED_FLAGS = [
     "--sequence-packing", "--no-sequence-packing", "--max-packed-tokens", "--skip-zero-advantage",
     "--no-skip-zero-advantage", "--shared-prefix", "--no-shared-prefix",
     "--speculative-rollouts", "--speculative-draft-tokens",
-    "--stream-coalesce-ms", "--stream-coalesce-tokens",
+    "--stream-coalesce-ms", "--stream-coalesce-tokens", "--stream-wait-for-variance", "--no-stream-wait-for-variance",
     "--sft-warmup-lr", "--sft-warmup-steps", "--sgd-momentum", "--task", "--teacher-model", "--temperature",
     "--tensor-model-parallel-size", "--tensorboard-dir", "--tis-cap", "--top-k", "--top-p", "--train-iters",
     "--use-distributed-optimizer", "--verifier", "--wandb-exp-name", "--wandb-project", "--wandb-save-dir", "--weight-decay", "--weight-sync", "--weight-sync-bucket-mb", "-h",

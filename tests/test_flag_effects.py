@@ -108,6 +108,8 @@ CASES: dict[str, Case] = {
     "--max-device-buckets": Case(STREAM, [[*STREAM, "--max-device-buckets", "2"]], "result:offload"),
     "--skip-zero-advantage": Case(["--no-skip-zero-advantage"], [["--skip-zero-advantage"]],
                                   "stat:skipped_zero_advantage"),
+    "--stream-wait-for-variance": Case([*STREAM, "--no-stream-wait-for-variance"],
+                                       [[*STREAM, "--stream-wait-for-variance"]], "stat:waited_for_variance"),
     "--sequence-packing": Case([], [["--sequence-packing"]], "result:microbatches"),
     "--max-packed-tokens": Case(["--sequence-packing"], [["--sequence-packing", "--max-packed-tokens", "40"]],
                                 "result:microbatches"),

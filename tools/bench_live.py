@@ -42,14 +42,16 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "examples", "tiny_agent", "config.yaml")
 MODES = ("sync", "stream-group", "stream-trajectory", "async", "sync+spec", "stream-trajectory+spec",
-         "stream-group+coalesce", "stream-trajectory+coalesce")
+         "stream-group+coalesce", "stream-trajectory+coalesce", "stream-trajectory+nowait")
 """``+spec``: the mode with ``--speculative-rollouts`` (next-step first turns drafted while the learner finishes);
-``+coalesce``: with ``--stream-coalesce-tokens`` (``--coalesce-tokens``: arrivals collected into fuller microbatches)."""
+``+coalesce``: with ``--stream-coalesce-tokens`` (``--coalesce-tokens``: arrivals collected into fuller microbatches);
+``+nowait``: with ``--no-stream-wait-for-variance`` (every trajectory into its group's bucket on arrival)."""
 # keys of the task config a run sets itself (or that would write into the quickstart's folders)
 RUN_KEYS = {"model", "init-tiny-model", "sft-warmup-steps", "rl-mode", "train-iters", "seed", "save", "save-interval",
             "load", "tensorboard-dir", "max-staleness", "trainer-cpus", "rollout-cpus"}
 STEP_KEYS = ("wall_step_s", "step_time_s", "idle_frac", "learner_busy_s", "trainer_cpu_s", "success_rate",
-             "spec_drafted_tokens", "spec_kept_tokens")
+             "spec_drafted_tokens", "spec_kept_tokens", "microbatches", "plan_wasted_bucket_items",
+             "plan_waited_for_variance")
 
 
 # ------------------------------------------------------------------------------------------------------ machine
@@ -148,10 +150,11 @@ def warm_start(a, base: list[str]) -> tuple[str, str]:
 
 
 def mode_flags(a, mode: str) -> tuple[str, list[str]]:
-    """``--rl-mode`` and the extra training flags of a benchmark mode (``MODES``: ``MODE[+spec|+coalesce]``)."""
+    """``--rl-mode`` and the extra training flags of a benchmark mode (``MODES``: ``MODE[+spec|+coalesce|+nowait]``)."""
     rl_mode, _, suffix = mode.partition("+")
     return rl_mode, {"": [], "spec": ["--speculative-rollouts"],
-                     "coalesce": ["--stream-coalesce-tokens", str(a.coalesce_tokens)]}[suffix]
+                     "coalesce": ["--stream-coalesce-tokens", str(a.coalesce_tokens)],
+                     "nowait": ["--no-stream-wait-for-variance"]}[suffix]
 
 
 def run_mode(a, base: list[str], model: str, ckpt: str, mode: str, rep: int, cpus: list[str], label: str) -> dict:
@@ -198,6 +201,8 @@ def summarize(runs: list[dict], skip: int) -> dict:
                      "idle_frac": statistics.mean(mean(r, "idle_frac") for r in rs),
                      "learner_busy_s": _spread([mean(r, "learner_busy_s") for r in rs]),
                      "trainer_cpu_s": _spread([mean(r, "trainer_cpu_s") for r in rs]),
+                     "microbatches": _spread([mean(r, "microbatches") for r in rs]),
+                     "wasted_bucket_items": _spread([mean(r, "plan_wasted_bucket_items") for r in rs]),
                      "success_rate": statistics.mean(mean(r, "success_rate") for r in rs),
                      "speedup_vs_sync": _spread(ratios), "spec_kept_frac": _kept_frac(rs, measured)}
     for mode in out:
@@ -237,14 +242,14 @@ def table(summary: dict, mach: dict, cpus: list[str]) -> str:
             f"{mach['load_before'][0]:.2f} before / {mach['load_after'][0]:.2f} after; cpu split "
             f"{' '.join(cpus) or 'none (every process on every core)'}")
     rows = [head, f"{'mode':<18} {'step s (min-max)':<20} {'idle':>5} {'busy s/step':>16} {'cpu s/step':>10} "
-                  f"{'speedup vs sync (min-max)':>26} {'kept':>5}"]
+                  f"{'mb/step':>7} {'speedup vs sync (min-max)':>26} {'kept':>5}"]
     for mode in [m for m in MODES if m in summary] + [m for m in summary if m not in MODES]:
         s = summary[mode]
         st, b, sp = s["step_s"], s["learner_busy_s"], s["speedup_vs_sync"]
         sp_txt = f"{sp['median']:.2f}x ({sp['min']:.2f}-{sp['max']:.2f})" if sp else "-"
         rows.append(f"{mode:<18} {st['median']:6.2f} ({st['min']:.2f}-{st['max']:.2f})    {s['idle_frac']:5.0%} "
                     f"{b['median']:6.2f} ({b['min']:.2f}-{b['max']:.2f}) {s['trainer_cpu_s']['median']:10.2f} "
-                    f"{sp_txt:>26} {'' if s.get('spec_kept_frac') is None else format(s['spec_kept_frac'], '5.0%'):>5}")
+                    f"{s['microbatches'].get('median', float('nan')):7.1f} {sp_txt:>26} {'' if s.get('spec_kept_frac') is None else format(s['spec_kept_frac'], '5.0%'):>5}")
     return "\n".join(rows)
 
 

@@ -26,6 +26,13 @@ landed trajectory). In stream-trajectory a group that turns out zero-variance af
 its bucket closes with α = 0 and c = 0 (the exact fold: every A_i is 0), instead of α = 1/ε times a cancelling sum;
 that bucket work is reported as wasted (``stats["wasted_bucket_items"]``). Off in deterministic mode.
 
+``wait_for_variance`` (``--stream-wait-for-variance``, the default; only with ``skip_zero_advantage``): in
+stream-trajectory a trajectory whose group's known rewards are so far all equal waits (``stats["waited_for_variance"]``)
+until a reward of the group differs: until then every advantage of the group may still turn out exactly 0. When one
+differs, the waiting trajectories go to the bucket together (one destination: they share microbatches); when the group
+completes all-equal, they are skipped like in sync. So no bucket work is ever wasted, at the price of starting a group's
+work at its first differing reward instead of its first reward.
+
 ``deterministic`` (``--deterministic``, the bitwise mode of ``streaming/canonical.py``): every statistic is computed
 from the rewards in canonical order (groups in batch order, trajectories by ``canonical_key``), the advantage of
 every trajectory comes from the affine coefficients in every mode (sync included), and a trajectory's reward-free
@@ -103,6 +110,7 @@ class _Group:
     rewards: dict[str, float] = dataclasses.field(default_factory=dict)
     local_pending: list[TrajMeta] = dataclasses.field(default_factory=list)  # held (sync / group / overflow)
     deferred: list[tuple[TrajMeta, bool]] = dataclasses.field(default_factory=list)  # (meta, needs aux pass)
+    equal_held: list[TrajMeta] = dataclasses.field(default_factory=list)  # waiting for the rewards to differ
     bucket_items: int = 0
     bucket_open: bool = False
     closed: bool = False
@@ -142,6 +150,7 @@ class StepPlanner:
         dp_rank: int = 0,
         deterministic: bool = False,
         skip_zero_advantage: bool = False,
+        wait_for_variance: bool = True,
     ):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -158,11 +167,12 @@ class StepPlanner:
         self.dp_rank = dp_rank
         self.deterministic = deterministic
         self.skip_zero = skip_zero_advantage and not deterministic and aux_strategy == "none"
+        self.wait_for_variance = self.skip_zero and wait_for_variance and mode == "stream-trajectory"
         self.groups = {g: _Group(size=n) for g, n in group_sizes.items()}
         self.batch_coupled = bool(getattr(estimator, "needs_batch_rewards", False))
         self.open_groups = 0
         self.stats = {"direct": 0, "bucketed": 0, "deferred": 0, "second_backward": 0, "overflow_groups": 0,
-                      "skipped_zero_advantage": 0, "wasted_bucket_items": 0}
+                      "skipped_zero_advantage": 0, "wasted_bucket_items": 0, "waited_for_variance": 0}
 
     # ---------------------------------------------------------------- arrivals
     def on_ready(self, t: TrajMeta) -> list[WorkItem]:
@@ -193,6 +203,13 @@ class StepPlanner:
                 touched[t.group_id] = None
                 continue
             # stream-trajectory
+            if self.wait_for_variance:
+                if local:
+                    g.equal_held.append(t)
+                items.extend(self._release_if_varied(g))
+                if local and g.equal_held and g.equal_held[-1] is t:  # it waits (counted once: it arrives once)
+                    self.stats["waited_for_variance"] += 1
+                continue
             if not local:
                 continue
             if complete and not self.batch_coupled:
@@ -208,6 +225,31 @@ class StepPlanner:
         # after it. Stable, so each group's items keep their arrival order.
         items.sort(key=lambda it: it.dest is Dest.BUCKET)
         return items
+
+    def _release_if_varied(self, g: _Group) -> list[WorkItem]:
+        """``wait_for_variance``: the group's waiting trajectories once its advantages can no longer all be 0 (its
+        known rewards differ), straight to the accumulator if the group is complete; none while they may still be."""
+        if not g.equal_held or g.closed:
+            return []
+        if len(g.rewards) == g.size and not self.batch_coupled:  # advantages known (all 0: skipped)
+            out = self._directs(g.equal_held, g)
+        elif self._may_turn_zero(g):
+            return []
+        else:
+            out = [it for t in g.equal_held for it in self._stream(t, g)]
+        g.equal_held = []
+        return out
+
+    def _may_turn_zero(self, g: _Group) -> bool:
+        """Every known reward of the group is equal, and a group all of that reward has every advantage exactly 0
+        under this estimator (asked of the estimator, with the batch's known rewards when it needs them)."""
+        vals = set(g.rewards.values())
+        if len(vals) != 1:
+            return False
+        rewards = torch.full((g.size,), vals.pop(), dtype=torch.float64)
+        batch = self._batch_rewards()
+        coeffs = self.est.coefficients(rewards, batch_rewards=None if batch is None else torch.cat([batch, rewards]))
+        return coeffs.advantage(float(rewards[0])) == 0.0
 
     def _stream(self, t: TrajMeta, g: _Group) -> list[WorkItem]:
         if not g.bucket_open:
@@ -349,9 +391,9 @@ class StepPlanner:
         return self.est.alpha_known_in_advance(group_size)
 
     def _held_items(self, gid: str, g: _Group) -> list[WorkItem]:
-        out = self._count_direct([self._direct(t, g) for t in g.local_pending]
+        out = self._count_direct([self._direct(t, g) for t in g.local_pending + g.equal_held]
                                  + [self._direct(t, g, aux=needs_aux) for t, needs_aux in g.deferred])
-        g.local_pending, g.deferred = [], []
+        g.local_pending, g.deferred, g.equal_held = [], [], []
         return out
 
     def _release_group(self, gid: str) -> list[WorkItem]:

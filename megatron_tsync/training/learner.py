@@ -59,6 +59,7 @@ class LearnerConfig:
     max_packed_tokens: int = 4096  # tokens per packed microbatch at most (with sequence_packing)
     deterministic: bool = False  # bitwise arrival-order-invariant gradient sum (streaming/canonical.py); no packing
     skip_zero_advantage: bool = True  # no work for trajectories of advantage exactly 0 (streaming/planner.py)
+    wait_for_variance: bool = True  # stream-trajectory + skip: a group's trajectories wait until its rewards differ
     shared_prefix: bool = False  # a group's prompt forwarded/backpropagated once per microbatch (packing.PrefixLayout)
     coalesce_ms: float = 0.0  # streaming modes: arrivals within this window reach the learner together (the runtime's
     # source, streaming.ready_queue.CoalescingSource), so they can share microbatches
@@ -172,6 +173,7 @@ class Learner:
             dp_rank=self.dp_rank,
             deterministic=cfg.deterministic,
             skip_zero_advantage=cfg.skip_zero_advantage,
+            wait_for_variance=cfg.wait_for_variance,
         )
 
     def train_step(self, source: ArrivalSource, group_sizes: dict[str, int], shape: BatchShape) -> StepResult:

@@ -17,7 +17,7 @@ bl = importlib.util.module_from_spec(SPEC)
 SPEC.loader.exec_module(bl)
 
 FIELDS = {"step_s", "learner_step_s", "idle_frac", "learner_busy_s", "trainer_cpu_s", "success_rate",
-          "speedup_vs_sync", "spec_kept_frac"}
+          "speedup_vs_sync", "spec_kept_frac", "microbatches", "wasted_bucket_items"}
 
 
 def _run(mode, rep, walls, busy, success=None):
@@ -63,6 +63,7 @@ def test_mode_suffixes_add_their_flags():
     assert bl.mode_flags(a, "stream-trajectory+coalesce") == ("stream-trajectory", ["--stream-coalesce-tokens", "999"])
     assert bl.mode_flags(a, "sync+spec") == ("sync", ["--speculative-rollouts"])
     assert bl.mode_flags(a, "async") == ("async", [])
+    assert bl.mode_flags(a, "stream-trajectory+nowait") == ("stream-trajectory", ["--no-stream-wait-for-variance"])
 
 
 def test_bad_modes_are_refused(capsys):

@@ -156,14 +156,16 @@ def test_stream_packed_with_deferred_items(model64, monkeypatch, reward):
     kw = dict(estimator="grpo", reward_spec=spec_for(reward),
               loss=LossConfig(policy=PolicyLossConfig(), old_logprobs="engine"))
     g_sync, _, _ = gradient(model64, "sync", samples, samples, **kw)
-    routed = _spy_routing(monkeypatch)
-    for seed in (5, 6):
-        g, res, L = gradient(model64, "stream-trajectory", samples, ListSource(arrival_order(samples, seed), batch=6),
-                             packing=96, **kw)
-        assert rel(g, g_sync) < TOL, (seed, rel(g, g_sync), res.planner_stats)
-        assert res.planner_stats["deferred"] > 0
-    # a packed bucket microbatch had deferred segments (they contributed zero and ran again at group close)
-    assert any(n > 1 and 0 < d for n, d, _ in routed), routed
+    for wait in (False, True):  # --stream-wait-for-variance moves when bucket items run (and what they pack with)
+        routed = _spy_routing(monkeypatch)
+        for seed in (5, 6):
+            g, res, L = gradient(model64, "stream-trajectory", samples, ListSource(arrival_order(samples, seed),
+                                                                                   batch=6),
+                                 packing=96, wait_for_variance=wait, **kw)
+            assert rel(g, g_sync) < TOL, (seed, rel(g, g_sync), res.planner_stats)
+            assert res.planner_stats["deferred"] > 0
+        # a packed bucket microbatch had deferred segments (they contributed zero and ran again at group close)
+        assert any(n > 1 and 0 < d for n, d, _ in routed) or wait, routed
 
 
 def _spy_packs(monkeypatch):

@@ -28,10 +28,12 @@ def _two_zero_groups(seed, reward="binary"):
 
 @pytest.mark.parametrize("estimator", ESTIMATORS)
 @pytest.mark.parametrize("aggregation", AGGREGATIONS)
-def test_skip_equals_unskipped_sync(model64, estimator, aggregation):
+@pytest.mark.parametrize("wait", [True, False], ids=["wait-for-variance", "no-wait"])
+def test_skip_equals_unskipped_sync(model64, estimator, aggregation, wait):
     samples = _two_zero_groups(11)
     kw = dict(estimator=estimator, reward_spec=spec_for("binary"), loss=_loss(aggregation))
     g_ref, r_ref = gradient(model64, "sync", samples, samples, skip_zero_advantage=False, **kw)
+    kw["wait_for_variance"] = wait
     assert r_ref.planner_stats["skipped_zero_advantage"] == 0
     assert g_ref.norm() > 0
     zero_members = sum(1 for s in samples if s.group_id in _all_equal_groups(samples))
@@ -47,8 +49,8 @@ def test_skip_equals_unskipped_sync(model64, estimator, aggregation):
             assert st["skipped_zero_advantage"] + (0 if alpha_known else st["wasted_bucket_items"]) <= zero_members
             if not alpha_known:
                 assert st["skipped_zero_advantage"] + st["wasted_bucket_items"] == zero_members, (mode, st)
-            if mode != "stream-trajectory":
-                assert st["skipped_zero_advantage"] == zero_members
+            if mode != "stream-trajectory" or wait:  # waiting for variance: an all-equal group never runs
+                assert st["skipped_zero_advantage"] == zero_members and st["wasted_bucket_items"] == 0, (mode, st)
             assert res.microbatches == len(samples) - st["skipped_zero_advantage"] + st["second_backward"]
             assert res.num_action_tokens == r_ref.num_action_tokens  # the denominators count every trajectory
 
@@ -96,7 +98,7 @@ def test_planner_zero_variance_close_is_exact_zero():
     est = get_advantage_estimator("grpo")
     for skip, alpha in ((True, 0.0), (False, 1e6)):
         pl = StepPlanner(est, {"g": 3}, mode="stream-trajectory", reward_spec=spec_for("binary"), loss_kind="ppo_clip",
-                         skip_zero_advantage=skip)
+                         skip_zero_advantage=skip, wait_for_variance=False)
         items = pl.on_ready(TrajMeta("a", "g", 1.0, 5)) + pl.on_ready(TrajMeta("b", "g", 1.0, 5))
         assert [it.traj_id for it in items] == ["a", "b"]
         last = pl.on_ready(TrajMeta("c", "g", 1.0, 5))
@@ -107,6 +109,43 @@ def test_planner_zero_variance_close_is_exact_zero():
             assert close.q_coefficient(1.0) == 0.0
             assert pl.stats["wasted_bucket_items"] == 2 and pl.stats["skipped_zero_advantage"] == 1
         assert torch.isfinite(torch.tensor(close.alpha))
+
+
+@pytest.mark.parametrize("estimator", ESTIMATORS)
+def test_planner_waits_for_variance(estimator):
+    """--stream-wait-for-variance (stream-trajectory, skip on): members whose group's rewards are so far all equal get
+    no work; the first differing reward releases them together into the bucket (one destination); the group's last
+    member goes straight to the accumulator; no bucket work is ever wasted. A group that ends all-equal gets no work
+    at all, and no bucket. Rewards landing on another DP rank count too."""
+    est = get_advantage_estimator(estimator)
+
+    def planner(**kw):
+        return StepPlanner(est, {"g": 4, "h": 3}, mode="stream-trajectory", reward_spec=spec_for("binary"),
+                           loss_kind="ppo_clip", skip_zero_advantage=True, **kw)
+
+    pl = planner()
+    assert pl.on_ready(TrajMeta("a", "g", 1.0, 5)) == [] and pl.on_ready(TrajMeta("b", "g", 1.0, 5)) == []
+    items = pl.on_ready(TrajMeta("c", "g", 0.0, 5))
+    assert [(it.traj_id, it.dest.value) for it in items] == [("a", "bucket"), ("b", "bucket"), ("c", "bucket")]
+    last = pl.on_ready(TrajMeta("d", "g", 1.0, 5))
+    coupled = est.needs_batch_rewards  # advantages final only at the barrier: the last member goes to the bucket too
+    assert [(it.traj_id, it.dest.value) for it in last] == [("d", "bucket" if coupled else "accum")]
+    assert coupled or last[0].advantage != 0.0
+    for t in ("x", "y", "z"):  # group h: all equal
+        assert pl.on_ready(TrajMeta(t, "h", 0.0, 5)) == []
+    closes, held = pl.finish() if coupled else pl.closable()
+    assert [c.group_id for c in closes] == ["g"] and closes[0].alpha != 0.0 and held == []
+    assert pl.stats["waited_for_variance"] == 4 + coupled and pl.stats["wasted_bucket_items"] == 0  # coupled: z too
+    assert pl.stats["skipped_zero_advantage"] == 3 and pl.stats["bucketed"] == 3 + coupled
+    # the differing reward lands on another DP rank: it releases this rank's waiting members all the same
+    pl = planner()
+    assert pl.on_ready(TrajMeta("a", "g", 1.0, 5)) == []
+    assert [it.traj_id for it in pl.on_ready(TrajMeta("b", "g", 0.0, 5, dp_rank=1))] == ["a"]
+    # control: without the wait every member runs on arrival, and the all-equal group's bucket work is wasted (or,
+    # α known in advance, folded on the way)
+    pl = planner(wait_for_variance=False)
+    assert [len(pl.on_ready(TrajMeta(t, "h", 0.0, 5))) for t in ("x", "y", "z")] == [1, 1, int(coupled)]
+    assert pl.stats["waited_for_variance"] == 0 and pl.stats["bucketed"] == 2 + coupled
 
 
 def test_planner_known_advantage_work_first():
