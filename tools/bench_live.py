@@ -128,7 +128,8 @@ _WARM = ("import sys\nfrom megatron_tsync.arguments import parse_args\n"
 
 def warm_start(a, base: list[str]) -> tuple[str, str]:
     """(model folder, checkpoint) of the shared warm start: made once per (config, SFT steps, seed), then reused."""
-    extra = ([] if a.model_size is None else [list(a.model_size)]) + ([] if a.sft_lr is None else [a.sft_lr])
+    size, sft_lr = getattr(a, "model_size", None), getattr(a, "sft_lr", None)  # bench_fixed_budget's args lack them
+    extra = ([] if size is None else [list(size)]) + ([] if sft_lr is None else [sft_lr])
     key = hashlib.sha256(json.dumps([base, a.sft_steps, a.seed, *extra]).encode()).hexdigest()[:12]  # defaults: old key
     d = os.path.join(a.warm_dir, key)
     model, ckpt = os.path.join(d, "model"), os.path.join(d, "ckpt")
@@ -136,14 +137,14 @@ def warm_start(a, base: list[str]) -> tuple[str, str]:
         print(f"[bench_live] warm start (cached): {ckpt}", flush=True)
         return model, ckpt
     os.makedirs(d, exist_ok=True)
-    if a.model_size is not None and not os.path.exists(os.path.join(model, "config.json")):
+    if size is not None and not os.path.exists(os.path.join(model, "config.json")):
         from megatron_tsync.model.tiny_model import make_tiny_model
 
-        hidden, layers = a.model_size
+        hidden, layers = size
         make_tiny_model(model, hidden=hidden, layers=layers, seed=a.seed)  # what --init-tiny-model makes, resized
     argv = [sys.executable, "-c", _WARM, *base, "--model", model, "--init-tiny-model", "--sft-warmup-steps",
             str(a.sft_steps), "--seed", str(a.seed), "--save", ckpt,
-            *([] if a.sft_lr is None else ["--sft-warmup-lr", str(a.sft_lr)])]
+            *([] if sft_lr is None else ["--sft-warmup-lr", str(sft_lr)])]
     s = _run(argv, os.path.join(d, "warm.log"), a.timeout)
     print(f"[bench_live] warm start ({a.sft_steps} SFT steps) made in {s:.0f}s: {ckpt}", flush=True)
     return model, ckpt
