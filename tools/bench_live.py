@@ -126,9 +126,11 @@ _WARM = ("import sys\nfrom megatron_tsync.arguments import parse_args\n"
          "ctx = RunContext(parse_args(sys.argv[1:]), StopFlag())\nctx.save()\nctx.close()\ndestroy_parallel()\n")
 
 
-def warm_start(a, base: list[str]) -> tuple[str, str]:
-    """(model folder, checkpoint) of the shared warm start: made once per (config, SFT steps, seed), then reused."""
-    size, sft_lr = getattr(a, "model_size", None), getattr(a, "sft_lr", None)  # bench_fixed_budget's args lack them
+def warm_start(a, base: list[str], *, size: tuple[int, int] | None = None,
+               sft_lr: float | None = None) -> tuple[str, str]:
+    """(model folder, checkpoint) of the shared warm start: made once per (config, SFT steps, seed[, size, SFT lr]),
+    then reused. ``size``: (hidden, layers) of the tiny model (None: ``--init-tiny-model``'s); ``sft_lr``: the warm
+    start's learning rate (None: the default)."""
     extra = ([] if size is None else [list(size)]) + ([] if sft_lr is None else [sft_lr])
     key = hashlib.sha256(json.dumps([base, a.sft_steps, a.seed, *extra]).encode()).hexdigest()[:12]  # defaults: old key
     d = os.path.join(a.warm_dir, key)
@@ -250,7 +252,8 @@ def table(summary: dict, mach: dict, cpus: list[str]) -> str:
         sp_txt = f"{sp['median']:.2f}x ({sp['min']:.2f}-{sp['max']:.2f})" if sp else "-"
         rows.append(f"{mode:<18} {st['median']:6.2f} ({st['min']:.2f}-{st['max']:.2f})    {s['idle_frac']:5.0%} "
                     f"{b['median']:6.2f} ({b['min']:.2f}-{b['max']:.2f}) {s['trainer_cpu_s']['median']:10.2f} "
-                    f"{s['microbatches'].get('median', float('nan')):7.1f} {sp_txt:>26} {'' if s.get('spec_kept_frac') is None else format(s['spec_kept_frac'], '5.0%'):>5}")
+                    f"{s['microbatches']['median']:7.1f} {sp_txt:>26} "
+                    f"{'' if s.get('spec_kept_frac') is None else format(s['spec_kept_frac'], '5.0%'):>5}")
     return "\n".join(rows)
 
 
@@ -309,7 +312,7 @@ def main(argv=None) -> int:
             a.sft_steps = int((yaml.safe_load(f) or {}).get("sft-warmup-steps", 0))
     mach = machine()
     flags = {c: cpu_flags(c) for c in a.cpus}
-    model, ckpt = warm_start(a, base)
+    model, ckpt = warm_start(a, base, size=a.model_size, sft_lr=a.sft_lr)
     runs = []
     for rep in range(a.repeats):
         order = a.modes[rep % len(a.modes):] + a.modes[:rep % len(a.modes)]  # interleaved, rotating

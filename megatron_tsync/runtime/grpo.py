@@ -141,7 +141,8 @@ class GRPO:
             "events_rejected": fleet.receiver.rejected if fleet is not None else 0,
             **rejection_row(fleet),  # rejected_<reason>: the run's rejections so far, per reason
             "staleness": max((k - s.policy_version) for s in samples) if samples else 0,
-            "trajectories": res.num_trajectories, "microbatches": res.microbatches, **{f"plan_{a}": b for a, b in res.planner_stats.items()},
+            "trajectories": res.num_trajectories, "microbatches": res.microbatches,
+            **{f"plan_{a}": b for a, b in res.planner_stats.items()},
             "theta0_forwards": getattr(getattr(self.learner, "theta0", None), "forwards", 0),
             **{f"offload_{a}": b for a, b in (res.offload or {}).items()},
             **_kl_row(self.learner, samples),

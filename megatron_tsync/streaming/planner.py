@@ -9,7 +9,8 @@ backward time. The three modes of one trainer:
   advantage from the batch reference ``estimator.advantages`` (the baseline).
 - ``stream-group``: a group's trajectories run when the group's last reward lands (per-group streaming, what
   the best existing systems do).
-- ``stream-trajectory``: a trajectory runs the moment its reward lands. While its group is incomplete its
+- ``stream-trajectory``: a trajectory runs the moment its reward lands (with ``wait_for_variance``, below: once its
+  group's rewards differ). While its group is incomplete its
   reward-free surrogate is backpropagated into the group's bucket (P, Q, ρ) (design note §1); when every other
   reward of the group is known its advantage is final and it goes straight into the accumulator (no bucket).
   Trajectories whose clip mask depends on an unknown sign are deferred to group close (§3).

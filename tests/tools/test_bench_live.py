@@ -121,11 +121,11 @@ def test_model_size_makes_that_model_and_keys_its_own_warm_start(tmp_path, monke
     monkeypatch.setattr(bl, "_run", lambda argv, log, timeout: ran.append(argv) or 0.0)  # no SFT run: the folders only
     base = bl.task_args(bl.CONFIG)
     a = bl.parse(["--model-size", "256x3", "--warm-dir", str(tmp_path), "--sft-steps", "1", "--sft-lr", "3e-4"])
-    model, _ = bl.warm_start(a, base)
+    model, _ = bl.warm_start(a, base, size=a.model_size, sft_lr=a.sft_lr)
     cfg = json.loads(open(os.path.join(model, "config.json")).read())
     assert (cfg["hidden_size"], cfg["num_hidden_layers"]) == (256, 3) and ran and model in ran[0]
     assert ran[0][-2:] == ["--sft-warmup-lr", "0.0003"]
     d = bl.parse(["--warm-dir", str(tmp_path), "--sft-steps", "1"])
-    default_model, _ = bl.warm_start(d, base)
+    default_model, _ = bl.warm_start(d, base, size=d.model_size, sft_lr=d.sft_lr)
     assert default_model != model and not os.path.exists(os.path.join(default_model, "config.json"))
     assert "--sft-warmup-lr" not in ran[1]
