@@ -602,6 +602,12 @@ class TrainConfig:
         _check(not (lr.deterministic and lr.sequence_packing), "learner.deterministic runs one trajectory per "
                "microbatch: learner.sequence_packing is refused (--no-sequence-packing overrides a config's)",
                "learner.deterministic", "learner.sequence_packing")
+        _check(not lr.pack_across_groups or (lr.sequence_packing and lr.mode == "stream-trajectory"
+                                              and self.rl.algorithm == "grpo" and lr.max_device_buckets is None),
+               "learner.pack_across_groups mixes bucket destinations in packed microbatches: it needs "
+               "learner.sequence_packing and learner.mode stream-trajectory (the only mode with bucket work), "
+               "rl.algorithm grpo, and no learner.max_device_buckets", "learner.pack_across_groups",
+               "learner.sequence_packing", "learner.mode")
         _check(not (lr.shared_prefix and (lr.deterministic or self.rl.algorithm == "opd")),
                "learner.shared_prefix is implemented for rl.algorithm grpo without learner.deterministic (one "
                "trajectory per microbatch there)", "learner.shared_prefix", "learner.deterministic")

@@ -111,6 +111,8 @@ CASES: dict[str, Case] = {
     "--stream-wait-for-variance": Case([*STREAM, "--no-stream-wait-for-variance"],
                                        [[*STREAM, "--stream-wait-for-variance"]], "stat:waited_for_variance"),
     "--sequence-packing": Case([], [["--sequence-packing"]], "result:microbatches"),
+    "--pack-across-groups": Case([*STREAM, "--sequence-packing"], [[*STREAM, "--sequence-packing",
+                                                                     "--pack-across-groups"]], "result:microbatches"),
     "--max-packed-tokens": Case(["--sequence-packing"], [["--sequence-packing", "--max-packed-tokens", "40"]],
                                 "result:microbatches"),
     # assuming less about rewards: the exact clip rule can certify fewer signs, so more trajectories wait

@@ -59,6 +59,27 @@ class GroupBuckets(ResidentVectors):
         self._need(b.q)
         self.router.route(b.q)
 
+    def destinations(self, group_id: str, reward: float, alpha_known: float | None) -> list[tuple[GradVector, float]]:
+        """Where one trajectory's reward-free gradient h_i goes when it shares a backward with other destinations
+        (``model.row_split``): [(vector, coefficient)]. The origin ρ stays where it is: Q += h_i and
+        P += (r_i − ρ)·h_i (α known: accumulator += α(r_i − ρ)·h_i), which keeps P = Σ (r_j − ρ)·h_j as :meth:`enter`
+        does, so the two may alternate. Makes the vectors device-resident."""
+        b = self.buckets.get(group_id)
+        if b is None:
+            b = _Bucket(q=self._acquire(f"Q:{group_id}"), p=None, rho=float(reward), alpha_known=alpha_known)
+            self.buckets[group_id] = b
+        out = [(b.q, 1.0)]
+        shift = float(reward) - b.rho
+        if shift != 0.0:
+            if b.alpha_known is not None:
+                out.append((self.accumulator, b.alpha_known * shift))
+            else:
+                if b.p is None:
+                    b.p = self._acquire(f"P:{group_id}", keep=(b.q,))
+                out.append((b.p, shift))
+        self._need(*(v for v, _ in out if v is not self.accumulator))
+        return out
+
     def route_accumulator(self) -> None:
         self.router.route_to_accumulator()
 

@@ -115,6 +115,7 @@ class GradRouter:
         for bi, buf in enumerate(self.buffers):
             for param, (start, end, _bucket_id) in buf.param_index_map.items():
                 self._slots.append((param, bi, start, end, param.data.shape))
+        self._slot_of = {id(param): i for i, (param, *_) in enumerate(self._slots)}
         self._views: dict[int, tuple[tuple[int, ...], list[torch.Tensor]]] = {}
         self.current: GradVector = self.accumulator
 
@@ -126,6 +127,11 @@ class GradRouter:
         if hit is None or hit[0] != key:
             hit = self._views[id(v)] = (key, [v.parts[bi][s:e].view(shape) for (_, bi, s, e, shape) in self._slots])
         return hit[1]
+
+    def grad_of(self, v: GradVector):
+        """``param -> its gradient view in v`` (what ``route(v)`` would make ``param.main_grad``), without routing."""
+        views, slot = self._views_for(v), self._slot_of
+        return lambda param: views[slot[id(param)]]
 
     def drop_views(self, v: GradVector) -> None:
         """Forget the cached ``main_grad`` views of ``v`` (its parts moved to new storage)."""

@@ -64,6 +64,7 @@ class LearnerConfig:
     coalesce_ms: float = 0.0  # streaming modes: arrivals within this window reach the learner together (the runtime's
     # source, streaming.ready_queue.CoalescingSource), so they can share microbatches
     coalesce_tokens: int = 0  # streaming modes: ... and arrivals are collected until they hold this many tokens
+    pack_across_groups: bool = False  # packed microbatches mix gradient destinations (model/row_split.py)
 
 
 @dataclasses.dataclass
@@ -134,7 +135,8 @@ class Learner:
         self.exec = StreamExecutor(ddp_model, self.buckets, cfg.loss,
                                    max_packed_tokens=cfg.max_packed_tokens if cfg.sequence_packing else None,
                                    canonical=self.canonical,
-                                   shared_prefix_tokens=cfg.max_packed_tokens if cfg.shared_prefix else None)
+                                   shared_prefix_tokens=cfg.max_packed_tokens if cfg.shared_prefix else None,
+                                   mix_groups=cfg.pack_across_groups)
         self.theta0 = Theta0Logprobs(ddp_model, cfg.loss.temperature)
         self.reference = reference
         lc = cfg.loss

@@ -50,13 +50,20 @@ def share_key(item: WorkItem) -> Hashable | None:
     return None
 
 
-def plan_microbatches(items: Sequence[WorkItem], length: Callable[[WorkItem], int],
-                      max_tokens: int | None) -> list[list[WorkItem]]:
+def mix_key(item: WorkItem) -> Hashable | None:
+    """:func:`share_key` for row-split microbatches (``model.row_split``): every item that has a share key may share
+    a backward with any other, whatever its destination; the rest still run alone."""
+    return None if share_key(item) is None else ("mixed",)
+
+
+def plan_microbatches(items: Sequence[WorkItem], length: Callable[[WorkItem], int], max_tokens: int | None,
+                      key: Callable[[WorkItem], Hashable | None] | None = None) -> list[list[WorkItem]]:
     """Group ``items`` into microbatches of at most ``max_tokens`` tokens (first fit, in order).
 
     Each item goes into the first open microbatch with the same :func:`share_key` that still has room; an item
     longer than ``max_tokens``, or one without a key, is a microbatch of its own. Microbatches come out in the
     order of their first item; within one, items keep their order. ``max_tokens`` None or ≤ 0: no packing.
+    ``key``: the share key (default :func:`share_key`; :func:`mix_key` for row-split microbatches).
     """
     if not max_tokens or max_tokens <= 0:
         return [[it] for it in items]
@@ -64,7 +71,7 @@ def plan_microbatches(items: Sequence[WorkItem], length: Callable[[WorkItem], in
     fill: list[int] = []
     keys: list[Hashable | None] = []
     for it in items:
-        n, k = length(it), share_key(it)
+        n, k = length(it), (key or share_key)(it)
         for j in range(len(packs)):
             if k is not None and keys[j] == k and fill[j] + n <= max_tokens:
                 packs[j].append(it)

@@ -24,10 +24,16 @@ surrogate with sign +1 when its ratios are sign-free, else the exact sign the pl
 when its group is folded) and, with KL/entropy terms, one aux microbatch, each backward into a fresh vector of
 ``streaming.canonical.CanonicalSum``, in every mode (sync included), so the bits of each contribution and of their
 sum do not depend on when it ran. No packing.
+
+Mixed microbatches (``mix_groups``, ``--pack-across-groups``): packed items need not share a destination. Such a
+microbatch's forward runs under ``model.row_split.active``; its pre-hook (:meth:`StreamExecutor._before_mixed_backward`)
+gives each segment its destinations — the accumulator, or its group's Q and P with coefficients 1 and r_i − ρ
+(``GroupBuckets.destinations``) — and the one backward adds every weight gradient's rows into those places.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import time
@@ -41,13 +47,13 @@ from megatron_tsync.streaming.accumulator import GroupBuckets
 from megatron_tsync.streaming.canonical import CanonicalSum, canonical_key
 from megatron_tsync.streaming.planner import Dest, StepPlanner, TrajMeta, WorkItem
 from megatron_tsync.streaming.ready_queue import Sample
-from megatron_tsync.model import compat, moe
+from megatron_tsync.model import compat, moe, row_split
 from megatron_tsync.model.logprobs import vocab_parallel_entropy, vocab_parallel_logprobs
 from megatron_tsync.model.builder import unwrap
 from megatron_tsync.model.parallel import ExpertLockstep
 from megatron_tsync.training.objective import signed_policy_values
-from megatron_tsync.training.packing import (PrefixLayout, layout_for, plan_microbatches, plan_shared_prefix,
-                                             uses_varlen_attention)
+from megatron_tsync.training.packing import (PrefixLayout, layout_for, mix_key, plan_microbatches, plan_shared_prefix,
+                                             share_key, uses_varlen_attention)
 
 _IDLE_TOKENS = 2  # length of an expert-lockstep idle microbatch
 THETA0_LOGP = "theta0_logp"  # Sample.meta key: (T-1,) trainer log-probs of tokens 1..T-1 at θ0
@@ -93,12 +99,14 @@ class StreamExecutor:
     its own: the DDP grad buffers and ``GroupBuckets`` hold it."""
 
     def __init__(self, ddp_model, buckets: GroupBuckets, loss_cfg: LossConfig, *, max_packed_tokens: int | None = None,
-                 canonical: CanonicalSum | None = None, shared_prefix_tokens: int | None = None):
+                 canonical: CanonicalSum | None = None, shared_prefix_tokens: int | None = None,
+                 mix_groups: bool = False):
         """``max_packed_tokens``: pack items that share a gradient destination into microbatches of at most this many
         tokens (``training.packing``); None = one trajectory per microbatch. ``canonical``: the deterministic mode's
         gradient sum (module docstring); refuses packing. ``shared_prefix_tokens``: run members of one group that
         share a destination and a prompt as shared-prefix microbatches of at most this many tokens
-        (``packing.PrefixLayout``: the prompt's forward and backward once); None = off."""
+        (``packing.PrefixLayout``: the prompt's forward and backward once); None = off. ``mix_groups``: packed
+        microbatches may mix gradient destinations (module docstring; needs ``max_packed_tokens``)."""
         if canonical is not None and (max_packed_tokens or shared_prefix_tokens):
             raise ValueError("deterministic mode runs one trajectory per microbatch: sequence packing and shared "
                              "prefixes are refused")
@@ -127,6 +135,14 @@ class StreamExecutor:
                 raise ValueError(f"--shared-prefix needs the local layer spec's attention (a T×T mask), not {cores}")
         if (max_packed_tokens and not self._thd) or shared_prefix_tokens:
             compat.install_per_token_rope(gpt)
+        self.mix_groups = mix_groups
+        if mix_groups:
+            why = ("it needs --sequence-packing" if not max_packed_tokens else "not with --deterministic"
+                   if canonical is not None else "not with expert parallelism" if self.lockstep.on
+                   else "not with --max-device-buckets" if buckets.residency is not None else None)
+            if why:
+                raise ValueError(f"--pack-across-groups: {why}")
+            row_split.install(gpt)
         self.samples: dict[str, Sample] = {}
         self.planner: StepPlanner | None = None
         self.shape: BatchShape | None = None
@@ -170,7 +186,7 @@ class StreamExecutor:
             packs = [_PrefixPack(p, lay) for p, lay in shared]
             self.shared_prefix_items += sum(len(p) for p in packs)
         packs += plan_microbatches(items, lambda it: self.samples[it.traj_id].token_ids.shape[0],
-                                   self.max_packed_tokens) if items else []
+                                   self.max_packed_tokens, key=mix_key if self.mix_groups else share_key) if items else []
         if self.lockstep.on:  # the same slots on every expert-parallel rank
             packs = self._lockstep_slots(packs)
             if not packs:
@@ -230,12 +246,17 @@ class StreamExecutor:
             ids = torch.cat(parts).to(dev).unsqueeze(0)  # (1, T) all segments (+ padding)
             pos = layout.position_ids(dev)  # (T,) restarting per segment
             routing = moe.microbatch_routing([s.routing for s in samples], lengths, layout.pad)
-            with moe.replay_microbatch(model, routing), compat.forward_without_cpu_mode():
+            plan = row_split.RowPlan() if len({share_key(it) for it in pack}) > 1 else None
+            with moe.replay_microbatch(model, routing), compat.forward_without_cpu_mode(), \
+                    (row_split.active(plan) if plan is not None else contextlib.nullcontext()):
                 if self._thd:
                     out = model(ids, pos.unsqueeze(0), None, packed_seq_params=layout.packed_seq_params(dev))
                 else:
                     with compat.rope_positions(self._gpt, pos):
                         out = model(ids, pos.unsqueeze(0), layout.block_causal_mask(dev))
+            if plan is not None and out.grad_fn is not None:
+                out.grad_fn.register_prehook(functools.partial(self._before_mixed_backward, pack, states, layout, plan))
+                return out, functools.partial(self._loss, pack, samples, states, layout)
         if out.grad_fn is not None:
             out.grad_fn.register_prehook(functools.partial(self._before_backward, pack[0], states))
         return out, functools.partial(self._loss, pack, samples, states, layout)
@@ -297,6 +318,32 @@ class StreamExecutor:
             self.buckets.enter(item.group_id, item.reward, alpha)
         else:
             self.buckets.route_accumulator()
+        return None
+
+    def _before_mixed_backward(self, pack: list[WorkItem], states: list[dict], layout, plan, grad_outputs):
+        """A mixed microbatch's destinations (module docstring), one :class:`row_split.RowDest` per gradient vector:
+        its segments' rows with their coefficients. A deferred item (last stage) contributes zero and goes nowhere;
+        stages before the last do not know deferrals and add its zeros."""
+        per_vec: dict[int, tuple] = {}
+        for it, st, (a, b) in zip(pack, states, layout.segments()):
+            if st["deferred"]:
+                continue
+            if it.dest is Dest.BUCKET and it.policy:
+                size = self.planner.groups[it.group_id].size
+                targets = self.buckets.destinations(it.group_id, it.reward, self.planner.alpha_known(size))
+            else:
+                targets = [(self.buckets.accumulator, 1.0)]
+            for vec, c in targets:
+                per_vec.setdefault(id(vec), (vec, []))[1].append((a, b, c))
+        dev = _device()
+        dests = []
+        for vec, spans in per_vec.values():
+            rows = torch.cat([torch.arange(a, b, device=dev) for a, b, _ in spans])
+            coef = None
+            if any(c != 1.0 for *_, c in spans):
+                coef = torch.cat([torch.full((b - a,), c, dtype=torch.float64, device=dev) for a, b, c in spans])
+            dests.append(row_split.RowDest(self.buckets.router.grad_of(vec), rows, coef))
+        plan.dests = dests
         return None
 
     # ------------------------------------------------------------------ loss

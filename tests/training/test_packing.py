@@ -173,8 +173,8 @@ def _spy_packs(monkeypatch):
 
     seen = []
 
-    def spy(items, length, max_tokens):
-        out = packing.plan_microbatches(items, length, max_tokens)
+    def spy(items, length, max_tokens, key=None):
+        out = packing.plan_microbatches(items, length, max_tokens, key=key)
         seen.extend(out)
         return out
 
