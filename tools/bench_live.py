@@ -42,10 +42,15 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "examples", "tiny_agent", "config.yaml")
 MODES = ("sync", "stream-group", "stream-trajectory", "async", "sync+spec", "stream-trajectory+spec",
-         "stream-group+coalesce", "stream-trajectory+coalesce", "stream-trajectory+nowait")
-"""``+spec``: the mode with ``--speculative-rollouts`` (next-step first turns drafted while the learner finishes);
+         "stream-group+coalesce", "stream-trajectory+coalesce", "stream-trajectory+nowait", "stream-trajectory+mix",
+         "stream-trajectory+mix+coalesce")
+"""The default modes; any ``BASE[+SUFFIX...]`` with a base of ``BASES`` and suffixes of ``SUFFIXES`` is accepted.
+``+spec``: the mode with ``--speculative-rollouts`` (next-step first turns drafted while the learner finishes);
 ``+coalesce``: with ``--stream-coalesce-tokens`` (``--coalesce-tokens``: arrivals collected into fuller microbatches);
-``+nowait``: with ``--no-stream-wait-for-variance`` (every trajectory into its group's bucket on arrival)."""
+``+nowait``: with ``--no-stream-wait-for-variance`` (every trajectory into its group's bucket on arrival);
+``+mix``: with ``--pack-across-groups`` (packed microbatches mix groups and rewards: row-split weight gradients)."""
+BASES = ("sync", "stream-group", "stream-trajectory", "async")
+SUFFIXES = ("spec", "coalesce", "nowait", "mix")
 # keys of the task config a run sets itself (or that would write into the quickstart's folders)
 RUN_KEYS = {"model", "init-tiny-model", "sft-warmup-steps", "rl-mode", "train-iters", "seed", "save", "save-interval",
             "load", "tensorboard-dir", "max-staleness", "trainer-cpus", "rollout-cpus"}
@@ -153,11 +158,16 @@ def warm_start(a, base: list[str], *, size: tuple[int, int] | None = None,
 
 
 def mode_flags(a, mode: str) -> tuple[str, list[str]]:
-    """``--rl-mode`` and the extra training flags of a benchmark mode (``MODES``: ``MODE[+spec|+coalesce|+nowait]``)."""
-    rl_mode, _, suffix = mode.partition("+")
-    return rl_mode, {"": [], "spec": ["--speculative-rollouts"],
-                     "coalesce": ["--stream-coalesce-tokens", str(a.coalesce_tokens)],
-                     "nowait": ["--no-stream-wait-for-variance"]}[suffix]
+    """``--rl-mode`` and the extra training flags of a benchmark mode (``BASE[+SUFFIX...]``, ``MODES``)."""
+    rl_mode, *suffixes = mode.split("+")
+    flags = {"spec": ["--speculative-rollouts"], "coalesce": ["--stream-coalesce-tokens", str(a.coalesce_tokens)],
+             "nowait": ["--no-stream-wait-for-variance"], "mix": ["--pack-across-groups"]}
+    return rl_mode, [f for sfx in suffixes for f in flags[sfx]]
+
+
+def valid_mode(mode: str) -> bool:
+    base, *suffixes = mode.split("+")
+    return base in BASES and all(s in SUFFIXES for s in suffixes) and len(set(suffixes)) == len(suffixes)
 
 
 def run_mode(a, base: list[str], model: str, ckpt: str, mode: str, rep: int, cpus: list[str], label: str) -> dict:
@@ -290,9 +300,9 @@ def parse(argv=None):
         except (ValueError, AssertionError):
             p.error(f"--model-size: expected HIDDENxLAYERS such as 512x4, got {raw!r}")
     a.modes = [m for m in a.modes.split(",") if m]
-    bad = [m for m in a.modes if m not in MODES]
+    bad = [m for m in a.modes if not valid_mode(m)]
     if bad or not a.modes:
-        p.error(f"--modes: unknown {bad}; choose from {MODES}")
+        p.error(f"--modes: unknown {bad}; choose BASE[+SUFFIX...] from {BASES} and {SUFFIXES} (e.g. {MODES})")
     if a.repeats < 1 or a.steps <= a.skip:
         p.error(f"--repeats must be >= 1 and --steps > --skip, got {a.repeats}, {a.steps}, {a.skip}")
     a.train_args = a.train_args.split()

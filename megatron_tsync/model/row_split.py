@@ -33,12 +33,12 @@ import torch.nn.functional as F
 @dataclasses.dataclass
 class RowDest:
     """Where the weight-gradient terms of some token rows go: ``grad_of(param)`` is the destination's gradient tensor
-    for a parameter (added into in place); ``rows`` the microbatch's token positions (int64); ``coef`` a per-row
-    scale (None: 1)."""
+    for a parameter (added into in place); ``spans`` are (start, end, coefficient) ranges of the microbatch's token
+    positions, each row's terms scaled by its span's coefficient. One GEMM (or sum) per span and parameter: callers
+    order segments so that a destination's rows form few spans."""
 
     grad_of: Callable[[torch.nn.Parameter], torch.Tensor]
-    rows: torch.Tensor
-    coef: torch.Tensor | None = None
+    spans: list[tuple[int, int, float]]
 
 
 class RowPlan:
@@ -74,14 +74,6 @@ def _rows_first(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(t.shape[0], -1, t.shape[-1])
 
 
-def _scaled(g: torch.Tensor, d: RowDest) -> torch.Tensor:
-    """Rows ``d.rows`` of g ([s, m, k]), times their coefficients."""
-    sel = g.index_select(0, d.rows)
-    if d.coef is not None:
-        sel = sel * d.coef.to(sel.dtype).view(-1, *([1] * (sel.dim() - 1)))
-    return sel
-
-
 class _SplitLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, plan, tp_group):
@@ -98,11 +90,13 @@ class _SplitLinear(torch.autograd.Function):
             torch.distributed.all_reduce(gx, group=ctx.tp_group)
         g3, x3 = _rows_first(g), _rows_first(x)
         for d in ctx.plan.targets():
-            gr = _scaled(g3, d).reshape(-1, g3.shape[-1])
-            xr = x3.index_select(0, d.rows).reshape(-1, x3.shape[-1])
-            d.grad_of(weight).add_(gr.t().matmul(xr))
-            if ctx.bias is not None:
-                d.grad_of(ctx.bias).add_(gr.sum(0))
+            gw = d.grad_of(weight)
+            gb = None if ctx.bias is None else d.grad_of(ctx.bias)
+            for a, b, c in d.spans:
+                gr = g3[a:b].reshape(-1, g3.shape[-1])
+                gw.addmm_(gr.t(), x3[a:b].reshape(-1, x3.shape[-1]), alpha=c)
+                if gb is not None:
+                    gb.add_(gr.sum(0), alpha=c)
         return gx, None, None, None, None
 
 
@@ -120,7 +114,9 @@ class _SplitScale(torch.autograd.Function):
         xhat, weight = ctx.saved_tensors
         prod = _rows_first(g * xhat)
         for d in ctx.plan.targets():
-            d.grad_of(weight).add_(_scaled(prod, d).sum((0, 1)))
+            gw = d.grad_of(weight)
+            for a, b, c in d.spans:
+                gw.add_(prod[a:b].sum((0, 1)), alpha=c)
         return g * weight, None, None
 
 
@@ -138,10 +134,11 @@ class _SplitEmbedding(torch.autograd.Function):
         (ids,) = ctx.saved_tensors
         if ids.dim() != 2 or ids.shape[0] != 1:
             raise AssertionError(f"row-split embedding needs ids of shape [1, s], got {tuple(ids.shape)}")
-        flat_ids, g3 = ids[0], g[0].unsqueeze(1)  # [s], [s, 1, h]
+        flat_ids, g2 = ids[0], g[0]  # [s], [s, h]
         for d in ctx.plan.targets():
             gw = d.grad_of(ctx.weight)
-            gw.index_add_(0, flat_ids.index_select(0, d.rows), _scaled(g3, d)[:, 0].to(gw.dtype))
+            for a, b, c in d.spans:
+                gw.index_add_(0, flat_ids[a:b], g2[a:b].to(gw.dtype), alpha=c)
         return None, None, None
 
 

@@ -6,7 +6,8 @@ restart at 0 in every segment, so every segment's logits equal those of its unpa
 order inside the attention softmax: masked entries contribute exactly 0). The executor then adds one loss term per
 segment with that trajectory's own ν_i, advantage and clip mask; the backward of the sum is the sum of the
 per-trajectory backwards — provided all segments share the gradient destination, which :func:`share_key` and
-:func:`plan_microbatches` guarantee.
+:func:`plan_microbatches` guarantee; or, with ``--pack-across-groups`` (:func:`mix_key`), the executor splits the
+weight gradients by rows so that each segment's terms reach its own destination (``model.row_split``).
 
 Two attention formats, keyed on the layer spec's core attention (:func:`uses_varlen_attention`):
 

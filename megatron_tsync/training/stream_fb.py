@@ -185,8 +185,12 @@ class StreamExecutor:
                                                lambda it: self.samples[it.traj_id].loss_mask, self.shared_prefix_tokens)
             packs = [_PrefixPack(p, lay) for p, lay in shared]
             self.shared_prefix_items += sum(len(p) for p in packs)
-        packs += plan_microbatches(items, lambda it: self.samples[it.traj_id].token_ids.shape[0],
-                                   self.max_packed_tokens, key=mix_key if self.mix_groups else share_key) if items else []
+        if self.mix_groups:  # a destination's segments adjacent: few row spans per destination (_merged)
+            packs += [sorted(p, key=_dest_order) for p in plan_microbatches(
+                items, lambda it: self.samples[it.traj_id].token_ids.shape[0], self.max_packed_tokens, key=mix_key)]
+        else:
+            packs += plan_microbatches(items, lambda it: self.samples[it.traj_id].token_ids.shape[0],
+                                       self.max_packed_tokens) if items else []
         if self.lockstep.on:  # the same slots on every expert-parallel rank
             packs = self._lockstep_slots(packs)
             if not packs:
@@ -335,15 +339,8 @@ class StreamExecutor:
                 targets = [(self.buckets.accumulator, 1.0)]
             for vec, c in targets:
                 per_vec.setdefault(id(vec), (vec, []))[1].append((a, b, c))
-        dev = _device()
-        dests = []
-        for vec, spans in per_vec.values():
-            rows = torch.cat([torch.arange(a, b, device=dev) for a, b, _ in spans])
-            coef = None
-            if any(c != 1.0 for *_, c in spans):
-                coef = torch.cat([torch.full((b - a,), c, dtype=torch.float64, device=dev) for a, b, c in spans])
-            dests.append(row_split.RowDest(self.buckets.router.grad_of(vec), rows, coef))
-        plan.dests = dests
+        plan.dests = [row_split.RowDest(self.buckets.router.grad_of(vec), _merged(spans))
+                      for vec, spans in per_vec.values()]
         return None
 
     # ------------------------------------------------------------------ loss
@@ -438,6 +435,22 @@ class StreamExecutor:
             value[2] = aux
         self.losses.append(float(total.detach()))
         return total, n_act
+
+
+def _dest_order(it: WorkItem) -> tuple:
+    """Order of a mixed microbatch's segments: accumulator items, then each group's by reward."""
+    return (0, "", 0.0) if it.dest is Dest.ACCUM else (1, it.group_id, float(it.reward))
+
+
+def _merged(spans: list[tuple[int, int, float]]) -> list[tuple[int, int, float]]:
+    """Adjacent row spans with one coefficient as one span (a group's members with one reward: one GEMM)."""
+    out: list[tuple[int, int, float]] = []
+    for a, b, c in sorted(spans):
+        if out and out[-1][1] == a and out[-1][2] == c:
+            out[-1] = (out[-1][0], b, c)
+        else:
+            out.append((a, b, c))
+    return out
 
 
 def _split_parts(items: list[WorkItem], has_aux: bool) -> list[WorkItem]:

@@ -95,10 +95,8 @@ def test_split_backward_equals_per_destination_backwards(qwen64):
         logits = gpt(ids, pos.unsqueeze(0), None, packed_seq_params=lay.packed_seq_params(torch.device("cpu")))
     plan.dests = []
     for coefs, sink in zip(dest_coefs, sinks):
-        spans = [lay.segments()[k] for k in coefs]
-        rows = torch.cat([torch.arange(a, b) for a, b in spans])
-        coef = torch.cat([torch.full((b - a,), c, dtype=torch.float64) for (a, b), c in zip(spans, coefs.values())])
-        plan.dests.append(row_split.RowDest(lambda p, s=sink: s[id(p)], rows, coef))
+        spans = [(*lay.segments()[k], c) for k, c in coefs.items()]
+        plan.dests.append(row_split.RowDest(lambda p, s=sink: s[id(p)], spans))
     weights = [torch.randn(logits.shape[-1], generator=g, dtype=torch.float64) for _ in segs]
     loss = sum((logits[0, a:b] * w).sum() for (a, b), w in zip(lay.segments(), weights))
     for p in params:

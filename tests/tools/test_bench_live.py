@@ -64,6 +64,10 @@ def test_mode_suffixes_add_their_flags():
     assert bl.mode_flags(a, "sync+spec") == ("sync", ["--speculative-rollouts"])
     assert bl.mode_flags(a, "async") == ("async", [])
     assert bl.mode_flags(a, "stream-trajectory+nowait") == ("stream-trajectory", ["--no-stream-wait-for-variance"])
+    assert bl.mode_flags(a, "stream-trajectory+mix+coalesce") == (
+        "stream-trajectory", ["--pack-across-groups", "--stream-coalesce-tokens", "999"])
+    assert all(bl.valid_mode(m) for m in bl.MODES)
+    assert not any(bl.valid_mode(m) for m in ("stream", "sync+fast", "stream-trajectory+mix+mix"))
 
 
 def test_bad_modes_are_refused(capsys):
