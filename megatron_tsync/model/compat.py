@@ -175,6 +175,29 @@ def forward_without_cpu_mode():
         yield
 
 
+_FAST_BACKWARD = False
+
+
+def install_backward_without_cpu_mode() -> None:
+    """megatron's ``schedules.backward_step`` outside the CUDA→CPU function mode, as :func:`forward_without_cpu_mode`
+    does for forwards: the Python-side backwards it runs (megatron's linear layers, row-split weight gradients) then
+    dispatch torch functions without a Python call each. Idempotent; no-op with CUDA or without the mode."""
+    global _FAST_BACKWARD
+    if _FAST_BACKWARD or _MODE is None:
+        return
+    from megatron.core.pipeline_parallel import schedules
+
+    orig = schedules.backward_step
+
+    @functools.wraps(orig)
+    def backward_step(*args, **kwargs):
+        with forward_without_cpu_mode():
+            return orig(*args, **kwargs)
+
+    schedules.backward_step = backward_step
+    _FAST_BACKWARD = True
+
+
 def ensure_cpu_mode_in_thread() -> None:
     """Enter the CUDA→CPU function mode in the calling thread (torch keeps mode stacks per thread)."""
     if _MODE is not None and not cuda_available():

@@ -147,12 +147,13 @@ def _wrap_linear(mod) -> None:
     orig = mod._forward_impl
 
     def impl(*args, **kw):
-        plan = _CURRENT
-        if plan is None:
+        plan, w = _CURRENT, kw.get("weight")
+        if plan is None or (w is not None and not w.requires_grad):  # a frozen weight has no gradient to split
             return orig(*args, **kw)
+        if args or w is None or "input" not in kw:
+            raise AssertionError("row-split: megatron-core's linear layers no longer call _forward_impl(input=, "
+                                 "weight=, ...) as in 0.16 (model/row_split.py is the version-specific place)")
         x, weight = kw.pop("input"), kw.pop("weight")
-        if args or not weight.requires_grad:
-            raise AssertionError("row-split linear: unexpected call (positional arguments or a frozen weight)")
         if kw.get("sequence_parallel") or kw.get("grad_output_buffer") is not None:
             raise ValueError("row-split weight gradients: sequence parallelism / deferred embedding wgrad unsupported")
         tp_group = None

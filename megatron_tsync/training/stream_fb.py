@@ -117,6 +117,7 @@ class StreamExecutor:
         self.buckets = buckets
         self.cfg = loss_cfg
         self.fb = get_forward_backward_func()
+        compat.install_backward_without_cpu_mode()
         self.max_packed_tokens = max_packed_tokens
         gpt = unwrap(ddp_model)
         self._gpt = gpt
@@ -349,6 +350,11 @@ class StreamExecutor:
         entropies) are computed once over the whole microbatch and cut per segment (the last position of each
         segment, which would "predict" the next segment's first token, is never used): no slice of the (T, V) logits,
         whose backward would fill a zero (T, V) gradient per segment."""
+        with compat.forward_without_cpu_mode():  # our own torch code: no CUDA device requests to map
+            return self._loss_terms(pack, samples, states, layout, logits)
+
+    def _loss_terms(self, pack: list[WorkItem], samples: list[Sample], states: list[dict], layout,
+                    logits: torch.Tensor):
         cfg = self.cfg
         need_ent = cfg.entropy_coef != 0.0 and any(it.aux for it in pack)
         segs = [(0, samples[0].token_ids.numel())] if layout is None else layout.segments()
