@@ -4,10 +4,11 @@ Every parameter gradient of a dense GPT is a sum over token rows of a term linea
 a linear layer's weight Σ_t g_t x_tᵀ (its bias Σ_t g_t), an RMSNorm weight Σ_t g_t ⊙ x̂_t, an embedding row v
 Σ_{t: id_t = v} g_t. The segments of a packed microbatch do not interact (block-diagonal attention, RoPE restarting
 per segment), so one backward's activation gradients are those of the segments' own backwards, and only the weight
-gradients differ from "one microbatch per destination". Here they are computed per destination: for each
-:class:`RowDest` the same GEMM (or sum) over its rows only, each row scaled by its coefficient, added straight into
-that destination's gradient view (the B/W split of zero-bubble pipelining, with the W part sent to k places at once).
-The destinations are set by the caller before the backward starts (:class:`RowPlan`), so they may depend on the loss.
+gradients differ from "one microbatch per destination". Here they are computed per row span: for each
+:class:`RowSpan` the same GEMM (or sum) over its rows only, added with each of its targets' coefficients straight
+into those destinations' gradient views (the B/W split of zero-bubble pipelining, with the W part sent to k places at
+once; a span with two targets, e.g. a group's Q and P, costs one GEMM). The spans are set by the caller before the
+backward starts (:class:`RowPlan`), so they may depend on the loss.
 
 Covered (:func:`install` refuses a model with any other trainable parameter, naming it): megatron's
 ``ColumnParallelLinear`` / ``RowParallelLinear`` weights (and a bias added inside the linear: QKV bias), torch
@@ -30,27 +31,31 @@ import torch
 import torch.nn.functional as F
 
 
-@dataclasses.dataclass
-class RowDest:
-    """Where the weight-gradient terms of some token rows go: ``grad_of(param)`` is the destination's gradient tensor
-    for a parameter (added into in place); ``spans`` are (start, end, coefficient) ranges of the microbatch's token
-    positions, each row's terms scaled by its span's coefficient. One GEMM (or sum) per span and parameter: callers
-    order segments so that a destination's rows form few spans."""
+Target = tuple[Callable[[torch.nn.Parameter], torch.Tensor], float]
 
-    grad_of: Callable[[torch.nn.Parameter], torch.Tensor]
-    spans: list[tuple[int, int, float]]
+
+@dataclasses.dataclass
+class RowSpan:
+    """Token positions [start, end) of the microbatch whose weight-gradient terms go to ``targets``: (``grad_of``,
+    coefficient) pairs, ``grad_of(param)`` being that destination's gradient tensor for a parameter (added into in
+    place). One GEMM (or sum) per span and parameter: callers order segments so that rows with the same targets are
+    adjacent, and merge them."""
+
+    start: int
+    end: int
+    targets: list[Target]
 
 
 class RowPlan:
-    """One microbatch's destinations; ``dests`` is filled before its backward (by a pre-hook) and read during it."""
+    """One microbatch's row spans; ``spans`` is filled before its backward (by a pre-hook) and read during it."""
 
     def __init__(self) -> None:
-        self.dests: list[RowDest] | None = None
+        self.spans: list[RowSpan] | None = None
 
-    def targets(self) -> list[RowDest]:
-        if self.dests is None:
-            raise AssertionError("row-split backward without destinations: RowPlan.dests is set before the backward")
-        return self.dests
+    def targets(self) -> list[RowSpan]:
+        if self.spans is None:
+            raise AssertionError("row-split backward without destinations: RowPlan.spans is set before the backward")
+        return self.spans
 
 
 _CURRENT: RowPlan | None = None
@@ -89,14 +94,21 @@ class _SplitLinear(torch.autograd.Function):
         if ctx.tp_group is not None:
             torch.distributed.all_reduce(gx, group=ctx.tp_group)
         g3, x3 = _rows_first(g), _rows_first(x)
-        for d in ctx.plan.targets():
-            gw = d.grad_of(weight)
-            gb = None if ctx.bias is None else d.grad_of(ctx.bias)
-            for a, b, c in d.spans:
-                gr = g3[a:b].reshape(-1, g3.shape[-1])
-                gw.addmm_(gr.t(), x3[a:b].reshape(-1, x3.shape[-1]), alpha=c)
-                if gb is not None:
-                    gb.add_(gr.sum(0), alpha=c)
+        for sp in ctx.plan.targets():
+            gr = g3[sp.start:sp.end].reshape(-1, g3.shape[-1])
+            xr = x3[sp.start:sp.end].reshape(-1, x3.shape[-1])
+            if len(sp.targets) == 1:  # straight into the one destination
+                grad_of, c = sp.targets[0]
+                grad_of(weight).addmm_(gr.t(), xr, alpha=c)
+                w = None
+            else:  # once, then into each
+                w = gr.t().matmul(xr)
+                for grad_of, c in sp.targets:
+                    grad_of(weight).add_(w, alpha=c)
+            if ctx.bias is not None:
+                gb = gr.sum(0)
+                for grad_of, c in sp.targets:
+                    grad_of(ctx.bias).add_(gb, alpha=c)
         return gx, None, None, None, None
 
 
@@ -113,10 +125,10 @@ class _SplitScale(torch.autograd.Function):
     def backward(ctx, g):
         xhat, weight = ctx.saved_tensors
         prod = _rows_first(g * xhat)
-        for d in ctx.plan.targets():
-            gw = d.grad_of(weight)
-            for a, b, c in d.spans:
-                gw.add_(prod[a:b].sum((0, 1)), alpha=c)
+        for sp in ctx.plan.targets():
+            part = prod[sp.start:sp.end].sum((0, 1))
+            for grad_of, c in sp.targets:
+                grad_of(weight).add_(part, alpha=c)
         return g * weight, None, None
 
 
@@ -135,10 +147,11 @@ class _SplitEmbedding(torch.autograd.Function):
         if ids.dim() != 2 or ids.shape[0] != 1:
             raise AssertionError(f"row-split embedding needs ids of shape [1, s], got {tuple(ids.shape)}")
         flat_ids, g2 = ids[0], g[0]  # [s], [s, h]
-        for d in ctx.plan.targets():
-            gw = d.grad_of(ctx.weight)
-            for a, b, c in d.spans:
-                gw.index_add_(0, flat_ids[a:b], g2[a:b].to(gw.dtype), alpha=c)
+        for sp in ctx.plan.targets():
+            rows, gr = flat_ids[sp.start:sp.end], g2[sp.start:sp.end]
+            for grad_of, c in sp.targets:
+                gw = grad_of(ctx.weight)
+                gw.index_add_(0, rows, gr.to(gw.dtype), alpha=c)
         return None, None, None
 
 

@@ -186,7 +186,7 @@ class StreamExecutor:
                                                lambda it: self.samples[it.traj_id].loss_mask, self.shared_prefix_tokens)
             packs = [_PrefixPack(p, lay) for p, lay in shared]
             self.shared_prefix_items += sum(len(p) for p in packs)
-        if self.mix_groups:  # a destination's segments adjacent: few row spans per destination (_merged)
+        if self.mix_groups:  # segments with the same destinations adjacent: one row span each
             packs += [sorted(p, key=_dest_order) for p in plan_microbatches(
                 items, lambda it: self.samples[it.traj_id].token_ids.shape[0], self.max_packed_tokens, key=mix_key)]
         else:
@@ -326,10 +326,11 @@ class StreamExecutor:
         return None
 
     def _before_mixed_backward(self, pack: list[WorkItem], states: list[dict], layout, plan, grad_outputs):
-        """A mixed microbatch's destinations (module docstring), one :class:`row_split.RowDest` per gradient vector:
-        its segments' rows with their coefficients. A deferred item (last stage) contributes zero and goes nowhere;
-        stages before the last do not know deferrals and add its zeros."""
-        per_vec: dict[int, tuple] = {}
+        """A mixed microbatch's destinations (module docstring): each segment's (vector, coefficient) targets,
+        adjacent segments with the same targets as one :class:`row_split.RowSpan` (one GEMM per parameter). A
+        deferred item (last stage) contributes zero and goes nowhere; stages before the last do not know deferrals
+        and add its zeros."""
+        spans: list[tuple[int, int, list]] = []
         for it, st, (a, b) in zip(pack, states, layout.segments()):
             if st["deferred"]:
                 continue
@@ -338,10 +339,12 @@ class StreamExecutor:
                 targets = self.buckets.destinations(it.group_id, it.reward, self.planner.alpha_known(size))
             else:
                 targets = [(self.buckets.accumulator, 1.0)]
-            for vec, c in targets:
-                per_vec.setdefault(id(vec), (vec, []))[1].append((a, b, c))
-        plan.dests = [row_split.RowDest(self.buckets.router.grad_of(vec), _merged(spans))
-                      for vec, spans in per_vec.values()]
+            if spans and spans[-1][1] == a and spans[-1][2] == targets:  # same destinations: one span
+                spans[-1] = (spans[-1][0], b, targets)
+            else:
+                spans.append((a, b, targets))
+        grad_of = self.buckets.router.grad_of
+        plan.spans = [row_split.RowSpan(a, b, [(grad_of(v), c) for v, c in targets]) for a, b, targets in spans]
         return None
 
     # ------------------------------------------------------------------ loss
@@ -446,17 +449,6 @@ class StreamExecutor:
 def _dest_order(it: WorkItem) -> tuple:
     """Order of a mixed microbatch's segments: accumulator items, then each group's by reward."""
     return (0, "", 0.0) if it.dest is Dest.ACCUM else (1, it.group_id, float(it.reward))
-
-
-def _merged(spans: list[tuple[int, int, float]]) -> list[tuple[int, int, float]]:
-    """Adjacent row spans with one coefficient as one span (a group's members with one reward: one GEMM)."""
-    out: list[tuple[int, int, float]] = []
-    for a, b, c in sorted(spans):
-        if out and out[-1][1] == a and out[-1][2] == c:
-            out[-1] = (out[-1][0], b, c)
-        else:
-            out.append((a, b, c))
-    return out
 
 
 def _split_parts(items: list[WorkItem], has_aux: bool) -> list[WorkItem]:

@@ -93,10 +93,10 @@ def test_split_backward_equals_per_destination_backwards(qwen64):
     plan = row_split.RowPlan()
     with row_split.active(plan):
         logits = gpt(ids, pos.unsqueeze(0), None, packed_seq_params=lay.packed_seq_params(torch.device("cpu")))
-    plan.dests = []
-    for coefs, sink in zip(dest_coefs, sinks):
-        spans = [(*lay.segments()[k], c) for k, c in coefs.items()]
-        plan.dests.append(row_split.RowDest(lambda p, s=sink: s[id(p)], spans))
+    plan.spans = []
+    for k, (a, b) in enumerate(lay.segments()):  # segment 2 has two targets: one GEMM, added twice
+        targets = [(lambda p, s=sink: s[id(p)], coefs[k]) for coefs, sink in zip(dest_coefs, sinks) if k in coefs]
+        plan.spans.append(row_split.RowSpan(a, b, targets))
     weights = [torch.randn(logits.shape[-1], generator=g, dtype=torch.float64) for _ in segs]
     loss = sum((logits[0, a:b] * w).sum() for (a, b), w in zip(lay.segments(), weights))
     for p in params:
