@@ -17,12 +17,13 @@ from megatron_tsync.model import row_split
 from megatron_tsync.model.builder import ModelArch, PrecisionConfig, build_model
 from megatron_tsync.model.logprobs import token_logprobs
 from megatron_tsync.streaming.ready_queue import ListSource
-from megatron_tsync.training.learner import Learner, LearnerConfig, shape_for
+from megatron_tsync.training.learner import Learner, LearnerConfig
 from megatron_tsync.training.optimizer import OptimConfig, build_optimizer, wrap_ddp
 from megatron_tsync.training.packing import layout_for, share_key
 from megatron_tsync.training.stream_fb import LossConfig
 
 from ..training.stream_cases import TINY, arrival_order, make_samples, spec_for
+from ..training.test_packing import gradient, rel
 
 TOL = 1e-12
 QWEN = ModelArch(family="qwen3", vocab_size=256, hidden_size=64, ffn_hidden_size=128, num_layers=2,
@@ -42,21 +43,6 @@ def model64(megatron_single):
 @pytest.fixture(scope="module")
 def qwen64(megatron_single):
     return _ddp(QWEN)
-
-
-def gradient(model, mode, samples, order, packing=None, **kw):
-    ddp, opt = model
-    cfg = LearnerConfig(mode=mode, sequence_packing=packing is not None, max_packed_tokens=packing or 4096, **kw)
-    learner = Learner(ddp, opt, cfg)
-    got = {}
-    learner.grad_hook = lambda d: got.setdefault("g", torch.cat([b.grad_data.clone() for b in d.buffers]))
-    sizes, shape = shape_for(samples)
-    res = learner.train_step(ListSource(order, batch=len(order)) if isinstance(order, list) else order, sizes, shape)
-    return got["g"], res, learner
-
-
-def rel(a, b):
-    return ((a - b).norm() / b.norm()).item()
 
 
 def _spy_mixed(monkeypatch):
