@@ -171,7 +171,8 @@ _FLAGS: tuple[_Flag, ...] = (
        help="stream-trajectory with --sequence-packing: trajectories of different groups and rewards share a packed "
             "microbatch; its one backward sends each token row's weight-gradient terms to that trajectory's bucket "
             "(row-split weight gradients, model/row_split.py); fewer, fuller microbatches, the same update (dense "
-            "models; not with --deterministic, --max-device-buckets or sequence parallelism)"),
+            "models on the local layer spec, not Transformer Engine's; not with --deterministic, "
+            "--max-device-buckets or sequence parallelism)"),
     _f("--max-packed-tokens", "learner.max_packed_tokens", _G_BATCH, type=int, metavar="N",
        help="tokens per packed microbatch at most (with --sequence-packing; longer trajectories run alone)"),
     _f("--deterministic", "learner.deterministic", _G_BATCH, **_SWITCH,
