@@ -97,11 +97,10 @@ class _SplitLinear(torch.autograd.Function):
         for sp in ctx.plan.targets():
             gr = g3[sp.start:sp.end].reshape(-1, g3.shape[-1])
             xr = x3[sp.start:sp.end].reshape(-1, x3.shape[-1])
-            if len(sp.targets) == 1:  # straight into the one destination
-                grad_of, c = sp.targets[0]
-                grad_of(weight).addmm_(gr.t(), xr, alpha=c)
-                w = None
-            else:  # once, then into each
+            first = sp.targets[0][0](weight)
+            if len(sp.targets) == 1 and first.dtype == gr.dtype:  # straight into the one destination
+                first.addmm_(gr.t(), xr, alpha=sp.targets[0][1])
+            else:  # once, then into each (an fp32 main_grad of bf16 weights included)
                 w = gr.t().matmul(xr)
                 for grad_of, c in sp.targets:
                     grad_of(weight).add_(w, alpha=c)
@@ -119,7 +118,7 @@ class _SplitScale(torch.autograd.Function):
     def forward(ctx, xhat, weight, plan):
         ctx.save_for_backward(xhat, weight)
         ctx.plan = plan
-        return xhat * weight
+        return (xhat * weight).to(xhat.dtype)  # as torch's rms_norm: the input's dtype, whatever the weight's
 
     @staticmethod
     def backward(ctx, g):
@@ -129,7 +128,7 @@ class _SplitScale(torch.autograd.Function):
             part = prod[sp.start:sp.end].sum((0, 1))
             for grad_of, c in sp.targets:
                 grad_of(weight).add_(part, alpha=c)
-        return g * weight, None, None
+        return (g * weight).to(xhat.dtype), None, None
 
 
 class _SplitEmbedding(torch.autograd.Function):
