@@ -26,8 +26,10 @@ from ..training.stream_cases import TINY, arrival_order, make_samples, spec_for
 from ..training.test_packing import gradient, rel
 
 TOL = 1e-12
+# every parameter kind the wrappers split: QK-norm weights, a QKV bias (Qwen2's), a tied output layer
 QWEN = ModelArch(family="qwen3", vocab_size=256, hidden_size=64, ffn_hidden_size=128, num_layers=2,
-                 num_attention_heads=4, num_kv_heads=2, head_dim=16, qk_layernorm=True, tie_word_embeddings=True)
+                 num_attention_heads=4, num_kv_heads=2, head_dim=16, qk_layernorm=True, tie_word_embeddings=True,
+                 qkv_bias=True)
 
 
 def _ddp(arch):
