@@ -22,7 +22,7 @@ from megatron_tsync.training.optimizer import OptimConfig, build_optimizer, wrap
 from megatron_tsync.training.packing import layout_for, share_key
 from megatron_tsync.training.stream_fb import LossConfig
 
-from ..training.stream_cases import TINY, arrival_order, make_samples, spec_for
+from ..training.stream_cases import TINY, arrival_order, make_samples, prompt_groups, spec_for
 from ..training.test_packing import gradient, rel
 
 TOL = 1e-12
@@ -205,3 +205,19 @@ def test_mixed_bf16_weights(megatron_single):
                            packing=4096, pack_across_groups=mix, wait_for_variance=False)
         got[mix] = g.double()
     assert rel(got[True], got[False]) < 5e-3, rel(got[True], got[False])  # 6e-4 measured
+
+
+def test_mixed_beside_shared_prefix_packs(model64, monkeypatch):
+    """--shared-prefix packs (one destination, routed by the moving origin) and mixed packs (fixed origin) in one
+    step: both keep P = Σ (r_j − ρ)·h_j, so they alternate exactly."""
+    samples = prompt_groups(5)
+    kw = dict(estimator="grpo", reward_spec=spec_for("binary"), skip_zero_advantage=False)
+    g_ref, _, _ = gradient(model64, "sync", samples, samples, **kw)
+    mixed = _spy_mixed(monkeypatch)
+    shared = 0
+    for seed in (0, 1, 2):
+        g, res, _ = gradient(model64, "stream-trajectory", samples, ListSource(arrival_order(samples, seed), batch=5),
+                             packing=4096, shared_prefix=True, pack_across_groups=True, **kw)
+        assert rel(g, g_ref) < TOL, (seed, rel(g, g_ref))
+        shared += res.planner_stats["shared_prefix_items"]
+    assert shared > 0 and max(mixed) > 1, (shared, mixed)
