@@ -39,20 +39,29 @@ class GroupBuckets(ResidentVectors):
     def open_groups(self) -> int:
         return len(self.buckets)
 
-    def enter(self, group_id: str, reward: float, alpha_known: float | None) -> None:
-        """Prepare for a backward of a trajectory of ``group_id`` with ``reward`` and route grads into Q."""
+    def _open(self, group_id: str, reward: float, alpha_known: float | None) -> _Bucket:
+        """The group's bucket; a new one has Q and its origin at ``reward`` (P comes with :meth:`_p`)."""
         b = self.buckets.get(group_id)
         if b is None:
             b = _Bucket(q=self._acquire(f"Q:{group_id}"), p=None, rho=float(reward), alpha_known=alpha_known)
             self.buckets[group_id] = b
-        elif reward != b.rho:
+        return b
+
+    def _p(self, group_id: str, b: _Bucket) -> GradVector:
+        if b.p is None:
+            b.p = self._acquire(f"P:{group_id}", keep=(b.q,))
+        return b.p
+
+    def enter(self, group_id: str, reward: float, alpha_known: float | None) -> None:
+        """Prepare for a backward of a trajectory of ``group_id`` with ``reward`` and route grads into Q."""
+        b = self._open(group_id, reward, alpha_known)
+        if reward != b.rho:
             shift = b.rho - float(reward)
             if b.alpha_known is not None:
                 self._need(b.q)
                 self.accumulator.add_(b.q, alpha=b.alpha_known * shift)
             else:
-                if b.p is None:
-                    b.p = self._acquire(f"P:{group_id}", keep=(b.q,))
+                self._p(group_id, b)
                 self._need(b.p, b.q)
                 b.p.add_(b.q, alpha=shift)
             b.rho = float(reward)
@@ -64,19 +73,12 @@ class GroupBuckets(ResidentVectors):
         (``model.row_split``): [(vector, coefficient)]. The origin ρ stays where it is: Q += h_i and
         P += (r_i − ρ)·h_i (α known: accumulator += α(r_i − ρ)·h_i), which keeps P = Σ (r_j − ρ)·h_j as :meth:`enter`
         does, so the two may alternate. Makes the vectors device-resident."""
-        b = self.buckets.get(group_id)
-        if b is None:
-            b = _Bucket(q=self._acquire(f"Q:{group_id}"), p=None, rho=float(reward), alpha_known=alpha_known)
-            self.buckets[group_id] = b
+        b = self._open(group_id, reward, alpha_known)
         out = [(b.q, 1.0)]
         shift = float(reward) - b.rho
         if shift != 0.0:
-            if b.alpha_known is not None:
-                out.append((self.accumulator, b.alpha_known * shift))
-            else:
-                if b.p is None:
-                    b.p = self._acquire(f"P:{group_id}", keep=(b.q,))
-                out.append((b.p, shift))
+            out.append((self.accumulator, b.alpha_known * shift) if b.alpha_known is not None
+                       else (self._p(group_id, b), shift))
         self._need(*(v for v, _ in out if v is not self.accumulator))
         return out
 

@@ -138,9 +138,9 @@ class StreamExecutor:
             compat.install_per_token_rope(gpt)
         self.mix_groups = mix_groups
         if mix_groups:
-            why = ("it needs --sequence-packing" if not max_packed_tokens else "not with --deterministic"
-                   if canonical is not None else "not with expert parallelism" if self.lockstep.on
-                   else "not with --max-device-buckets" if buckets.residency is not None else None)
+            why = ("it needs --sequence-packing" if not max_packed_tokens else "not with expert parallelism"
+                   if self.lockstep.on else "not with --max-device-buckets" if buckets.residency is not None
+                   else None)  # --deterministic refuses packing above
             if why:
                 raise ValueError(f"--pack-across-groups: {why}")
             row_split.install(gpt)
@@ -186,12 +186,10 @@ class StreamExecutor:
                                                lambda it: self.samples[it.traj_id].loss_mask, self.shared_prefix_tokens)
             packs = [_PrefixPack(p, lay) for p, lay in shared]
             self.shared_prefix_items += sum(len(p) for p in packs)
-        if self.mix_groups:  # segments with the same destinations adjacent: one row span each
-            packs += [sorted(p, key=_dest_order) for p in plan_microbatches(
-                items, lambda it: self.samples[it.traj_id].token_ids.shape[0], self.max_packed_tokens, key=mix_key)]
-        else:
-            packs += plan_microbatches(items, lambda it: self.samples[it.traj_id].token_ids.shape[0],
-                                       self.max_packed_tokens) if items else []
+        planned = plan_microbatches(items, lambda it: self.samples[it.traj_id].token_ids.shape[0],
+                                    self.max_packed_tokens, key=mix_key if self.mix_groups else share_key)
+        # mixed: segments with the same destinations adjacent, one row span each (_before_mixed_backward)
+        packs += [sorted(p, key=_dest_order) for p in planned] if self.mix_groups else planned
         if self.lockstep.on:  # the same slots on every expert-parallel rank
             packs = self._lockstep_slots(packs)
             if not packs:
@@ -251,7 +249,7 @@ class StreamExecutor:
             ids = torch.cat(parts).to(dev).unsqueeze(0)  # (1, T) all segments (+ padding)
             pos = layout.position_ids(dev)  # (T,) restarting per segment
             routing = moe.microbatch_routing([s.routing for s in samples], lengths, layout.pad)
-            plan = row_split.RowPlan() if len({share_key(it) for it in pack}) > 1 else None
+            plan = row_split.RowPlan() if self.mix_groups and len({share_key(it) for it in pack}) > 1 else None
             with moe.replay_microbatch(model, routing), compat.forward_without_cpu_mode(), \
                     (row_split.active(plan) if plan is not None else contextlib.nullcontext()):
                 if self._thd:
