@@ -178,41 +178,40 @@ def _wrap_linear(mod) -> None:
     mod._forward_impl = impl
 
 
-def _wrap_norm(mod) -> None:
-    orig = mod.forward
+def _wrap_forward(split):
+    """``mod.forward`` runs ``split(mod, x, plan)`` while a plan is active, megatron's/torch's own forward otherwise."""
+    def wrap(mod) -> None:
+        orig = mod.forward
 
-    def forward(x):
-        plan = _CURRENT
-        if plan is None:
-            return orig(x)
-        return _SplitScale.apply(F.rms_norm(x, mod.normalized_shape, None, mod.eps), mod.weight, plan)
+        def forward(x):
+            plan = _CURRENT
+            return orig(x) if plan is None else split(mod, x, plan)
 
-    mod.forward = forward
+        mod.forward = forward
+
+    return wrap
 
 
-def _wrap_embedding(mod) -> None:
-    orig = mod.forward
+@_wrap_forward
+def _wrap_norm(mod, x, plan):
+    return _SplitScale.apply(F.rms_norm(x, mod.normalized_shape, None, mod.eps), mod.weight, plan)
 
-    def forward(input_):
-        plan = _CURRENT
-        if plan is None:
-            return orig(input_)
-        if getattr(mod, "reduce_scatter_embeddings", False):
-            raise ValueError("row-split weight gradients: sequence-parallel embeddings are not supported")
-        from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 
-        tp = mod.tp_group.size() > 1
-        ids = input_
-        if tp:
-            mask = (input_ < mod.vocab_start_index) | (input_ >= mod.vocab_end_index)
-            ids = input_.clone() - mod.vocab_start_index
-            ids[mask] = 0
-        out = _SplitEmbedding.apply(ids, mod.weight, plan)
-        if tp:
-            out = out.masked_fill(mask.unsqueeze(-1), 0.0)
-        return reduce_from_tensor_model_parallel_region(out, group=mod.tp_group)
+@_wrap_forward
+def _wrap_embedding(mod, input_, plan):
+    """``VocabParallelEmbedding.forward`` (0.16) without sequence parallelism (``install`` refuses it)."""
+    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 
-    mod.forward = forward
+    tp = mod.tp_group.size() > 1
+    ids = input_
+    if tp:
+        mask = (input_ < mod.vocab_start_index) | (input_ >= mod.vocab_end_index)
+        ids = input_.clone() - mod.vocab_start_index
+        ids[mask] = 0
+    out = _SplitEmbedding.apply(ids, mod.weight, plan)
+    if tp:
+        out = out.masked_fill(mask.unsqueeze(-1), 0.0)
+    return reduce_from_tensor_model_parallel_region(out, group=mod.tp_group)
 
 
 def install(model: torch.nn.Module) -> None:
@@ -240,6 +239,8 @@ def install(model: torch.nn.Module) -> None:
             covered.add(id(mod.weight))
             wraps.append((_wrap_norm, mod))
         elif isinstance(mod, VocabParallelEmbedding):
+            if getattr(mod, "reduce_scatter_embeddings", False):
+                raise ValueError("row-split weight gradients: sequence-parallel embeddings are not supported")
             covered.add(id(mod.weight))
             wraps.append((_wrap_embedding, mod))
     missing = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in covered]
