@@ -16,7 +16,8 @@ whole iteration, the next weights' publish included), ``step_time_s`` (the learn
 step), ``idle_frac`` (share of it the learner waited), ``learner_busy_s`` (the learner's compute seconds: grows
 when its cores are contended) and ``trainer_cpu_s``. The first ``--skip`` steps of a run (worker start-up, engine
 load) are left out. Per mode: the median over runs of each run's mean step (spread: min–max over runs), mean idle,
-median busy per step, and the speedup against sync paired by repeat (sync_r / mode_r; median and min–max).
+median busy per step, and, paired by repeat against sync (median and min–max), the speedup (sync_r / mode_r) and the
+learner's busy time (mode_r / sync_r).
 
 The machine is stated next to the numbers: cores, the cores allowed, the load average before and after, and the
 CPU split used (``--cpus``: ``split`` gives the trainer the first half of the allowed cores and the rollout workers
@@ -194,7 +195,7 @@ def _spread(xs: list[float]) -> dict:
 
 def summarize(runs: list[dict], skip: int) -> dict:
     """Per mode: step time (median of the runs' mean measured step, min–max), idle fraction, learner busy and
-    trainer CPU seconds per step, and the speedup against sync paired by repeat."""
+    trainer CPU seconds per step, and the speedup and learner-busy ratio against sync paired by repeat."""
     def measured(r):
         return [s for s in r["steps"] if s["step"] >= skip] or r["steps"][-1:]
 
@@ -205,10 +206,13 @@ def summarize(runs: list[dict], skip: int) -> dict:
     by_mode: dict[str, list[dict]] = {}
     for r in runs:
         by_mode.setdefault(r["mode"], []).append(r)
-    sync = {r["repeat"]: mean(r, "wall_step_s") for r in by_mode.get("sync", [])}
+    sync = {r["repeat"]: r for r in by_mode.get("sync", [])}
+
+    def paired(rs, f):  # f(sync run, run) for every repeat that has a sync run
+        return _spread([f(sync[r["repeat"]], r) for r in rs if r["repeat"] in sync])
+
     out = {}
     for mode, rs in by_mode.items():
-        ratios = [sync[r["repeat"]] / mean(r, "wall_step_s") for r in rs if r["repeat"] in sync]
         out[mode] = {"step_s": _spread([mean(r, "wall_step_s") for r in rs]),
                      "learner_step_s": _spread([mean(r, "step_time_s") for r in rs]),
                      "idle_frac": statistics.mean(mean(r, "idle_frac") for r in rs),
@@ -217,7 +221,9 @@ def summarize(runs: list[dict], skip: int) -> dict:
                      "microbatches": _spread([mean(r, "microbatches") for r in rs]),
                      "wasted_bucket_items": _spread([mean(r, "plan_wasted_bucket_items") for r in rs]),
                      "success_rate": statistics.mean(mean(r, "success_rate") for r in rs),
-                     "speedup_vs_sync": _spread(ratios), "spec_kept_frac": _kept_frac(rs, measured)}
+                     "speedup_vs_sync": paired(rs, lambda s, r: mean(s, "wall_step_s") / mean(r, "wall_step_s")),
+                     "busy_vs_sync": paired(rs, lambda s, r: mean(r, "learner_busy_s") / mean(s, "learner_busy_s")),
+                     "spec_kept_frac": _kept_frac(rs, measured)}
     for mode in out:
         base = mode.partition("+")[0]
         if mode != base and base in by_mode:
@@ -254,15 +260,21 @@ def table(summary: dict, mach: dict, cpus: list[str]) -> str:
     head = (f"machine: {mach['cores']} cores (allowed {mach['cores_allowed']}), {mach['cpu_model']}; load avg "
             f"{mach['load_before'][0]:.2f} before / {mach['load_after'][0]:.2f} after; cpu split "
             f"{' '.join(cpus) or 'none (every process on every core)'}")
-    rows = [head, f"{'mode':<18} {'step s (min-max)':<20} {'idle':>5} {'busy s/step':>16} {'cpu s/step':>10} "
-                  f"{'mb/step':>7} {'speedup vs sync (min-max)':>26} {'kept':>5}"]
-    for mode in [m for m in MODES if m in summary] + [m for m in summary if m not in MODES]:
+    modes = [m for m in MODES if m in summary] + [m for m in summary if m not in MODES]
+    w = max([18, *map(len, modes)])
+
+    def ratio(x):
+        return f"{x['median']:.2f}x ({x['min']:.2f}-{x['max']:.2f})" if x else "-"
+
+    rows = [head, f"{'mode':<{w}} {'step s (min-max)':<20} {'idle':>5} {'busy s/step':>16} {'busy vs sync':>20} "
+                  f"{'cpu s/step':>10} {'mb/step':>7} {'speedup vs sync (min-max)':>26} {'kept':>5}"]
+    for mode in modes:
         s = summary[mode]
-        st, b, sp = s["step_s"], s["learner_busy_s"], s["speedup_vs_sync"]
-        sp_txt = f"{sp['median']:.2f}x ({sp['min']:.2f}-{sp['max']:.2f})" if sp else "-"
-        rows.append(f"{mode:<18} {st['median']:6.2f} ({st['min']:.2f}-{st['max']:.2f})    {s['idle_frac']:5.0%} "
-                    f"{b['median']:6.2f} ({b['min']:.2f}-{b['max']:.2f}) {s['trainer_cpu_s']['median']:10.2f} "
-                    f"{s['microbatches']['median']:7.1f} {sp_txt:>26} "
+        st, b = s["step_s"], s["learner_busy_s"]
+        rows.append(f"{mode:<{w}} {st['median']:6.2f} ({st['min']:.2f}-{st['max']:.2f})    {s['idle_frac']:5.0%} "
+                    f"{b['median']:6.2f} ({b['min']:.2f}-{b['max']:.2f}) {ratio(s['busy_vs_sync']):>20} "
+                    f"{s['trainer_cpu_s']['median']:10.2f} {s['microbatches']['median']:7.1f} "
+                    f"{ratio(s['speedup_vs_sync']):>26} "
                     f"{'' if s.get('spec_kept_frac') is None else format(s['spec_kept_frac'], '5.0%'):>5}")
     return "\n".join(rows)
 

@@ -17,7 +17,7 @@ bl = importlib.util.module_from_spec(SPEC)
 SPEC.loader.exec_module(bl)
 
 FIELDS = {"step_s", "learner_step_s", "idle_frac", "learner_busy_s", "trainer_cpu_s", "success_rate",
-          "speedup_vs_sync", "spec_kept_frac", "microbatches", "wasted_bucket_items"}
+          "speedup_vs_sync", "busy_vs_sync", "spec_kept_frac", "microbatches", "wasted_bucket_items"}
 
 
 def _run(mode, rep, walls, busy, success=None):
@@ -36,10 +36,12 @@ def test_summary_fields_and_paired_speedup():
     assert st["step_s"] == {"median": 1.5, "min": 1.0, "max": 2.0, "n": 2}  # step 0 (start-up) left out
     assert st["speedup_vs_sync"] == {"median": 2.0, "min": 2.0, "max": 2.0, "n": 2}  # 2/1 and 4/2, by repeat
     assert st["learner_busy_s"]["max"] == 2.0 and s["sync"]["speedup_vs_sync"]["median"] == 1.0
+    assert st["busy_vs_sync"] == {"median": 1.5, "min": 1.0, "max": 2.0, "n": 2}  # 1/1 and 2/1, by repeat
     # control: with skip 0 the start-up step counts and the figures move
     assert bl.summarize(runs, skip=0)["stream-trajectory"]["step_s"]["median"] != 1.5
     text = bl.table(s, dict(bl.machine(), load_before=(1.0, 1, 1), load_after=(2.0, 2, 2)), ["--trainer-cpus", "0"])
     assert "cores" in text and "load avg 1.00 before / 2.00 after" in text and "2.00x" in text
+    assert "1.50x (1.00-2.00)" in text  # the paired busy ratio is printed
 
 
 def test_task_args_leave_the_run_keys_to_the_tool():
