@@ -160,6 +160,12 @@ _FLAGS: tuple[_Flag, ...] = (
        help="streaming modes: once a reward lands, keep collecting rewards until the landed trajectories hold N "
             "tokens (a microbatch's worth; with --stream-coalesce-ms: whichever comes first), so a learner bound by "
             "per-microbatch overhead runs full microbatches; the step's last reward never waits; default 0: none"),
+    _f("--stream-full-microbatches", "learner.full_microbatches", _G_RL, action=argparse.BooleanOptionalAction,
+       help="streaming modes with --sequence-packing: a packed microbatch runs once it is full (no landed trajectory "
+            "still fits in --max-packed-tokens); the rest waits for the next arrivals, and everything runs at the "
+            "step's end at the latest; a group's bucket folds after its waiting trajectories ran. With "
+            "--pack-across-groups the learner runs about sync's number of microbatches, each as soon as it fills; "
+            "trajectories that may still be deferred (PPO clip, ratio != 1) never wait; exact"),
     _f("--shared-prefix", "learner.shared_prefix", _G_RL, action=argparse.BooleanOptionalAction,
        help="run a group's trajectories that share a prompt and a gradient destination as one microbatch: the "
             "prompt's forward and backward once, each continuation attending to it (T×T mask, local layer spec; "

@@ -608,6 +608,12 @@ class TrainConfig:
                "learner.sequence_packing and learner.mode stream-trajectory (the only mode with bucket work), "
                "rl.algorithm grpo, and no learner.max_device_buckets", "learner.pack_across_groups",
                "learner.sequence_packing", "learner.mode")
+        _check(not lr.full_microbatches or (lr.sequence_packing and lr.mode in ("stream-group", "stream-trajectory")
+                                             and self.rl.algorithm == "grpo" and lr.max_open_groups is None),
+               "learner.full_microbatches holds packed microbatches until they are full: it needs "
+               "learner.sequence_packing, learner.mode stream-group or stream-trajectory, rl.algorithm grpo, and no "
+               "learner.max_open_groups (a waiting trajectory keeps its group's bucket open past the cap)",
+               "learner.full_microbatches", "learner.sequence_packing", "learner.mode")
         _check(not (lr.shared_prefix and (lr.deterministic or self.rl.algorithm == "opd")),
                "learner.shared_prefix is implemented for rl.algorithm grpo without learner.deterministic (one "
                "trajectory per microbatch there)", "learner.shared_prefix", "learner.deterministic")

@@ -113,6 +113,9 @@ CASES: dict[str, Case] = {
     "--sequence-packing": Case([], [["--sequence-packing"]], "result:microbatches"),
     "--pack-across-groups": Case([*STREAM, "--sequence-packing"], [[*STREAM, "--sequence-packing",
                                                                      "--pack-across-groups"]], "result:microbatches"),
+    "--stream-full-microbatches": Case([*STREAM, "--sequence-packing", "--pack-across-groups"],
+                                       [[*STREAM, "--sequence-packing", "--pack-across-groups",
+                                         "--stream-full-microbatches"]], "stat:waited_for_full_microbatch"),
     "--max-packed-tokens": Case(["--sequence-packing"], [["--sequence-packing", "--max-packed-tokens", "40"]],
                                 "result:microbatches"),
     # assuming less about rewards: the exact clip rule can certify fewer signs, so more trajectories wait

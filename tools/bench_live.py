@@ -44,14 +44,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "examples", "tiny_agent", "config.yaml")
 MODES = ("sync", "stream-group", "stream-trajectory", "async", "sync+spec", "stream-trajectory+spec",
          "stream-group+coalesce", "stream-trajectory+coalesce", "stream-trajectory+nowait", "stream-trajectory+mix",
-         "stream-trajectory+mix+coalesce")
+         "stream-trajectory+mix+coalesce", "stream-trajectory+mix+full")
 """The default modes; any ``BASE[+SUFFIX...]`` with a base of ``BASES`` and suffixes of ``SUFFIXES`` is accepted.
 ``+spec``: the mode with ``--speculative-rollouts`` (next-step first turns drafted while the learner finishes);
 ``+coalesce``: with ``--stream-coalesce-tokens`` (``--coalesce-tokens``: arrivals collected into fuller microbatches);
 ``+nowait``: with ``--no-stream-wait-for-variance`` (every trajectory into its group's bucket on arrival);
-``+mix``: with ``--pack-across-groups`` (packed microbatches mix groups and rewards: row-split weight gradients)."""
+``+mix``: with ``--pack-across-groups`` (packed microbatches mix groups and rewards: row-split weight gradients);
+``+full``: with ``--stream-full-microbatches`` (a packed microbatch runs once full, or at the step's end)."""
 BASES = ("sync", "stream-group", "stream-trajectory", "async")
-SUFFIXES = ("spec", "coalesce", "nowait", "mix")
+SUFFIXES = ("spec", "coalesce", "nowait", "mix", "full")
 # keys of the task config a run sets itself (or that would write into the quickstart's folders)
 RUN_KEYS = {"model", "init-tiny-model", "sft-warmup-steps", "rl-mode", "train-iters", "seed", "save", "save-interval",
             "load", "tensorboard-dir", "max-staleness", "trainer-cpus", "rollout-cpus"}
@@ -162,7 +163,8 @@ def mode_flags(a, mode: str) -> tuple[str, list[str]]:
     """``--rl-mode`` and the extra training flags of a benchmark mode (``BASE[+SUFFIX...]``, ``MODES``)."""
     rl_mode, *suffixes = mode.split("+")
     flags = {"spec": ["--speculative-rollouts"], "coalesce": ["--stream-coalesce-tokens", str(a.coalesce_tokens)],
-             "nowait": ["--no-stream-wait-for-variance"], "mix": ["--pack-across-groups"]}
+             "nowait": ["--no-stream-wait-for-variance"], "mix": ["--pack-across-groups"],
+             "full": ["--stream-full-microbatches"]}
     return rl_mode, [f for sfx in suffixes for f in flags[sfx]]
 
 

@@ -65,6 +65,7 @@ class LearnerConfig:
     # source, streaming.ready_queue.CoalescingSource), so they can share microbatches
     coalesce_tokens: int = 0  # streaming modes: ... and arrivals are collected until they hold this many tokens
     pack_across_groups: bool = False  # packed microbatches mix gradient destinations (model/row_split.py)
+    full_microbatches: bool = False  # streaming + packing: a packed microbatch runs once full (or at the step's end)
 
 
 @dataclasses.dataclass
@@ -136,7 +137,7 @@ class Learner:
                                    max_packed_tokens=cfg.max_packed_tokens if cfg.sequence_packing else None,
                                    canonical=self.canonical,
                                    shared_prefix_tokens=cfg.max_packed_tokens if cfg.shared_prefix else None,
-                                   mix_groups=cfg.pack_across_groups)
+                                   mix_groups=cfg.pack_across_groups, full_microbatches=cfg.full_microbatches)
         self.theta0 = Theta0Logprobs(ddp_model, cfg.loss.temperature)
         self.reference = reference
         lc = cfg.loss
@@ -307,13 +308,17 @@ class Learner:
             self._fold_closed(planner)
             self.canonical.finish()
         else:
-            self.exec.run(held)
+            self.exec.run(held, final=True)
             self.exec.close(closes)
+        if self.exec.waiting or self.exec.pending_closes:
+            raise AssertionError(f"{len(self.exec.waiting)} items / {len(self.exec.pending_closes)} closes still "
+                                 "waiting at the barrier")
         if self.buckets.open_groups:
             raise AssertionError(f"{self.buckets.open_groups} buckets still open at the barrier")
         for k, v in planner.stats.items():
             st.stats[k] = st.stats.get(k, 0) + v
         st.stats["shared_prefix_items"] = self.exec.shared_prefix_items
+        st.stats["waited_for_full_microbatch"] = self.exec.waited_items
 
     def _barrier(self, st: _Batch, j: int, lc: LossConfig) -> None:
         """Minibatch j's optimizer step: release θ0 bookkeeping before the first one, then the shared barrier."""

@@ -100,13 +100,15 @@ class StreamExecutor:
 
     def __init__(self, ddp_model, buckets: GroupBuckets, loss_cfg: LossConfig, *, max_packed_tokens: int | None = None,
                  canonical: CanonicalSum | None = None, shared_prefix_tokens: int | None = None,
-                 mix_groups: bool = False):
+                 mix_groups: bool = False, full_microbatches: bool = False):
         """``max_packed_tokens``: pack items that share a gradient destination into microbatches of at most this many
         tokens (``training.packing``); None = one trajectory per microbatch. ``canonical``: the deterministic mode's
         gradient sum (module docstring); refuses packing. ``shared_prefix_tokens``: run members of one group that
         share a destination and a prompt as shared-prefix microbatches of at most this many tokens
         (``packing.PrefixLayout``: the prompt's forward and backward once); None = off. ``mix_groups``: packed
-        microbatches may mix gradient destinations (module docstring; needs ``max_packed_tokens``)."""
+        microbatches may mix gradient destinations (module docstring; needs ``max_packed_tokens``).
+        ``full_microbatches``: a packed microbatch that is not full waits for later items (:meth:`run`); a group's
+        close waits for its waiting items (:meth:`close`); ``run(..., final=True)`` runs everything."""
         if canonical is not None and (max_packed_tokens or shared_prefix_tokens):
             raise ValueError("deterministic mode runs one trajectory per microbatch: sequence packing and shared "
                              "prefixes are refused")
@@ -144,6 +146,11 @@ class StreamExecutor:
             if why:
                 raise ValueError(f"--pack-across-groups: {why}")
             row_split.install(gpt)
+        if full_microbatches and not max_packed_tokens:
+            raise ValueError("--stream-full-microbatches needs --sequence-packing")
+        self.full_microbatches = full_microbatches
+        self.waiting: list[WorkItem] = []  # items of packs that were not full (full_microbatches)
+        self.pending_closes: list = []  # close ops of groups with waiting items
         self.samples: dict[str, Sample] = {}
         self.planner: StepPlanner | None = None
         self.shape: BatchShape | None = None
@@ -153,6 +160,7 @@ class StreamExecutor:
         self.microbatches = 0
         self.packed_items = 0  # items that shared a microbatch with others
         self.shared_prefix_items = 0  # items that ran as continuations of a shared prefix
+        self.waited_items = 0  # items that waited for a fuller microbatch at least once (full_microbatches)
         self.keep_theta0 = False  # store π_θ0 of each forward at θ0 in Sample.meta[THETA0_LOGP]
 
     def begin_step(self, planner: StepPlanner, shape: BatchShape) -> None:
@@ -164,6 +172,7 @@ class StreamExecutor:
         self.microbatches = 0
         self.packed_items = 0
         self.shared_prefix_items = 0
+        self.waited_items = 0
 
     def begin_phase(self, planner: StepPlanner, shape: BatchShape, loss_cfg: LossConfig) -> None:
         """A new minibatch/epoch of the same step: new planner, denominators and loss config; samples are kept."""
@@ -174,7 +183,11 @@ class StreamExecutor:
         self.samples[s.traj_id] = s
 
     # ------------------------------------------------------------------ schedule
-    def run(self, items: list[WorkItem]) -> None:
+    def run(self, items: list[WorkItem], final: bool = False) -> None:
+        """Run ``items`` (and any that waited). With ``full_microbatches`` and not ``final``, the packed microbatches
+        that are not full wait for the next call."""
+        if self.waiting:
+            items, self.waiting = self.waiting + items, []
         if self.canonical is not None:  # canonical order within a call: sync / stream-group fold as they go
             items = _split_parts(sorted(items, key=lambda it: canonical_key(it.traj_id)), self.cfg.has_aux)
         if not items and not self.lockstep.on:
@@ -186,14 +199,17 @@ class StreamExecutor:
                                                lambda it: self.samples[it.traj_id].loss_mask, self.shared_prefix_tokens)
             packs = [_PrefixPack(p, lay) for p, lay in shared]
             self.shared_prefix_items += sum(len(p) for p in packs)
-        planned = plan_microbatches(items, lambda it: self.samples[it.traj_id].token_ids.shape[0],
-                                    self.max_packed_tokens, key=mix_key if self.mix_groups else share_key)
+        key = mix_key if self.mix_groups else share_key
+        planned = plan_microbatches(items, self._length, self.max_packed_tokens, key=key)
+        if self.full_microbatches and not final:
+            planned = self._hold_partial(planned, key)
         # mixed: segments with the same destinations adjacent, one row span each (_before_mixed_backward)
         packs += [sorted(p, key=_dest_order) for p in planned] if self.mix_groups else planned
         if self.lockstep.on:  # the same slots on every expert-parallel rank
             packs = self._lockstep_slots(packs)
-            if not packs:
-                return
+        if not packs:
+            self._apply_closes()
+            return
         seq = max(max(self._pack_tokens(p) for p in packs), _IDLE_TOKENS)
         self.fb(
             forward_step_func=self._forward_step,
@@ -208,6 +224,28 @@ class StreamExecutor:
         self.microbatches += len(packs)
         self.packed_items += sum(len(p) for p in packs if len(p) > 1)
         self.busy.append((t0, time.perf_counter()))
+        self._apply_closes()
+
+    def _length(self, it: WorkItem) -> int:
+        return self.samples[it.traj_id].token_ids.shape[0]
+
+    def _hold_partial(self, planned: list[list[WorkItem]], key) -> list[list[WorkItem]]:
+        """The packs to run now; the others wait in ``self.waiting``. A pack waits when the shortest item of this
+        call would still fit in it (it is not full), every item has a share key and none may defer (a deferral
+        must reach the planner before its group closes)."""
+        if not planned:
+            return planned
+        shortest = min(self._length(it) for p in planned for it in p)
+        run = []
+        for p in planned:
+            fill = sum(self._length(it) for it in p)
+            if (fill + shortest <= self.max_packed_tokens and key(p[0]) is not None
+                    and not any(it.may_defer for it in p)):
+                self.waiting += p
+                self.waited_items += len(p)
+            else:
+                run.append(p)
+        return run
 
     def _pack_tokens(self, pack: list[WorkItem]) -> int:
         if isinstance(pack, _PrefixPack):
@@ -216,10 +254,21 @@ class StreamExecutor:
         return n if len(pack) == 1 else n + (-n) % self._align
 
     def close(self, closes) -> None:
+        """Fold closed groups' buckets into the accumulator; a group with waiting items (``full_microbatches``)
+        folds after they ran."""
+        self.pending_closes += closes
+        self._apply_closes()
+
+    def _apply_closes(self) -> None:
+        if not self.pending_closes:
+            return
         t0 = time.perf_counter()
-        for op in closes:
+        waiting = {it.group_id for it in self.waiting}
+        ready = [op for op in self.pending_closes if op.group_id not in waiting]
+        self.pending_closes = [op for op in self.pending_closes if op.group_id in waiting]
+        for op in ready:
             self.buckets.close(op.group_id, op.alpha, op.q_coefficient)
-        if closes:
+        if ready:
             self.busy.append((t0, time.perf_counter()))
 
     def _forward_step(self, data_iterator, model):
