@@ -163,7 +163,8 @@ _FLAGS: tuple[_Flag, ...] = (
     _f("--stream-full-microbatches", "learner.full_microbatches", _G_RL, action=argparse.BooleanOptionalAction,
        help="streaming modes with --sequence-packing: a packed microbatch runs once it is full (no landed trajectory "
             "still fits in --max-packed-tokens); the rest waits for the next arrivals, and everything runs at the "
-            "step's end at the latest; a group's bucket folds after its waiting trajectories ran. With "
+            "step's end at the latest; when a group closes, its waiting trajectories become accumulator "
+            "trajectories with their advantage (no bucket work for them). With "
             "--pack-across-groups the learner runs about sync's number of microbatches, each as soon as it fills; "
             "trajectories that may still be deferred (PPO clip, ratio != 1) never wait; exact"),
     _f("--shared-prefix", "learner.shared_prefix", _G_RL, action=argparse.BooleanOptionalAction,

@@ -609,10 +609,9 @@ class TrainConfig:
                "rl.algorithm grpo, and no learner.max_device_buckets", "learner.pack_across_groups",
                "learner.sequence_packing", "learner.mode")
         _check(not lr.full_microbatches or (lr.sequence_packing and lr.mode in ("stream-group", "stream-trajectory")
-                                             and self.rl.algorithm == "grpo" and lr.max_open_groups is None),
+                                             and self.rl.algorithm == "grpo"),
                "learner.full_microbatches holds packed microbatches until they are full: it needs "
-               "learner.sequence_packing, learner.mode stream-group or stream-trajectory, rl.algorithm grpo, and no "
-               "learner.max_open_groups (a waiting trajectory keeps its group's bucket open past the cap)",
+               "learner.sequence_packing, learner.mode stream-group or stream-trajectory and rl.algorithm grpo",
                "learner.full_microbatches", "learner.sequence_packing", "learner.mode")
         _check(not (lr.shared_prefix and (lr.deterministic or self.rl.algorithm == "opd")),
                "learner.shared_prefix is implemented for rl.algorithm grpo without learner.deterministic (one "

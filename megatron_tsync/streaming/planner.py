@@ -173,7 +173,7 @@ class StepPlanner:
         self.batch_coupled = bool(getattr(estimator, "needs_batch_rewards", False))
         self.open_groups = 0
         self.stats = {"direct": 0, "bucketed": 0, "deferred": 0, "second_backward": 0, "overflow_groups": 0,
-                      "skipped_zero_advantage": 0, "wasted_bucket_items": 0, "waited_for_variance": 0}
+                      "skipped_zero_advantage": 0, "wasted_bucket_items": 0, "waited_for_variance": 0, "redirected": 0}
 
     # ---------------------------------------------------------------- arrivals
     def on_ready(self, t: TrajMeta) -> list[WorkItem]:
@@ -417,11 +417,26 @@ class StepPlanner:
         return items
 
     def _direct(self, t: TrajMeta, g: _Group, aux: bool = True) -> WorkItem:
+        return self._accum_item(t.traj_id, t.group_id, t.reward, g, aux)
+
+    def _accum_item(self, traj_id: str, group_id: str, reward: float, g: _Group, aux: bool) -> WorkItem:
         rewards = torch.tensor(self._rewards(g), dtype=torch.float64)
         coeffs = self.est.coefficients(rewards, batch_rewards=self._batch_rewards())
-        a = coeffs.advantage(t.reward)
-        sign = exact_sign(t.reward, g.rewards.values()) if self.deterministic else None
-        return WorkItem(t.traj_id, t.group_id, t.reward, Dest.ACCUM, advantage=a, adv_sign=sign, aux=aux)
+        a = coeffs.advantage(reward)
+        sign = exact_sign(reward, g.rewards.values()) if self.deterministic else None
+        return WorkItem(traj_id, group_id, reward, Dest.ACCUM, advantage=a, adv_sign=sign, aux=aux)
+
+    def redirect(self, item: WorkItem) -> list[WorkItem]:
+        """A bucket item that has not run yet, of a group whose close op was issued (every reward known): the
+        accumulator item it is now, its advantage known — [] when skip-zero drops it. The group's bucket can then
+        fold without it (``StreamExecutor`` with ``full_microbatches``: an item waiting for a fuller microbatch)."""
+        g = self._group(item.group_id)
+        if item.dest is not Dest.BUCKET or not item.policy or item.aux or not g.closed:
+            raise AssertionError(f"redirect: {item} is not a bucket item of a closed group")
+        g.bucket_items -= 1
+        self.stats["bucketed"] -= 1
+        self.stats["redirected"] += 1
+        return self._count_direct([self._accum_item(item.traj_id, item.group_id, item.reward, g, aux=False)])
 
     def _rewards(self, g: _Group) -> list[float]:
         """The group's rewards: arrival order, or canonical order in deterministic mode."""

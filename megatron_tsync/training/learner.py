@@ -310,9 +310,8 @@ class Learner:
         else:
             self.exec.run(held, final=True)
             self.exec.close(closes)
-        if self.exec.waiting or self.exec.pending_closes:
-            raise AssertionError(f"{len(self.exec.waiting)} items / {len(self.exec.pending_closes)} closes still "
-                                 "waiting at the barrier")
+        if self.exec.waiting:
+            raise AssertionError(f"{len(self.exec.waiting)} items still waiting at the barrier")
         if self.buckets.open_groups:
             raise AssertionError(f"{self.buckets.open_groups} buckets still open at the barrier")
         for k, v in planner.stats.items():

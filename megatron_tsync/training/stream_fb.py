@@ -107,8 +107,9 @@ class StreamExecutor:
         share a destination and a prompt as shared-prefix microbatches of at most this many tokens
         (``packing.PrefixLayout``: the prompt's forward and backward once); None = off. ``mix_groups``: packed
         microbatches may mix gradient destinations (module docstring; needs ``max_packed_tokens``).
-        ``full_microbatches``: a packed microbatch that is not full waits for later items (:meth:`run`); a group's
-        close waits for its waiting items (:meth:`close`); ``run(..., final=True)`` runs everything."""
+        ``full_microbatches``: a packed microbatch that is not full waits for later items (:meth:`run`); a waiting
+        bucket item of a group that closes becomes an accumulator item (:meth:`close`); ``run(..., final=True)`` runs
+        everything."""
         if canonical is not None and (max_packed_tokens or shared_prefix_tokens):
             raise ValueError("deterministic mode runs one trajectory per microbatch: sequence packing and shared "
                              "prefixes are refused")
@@ -150,7 +151,6 @@ class StreamExecutor:
             raise ValueError("--stream-full-microbatches needs --sequence-packing")
         self.full_microbatches = full_microbatches
         self.waiting: list[WorkItem] = []  # items of packs that were not full (full_microbatches)
-        self.pending_closes: list = []  # close ops of groups with waiting items
         self.samples: dict[str, Sample] = {}
         self.planner: StepPlanner | None = None
         self.shape: BatchShape | None = None
@@ -160,7 +160,7 @@ class StreamExecutor:
         self.microbatches = 0
         self.packed_items = 0  # items that shared a microbatch with others
         self.shared_prefix_items = 0  # items that ran as continuations of a shared prefix
-        self.waited_items = 0  # items that waited for a fuller microbatch at least once (full_microbatches)
+        self._waited: set[tuple[str, bool]] = set()  # items that waited for a fuller microbatch (full_microbatches)
         self.keep_theta0 = False  # store π_θ0 of each forward at θ0 in Sample.meta[THETA0_LOGP]
 
     def begin_step(self, planner: StepPlanner, shape: BatchShape) -> None:
@@ -172,7 +172,7 @@ class StreamExecutor:
         self.microbatches = 0
         self.packed_items = 0
         self.shared_prefix_items = 0
-        self.waited_items = 0
+        self._waited.clear()
 
     def begin_phase(self, planner: StepPlanner, shape: BatchShape, loss_cfg: LossConfig) -> None:
         """A new minibatch/epoch of the same step: new planner, denominators and loss config; samples are kept."""
@@ -208,7 +208,6 @@ class StreamExecutor:
         if self.lockstep.on:  # the same slots on every expert-parallel rank
             packs = self._lockstep_slots(packs)
         if not packs:
-            self._apply_closes()
             return
         seq = max(max(self._pack_tokens(p) for p in packs), _IDLE_TOKENS)
         self.fb(
@@ -224,7 +223,11 @@ class StreamExecutor:
         self.microbatches += len(packs)
         self.packed_items += sum(len(p) for p in packs if len(p) > 1)
         self.busy.append((t0, time.perf_counter()))
-        self._apply_closes()
+
+    @property
+    def waited_items(self) -> int:
+        """Items of this step that waited for a fuller microbatch at least once."""
+        return len(self._waited)
 
     def _length(self, it: WorkItem) -> int:
         return self.samples[it.traj_id].token_ids.shape[0]
@@ -242,7 +245,7 @@ class StreamExecutor:
             if (fill + shortest <= self.max_packed_tokens and key(p[0]) is not None
                     and not any(it.may_defer for it in p)):
                 self.waiting += p
-                self.waited_items += len(p)
+                self._waited.update((it.traj_id, it.policy) for it in p)
             else:
                 run.append(p)
         return run
@@ -254,21 +257,18 @@ class StreamExecutor:
         return n if len(pack) == 1 else n + (-n) % self._align
 
     def close(self, closes) -> None:
-        """Fold closed groups' buckets into the accumulator; a group with waiting items (``full_microbatches``)
-        folds after they ran."""
-        self.pending_closes += closes
-        self._apply_closes()
-
-    def _apply_closes(self) -> None:
-        if not self.pending_closes:
-            return
+        """Fold closed groups' buckets into the accumulator. Their waiting bucket items (``full_microbatches``)
+        first become accumulator items with their advantage (``StepPlanner.redirect``): exact, no bucket work for
+        them, and the bucket folds now."""
         t0 = time.perf_counter()
-        waiting = {it.group_id for it in self.waiting}
-        ready = [op for op in self.pending_closes if op.group_id not in waiting]
-        self.pending_closes = [op for op in self.pending_closes if op.group_id in waiting]
-        for op in ready:
+        closing = {op.group_id for op in closes}
+        if self.waiting and closing:
+            self.waiting = [new for it in self.waiting for new in
+                            (self.planner.redirect(it) if it.group_id in closing and it.dest is Dest.BUCKET
+                             and it.policy else [it])]
+        for op in closes:
             self.buckets.close(op.group_id, op.alpha, op.q_coefficient)
-        if ready:
+        if closes:
             self.busy.append((t0, time.perf_counter()))
 
     def _forward_step(self, data_iterator, model):

@@ -89,17 +89,20 @@ def test_float64_objective_equal_in_every_mode_and_layout(stream_reports):
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_float64_packed_equals_unpacked_sync(layout, stream_reports):
     """Sequence packing on: sync, stream-trajectory (also with --pack-across-groups: row-split weight gradients,
-    TP's input-gradient all-reduce and vocab-parallel embedding, PP's stages) and stream-group vs the unpacked sync
-    gradient ≤ 1e-12."""
+    TP's input-gradient all-reduce and vocab-parallel embedding, PP's stages; and with --stream-full-microbatches:
+    items waiting for fuller packs, closes waiting for them, the same decisions on every stage) and stream-group vs
+    the unpacked sync gradient ≤ 1e-12."""
     rep = stream_reports(layout, "packed")
     for row in rep["result"]:
-        for mode in ("sync", "stream-trajectory", "stream-group", "stream-trajectory-mixed"):
+        for mode in ("sync", "stream-trajectory", "stream-group", "stream-trajectory-mixed",
+                     "stream-trajectory-mixed-full"):
             assert row[mode] < 1e-12, (mode, row)
         mb = row["microbatches"]
         assert mb["sync"] < mb["sync-unpacked"], row  # packing really packed
         assert mb["stream-trajectory-mixed"] <= mb["stream-trajectory"], row
     fewer = [r["microbatches"]["stream-trajectory-mixed"] < r["microbatches"]["stream-trajectory"] for r in rep["result"]]
     assert any(fewer), rep["result"]  # mixing really mixed
+    assert any(r["waited_for_full"] > 0 for r in rep["result"]), rep["result"]  # items really waited
 
 
 @pytest.mark.slow

@@ -5,7 +5,8 @@ tp2 / pp2 / dp2, run one after the other: model parallelism is re-initialised be
 
 f64: for several configs, streamed vs sync gradient (after the barrier) in float64 on this layout; and
 several minibatches / epochs per batch (weights after the whole step, π_θ0 kept by the trainer).
-packed: sequence packing on (sync, stream-trajectory — also with --pack-across-groups —, stream-group) vs unpacked
+packed: sequence packing on (sync, stream-trajectory — also with --pack-across-groups, and with it
+--stream-full-microbatches —, stream-group) vs unpacked
 sync, float64.
 f32-sgd / f32-adam: 3 steps per mode in float32; Δ_k of stream-trajectory / stream-group vs sync next to the
 permutation control (sync with microbatches reordered).
@@ -64,14 +65,14 @@ def assign_dp(samples, dp):
     return samples
 
 
-def make_learner(dims, dtype, oc, mode, case, seed=0, packing=None, mix=False):
+def make_learner(dims, dtype, oc, mode, case, seed=0, packing=None, mix=False, full=False):
     model = build_model(TINY, PrecisionConfig(params_dtype=dtype), seed=seed)
     ddp = wrap_ddp(model)
     opt = build_optimizer(ddp, oc)
     lc = LossConfig(**case.get("loss", {}))
     cfg = LearnerConfig(mode=mode, estimator=case["estimator"], loss=lc, reward_spec=spec_for(case["reward"]),
                         aux_strategy=case.get("aux", "second-backward"), sequence_packing=packing is not None,
-                        max_packed_tokens=packing or 4096, pack_across_groups=mix)
+                        max_packed_tokens=packing or 4096, pack_across_groups=mix, full_microbatches=full)
     return ddp, Learner(ddp, opt, cfg, dp_rank=dims.dp_rank, pp_size=dims.pp)
 
 
@@ -157,10 +158,11 @@ def run_packed(dims):
         runs = (("sync-unpacked", "sync", None, None), ("sync", "sync", None, PACK_TOKENS),
                 ("stream-trajectory", "stream-trajectory", 31 + ci, PACK_TOKENS),
                 ("stream-group", "stream-group", 43 + ci, PACK_TOKENS),
-                ("stream-trajectory-mixed", "stream-trajectory", 31 + ci, PACK_TOKENS))
+                ("stream-trajectory-mixed", "stream-trajectory", 31 + ci, PACK_TOKENS),
+                ("stream-trajectory-mixed-full", "stream-trajectory", 31 + ci, PACK_TOKENS))
         for name, mode, order_seed, packing in runs:
             ddp, L = make_learner(dims, torch.float64, OptimConfig(optimizer="sgd", lr=0.0, clip_grad=0), mode, case,
-                                  packing=packing, mix=name.endswith("mixed"))
+                                  packing=packing, mix="mixed" in name, full=name.endswith("full"))
             S = make_samples(300 + ci, num_groups=4, reward_kind=case["reward"], with_ref=True)
             order = S if order_seed is None else arrival_order(S, order_seed)
             assign_dp(order, dims.dp)
@@ -171,8 +173,10 @@ def run_packed(dims):
             grads[name] = (got["g"], res)
         row = {"case": ci, "estimator": case["estimator"], "reward": case["reward"],
                "microbatches": {k: v[1].microbatches for k, v in grads.items()},
-               "stats": grads["stream-trajectory"][1].planner_stats}
-        for name in ("sync", "stream-trajectory", "stream-group", "stream-trajectory-mixed"):
+               "stats": grads["stream-trajectory"][1].planner_stats,
+               "waited_for_full": grads["stream-trajectory-mixed-full"][1].planner_stats["waited_for_full_microbatch"]}
+        for name in ("sync", "stream-trajectory", "stream-group", "stream-trajectory-mixed",
+                     "stream-trajectory-mixed-full"):
             row[name] = global_rel(grads[name][0], grads["sync-unpacked"][0], dims)
         out.append(row)
     return out
