@@ -158,10 +158,10 @@ class WorkRecorder:
                 rec.calls[-1].append((ids, time.perf_counter()))
                 return pack
 
-        def timed_run(items):
+        def timed_run(items, **kw):
             rec.calls.append([])
             try:
-                run(items)
+                run(items, **kw)
             finally:
                 rec.ends.append(time.perf_counter())
 
