@@ -17,6 +17,7 @@ import pytest
 
 from megatron_tsync.rollout import sandbox_forkserver, tools
 from megatron_tsync.rollout.sandbox import Sandbox, SandboxConfig, uids_in_use
+from tests.rollout.test_sandbox import rendezvous, rendezvous_code, wide
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -182,10 +183,12 @@ def test_per_call_uid_and_rlimits(any_sb):
               resource.getrlimit(resource.RLIMIT_NPROC)[0], resource.getrlimit(resource.RLIMIT_NOFILE)[0],
               resource.getrlimit(resource.RLIMIT_CPU)[0], resource.getrlimit(resource.RLIMIT_FSIZE)[0],
               open("/proc/self/status").read().split("NoNewPrivs:")[1].split()[0])
-        import time; time.sleep(0.3)
         """)
-    with ThreadPoolExecutor(4) as ex:
-        rs = list(ex.map(lambda _: any_sb.run_source(code), range(4)))
+    sb4 = wide(any_sb)  # same limits and launcher, a 60 s wall timeout for the rendezvous
+    # the 4 calls wait for each other before they print: they are alive at the same time, so a uid per call
+    with rendezvous(sb4) as (d, mounts), ThreadPoolExecutor(4) as ex:
+        rs = list(ex.map(lambda i: sb4.run_source(rendezvous_code(d, str(i), 4, code), mounts=mounts), range(4)))
+    sb4.close()
     assert all(r.ok for r in rs), rs
     fields = [r.stdout.split(maxsplit=3) for r in rs]
     uids = {int(f[0]) for f in fields}
@@ -216,23 +219,22 @@ def test_timeout_kills_the_tree_and_orphans_are_gone(any_sb):
     marker = f"mtsb_orphan_{os.getpid()}"
     code = src(f"""
         import os, subprocess, time
-        subprocess.Popen(["sh", "-c", "sleep 60; : {marker}"], start_new_session=True)
+        subprocess.Popen(["sh", "-c", "sleep 3600; : {marker}"], start_new_session=True)
         print("started", flush=True)
-        time.sleep(60)
+        time.sleep(3600)
         """)
-    t0 = time.monotonic()
     r = any_sb.run_source(code)
-    assert not r.ok and "timeout" in r.error and r.stdout == "started\n", r
-    assert time.monotonic() - t0 < CFG["wall_timeout_s"] + 2.5
-    time.sleep(0.2)
-    assert not _pids_with(marker)
+    # killed at the wall timeout: the call returned at all (it sleeps an hour), the result says it was the timeout,
+    # and the orphan (which would sleep an hour too) is gone
+    assert not r.ok and r.error == f"timeout after {CFG['wall_timeout_s']:.1f}s" and r.stdout == "started\n", r
+    assert _until(lambda: not _pids_with(marker)), _pids_with(marker)  # SIGKILL lands asynchronously
     # control: the same orphan outside the sandbox does survive its parent (the check sees such a process)
-    subprocess.Popen(["sh", "-c", f"sleep 60; : {marker}"], start_new_session=True)
-    time.sleep(0.2)
-    left = _pids_with(marker)
-    for pid in left:
-        os.kill(pid, signal.SIGKILL)
-    assert left
+    orphan = subprocess.Popen(["sh", "-c", f"sleep 60; : {marker}"], start_new_session=True)
+    try:
+        assert _until(lambda: _pids_with(marker))  # its cmdline shows up a moment after Popen returned
+    finally:
+        os.killpg(orphan.pid, signal.SIGKILL)
+        orphan.wait()
 
 
 def test_processes_are_capped(any_sb):
@@ -284,9 +286,10 @@ def test_server_survives_bad_requests_and_callers_that_gave_up(sb):
 
 
 def test_server_restarts_after_a_crash_and_dies_with_its_owner(sb):
-    old = sb._fork_server().proc.pid
+    srv = sb._fork_server()
+    old = srv.proc.pid
     os.kill(old, signal.SIGKILL)
-    time.sleep(0.1)
+    srv.proc.wait(timeout=60)  # dead (the sandbox's liveness check polls this same Popen)
     r = tools.execute_tool_call(tools.ToolCall("calculator", "2+2", (0, 0)), sb)
     assert r.ok and r.stdout.strip() == "4" and sb._server.proc.pid != old, r
     owner = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
@@ -299,10 +302,17 @@ def test_server_restarts_after_a_crash_and_dies_with_its_owner(sb):
     assert _alive(pid)  # control: alive while its owner lives
     owner.kill()
     owner.wait()
-    deadline = time.monotonic() + 5
-    while _alive(pid) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not _alive(pid)
+    assert _until(lambda: not _alive(pid))  # it dies with its owner (asynchronously)
+
+
+def _until(cond, timeout_s: float = 30.0) -> bool:
+    """Polls `cond` until it holds (True) or `timeout_s` passed (False)."""
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
 
 
 def _alive(pid: int) -> bool:

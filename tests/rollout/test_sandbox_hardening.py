@@ -182,8 +182,9 @@ def test_total_memory_without_cgroups_is_polled_in_the_pid_namespace(sb):
     assert_healthy_and_clean(sb)
 
 
-THREADS = ("import threading, time\nn = 0\ntry:\n    for _ in range(200):\n"
-           "        threading.Thread(target=time.sleep, args=(2,), daemon=True).start(); n += 1\n"
+# every thread blocks until the process exits: all the threads made are alive at once, however slow the machine
+THREADS = ("import threading\nn, never = 0, threading.Event()\ntry:\n    for _ in range(200):\n"
+           "        threading.Thread(target=never.wait, daemon=True).start(); n += 1\n"
            "except RuntimeError:\n    pass\nprint(n)\n")
 
 
@@ -324,13 +325,11 @@ def _hostile_calls(sb: Sandbox, n: int) -> dict[str, int]:
 
 
 def test_hostile_calls_leave_nothing_behind(sb):
-    t = time.monotonic()
-    errors = _hostile_calls(sb, 30)
+    errors = _hostile_calls(sb, 30)  # each call returns (a hang would hit this module's pytest timeout)
     assert {"fill the disk", "timeout", "output flood", "memory hog"} <= errors.keys(), errors
     assert_healthy_and_clean(sb)
     assert procs_with("300.03125") == [] and sandbox_uid_procs() == [] and sandbox_fs.leftovers() == []
     assert sandbox_cgroup.leftovers() == []
-    assert time.monotonic() - t < 120
 
 
 @pytest.mark.slow

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from megatron_tsync.rollout.sandbox import Mount, Sandbox, SandboxConfig, open_workspaces, uids_in_use
-from tests.rollout.test_sandbox import procs_with, require, sandbox_uid_procs
+from tests.rollout.test_sandbox import procs_with, rendezvous_code, require, sandbox_uid_procs, wide
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -172,14 +172,21 @@ def test_workspace_quota_holds_across_calls(sb):
 
 
 def test_run_async_in_workspace(sb):
-    async def main():
-        with sb.workspace() as ws:
-            await ws.run_async(["sh", "-c", "echo 1 > v"])
-            return await asyncio.gather(*(ws.run_async(["cat", "v"], delay_s=0.5) for _ in range(3)))
+    roomy = wide(sb)  # a 60 s wall timeout: room for the rendezvous below on a loaded machine
 
-    t = time.monotonic()
+    async def main():
+        with roomy.workspace() as ws:
+            await ws.run_async(["sh", "-c", "echo 1 > v; mkdir arrived"])
+            # the 3 calls meet in the workspace (each drops a file, waits for all 3): they ran in it at the same time
+            meet = os.path.join(ws.path, "arrived")
+            return await asyncio.gather(*(ws.run_async(code=rendezvous_code(meet, str(i), 3,
+                                                                            "print(open('v').read(), end='')\n"),
+                                                       delay_s=0.5) for i in range(3)))
+
     rs = asyncio.run(main())
-    assert [r.stdout for r in rs] == ["1\n"] * 3 and time.monotonic() - t < 2.5
+    roomy.close()
+    assert [r.stdout for r in rs] == ["1\n"] * 3, rs
+    assert all(r.ok and r.wall_s >= 0.5 for r in rs), rs  # each after its real 0.5 s delay
 
 
 def _episodes(sb: Sandbox, n: int) -> None:

@@ -19,8 +19,13 @@ def test_beat_age_is_the_readers_clock(tmp_path) -> None:
     r = sv.BeatReader(path)
     assert r.read() is None and r.age() is None
     w = sv.BeatWriter(path, RUN, 0.05, payload=lambda: {"step": 3}).start()
-    time.sleep(0.3)
-    assert r.read()["run_id"] == RUN and r.read()["step"] == 3 and r.age() < 0.2
+    first = r.read()  # start() wrote the first beat
+    assert first["run_id"] == RUN and first["step"] == 3
+    since = time.monotonic()
+    assert _until(lambda: r.read()["beat"] > first["beat"])  # the writer keeps beating
+    age = r.age()
+    # the age restarted when the reader saw the new content (after `since`), not when it first saw the file
+    assert age <= time.monotonic() - since
     w.stop(closed=True)
     assert r.read()["closed"] is True
     time.sleep(0.3)
@@ -29,19 +34,37 @@ def test_beat_age_is_the_readers_clock(tmp_path) -> None:
     assert r.age() >= 0.3
 
 
-def test_trainer_watch_verdicts(tmp_path) -> None:
+class _Clock:
+    """Stands in for the ``time`` module inside supervision.py: its monotonic clock only moves when a test moves it,
+    so verdicts that depend on how long something took are decided by the test, not by the machine's load."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def __getattr__(self, name):
+        return getattr(time, name)
+
+
+def test_trainer_watch_verdicts(tmp_path, monkeypatch) -> None:
+    clock = _Clock()
+    monkeypatch.setattr(sv, "time", clock)
     path = str(tmp_path / "trainer.json")
     watch = sv.TrainerWatch(path, RUN, timeout_s=0.3, first_wait_s=0.2)
     assert watch.verdict() is None  # absent, within the first wait
-    time.sleep(0.25)
+    clock.now += 0.25
     assert "no trainer heartbeat at" in watch.verdict()
     sv.write_json_atomic(path, {"run_id": RUN, "beat": 1})
     assert watch.verdict() is None
-    time.sleep(0.4)
-    assert "no trainer heartbeat for" in watch.verdict()
+    clock.now += 0.29
+    assert watch.verdict() is None  # stale, but not yet for the timeout
+    clock.now += 0.11
+    assert "no trainer heartbeat for 0.4s" in watch.verdict()
     sv.write_json_atomic(path, {"run_id": RUN, "beat": 2, "closed": True})
     assert watch.verdict() is None and watch.closed
-    time.sleep(0.4)
+    clock.now += 0.4
     assert watch.verdict() is None  # a closed trainer is not a dead one
     sv.write_json_atomic(path, {"run_id": OTHER, "beat": 1})
     assert f"now belongs to run {OTHER}" in watch.verdict()
@@ -52,10 +75,11 @@ def test_trainer_watch_ends_the_process(tmp_path) -> None:
     path = str(tmp_path / "trainer.json")
     sv.write_json_atomic(path, {"run_id": RUN, "beat": 1})
     code = ("import time; from megatron_tsync.runtime import supervision as sv; "
-            f"sv.TrainerWatch({path!r}, {RUN!r}, 0.5).start(); time.sleep(60)")
-    t0 = time.monotonic()
+            f"sv.TrainerWatch({path!r}, {RUN!r}, 0.5).start(); time.sleep(3600)")
+    # exit 75 with the watch's reason: the watch ended it (left alone it sleeps an hour, and exits 0); the 60 s
+    # timeout only catches a watch that never fires
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert p.returncode == 75 and "the trainer is gone" in p.stderr and time.monotonic() - t0 < 20
+    assert p.returncode == 75 and "the trainer is gone" in p.stderr, p.stderr
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl is Linux-only")
@@ -63,27 +87,38 @@ def test_trainer_watch_ends_the_process(tmp_path) -> None:
 def test_parent_death_signal_kills_the_child(tmp_path, pdeathsig) -> None:
     """A parent starts a child (which sets PR_SET_PDEATHSIG or not) and is SIGKILLed: the child dies with it;
     the control without the call shows the child would otherwise outlive its parent."""
-    pidfile = tmp_path / "child.pid"
+    pidfile, survived = tmp_path / "child.pid", tmp_path / "survived"
     call = "sv.set_parent_death_signal(int(os.environ['PP']))" if pdeathsig else "pass"
+    # once its parent is gone (it was re-parented), a child still alive says so in `survived`
     child = ("import os, sys, time; from megatron_tsync.runtime import supervision as sv; "
-             f"{call}; open({str(pidfile)!r}, 'w').write(str(os.getpid())); time.sleep(60)")
+             f"{call}; open({str(pidfile)!r}, 'w').write(str(os.getpid()))\n"
+             "while os.getppid() == int(os.environ['PP']): time.sleep(0.01)\n"
+             f"open({str(survived)!r}, 'w').close(); time.sleep(60)")
     parent = (f"import os, subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {child!r}], "
               "env=dict(os.environ, PP=str(os.getpid()))); time.sleep(60)")
     p = subprocess.Popen([sys.executable, "-c", parent])
     try:
-        deadline = time.monotonic() + 30
-        while not (pidfile.exists() and pidfile.read_text()) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        assert _until(lambda: pidfile.exists() and pidfile.read_text(), timeout_s=60)
         pid = int(pidfile.read_text())
         p.kill()
         p.wait()
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline and _alive(pid):
-            time.sleep(0.05)
-        assert _alive(pid) is (not pdeathsig)
+        if pdeathsig:  # the kernel sent it SIGKILL as the parent died; it goes (asynchronously)
+            assert _until(lambda: not _alive(pid))
+        else:  # control: it saw its parent gone and lived on
+            assert _until(lambda: survived.exists()) and _alive(pid)
     finally:
         if pidfile.exists() and pidfile.read_text() and _alive(int(pidfile.read_text())):
             os.kill(int(pidfile.read_text()), 9)
+
+
+def _until(cond, timeout_s: float = 30.0) -> bool:
+    """Polls `cond` until it holds (True) or `timeout_s` passed (False)."""
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
 
 
 def _alive(pid):

@@ -11,6 +11,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -189,7 +190,9 @@ def test_loader_that_stops_early_is_drained_and_timeouts_are_clear():
     t0 = time.monotonic()
     with pytest.raises(TimeoutError, match="weights message 2"):
         sub.wait_for(3, timeout_s=0.5)
-    assert time.monotonic() - t0 < 5
+    # The caller's 0.5 s, not the group's 30 s op timeout, bounded the wait. When it ended is the only observable
+    # of that, hence a time bound, kept generous: 30x the 0.5 s, still half the 30 s it must not have waited.
+    assert time.monotonic() - t0 < 15
     with pytest.raises(ValueError, match="version must be an int > the last published 2"):
         pub.publish(states[1], 2)
     g0.close()
@@ -211,10 +214,15 @@ def test_receiver_whose_sender_dies_gets_a_clear_error(tmp_path, when):
         t0 = time.monotonic()
         with pytest.raises(WeightSyncError) as err:
             sub.wait_for(0, timeout_s=60)
-        elapsed = time.monotonic() - t0
-        print(f"\nsender died {when} sending: {elapsed:.2f}s to error: {err.value}")
-        assert elapsed < 20
-        assert ("trainer still alive" if when == "before" else "a peer died") in str(err.value)
+        print(f"\nsender died {when} sending: {time.monotonic() - t0:.2f}s to error: {err.value}")
+        # the death itself was seen (its connection dropped), not waited out: a timeout would be a TimeoutError or a
+        # store "Wait timeout" (the store wait), or gloo's "Timed out waiting ..." (the 20 s op timeout)
+        msg = str(err.value)
+        if when == "before":  # the store connection was lost (that branch asks whether the trainer is alive)
+            assert "trainer still alive" in msg and "timeout" not in msg.lower(), msg
+        else:  # gloo's pair saw the peer's socket fail
+            assert "a peer died" in msg and re.search(r"Read error|Connection closed by peer", msg), msg
+            assert "Timed out" not in msg, msg
         assert proc.wait(timeout=30) == 3
     finally:
         if proc.poll() is None:
@@ -236,10 +244,10 @@ def test_sender_whose_receiver_dies_gets_a_clear_error(tmp_path):
     pub = BroadcastWeightPublisher(g, KEY, poll_fn=alive, connect_timeout_s=60)
     try:
         t0 = time.monotonic()
+        # a clear error, not a hang: the 60 s connect wait would end in a TimeoutError, which does not match
         with pytest.raises((PeerGone, WeightSyncError)) as err:
             pub.publish({"w": torch.ones(8)}, 0)
         print(f"\nreceiver died: {time.monotonic() - t0:.2f}s to error: {err.value}")
-        assert time.monotonic() - t0 < 30
     finally:
         if proc.poll() is None:
             proc.kill()
