@@ -124,20 +124,24 @@ def test_worker_entry_scrubs_the_launcher_task_variables():
 @pytest.mark.slow
 def test_sigterm_mid_step_saves_the_last_finished_step_and_resumes(tiny_model, tmp_path):  # noqa: F811
     """Live run (2 embedded-engine workers, --save-interval 2, so megatron's checkpoint-writer helper process exists
-    before the signal): killpg(SIGTERM) while step 3 is in flight."""
+    before the signal): killpg(SIGTERM) while a step k >= 3 is in flight (the first one the test sees a worker
+    mid-way through: the run is long enough that one is always seen, whatever the machine's speed)."""
     ck, plane, log = (str(tmp_path / n) for n in ("ck", "plane", "train.log"))
-    args = ["--model", tiny_model, *COMMON, "--global-batch-size", "4", "--rollout-workers", "2", "--train-iters", "6",
-            "--save", ck, "--save-interval", "2", "--rollout-dir", plane, "--rollout-gpus", "5,6"]
+    args = ["--model", tiny_model, *COMMON, "--global-batch-size", "4", "--rollout-workers", "2", "--train-iters",
+            "1000", "--save", ck, "--save-interval", "2", "--rollout-dir", plane, "--rollout-gpus", "5,6"]
     with open(log, "w") as out:  # its own session: the signal goes to the trainer and everything it started
         p = subprocess.Popen([sys.executable, "-m", "megatron_tsync.train", *args], cwd=tmp_path, stdout=out,
                              stderr=subprocess.STDOUT, start_new_session=True,
                              env=_env(TSYNC_FAULT_PACE_S="0.6", **SLURM_TASK))
     try:
-        def mid_step3():
-            b = _beat(plane, 0)
-            return b if b and b["step"] == 3 and b["phase"] == "rollout" and b.get("step_sent", 0) >= 1 else None
+        def mid_step():
+            for w in (0, 1):
+                b = _beat(plane, w)
+                if b and b["step"] >= 3 and b["phase"] == "rollout" and b.get("step_sent", 0) >= 1:
+                    return b
+            return None
 
-        _wait(mid_step3, 600, "worker 0 mid-way through step 3", p, log)
+        k = _wait(mid_step, 600, "a worker mid-way through step 3 or later", p, log)["step"]
         for w, gpu in ((0, "5"), (1, "6")):  # --rollout-gpus and the scrub, as each worker process sees them
             seen = _environ(_beat(plane, w)["pid"])
             assert seen.get("CUDA_VISIBLE_DEVICES") == gpu
@@ -148,20 +152,20 @@ def test_sigterm_mid_step_saves_the_last_finished_step_and_resumes(tiny_model, t
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
     text = _read(log)
-    assert "step 3 aborted (SIGTERM" in text, text[-3000:]
+    assert f"step {k} aborted (SIGTERM" in text, text[-3000:]
     codes = json.loads(re.search(r"rollout workers closed: exit codes (\[.*\])", text)[1])
     assert -signal.SIGTERM not in codes and all(c in (0, -signal.SIGKILL) for c in codes), codes  # outlived the save
-    assert _stop_record(ck) | {"time": 0} == {"finished": False, "reason": "SIGTERM", "step": 3, "time": 0}
+    assert _stop_record(ck) | {"time": 0} == {"finished": False, "reason": "SIGTERM", "step": k, "time": 0}
     with open(os.path.join(ck, "latest_checkpointed_iteration.txt")) as f:
-        assert f.read().strip() == "3"
+        assert f.read().strip() == str(k)
     from megatron_tsync.training.ckpt_integrity import verify
 
-    assert verify(os.path.join(ck, "iter_0000003")), "the SIGTERM save is complete (checksummed)"
+    assert verify(os.path.join(ck, f"iter_{k:07d}")), "the SIGTERM save is complete (checksummed)"
     assert _tmp_left(ck) == []
     out = _train(["--model", tiny_model, *COMMON, "--global-batch-size", "4", "--rollout-workers", "2",
-                  "--train-iters", "4", "--load", ck, "--save", ck, "--rollout-dir", plane], tmp_path)
-    assert "resumed from" in out and "at step 3" in out
-    assert _stop_record(ck)["finished"] is True and _stop_record(ck)["step"] == 4
+                  "--train-iters", str(k + 1), "--load", ck, "--save", ck, "--rollout-dir", plane], tmp_path)
+    assert "resumed from" in out and f"at step {k}" in out
+    assert _stop_record(ck)["finished"] is True and _stop_record(ck)["step"] == k + 1
 
 
 @pytest.mark.slow
