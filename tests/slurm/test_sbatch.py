@@ -43,7 +43,10 @@ def _cancel_leftover_jobs():
 def slurm():
     """SLURM_CONF of a running single-node cluster (stood up here, and taken down after, if it was not running)."""
     base = os.environ.get("TSYNC_SLURM_DIR", "/tmp/tsync-slurm")
+    # cred_expire 10 s: a requeued job starts again ~10 s later (SLURM holds it for cred_expire; 30 s by default in
+    # tools/slurm_cluster.sh, 120 s in SLURM); everything else as a real cluster has it
     env = dict(os.environ, TSYNC_SLURM_DIR=base)
+    env.setdefault("TSYNC_SLURM_CRED_EXPIRE", "10")
     was_up = subprocess.run(["bash", CLUSTER, "status"], env=env, capture_output=True).returncode == 0
     if not was_up:
         if os.geteuid() != 0:
