@@ -175,7 +175,7 @@ def test_exit_duration_self_requeue(slurm, tmp_path):
                      f'  TRAIN_ITERS=$(( $(cat {save_a}/latest_checkpointed_iteration.txt) + 1 ))\nfi\n')
     la = str(tmp_path / "a.log")
     t0 = time.perf_counter()
-    pa, ja = _submit(_job_env(slurm, runs, EXIT_DURATION_MINS=0.1, ENV_SETUP=setup, **LONG), la, name="a")
+    pa, ja = _submit(_job_env(slurm, runs, EXIT_DURATION_MINS=0.75, ENV_SETUP=setup, **LONG), la, name="a")
     rc_a = _finish(pa, la, 500)
     out = _read(la)
     assert rc_a == 0, out[-4000:]
