@@ -21,7 +21,7 @@ def pytest_configure(config):
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist: one work unit per module (SLURM modules share one), longest first (tests/_scheduling.py)."""
+    """Under pytest-xdist: modules ordered longest first (tests/_scheduling.py)."""
     if hasattr(config, "workerinput"):
         group_and_order(items)
 

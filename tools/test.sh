@@ -28,10 +28,10 @@ if [ "${TSYNC_SKIP_VLLM:-0}" != "1" ] && [ $# -eq 0 ]; then
 fi
 # 1. the main suite, both tiers: the fast tier (`pytest -m "not slow"`) and the `slow` multi-process / end-to-end
 #    tests (the vLLM adapter tests skip here: vllm is not in this venv). Two xdist workers on 2 cores: a module is
-#    one unit (its module-scoped torchrun runs once), SLURM modules share one, the longest units start first
+#    one unit (its module-scoped torchrun runs once), SLURM modules take a lock, the longest units start first
 #    (tests/_scheduling.py).
 WORKERS=${TSYNC_TEST_WORKERS:-2}
-if [ "$WORKERS" = 0 ]; then XDIST=(-p no:xdist); else XDIST=(-n "$WORKERS" --dist loadgroup --no-loadscope-reorder); fi
+if [ "$WORKERS" = 0 ]; then XDIST=(-p no:xdist); else XDIST=(-n "$WORKERS" --dist loadfile --no-loadscope-reorder); fi
 rc=0
 "$VENV/bin/python" -m pytest -q "${XDIST[@]}" "$@" tests || rc=$?
 echo "[test.sh] main suite: $(( $(date +%s) - t0 )) s, exit $rc"

@@ -10,12 +10,15 @@ packages cannot be installed. OPD runs only when megatron_tsync has an OPD train
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import importlib.util
 import os
 import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -39,9 +42,26 @@ def _cancel_leftover_jobs():
         subprocess.run(["scancel", job_id], env=dict(os.environ, SLURM_CONF=conf), capture_output=True, timeout=60)
 
 
+@contextlib.contextmanager
+def slurm_lock():
+    """One SLURM test module at a time on this machine (pytest-xdist runs modules on two workers): the clusters share
+    one munged, and a module's teardown takes its cluster down. The other worker waits here."""
+    with open(os.path.join(tempfile.gettempdir(), "tsync-slurm-tests.lock"), "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 @pytest.fixture(scope="module")
 def slurm():
     """SLURM_CONF of a running single-node cluster (stood up here, and taken down after, if it was not running)."""
+    with slurm_lock():
+        yield from _slurm_cluster()
+
+
+def _slurm_cluster():
     base = os.environ.get("TSYNC_SLURM_DIR", "/tmp/tsync-slurm")
     # cred_expire 10 s: a requeued job starts again ~10 s later (SLURM holds it for cred_expire; 30 s by default in
     # tools/slurm_cluster.sh, 120 s in SLURM); everything else as a real cluster has it

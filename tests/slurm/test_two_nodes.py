@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from tests.slurm.test_sbatch import _cancel_leftover_jobs, _job_env, _read, _tracker, _wait_for  # noqa: F401
+from tests.slurm.test_sbatch import _cancel_leftover_jobs, _job_env, _read, _tracker, _wait_for, slurm_lock  # noqa: F401,E501
 from tests.slurm.test_stop_requeue import _assert_clean_save, _finish, _job_state, _logged_steps, _stop_record, _submit
 
 pytestmark = pytest.mark.slow
@@ -31,6 +31,11 @@ CLUSTER_2N_ENV = {"TSYNC_SLURM_DIR": os.environ.get("TSYNC_SLURM_2N_DIR", "/tmp/
 @pytest.fixture(scope="module")
 def slurm2():
     """SLURM_CONF of a running 2-node cluster (its own state dir and ports, beside the 1-node one)."""
+    with slurm_lock():
+        yield from _slurm2_cluster()
+
+
+def _slurm2_cluster():
     env = dict(os.environ, **CLUSTER_2N_ENV)
     was_up = subprocess.run(["bash", CLUSTER, "status"], env=env, capture_output=True).returncode == 0
     if not was_up and os.geteuid() != 0:
