@@ -31,19 +31,11 @@ def _costs() -> dict[str, float]:
         return {}
 
 
-def group_and_order(items) -> None:
-    """Orders the units longest first; the order inside a unit is kept. Deterministic, so every worker collects the
-    same list (xdist requires it)."""
+def order_longest_first(items) -> None:
+    """Orders the modules longest first; the order inside a module is kept. Deterministic, so every worker collects
+    the same list (xdist requires it)."""
     costs = _costs()
-    unit_cost: dict[str, float] = {}
-    for item in items:
-        unit = unit_of(item.nodeid)
-        unit_cost[unit] = unit_cost.get(unit, 0.0) + 0.0
-    for path, s in costs.items():
-        unit = unit_of(path)
-        if unit in unit_cost:
-            unit_cost[unit] += s
-    first_seen = {}
+    first_seen: dict[str, int] = {}
     for i, item in enumerate(items):
         first_seen.setdefault(unit_of(item.nodeid), i)
-    items.sort(key=lambda it: (-unit_cost[unit_of(it.nodeid)], first_seen[unit_of(it.nodeid)]))
+    items.sort(key=lambda it: (-costs.get(unit_of(it.nodeid), 0.0), first_seen[unit_of(it.nodeid)]))

@@ -24,7 +24,7 @@ class SuiteReport:
 
     # ------------------------------------------------------------------------------------------------ hooks
     def pytest_runtest_logreport(self, report):
-        nodeid = _plain(report.nodeid)
+        nodeid = report.nodeid
         self.seconds[nodeid] += getattr(report, "duration", 0.0)
         if report.failed:
             phase = "" if report.when == "call" else f" (in {report.when})"
@@ -56,14 +56,6 @@ class SuiteReport:
             with open(path, "w") as f:
                 json.dump({"total_s": total, "tests": {k: {"s": round(v, 3), "outcome": self.outcome.get(k, "?")}
                                                        for k, v in self.seconds.items()}}, f, indent=0)
-
-
-def _plain(nodeid: str) -> str:
-    """The node id without the ``@group`` suffix that ``--dist loadgroup`` appends."""
-    from tests._scheduling import unit_of
-
-    head, sep, group = nodeid.rpartition("@")
-    return head if sep and group == unit_of(head) else nodeid
 
 
 def _first_error_line(report) -> str:

@@ -2,6 +2,7 @@
 
 import os
 import socket
+import time
 import warnings
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -9,7 +10,7 @@ warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not
 
 import pytest  # noqa: E402
 
-from tests._scheduling import group_and_order  # noqa: E402
+from tests._scheduling import order_longest_first  # noqa: E402
 from tests._suite_report import SuiteReport  # noqa: E402
 
 
@@ -23,7 +24,17 @@ def pytest_configure(config):
 def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist: modules ordered longest first (tests/_scheduling.py)."""
     if hasattr(config, "workerinput"):
-        group_and_order(items)
+        order_longest_first(items)
+
+
+def until(cond, timeout_s: float = 30.0) -> bool:
+    """Polls `cond` until it holds (True) or `timeout_s` passed (False): waiting on an event, not a fixed sleep."""
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
 
 
 def free_port() -> int:

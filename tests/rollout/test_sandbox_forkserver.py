@@ -9,8 +9,6 @@ import socket
 import subprocess
 import sys
 import textwrap
-import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -18,6 +16,7 @@ import pytest
 from megatron_tsync.rollout import sandbox_forkserver, tools
 from megatron_tsync.rollout.sandbox import Sandbox, SandboxConfig, uids_in_use
 from tests.rollout.test_sandbox import rendezvous, rendezvous_code, wide
+from tests.conftest import until as _until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -303,16 +302,6 @@ def test_server_restarts_after_a_crash_and_dies_with_its_owner(sb):
     owner.kill()
     owner.wait()
     assert _until(lambda: not _alive(pid))  # it dies with its owner (asynchronously)
-
-
-def _until(cond, timeout_s: float = 30.0) -> bool:
-    """Polls `cond` until it holds (True) or `timeout_s` passed (False)."""
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
 
 
 def _alive(pid: int) -> bool:

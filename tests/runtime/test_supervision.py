@@ -9,6 +9,7 @@ import time
 import pytest
 
 from megatron_tsync.runtime import supervision as sv
+from tests.conftest import until as _until
 
 pytestmark = pytest.mark.timeout(120)
 RUN, OTHER = "0123456789abcdef", "fedcba9876543210"
@@ -109,16 +110,6 @@ def test_parent_death_signal_kills_the_child(tmp_path, pdeathsig) -> None:
     finally:
         if pidfile.exists() and pidfile.read_text() and _alive(int(pidfile.read_text())):
             os.kill(int(pidfile.read_text()), 9)
-
-
-def _until(cond, timeout_s: float = 30.0) -> bool:
-    """Polls `cond` until it holds (True) or `timeout_s` passed (False)."""
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
 
 
 def _alive(pid):
