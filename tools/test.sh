@@ -46,7 +46,6 @@ if [ "$VLLM" = 1 ]; then
     exit 1
   fi
   tail -n 1 "$VLLM_LOG"
-  unset TSYNC_DURATIONS_JSON  # the main suite's file, not overwritten by the vLLM runs
   unset TSYNC_DURATIONS_JSON  # keep the main suite's per-test file (the vLLM runs would overwrite it)
   for f in tests/rollout/test_vllm_engine*.py; do
     PYTHONPATH="$(pwd)" .venv-vllm/bin/python -m pytest -q -p no:cacheprovider "$f" || rc=$?

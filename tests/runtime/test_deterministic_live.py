@@ -48,15 +48,24 @@ def _run(tmp, name, model, iters, extra):
 
 
 def _weights(run, tmp):
-    """The final weights, through the HF export of the checkpoint (every tensor, under its HF name)."""
-    from safetensors.torch import load_file
+    """Every tensor of the final checkpoint (weights and what else it saves), read in this process with
+    torch.distributed.checkpoint (megatron's torch_dist format is DCP): the bytes the run saved, no export between.
+    The HF export itself is checked in tests/tools/test_convert_checkpoint.py."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    hf = run / "hf"
-    p = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "convert_checkpoint.py"), "--direction",
-                        "megatron-to-hf", "--load", str(run / "ck"), "--save", str(hf)], cwd=tmp, env=_env(),
-                       capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, p.stderr[-3000:]
-    return load_file(str(hf / "model.safetensors"))
+    ck = run / "ck"
+    step = int((ck / "latest_checkpointed_iteration.txt").read_text())
+    dcp_to_torch_save(str(ck / f"iter_{step:07d}"), str(tmp / f"{run.name}.pt"))
+    flat, todo = {}, [("", torch.load(str(tmp / f"{run.name}.pt"), weights_only=False))]
+    while todo:
+        prefix, d = todo.pop()
+        for k, v in d.items():
+            if isinstance(v, dict):
+                todo.append((f"{prefix}{k}.", v))
+            elif torch.is_tensor(v):
+                flat[prefix + k] = v
+    assert flat, f"no tensor in {ck}"
+    return flat
 
 
 def _rollouts(run, k):
@@ -86,14 +95,24 @@ def _pair(tmp, model, tag, iters, extra):
     return _weights(a, tmp), _weights(b, tmp)
 
 
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    """The tiny model folder: made by the first run that uses it (init-tiny-model in the config), reused after."""
+    return tmp_path_factory.mktemp("det_live") / "model"
+
+
 @pytest.mark.slow
-def test_live_runs_bitwise_equal_with_deterministic(tmp_path):
-    model = tmp_path / "model"  # made by the first run (init-tiny-model in the config), reused by the others
+def test_live_runs_bitwise_equal_with_deterministic(tmp_path, model):
     wa, wb = _pair(tmp_path, model, "det", 4, ["--deterministic", "--no-sequence-packing"])
     assert set(wa) == set(wb)
     differ = [n for n in wa if not torch.equal(wa[n], wb[n])]
     assert not differ, f"{len(differ)}/{len(wa)} tensors differ: {differ[:5]}"
-    # control: the same pair without --deterministic ends with different weights (so the check above can fail)
+
+
+@pytest.mark.slow
+def test_control_default_mode_differs_for_different_arrival_orders(tmp_path, model):
+    """The control of the test above: the same pair without --deterministic ends with different weights (so the
+    check above can fail)."""
     ca, cb = _pair(tmp_path, model, "default", 1, [])
     differ = [n for n in ca if not torch.equal(ca[n], cb[n])]
     assert differ, "the default mode gave equal weights for different arrival orders: the control cannot fail"
