@@ -10,7 +10,7 @@ warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not
 
 import pytest  # noqa: E402
 
-from tests._scheduling import order_longest_first  # noqa: E402
+from tests._scheduling import make_scheduler, order_longest_first  # noqa: E402
 from tests._suite_report import SuiteReport  # noqa: E402
 
 
@@ -25,6 +25,12 @@ def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist: modules ordered longest first (tests/_scheduling.py)."""
     if hasattr(config, "workerinput"):
         order_longest_first(items)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """Under pytest-xdist: one work unit per module, the SLURM modules one unit (tests/_scheduling.py)."""
+    return make_scheduler(config, log)
 
 
 def until(cond, timeout_s: float = 30.0) -> bool:

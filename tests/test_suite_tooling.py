@@ -2,7 +2,8 @@
   * a hanging test fails by pytest-timeout with a stack dump naming where it hung (instead of eating CI's budget),
     and the run goes on to the next test;
   * the end-of-run summary (``tests/_suite_report.py``) lists the failed tests with their first error line and the
-    slowest tests.
+    slowest tests;
+  * the xdist work units (``tests/_scheduling.py``): a module each, the SLURM modules one, longest first.
 """
 
 import os
@@ -52,3 +53,24 @@ def test_hang_times_out_with_a_stack_dump_and_the_summary_names_the_failures(tmp
     assert "test_child.py::test_hangs: Failed: Timeout" in summary, summary
     assert "test_child.py::test_fails: AssertionError: arithmetic is broken" in summary, summary
     assert "test_passes:" not in summary.split("FAILED", 1)[1], summary
+
+
+def test_work_units_keep_slurm_modules_together_and_start_longest_first(monkeypatch):
+    from tests import _scheduling
+
+    assert _scheduling.unit_of("tests/slurm/test_sbatch.py::test_x[a]") == "tests/slurm"
+    assert _scheduling.unit_of("tests/slurm/test_two_nodes.py::test_y") == "tests/slurm"
+    assert _scheduling.unit_of("tests/runtime/test_stop.py::test_z") == "tests/runtime/test_stop.py"
+
+    class Item:
+        def __init__(self, nodeid):
+            self.nodeid = nodeid
+
+    monkeypatch.setattr(_scheduling, "_costs", lambda: {"tests/a.py": 5.0, "tests/slurm/s1.py": 3.0,
+                                                        "tests/slurm/s2.py": 4.0, "tests/b.py": 6.0})
+    items = [Item(n) for n in ("tests/a.py::t1", "tests/c.py::t", "tests/slurm/s1.py::t", "tests/b.py::t",
+                               "tests/a.py::t2", "tests/slurm/s2.py::t")]
+    _scheduling.order_longest_first(items)
+    # slurm (3 + 4 s) first, then b (6), a (5), unknown c last; the order inside a unit is kept
+    assert [i.nodeid for i in items] == ["tests/slurm/s1.py::t", "tests/slurm/s2.py::t", "tests/b.py::t",
+                                         "tests/a.py::t1", "tests/a.py::t2", "tests/c.py::t"]

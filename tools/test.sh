@@ -4,8 +4,8 @@
 #   TSYNC_SKIP_VLLM=1 bash tools/test.sh    # skip the vLLM part (its venv is ~3.5 GB, several minutes to build once)
 #   bash tools/test.sh -k stream    # extra arguments go to the main pytest run (and skip the vLLM part)
 #   bash tools/test.sh -m "not slow"   # the fast tier only
-#   TSYNC_TEST_WORKERS=2 bash tools/test.sh  # two pytest-xdist workers (not yet measured on a whole run: the default
-#                                            # stays one process until it is; see tests/_scheduling.py)
+#   TSYNC_TEST_WORKERS=0 bash tools/test.sh  # one process (no xdist); the default is 2 xdist workers (measured on a
+#                                            # 2-core machine: 38 vs 48 min; see tests/_scheduling.py)
 # No test is rerun: a test that fails fails the suite. A test that hangs fails by pytest-timeout (pytest.ini) with a
 # stack dump; the run ends with a summary (total, the 15 slowest tests, every failure's first line).
 set -euo pipefail
@@ -28,10 +28,10 @@ if [ "${TSYNC_SKIP_VLLM:-0}" != "1" ] && [ $# -eq 0 ]; then
   VLLM_SETUP=$!
 fi
 # 1. the main suite, both tiers: the fast tier (`pytest -m "not slow"`) and the `slow` multi-process / end-to-end
-#    tests (the vLLM adapter tests skip here: vllm is not in this venv). With TSYNC_TEST_WORKERS=N, N xdist
-#    workers: a module is one unit (its module-scoped torchrun runs once), SLURM modules take a lock, the longest
-#    units start first (tests/_scheduling.py).
-WORKERS=${TSYNC_TEST_WORKERS:-0}
+#    tests (the vLLM adapter tests skip here: vllm is not in this venv). TSYNC_TEST_WORKERS=N (default 2) xdist
+#    workers: a module is one unit (its module-scoped torchrun runs once), the SLURM modules are one unit, the
+#    longest units start first (tests/_scheduling.py); 0: one process.
+WORKERS=${TSYNC_TEST_WORKERS:-2}
 if [ "$WORKERS" = 0 ]; then XDIST=(-p no:xdist); else XDIST=(-n "$WORKERS" --dist loadfile --no-loadscope-reorder); fi
 rc=0
 "$VENV/bin/python" -m pytest -q "${XDIST[@]}" "$@" tests || rc=$?

@@ -338,8 +338,11 @@ def test_logits_tp2_and_export_tp2_pp2(models, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name,tp,pp", [("qwen3", 2, 1), ("qwen3_tied", 1, 2), ("llama3", 2, 1), ("llama3", 1, 2)])
+@pytest.mark.parametrize("name,tp,pp", [("qwen3", 2, 1), ("qwen3_tied", 1, 2), ("llama3", 2, 1)])
 def test_convert_checkpoint_bit_identical(models, tmp_path, name, tp, pp):
+    """HF → megatron (TP=2 or PP=2) → HF gives the same tensors and config. Llama 3 at TP=2 only: its own part is
+    the rope-scaling config (checked here); the PP=2 split is the same code for every family (qwen3_tied here, llama
+    in tests/tools/test_convert_checkpoint.py)."""
     from megatron_tsync.training import checkpointing as ck
 
     src, mc, dst = models[name], str(tmp_path / "mcore"), str(tmp_path / "hf")
@@ -360,12 +363,12 @@ def test_convert_checkpoint_bit_identical(models, tmp_path, name, tp, pp):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family, extra, replay", [("qwen3", ["--tie"], False), ("qwen3_moe", [], False),
-                                                   ("qwen3_moe", [], True)])
+@pytest.mark.parametrize("family, extra, replay", [("qwen3", ["--tie"], False), ("qwen3_moe", [], True)])
 def test_quickstart_trains_tiny_qwen3(tmp_path, family, extra, replay):
     """The quickstart's config (examples/tiny_agent/config.yaml) with ``--model`` a tiny Qwen3 / Qwen3-MoE made by the
     tool; 2 RL steps after a short warm start (small batches: this checks that it runs, not that it learns). With
-    ``--moe-router-replay`` every trajectory of the live run arrives with the engine's routing (dumped)."""
+    ``--moe-router-replay`` every trajectory of the live run arrives with the engine's routing (dumped). The MoE
+    quickstart without replay runs in tests/training/test_moe_ep.py::test_live_run_at_ep2 (at EP=2)."""
     from tests.conftest import free_port
 
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", MASTER_PORT=str(free_port()))

@@ -1,9 +1,11 @@
 """slurm/train_grpo.sh and slurm/train_opd.sh under a REAL single-node SLURM cluster (tools/slurm_cluster.sh).
 
 As a user runs them: ``sbatch slurm/train_*.sh`` (the job watched until it is over) in CPU mode (``TSYNC_CPU=1``, tiny model, one rollout worker):
-  * 2 steps → job exit code 0, the trainer's summary in the job log, checkpoint 2 and its tracker file;
-  * a long job stopped with ``scancel --signal=USR1 --batch`` after a step → the batch script forwards SIGUSR1 to
-    the trainer, which finishes its step, saves and exits 0; the tracker names a checkpoint that a resubmit resumes.
+  * a long job from scratch stopped with ``scancel --signal=USR1 --batch`` after its first step → the batch script
+    forwards SIGUSR1 to the trainer, which finishes its step, saves and exits 0 (job exit code 0); the tracker names
+    the checkpoint;
+  * a resubmit resumes from it, runs to its last step → job exit code 0, the trainer's summary in the job log, the
+    next checkpoint and its tracker file.
 The cluster fixture installs SLURM + munge with apt if missing (root); the tests skip only without root or when the
 packages cannot be installed. OPD runs only when megatron_tsync has an OPD trainer (checked at run time).
 """
@@ -182,59 +184,51 @@ def _opd_available() -> bool:
 
 # ------------------------------------------------------------------------------------------------ the lifecycle
 def _lifecycle(script: str, slurm_conf: str, tmp_path, name: str) -> dict:
+    """Two jobs: a long job from scratch (the job creates the tiny model) stopped after its first step with SIGUSR1 to
+    the batch script, then a resubmit that resumes from the stop's checkpoint, finishes its step and exits 0."""
     runs = str(tmp_path / "runs")
     save = os.path.join(runs, name)  # default SAVE = $TSYNC_RUNS/$SLURM_JOB_NAME, LOAD = SAVE
     times = {}
 
-    # 1. two steps from scratch (the tiny model is created by the job)
+    # 1. a long job from scratch, stopped after its first step with SIGUSR1 to the batch script
     log1 = str(tmp_path / "job1.log")
     t0 = time.perf_counter()
-    rc = _sbatch(script, _job_env(slurm_conf, runs, TRAIN_ITERS=2), log1)
-    times["2 steps from scratch"] = time.perf_counter() - t0
-    out = _read(log1)
-    assert rc == 0, f"job 1 exit code {rc}; log:\n{out[-4000:]}"
-    assert re.search(r"\[tsync\] (opd )?summary: .*, 2 steps,", out), out[-4000:]  # opd: "[tsync] opd summary:"
-    assert "trainer exited with code 0" in out
-    assert _tracker(save) == 2 and os.path.isdir(os.path.join(save, "iter_0000002"))
-    jobdirs = os.listdir(os.path.join(save, "slurm-jobs"))
-    secret = os.path.join(save, "slurm-jobs", jobdirs[0], "secret.hex")
-    assert os.stat(secret).st_mode & 0o777 == 0o600
-
-    # (a plain resume is exercised by test_stop_requeue.py; here the stop resumes below)
-    # 2. a long job stopped after its first step with SIGUSR1 to the batch script
-    log3 = str(tmp_path / "job3.log")
-    t0 = time.perf_counter()
-    proc = _sbatch(script, _job_env(slurm_conf, runs, TRAIN_ITERS=10_000, SAVE_INTERVAL=1000), log3, wait=False)
+    proc = _sbatch(script, _job_env(slurm_conf, runs, TRAIN_ITERS=10_000, SAVE_INTERVAL=1000), log1, wait=False)
     job_id = proc.job_id
-    _wait_for(rf"\[tsync\] resumed from {re.escape(save)} at step 2", log3, proc, 300)
-    _wait_for(r"\[tsync\] step 3 ", log3, proc, 300)  # step 2 → 3 done (no save: interval 1000)
-    assert re.search(rf"job {job_id} on ", _read(log3))
+    _wait_for(r"\[tsync\] step 1 ", log1, proc, 300)  # step 1 done (no save: interval 1000)
+    assert re.search(rf"job {job_id} on ", _read(log1))
     t_sig = time.perf_counter()
     subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], env=_job_env(slurm_conf, runs), check=True)
     try:
         proc.wait(timeout=300)
     except subprocess.TimeoutExpired:
         proc.kill()
-        pytest.fail(f"job {job_id} did not stop within 300 s of SIGUSR1; log:\n{_read(log3)[-4000:]}")
+        pytest.fail(f"job {job_id} did not stop within 300 s of SIGUSR1; log:\n{_read(log1)[-4000:]}")
     times["signal → job end"] = time.perf_counter() - t_sig
     times["stopped job total"] = time.perf_counter() - t0
-    out = _read(log3)
+    out = _read(log1)
     assert proc.returncode == 0, f"stopped job exit code {proc.returncode}; log:\n{out[-4000:]}"
     assert "got SIGUSR1" in out and "sent SIGUSR1 to the trainer ranks" in out, out[-4000:]
+    assert "trainer exited with code 0" in out, out[-4000:]
     stopped_at = _tracker(save)
-    assert 3 <= stopped_at < 10_000, out[-4000:]
+    assert 1 <= stopped_at < 10_000, out[-4000:]
     assert f"[tsync] saved checkpoint {save}/iter_{stopped_at:07d}" in out, out[-4000:]
     assert os.path.isdir(os.path.join(save, f"iter_{stopped_at:07d}"))
+    jobdirs = os.listdir(os.path.join(save, "slurm-jobs"))
+    secret = os.path.join(save, "slurm-jobs", jobdirs[0], "secret.hex")
+    assert os.stat(secret).st_mode & 0o777 == 0o600
 
-    # 3. the checkpoint left by the stop loads: a resubmit resumes from it
-    log4 = str(tmp_path / "job4.log")
+    # 2. the checkpoint left by the stop loads: a resubmit resumes from it, runs its one step and ends with exit 0
+    log2 = str(tmp_path / "job2.log")
     t0 = time.perf_counter()
-    rc = _sbatch(script, _job_env(slurm_conf, runs, TRAIN_ITERS=stopped_at + 1), log4)
+    rc = _sbatch(script, _job_env(slurm_conf, runs, TRAIN_ITERS=stopped_at + 1), log2)
     times["resume after stop"] = time.perf_counter() - t0
-    out = _read(log4)
-    assert rc == 0, f"job 4 exit code {rc}; log:\n{out[-4000:]}"
+    out = _read(log2)
+    assert rc == 0, f"job 2 exit code {rc}; log:\n{out[-4000:]}"
     assert f"[tsync] resumed from {save} at step {stopped_at}" in out, out[-4000:]
-    assert _tracker(save) == stopped_at + 1
+    assert re.search(r"\[tsync\] (opd )?summary: .*, 1 steps,", out), out[-4000:]  # opd: "[tsync] opd summary:"
+    assert "trainer exited with code 0" in out
+    assert _tracker(save) == stopped_at + 1 and os.path.isdir(os.path.join(save, f"iter_{stopped_at + 1:07d}"))
     print(f"{script}: " + ", ".join(f"{k} {v:.0f}s" for k, v in times.items()), file=sys.stderr)
     return times
 
