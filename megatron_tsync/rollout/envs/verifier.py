@@ -38,6 +38,7 @@ rollout worker needs ``pip install pytest``). Standard library + rollout.sandbox
 
 from __future__ import annotations
 
+import compileall
 import importlib.metadata
 import importlib.util
 import os
@@ -151,6 +152,10 @@ def pytest_bundle() -> str:
             f.write(_BOOT_SRC)
         with open(os.path.join(d, "verifier.ini"), "w") as f:
             f.write(_INI)
+        # bytecode once, here: the sandbox runs pytest with -B from a read-only mount, so without it every
+        # verification compiled pytest from source (0.38 → 0.15 s to import it on one core); a sandbox Python of
+        # another version ignores these .pyc files
+        compileall.compile_dir(d, quiet=1)
         for dirpath, dirs, names in os.walk(d):
             os.chmod(dirpath, 0o755)
             for n in names:
