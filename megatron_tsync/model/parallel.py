@@ -122,11 +122,16 @@ def initialize_parallel(
             f"world / (TP × PP) = {world // (tp * pp)}"
         )
     if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29500")
-        dist.init_process_group(
-            backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s)
-        )
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if world == 1:
+            # one process: an in-process store, no port. A port picked beforehand (bind to 0, close, export) can be
+            # taken by another process before the store binds it (EADDRINUSE), and the 29500 default is taken by
+            # any other single-process run on the node; nothing outside this process joins its default group
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        else:
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", "29500")
+            dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
     if ps.model_parallel_is_initialized():
         if (ps.get_tensor_model_parallel_world_size() != tp or ps.get_pipeline_model_parallel_world_size() != pp
                 or ps.get_expert_model_parallel_world_size() != ep):
