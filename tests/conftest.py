@@ -11,13 +11,16 @@ warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not
 import pytest  # noqa: E402
 
 from tests._scheduling import make_scheduler, order_longest_first  # noqa: E402
-from tests._suite_report import SuiteReport  # noqa: E402
+from tests._suite_report import CpuMeter, SuiteReport  # noqa: E402
 
 
 def pytest_configure(config):
-    """The end-of-run summary (total, 15 slowest, failures with their first line), once, in the controller."""
+    """The end-of-run summary (total, 15 slowest, failures with their first line), once, in the controller; the CPU
+    meter where the tests run."""
     if not hasattr(config, "workerinput"):
         config.pluginmanager.register(SuiteReport(), "tsync_suite_report")
+    if hasattr(config, "workerinput") or getattr(config.option, "dist", "no") == "no":  # where the tests run
+        config.pluginmanager.register(CpuMeter(), "tsync_cpu_meter")
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -41,6 +44,33 @@ def until(cond, timeout_s: float = 30.0) -> bool:
             return False
         time.sleep(0.02)
     return True
+
+
+def checkpoint_tensors(ck_dir, scratch_dir, step: int | None = None) -> dict:
+    """{name: tensor} of checkpoint `step` (default: the latest) of a megatron_tsync save folder: the model's weights
+    and the optimizer's state under megatron's sharded names, read in this process with torch.distributed.checkpoint
+    (the torch_dist format is DCP) — the bytes the run saved, without a converter process between. The HF export is
+    checked by tests/tools/test_convert_checkpoint.py."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    ck_dir, scratch_dir = str(ck_dir), str(scratch_dir)
+    if step is None:
+        with open(os.path.join(ck_dir, "latest_checkpointed_iteration.txt")) as f:
+            step = int(f.read())
+    out = os.path.join(scratch_dir, f"{os.path.basename(ck_dir.rstrip('/'))}_{step}.pt")
+    dcp_to_torch_save(os.path.join(ck_dir, f"iter_{step:07d}"), out)
+    flat, todo = {}, [("", torch.load(out, weights_only=False))]
+    while todo:
+        prefix, d = todo.pop()
+        for k, v in d.items():
+            if isinstance(v, dict):
+                todo.append((f"{prefix}{k}.", v))
+            elif torch.is_tensor(v):
+                flat[prefix + k] = v
+    os.remove(out)
+    assert flat, f"no tensor in checkpoint {step} of {ck_dir}"
+    return flat
 
 
 def free_port() -> int:

@@ -2,10 +2,11 @@
   * a hanging test fails by pytest-timeout with a stack dump naming where it hung (instead of eating CI's budget),
     and the run goes on to the next test;
   * the end-of-run summary (``tests/_suite_report.py``) lists the failed tests with their first error line and the
-    slowest tests;
+    slowest tests, and the CPU seconds of each test with the processes it waited for;
   * the xdist work units (``tests/_scheduling.py``): a module each, the SLURM modules one, longest first.
 """
 
+import json
 import os
 import subprocess
 import sys
@@ -27,13 +28,18 @@ CHILD_TESTS = textwrap.dedent('''
 
     def test_passes():
         pass
+
+    def test_waits_for_a_busy_child():
+        import subprocess, sys
+        subprocess.run([sys.executable, "-c", "x = 0\\nfor i in range(4_000_000): x += i"], check=True)
 ''')
 
 CHILD_CONFTEST = textwrap.dedent('''
-    from tests._suite_report import SuiteReport
+    from tests._suite_report import CpuMeter, SuiteReport
 
     def pytest_configure(config):
         config.pluginmanager.register(SuiteReport(), "tsync_suite_report")
+        config.pluginmanager.register(CpuMeter(), "tsync_cpu_meter")
 ''')
 
 
@@ -41,18 +47,23 @@ def test_hang_times_out_with_a_stack_dump_and_the_summary_names_the_failures(tmp
     (tmp_path / "test_child.py").write_text(CHILD_TESTS)
     (tmp_path / "conftest.py").write_text(CHILD_CONFTEST)
     (tmp_path / "pytest.ini").write_text("[pytest]\n")
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               TSYNC_DURATIONS_JSON=str(tmp_path / "durations.json"))
     p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--timeout=2",
                         "test_child.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     out = p.stdout + p.stderr
     assert p.returncode == 1, out
     assert "Timeout" in out and "blocked_forever_on_an_event" in out, out  # the dump says where it hung
-    assert "1 passed" in out and "2 failed" in out, out  # the run went on after the hang
+    assert "2 passed" in out and "2 failed" in out, out  # the run went on after the hang
     summary = out.split("tsync suite summary", 1)[1]
-    assert "3 tests" in summary and "slowest" in summary, summary
+    assert "4 tests" in summary and "slowest" in summary and "CPU s" in summary, summary
     assert "test_child.py::test_hangs: Failed: Timeout" in summary, summary
     assert "test_child.py::test_fails: AssertionError: arithmetic is broken" in summary, summary
     assert "test_passes:" not in summary.split("FAILED", 1)[1], summary
+    # CPU seconds count the child process the test waited for (a training run's subprocess, in the real suite)
+    tests = json.loads((tmp_path / "durations.json").read_text())["tests"]
+    busy, idle = tests["test_child.py::test_waits_for_a_busy_child"], tests["test_child.py::test_passes"]
+    assert busy["cpu_s"] >= 0.1 > idle["cpu_s"] and busy["outcome"] == "passed", tests
 
 
 def test_work_units_keep_slurm_modules_together_and_start_longest_first(monkeypatch):

@@ -325,6 +325,7 @@ def _check_report(path, expect_layouts, names):
     return rep
 
 
+@pytest.mark.slow  # two processes: the full suite
 def test_logits_tp2_and_export_tp2_pp2(models, tmp_path):
     """One torchrun (2 gloo processes): TP=2 logits vs transformers, and HF → Megatron → HF bitwise at TP=2 and
     PP=2, for the three tiny models (the tied Qwen3 is MQA 4/1: TP=2 splits its KV group)."""

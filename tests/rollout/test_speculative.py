@@ -110,9 +110,10 @@ def _exact(engine, sampling) -> dict:
     return probs
 
 
-@pytest.mark.parametrize("top_k,draft_cap,interrupt_after", [
-    (0, 3, None), pytest.param(4, 3, None, marks=pytest.mark.slow), pytest.param(0, 1, None, marks=pytest.mark.slow),
-    pytest.param(0, 3, 1, marks=pytest.mark.slow)], ids=["full", "top4", "draft1", "interrupted"])
+@pytest.mark.slow  # 20,000 completions per case: the full suite (the rule itself, on one position, is in the fast
+#                    tier: test_accept_or_residual_gives_p_on_one_position)
+@pytest.mark.parametrize("top_k,draft_cap,interrupt_after", [(0, 3, None), (4, 3, None), (0, 1, None), (0, 3, 1)],
+                         ids=["full", "top4", "draft1", "interrupted"])
 def test_verified_samples_follow_the_new_policy(engines, top_k, draft_cap, interrupt_after) -> None:
     """20,000 completions drafted under θ_k and verified under θ_{k+1} fit π_{k+1}; the unverified drafts do not.
     draft1: drafts of one token (a draft budget below the turn cap), the rest generated under θ_{k+1}; interrupted:

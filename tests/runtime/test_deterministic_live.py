@@ -48,24 +48,10 @@ def _run(tmp, name, model, iters, extra):
 
 
 def _weights(run, tmp):
-    """Every tensor of the final checkpoint (weights and what else it saves), read in this process with
-    torch.distributed.checkpoint (megatron's torch_dist format is DCP): the bytes the run saved, no export between.
-    The HF export itself is checked in tests/tools/test_convert_checkpoint.py."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    """Every tensor of the final checkpoint (weights and optimizer state; the HF export is checked elsewhere)."""
+    from tests.conftest import checkpoint_tensors
 
-    ck = run / "ck"
-    step = int((ck / "latest_checkpointed_iteration.txt").read_text())
-    dcp_to_torch_save(str(ck / f"iter_{step:07d}"), str(tmp / f"{run.name}.pt"))
-    flat, todo = {}, [("", torch.load(str(tmp / f"{run.name}.pt"), weights_only=False))]
-    while todo:
-        prefix, d = todo.pop()
-        for k, v in d.items():
-            if isinstance(v, dict):
-                todo.append((f"{prefix}{k}.", v))
-            elif torch.is_tensor(v):
-                flat[prefix + k] = v
-    assert flat, f"no tensor in {ck}"
-    return flat
+    return checkpoint_tensors(run / "ck", tmp)
 
 
 def _rollouts(run, k):

@@ -3,7 +3,7 @@
 - live rollouts (worker processes, sandboxed calculator, signed events) with stream-trajectory; checkpoints,
   TensorBoard, rollout dump; then a restart with ``--load`` continues at the saved step;
 - replaying a dump in ``sync`` and in ``stream-trajectory`` with a shuffled arrival order gives the same
-  weights in float64 (≤ 1e-12 relative), checked through the HF export of the checkpoints.
+  weights in float64 (≤ 1e-12 relative), read from the checkpoints (tests/conftest.py::checkpoint_tensors).
 """
 
 import json
@@ -175,12 +175,15 @@ def test_replay_sync_equals_stream_float64(tiny_model, tmp_path, extra):
         num = sum(float((a[n] - b[n]).pow(2).sum()) for n in a) ** 0.5
         den = sum(float(a[n].pow(2).sum()) for n in a) ** 0.5
         assert den > 0 and num / den < 1e-12, (k, num / den)
-    wa = _hf_export(tmp_path / "ck_sync", tmp_path / "hf_sync", tmp_path)
-    wb = _hf_export(tmp_path / "ck_stream", tmp_path / "hf_stream", tmp_path)
-    w0 = load_file(os.path.join(tiny_model, "model.safetensors"))
+    from tests.conftest import checkpoint_tensors
+
+    wa, wb = checkpoint_tensors(tmp_path / "ck_sync", tmp_path), checkpoint_tensors(tmp_path / "ck_stream", tmp_path)
+    assert sorted(wa) == sorted(wb)
     num = sum(float((wa[n].double() - wb[n].double()).pow(2).sum()) for n in wa) ** 0.5
-    moved = sum(float((wa[n].double() - w0[n].double()).pow(2).sum()) for n in wa) ** 0.5
     den = sum(float(wa[n].double().pow(2).sum()) for n in wa) ** 0.5
+    # the saved weights are the trained ones: the embedding (the same tensor under both names) moved from θ0's
+    w0 = load_file(os.path.join(tiny_model, "model.safetensors"))["model.embed_tokens.weight"].double()
+    moved = float((wa["embedding.word_embeddings.weight"][: w0.shape[0]].double() - w0).norm())  # rows: vocab pad
     assert moved > 1e-6 and num / den < 1e-12, (num / den, moved)
     # the logged loss is the objective's value (training/objective.py): the same per step; the surrogate sum is not
     rows = [json.load(open(tmp_path / ck / "history.json")) for ck in ("ck_sync", "ck_stream")]
@@ -262,6 +265,7 @@ def test_damaged_latest_checkpoint_refused_then_fallback_resumes_and_continues(t
         p.stderr[-3000:]
     out = _train([*common, "--load", str(ck), "--load-fallback"], tmp_path)
     assert "at step 2" in out and "summary: mode sync, 1 steps" in out, out[-2000:]
-    a = _hf_export(tmp_path / "ck_ref", tmp_path / "hf_ref", tmp_path)
-    b = _hf_export(ck, tmp_path / "hf_fallback", tmp_path)
+    from tests.conftest import checkpoint_tensors
+
+    a, b = checkpoint_tensors(tmp_path / "ck_ref", tmp_path), checkpoint_tensors(ck, tmp_path)  # weights and Adam's
     assert sorted(a) == sorted(b) and all(torch.equal(a[n], b[n]) for n in a)

@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -21,6 +23,7 @@ def _run(tmp_path, noise):
     return json.loads(out.read_text())["results"][0]
 
 
+@pytest.mark.slow  # the tool end to end: the full suite
 def test_tool_reports_ratio_and_kept_fraction(tmp_path):
     same, perturbed = _run(tmp_path, 0), _run(tmp_path, 2.0)
     assert set(same) == {"prompt", "turn", "plain_ms", "verify_ms", "kept_frac", "ratio"}

@@ -83,6 +83,7 @@ def _run_tool(tmp_path, name, *extra):
     return json.loads(out.read_text()), p.stdout
 
 
+@pytest.mark.slow  # a whole benchmark sweep (the tool end to end): the full suite
 def test_bench_tiny_sweep(tmp_path):
     tiny = ["--groups", "2", "--group-size", "2", "--steps", "1", "--hidden", "32", "--layers", "1", "--min-len", "24",
             "--max-len", "40"]
