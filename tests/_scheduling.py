@@ -7,7 +7,7 @@
 * The SLURM modules (``tests/slurm/``) are one unit: they share one munged, and a module's teardown takes its cluster
   down, so they run one after the other on one worker (their cluster fixtures also hold a machine-wide lock,
   ``tests/slurm/test_sbatch.py::slurm_lock``, for runs that split them some other way).
-* Units start longest first (LPT), by ``tests/module_seconds.json`` (seconds per module, measured on a serial run;
+* Units start longest first (LPT), by ``tests/module_seconds.json`` (seconds per module from a measured whole run;
   refresh it with ``python tools/test_durations.py --write``): the long end-to-end modules run beside the many
   short ones instead of after them. A module missing from the file counts as short.
 """
