@@ -47,6 +47,7 @@ from megatron_tsync.training.ckpt_integrity import (
     verify,
     write_manifest,
 )
+from megatron_tsync.training.writer_shield import shield_writer_process
 
 log = logging.getLogger(__name__)
 
@@ -191,29 +192,14 @@ def _attempt(fn) -> BaseException | None:
     return None
 
 
-_SHIELDED_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT")
 _writer_manager = None
-
-
-def _shield_writer_process() -> None:
-    """In megatron's checkpoint-writer helper process (first thing): ignore the job-wide signals (the trainer
-    decides when to stop, and it is saving) and die with the trainer (``PR_SET_PDEATHSIG``, Linux)."""
-    import signal
-    import sys
-
-    for name in _SHIELDED_SIGNALS:
-        signal.signal(getattr(signal, name), signal.SIG_IGN)
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
 
 
 def shield_checkpoint_writer() -> bool:
     """megatron-core's torch_dist save collects its write results through a ``multiprocessing`` manager, a spawned
     server process started at the first save (``filesystem_async._get_write_results_queue``). A job-wide SIGTERM
     (SLURM time-out, ``scancel``) killed it, and the save made on that signal failed with BrokenPipeError. This
-    starts that manager once, ourselves, with :func:`_shield_writer_process` as its initializer, and hands its queue
+    starts that manager once, ourselves, with :func:`~megatron_tsync.training.writer_shield.shield_writer_process` as its initializer, and hands its queue
     to megatron. (The write processes megatron forks per save inherit the trainer's handlers: they only set the
     stop flag.) False when this megatron-core has no such queue (nothing to shield)."""
     global _writer_manager
@@ -229,7 +215,7 @@ def shield_checkpoint_writer() -> bool:
         from torch import multiprocessing as mp
 
         _writer_manager = mpm.SyncManager(ctx=mp.get_context("spawn"))
-        _writer_manager.start(initializer=_shield_writer_process)
+        _writer_manager.start(initializer=shield_writer_process)
         fa._results_queue = _writer_manager.Queue()
     return True
 
