@@ -118,19 +118,14 @@ def _make_engine(spec: WorkerSpec):
         extra = {} if tp == 1 else {"tensor_parallel_size": tp, "in_process": False}
         return VLLMEngine.from_hf_dir(spec.model_dir, seed=spec.rl.seed, dtype=spec.engine_dtype,
                                       max_model_len=spec.rl.seq_length, **extra)
-    import socket
-
     from megatron_tsync.rollout.embedded_engine import EmbeddedEngine
     from megatron_tsync.model.parallel import initialize_parallel
 
-    # the embedded engine is a megatron model of its own: a private single-process group (gloo, TP=1)
+    # the embedded engine is a megatron model of its own: a private single-process group (gloo, TP=1, an in-process
+    # store: no port), whatever launcher variables the worker inherited
     for k in list(os.environ):
         if k in ("RANK", "WORLD_SIZE", "LOCAL_RANK") or k.startswith("TORCHELASTIC_"):
             os.environ.pop(k)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        os.environ["MASTER_PORT"] = str(sock.getsockname()[1])
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
     initialize_parallel(1, 1, seed=spec.rl.seed)
 
     return EmbeddedEngine.from_hf_dir(spec.model_dir, record_routing=spec.record_routing)
@@ -207,7 +202,8 @@ class RolloutWorker:
         self.status = status if status is not None else {}
         self.watch = watch
         self.assign_done: set[str] = set()
-        # fault-injection tests only: seconds between two trajectory events, so that a kill lands mid-step
+        # tests only: seconds between two trajectory events, so that a kill lands mid-step (fault injection) or a
+        # job that waits for a signal idles like an agentic one instead of training flat out (SLURM stop tests)
         self.pace_s = float(os.environ.get("TSYNC_FAULT_PACE_S", "0") or 0)
         broadcast = spec.rollout.weight_sync == "broadcast"
         self.weights = None if broadcast else WeightSubscriber(spec.weights_dir, self.key)

@@ -81,6 +81,11 @@ def _environ(pid: int) -> dict:
 
 # ------------------------------------------------------------------------------------------------ SIGTERM paths
 LONG = dict(TRAIN_ITERS=10_000, SAVE_INTERVAL=1000)
+# A job that only has to be training when SLURM's timer or the trainer's budget fires: its worker sends one
+# trajectory a second (the fault-injection pace, passed through by sbatch's exported environment), so it waits for
+# its rollouts as an agentic job does instead of running 0.15 s steps flat out for the minute, on the cores the rest
+# of the suite runs on. A signal then lands mid-step, the case that must not lose the last finished step.
+IDLING = dict(LONG, TSYNC_FAULT_PACE_S="1.0")
 
 
 def _sigterm_stop(save: str, out: str) -> int:
@@ -98,7 +103,7 @@ def test_time_limit_sigterm_saves_the_last_finished_step(slurm, tmp_path):
     runs = str(tmp_path / "runs")
     save = os.path.join(runs, "term-run")  # RUN_NAME = the job name
     log = str(tmp_path / "timeout.log")
-    p, job = _submit(_job_env(slurm, runs, HF_HUB_OFFLINE=1, GLOO_SOCKET_IFNAME="lo", **LONG), log, "--time=1",
+    p, job = _submit(_job_env(slurm, runs, HF_HUB_OFFLINE=1, GLOO_SOCKET_IFNAME="lo", **IDLING), log, "--time=1",
                      "--signal=B:USR1@0", name="term-run")
     _wait_for(r"\[tsync\] step 1 ", log, p, 300)
     pid = int(open(glob.glob(os.path.join(save, "slurm-jobs", job, "pids", "*.pid"))[0]).read())
@@ -175,7 +180,7 @@ def test_exit_duration_self_requeue(slurm, tmp_path):
                      f'  TRAIN_ITERS=$(( $(cat {save_a}/latest_checkpointed_iteration.txt) + 1 ))\nfi\n')
     la = str(tmp_path / "a.log")
     t0 = time.perf_counter()
-    pa, ja = _submit(_job_env(slurm, runs, EXIT_DURATION_MINS=0.75, ENV_SETUP=setup, **LONG), la, name="a")
+    pa, ja = _submit(_job_env(slurm, runs, EXIT_DURATION_MINS=0.75, ENV_SETUP=setup, **IDLING), la, name="a")
     rc_a = _finish(pa, la, 500)
     out = _read(la)
     assert rc_a == 0, out[-4000:]
@@ -204,7 +209,7 @@ def test_concurrent_jobs_and_the_run_lock(slurm, tmp_path):
     save_a, save_c = os.path.join(runs, "a"), os.path.join(runs, "c")
     share = "--exclusive=user"  # the scripts' header asks for whole nodes; let this user's jobs share the node
     la, lb, lc = (str(tmp_path / f"{n}.log") for n in "abc")
-    pa, ja = _submit(_job_env(slurm, runs, **LONG), la, share, name="a")
+    pa, ja = _submit(_job_env(slurm, runs, **IDLING), la, share, name="a")
     _wait_for(r"\[tsync\] step 1 ", la, pa, 300)
     # B: the same run name while A holds it
     pb, jb = _submit(_job_env(slurm, runs, TRAIN_ITERS=2, RUN_NAME="a"), lb, share, name="b")
