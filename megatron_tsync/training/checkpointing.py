@@ -47,7 +47,7 @@ from megatron_tsync.training.ckpt_integrity import (
     verify,
     write_manifest,
 )
-from megatron_tsync.training.writer_shield import shield_writer_process
+from megatron_tsync.training.writer_shield import start_shielded
 
 log = logging.getLogger(__name__)
 
@@ -199,9 +199,9 @@ def shield_checkpoint_writer() -> bool:
     """megatron-core's torch_dist save collects its write results through a ``multiprocessing`` manager, a spawned
     server process started at the first save (``filesystem_async._get_write_results_queue``). A job-wide SIGTERM
     (SLURM time-out, ``scancel``) killed it, and the save made on that signal failed with BrokenPipeError. This
-    starts that manager once, ourselves, with :func:`~megatron_tsync.training.writer_shield.shield_writer_process` as its initializer, and hands its queue
-    to megatron. (The write processes megatron forks per save inherit the trainer's handlers: they only set the
-    stop flag.) False when this megatron-core has no such queue (nothing to shield)."""
+    starts that manager once, ourselves, shielded from its first instruction (:func:`.writer_shield.start_shielded`),
+    and hands its queue to megatron. (The write processes megatron forks per save inherit the trainer's handlers:
+    they only set the stop flag.) False when this megatron-core has no such queue (nothing to shield)."""
     global _writer_manager
     try:
         from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
@@ -215,7 +215,7 @@ def shield_checkpoint_writer() -> bool:
         from torch import multiprocessing as mp
 
         _writer_manager = mpm.SyncManager(ctx=mp.get_context("spawn"))
-        _writer_manager.start(initializer=shield_writer_process)
+        start_shielded(_writer_manager)
         fa._results_queue = _writer_manager.Queue()
     return True
 
