@@ -81,11 +81,11 @@ def _environ(pid: int) -> dict:
 
 # ------------------------------------------------------------------------------------------------ SIGTERM paths
 LONG = dict(TRAIN_ITERS=10_000, SAVE_INTERVAL=1000)
-# A job that only has to be training when SLURM's timer or the trainer's budget fires: its worker sends one
-# trajectory a second (the fault-injection pace, passed through by sbatch's exported environment), so it waits for
+# A job that only has to be training when SLURM's timer or the trainer's budget fires: its worker sends a trajectory
+# every 0.5 s (the fault-injection pace, passed through by sbatch's exported environment), so it waits for
 # its rollouts as an agentic job does instead of running 0.15 s steps flat out for the minute, on the cores the rest
 # of the suite runs on. A signal then lands mid-step, the case that must not lose the last finished step.
-IDLING = dict(LONG, TSYNC_FAULT_PACE_S="1.0")
+IDLING = dict(LONG, TSYNC_FAULT_PACE_S="0.5")
 
 
 def _sigterm_stop(save: str, out: str) -> int:
