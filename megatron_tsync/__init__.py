@@ -1,7 +1,8 @@
 """megatron_tsync: exact streaming-gradient RL post-training on Megatron-Core.
 
 Importing the package does one thing besides defining ``__version__``: it makes the first import of ``megatron.core``
-in this process cheaper (:func:`_defer_torch_compile_in_megatron_import`). Everything else that touches megatron-core
+in this process cheaper (:func:`_defer_torch_compile_in_megatron_import`: torch's compiler stack and wandb are not
+loaded by it). Everything else that touches megatron-core
 versions or patches it lives in ``megatron_tsync/model/compat.py``; this one hook cannot, because it has to be in
 place before any module imports ``megatron.core`` and this file is the only one every such module runs first.
 """
@@ -25,7 +26,13 @@ class _DeferTorchCompile(importlib.abc.MetaPathFinder):
     compiled function, built when torch.compile builds it anyway (torch.compile compiles at the first call), so no
     behaviour changes; only unused kernels stop costing start-up time. ``torch.compile`` is restored right after, and
     the finder removes itself at the first ``megatron.core`` import (nothing happens if megatron-core is imported
-    before ``megatron_tsync``, or not at all)."""
+    before ``megatron_tsync``, or not at all).
+
+    In the same window ``wandb`` is hidden (``sys.modules["wandb"] = None``, so ``import wandb`` raises ImportError)
+    unless the process already imported it: megatron-core's package body imports it only for optional hooks this
+    project never calls (``megatron.core.timers``' wandb writer, the dynamic inference engine's metrics; they see
+    wandb as absent), and the import costs 0.65 CPU-s per process where wandb is installed. This project's own W&B
+    logging (``runtime/wandb_log.py``, ``--wandb-project``) imports wandb afterwards as usual."""
 
     def find_spec(self, name, path=None, target=None):
         if name != "megatron.core":
@@ -59,10 +66,15 @@ class _CompileDeferringLoader(importlib.abc.Loader):
 
         real = torch.compile
         torch.compile = functools.partial(_compile_at_first_call, real)
+        hide_wandb = "wandb" not in sys.modules
+        if hide_wandb:
+            sys.modules["wandb"] = None
         try:
             self._inner.exec_module(module)
         finally:
             torch.compile = real
+            if hide_wandb and "wandb" in sys.modules and sys.modules["wandb"] is None:
+                del sys.modules["wandb"]
 
 
 def _compile_at_first_call(compile_fn, model=None, **kwargs):

@@ -1,6 +1,7 @@
 """``megatron_tsync/__init__.py``: importing ``megatron.core`` after the package does not load torch's compiler stack
-(the fused kernels megatron-core decorates with ``torch.compile`` are compiled at their first call instead), leaves
-``torch.compile`` itself untouched, and a deferred function computes what the compiled one computes."""
+(the fused kernels megatron-core decorates with ``torch.compile`` are compiled at their first call instead) nor wandb
+(importable as usual afterwards), leaves ``torch.compile`` itself untouched, and a deferred function computes what the
+compiled one computes."""
 
 import json
 import os
@@ -20,7 +21,13 @@ real = torch.compile
 import megatron.core, megatron.core.models.gpt
 from megatron.core import jit
 from megatron.core.fusions import fused_bias_geglu
+from megatron.core import timers
+wandb_loaded = "wandb" in sys.modules
+import wandb  # the tests extra installs it: still importable after the window
 print(json.dumps({
+    "wandb_loaded_by_megatron": wandb_loaded,
+    "wandb_after": type(wandb).__name__,
+    "timers_wandb": timers.wandb,
     "dynamo_loaded": "torch._dynamo" in sys.modules,
     "inductor_loaded": "torch._inductor.compile_fx" in sys.modules,
     "torch_compile_restored": torch.compile is real,
@@ -36,7 +43,8 @@ def test_megatron_import_after_the_package_skips_the_compiler_stack():
                          timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
-    assert got == {"dynamo_loaded": False, "inductor_loaded": False, "torch_compile_restored": True,
+    assert got == {"wandb_loaded_by_megatron": False, "wandb_after": "module", "timers_wandb": None,
+                   "dynamo_loaded": False, "inductor_loaded": False, "torch_compile_restored": True,
                    "finder_left": False, "jit_fuser_deferred": True, "geglu_name": "geglu"}, got
 
 
