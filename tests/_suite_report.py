@@ -2,9 +2,9 @@
 call + teardown), and every failed test with its first error line — so that a red CI run says what failed in the
 last screen of its log. Works under pytest-xdist: the reports it reads are the ones the workers send back.
 
-``TSYNC_DURATIONS_JSON=path`` also writes every test's seconds, CPU seconds and outcome there (what the README's and
-the notes' duration tables are made from). CPU seconds (:class:`CpuMeter`, in the process that runs the test): user +
-system time of that process and of the child processes it waited for (a training run's subprocess, a torchrun and
+``TSYNC_DURATIONS_JSON=path`` also writes every test's seconds, CPU seconds and outcome there (what docs/testing.md's
+and the notes' duration tables are made from). CPU seconds (:class:`CpuMeter`, in the process that runs the test):
+user + system time of that process and of the child processes it waited for (a training run's subprocess, a torchrun and
 its ranks) from the start of setup to the end of teardown; on two busy cores the wall seconds of a test depend on
 its neighbour, its CPU seconds much less."""
 

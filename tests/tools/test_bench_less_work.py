@@ -1,5 +1,5 @@
 """tools/bench_less_work.py at a tiny size: every configuration computes today's gradient, the shared prefix and
-the zero-advantage skip really happen, and the rows carry the fields the README table reads."""
+the zero-advantage skip really happen, and the rows carry the fields the table of docs/streaming.md reads."""
 
 import sys
 from pathlib import Path
