@@ -1,5 +1,5 @@
-"""How the suite is split over pytest-xdist workers (``tools/test.sh``: ``-n 2 --dist loadfile
---no-loadscope-reorder``). Applied only inside xdist workers; a plain ``pytest`` run is untouched.
+"""How the suite is split over pytest-xdist workers (``tools/test.sh``: ``-n 3 --dist loadfile
+--no-loadscope-reorder`` on two cores). Applied only inside xdist workers; a plain ``pytest`` run is untouched.
 
 * One test module = one work unit, so a module-scoped fixture (one torchrun serving all of a module's checks, a
   trained model shared by its tests) runs once, on one worker. The work units are this file's, not xdist's
@@ -7,6 +7,9 @@
 * The SLURM modules (``tests/slurm/``) are one unit: they share one munged, and a module's teardown takes its cluster
   down, so they run one after the other on one worker (their cluster fixtures also hold a machine-wide lock,
   ``tests/slurm/test_sbatch.py::slurm_lock``, for runs that split them some other way).
+* Why three workers on two cores: the SLURM unit is the longest (it starts first) and mostly waits on SLURM's timers
+  and its jobs' idle pace, so one worker holds it while the other two keep both cores busy; when it ends, its worker
+  takes units like the others.
 * Units start longest first (LPT), by ``tests/module_seconds.json`` (seconds per module from a measured whole run;
   refresh it with ``python tools/test_durations.py --write``): the long end-to-end modules run beside the many
   short ones instead of after them. A module missing from the file counts as short.

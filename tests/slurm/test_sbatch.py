@@ -46,8 +46,8 @@ def _cancel_leftover_jobs():
 
 @contextlib.contextmanager
 def slurm_lock():
-    """One SLURM test module at a time on this machine (pytest-xdist runs modules on two workers): the clusters share
-    one munged, and a module's teardown takes its cluster down. The other worker waits here."""
+    """One SLURM test module at a time on this machine (pytest-xdist runs modules on several workers): the clusters
+    share one munged, and a module's teardown takes its cluster down. Another worker waits here."""
     with open(os.path.join(tempfile.gettempdir(), "tsync-slurm-tests.lock"), "w") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         try:
