@@ -8,6 +8,7 @@
 - ``moe``: Qwen3-MoE through megatron-core's MoE layer (config mapping, expert conversion, router replay);
 - ``incremental``: the KV-kept incremental forward (turn-level OPD, the teacher's scorer);
 - ``parallel``: process groups from torchrun / SLURM (``ParallelDims``);
+- ``wrappers``: ``unwrap`` (the ``GPTModel`` inside DDP / Float16Module; re-exported by ``builder``);
 - ``tokenizer``: the text ⇄ token-id codec;
 - ``tiny_model``: a tiny random model with a locally trained tokenizer (quickstart, tests).
 """
