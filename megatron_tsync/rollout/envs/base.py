@@ -2,7 +2,7 @@
 
 ::
 
-    env = get_environment("swe-lite", ...)            # megatron_tsync.rollout.envs; or CalculatorEnv(), WorkspaceEnv(...)
+    env = get_environment("swe-lite", ...)            # (rollout.envs) or CalculatorEnv(), WorkspaceEnv(...)
     ep = await env.start(task)                        # a fresh, isolated workspace for this trajectory
     ep.prompt                                         # the first observation (the task, the tools, the format)
     obs = await ep.step(model_turn_text)              # runs the turn's tool call -> Observation(text, done)

@@ -64,8 +64,8 @@ from typing import Any, Mapping, Sequence
 
 import megatron_tsync.rollout.sandbox.container_cli as cli
 import megatron_tsync.rollout.sandbox.fs as sandbox_fs
-from megatron_tsync.rollout.sandbox.core import (_MEMORY_PATTERNS, CallRunner, Mount, Sandbox, SandboxConfig, ToolResult,
-                                            Workspace)
+from megatron_tsync.rollout.sandbox.core import (_MEMORY_PATTERNS, CallRunner, Mount, Sandbox, SandboxConfig,
+                                                 ToolResult, Workspace)
 from megatron_tsync.rollout.sandbox.caps import ensure_root_dir
 from megatron_tsync.rollout.sandbox.io import Pump, write_files
 
