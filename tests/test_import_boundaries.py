@@ -8,7 +8,9 @@ dependency all the same), relative imports resolved. Rules:
   and ``training/`` never imports ``rollout/``; both reach the network through ``model/``;
 - the pure packages import no third-party code of the kinds they must not touch (:data:`FORBIDDEN_EXTERNAL`);
 - no module imports ``examples`` or ``tools`` (they import the package, never the reverse);
-- no import cycle among the modules of ``runtime/``.
+- no import cycle among the modules of the package (every subpackage, ``rollout/sandbox/`` and ``rollout/envs/``
+  included; a subpackage is under the rules of its top-level package), a package's ``__init__`` counting as a module;
+- no .py file of the package is over :data:`MAX_LINES` lines.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ ALLOWED: dict[str, set[str]] = {
     "train": {"arguments", "runtime"},
     "__init__": set(),
 }
+MAX_LINES = 800
 FORBIDDEN_EXTERNAL: dict[str, tuple[str, ...]] = {
     "algorithms": ("megatron", "zmq", "socket", "msgpack", "transformers", "vllm"),
     "streaming": ("zmq", "socket", "msgpack", "vllm"),
@@ -120,9 +123,10 @@ def boundary_violations() -> list[str]:
     return list(dict.fromkeys(bad))
 
 
-def runtime_cycles() -> list[list[str]]:
-    graph = {m: {n for n, _ in _own_imports(m) if n.startswith("megatron_tsync.runtime.") and n != m}
-             for m in MODULES if m.startswith("megatron_tsync.runtime.")}
+def import_cycles(prefix: str = "megatron_tsync") -> list[list[str]]:
+    """Import cycles among the modules under ``prefix`` (the whole package by default)."""
+    inside = {m for m in MODULES if m == prefix or m.startswith(prefix + ".")}
+    graph = {m: {n for n, _ in _own_imports(m) if n in inside and n != m} for m in inside}
     cycles, state = [], {}
 
     def visit(m, stack):
@@ -142,14 +146,37 @@ def runtime_cycles() -> list[list[str]]:
     return cycles
 
 
+def runtime_cycles() -> list[list[str]]:
+    return import_cycles("megatron_tsync.runtime")
+
+
+def long_files() -> list[str]:
+    return [f"{path}: {n} lines" for path in sorted(MODULES.values())
+            if (n := len(open(path).read().splitlines())) > MAX_LINES]
+
+
 def test_every_package_imports_only_what_architecture_md_allows():
     bad = boundary_violations()
     assert not bad, "import boundary violations:\n" + "\n".join(bad)
 
 
-def test_no_import_cycle_in_runtime():
-    cycles = runtime_cycles()
-    assert not cycles, "import cycles in runtime/:\n" + "\n".join(" -> ".join(c) for c in cycles)
+def test_no_import_cycle_in_the_package():
+    cycles = import_cycles()
+    assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_the_sandbox_subpackage_is_checked():
+    """rollout/sandbox/ is walked: its modules are under the rollout rules and in the cycle graph."""
+    sandbox = [m for m in MODULES if m.startswith("megatron_tsync.rollout.sandbox")]
+    assert {"megatron_tsync.rollout.sandbox", "megatron_tsync.rollout.sandbox.core",
+            "megatron_tsync.rollout.sandbox.container"} <= set(sandbox)
+    assert {_top(m) for m in sandbox} == {"rollout"}
+    assert "megatron_tsync.rollout.sandbox.fs" in {n for n, _ in _own_imports("megatron_tsync.rollout.sandbox.core")}
+
+
+def test_no_file_over_max_lines():
+    bad = long_files()
+    assert not bad, f"files over {MAX_LINES} lines (split them):\n" + "\n".join(bad)
 
 
 @pytest.mark.parametrize("src, expect", [
@@ -173,3 +200,27 @@ def test_the_cycle_check_catches_a_cycle(tmp_path, monkeypatch):
     monkeypatch.setitem(MODULES, "megatron_tsync.runtime.a", str(a))
     monkeypatch.setitem(MODULES, "megatron_tsync.runtime.b", str(b))
     assert any("megatron_tsync.runtime.a" in c and "megatron_tsync.runtime.b" in c for c in runtime_cycles())
+
+
+def test_the_cycle_check_catches_a_cycle_across_packages_and_through_an_init(tmp_path, monkeypatch):
+    """A subpackage's module importing its own package's ``__init__``, which imports it back, is a cycle; so is a
+    function-local import between two top-level packages."""
+    init, mod = tmp_path / "__init__.py", tmp_path / "probe.py"
+    init.write_text("from megatron_tsync.rollout.sandbox.probe import x\n")
+    mod.write_text("def f():\n    from megatron_tsync.rollout.sandbox import Sandbox\n")
+    monkeypatch.setitem(MODULES, "megatron_tsync.rollout.sandbox", str(init))
+    monkeypatch.setitem(MODULES, "megatron_tsync.rollout.sandbox.probe", str(mod))
+    assert any("megatron_tsync.rollout.sandbox.probe" in c for c in import_cycles())
+    m, t = tmp_path / "m.py", tmp_path / "t.py"
+    m.write_text("def f():\n    import megatron_tsync.training.t\n")
+    t.write_text("from megatron_tsync.model.m import f\n")
+    monkeypatch.setitem(MODULES, "megatron_tsync.model.m", str(m))
+    monkeypatch.setitem(MODULES, "megatron_tsync.training.t", str(t))
+    assert any("megatron_tsync.model.m" in c and "megatron_tsync.training.t" in c for c in import_cycles())
+
+
+def test_the_line_check_catches_a_long_file(tmp_path, monkeypatch):
+    long = tmp_path / "long.py"
+    long.write_text("x = 1\n" * (MAX_LINES + 1))
+    monkeypatch.setitem(MODULES, "megatron_tsync.rollout.sandbox.long", str(long))
+    assert any(str(long) in b for b in long_files())

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Install podman (and runc) for the container sandbox backend (megatron_tsync/rollout/sandbox_container.py).
+# Install podman (and runc) for the container sandbox backend (megatron_tsync/rollout/sandbox/container.py).
 #
 #   bash tools/install_podman.sh      # no-op when podman (and, where needed, runc) is already there; prints
 #                                     # 'podman version X' on stdout, logs on stderr; exit 1 when it cannot install

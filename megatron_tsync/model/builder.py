@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_tsync.model import compat
+from megatron_tsync.model.wrappers import unwrap  # noqa: F401 - re-exported (model.builder.unwrap)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -329,10 +330,3 @@ def pad_for_sequence_parallel(model, tp: int) -> None:
     model._tsync_len = None
     model.register_forward_pre_hook(pad, with_kwargs=True)
     model.register_forward_hook(unpad)
-
-
-def unwrap(model):
-    """The ``GPTModel`` inside DDP / Float16Module wrappers."""
-    while hasattr(model, "module"):
-        model = model.module
-    return model

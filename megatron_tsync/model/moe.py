@@ -95,6 +95,8 @@ from typing import Any
 
 import torch
 
+from megatron_tsync.model.wrappers import unwrap
+
 # TransformerConfig fields whose non-default values break streaming exactness (see the module docstring).
 _REFUSED = {
     "moe_aux_loss_coeff": (0.0, "the load-balancing loss's gradient rides on the policy-loss backward, which "
@@ -329,8 +331,6 @@ def hf_config_dict(arch, *, dtype: torch.dtype = torch.float32, extra: dict | No
 def _replays(model) -> list:
     """This stage's ``RouterReplay`` objects, one per local layer in order (megatron also keeps a process-wide
     list of every router ever built; this reads the model's own, so several models in a process do not mix)."""
-    from megatron_tsync.model.builder import unwrap
-
     out = []
     for layer in unwrap(model).decoder.layers:
         rr = getattr(getattr(layer.mlp, "router", None), "router_replay", None)
@@ -376,8 +376,6 @@ class replay_microbatch:
     def __init__(self, model, per_layer):
         self.inner = None
         if per_layer is not None:
-            from megatron_tsync.model.builder import unwrap
-
             local = [per_layer[layer.layer_number - 1] for layer in unwrap(model).decoder.layers]
             self.inner = replay_routing(model, local)
 

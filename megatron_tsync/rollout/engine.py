@@ -72,7 +72,7 @@ class SamplingConfig:
         Every field not in ``RUNTIME_FIELDS`` is read from the first of ``sections`` (config dataclasses:
         ``RolloutConfig`` for temperature / top_k / top_p, ``RLConfig`` for max_new_tokens) that has a field of the
         same name; ``runtime`` sets the others (the tokenizer's stop / tool token ids, the seed). A new sampling flag
-        is thus a field here (with its check in ``__post_init__``), a field of the same name in ``config.py`` (which
+        is thus a field here (with its check in ``__post_init__``), a field of the same name in ``config/`` (which
         validates it through this class) and its row in ``arguments.py``. A field found in no section is a TypeError.
         """
         unknown = sorted(set(runtime) - set(RUNTIME_FIELDS))

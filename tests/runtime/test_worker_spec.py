@@ -40,7 +40,7 @@ def test_json_round_trip_and_refusals(tmp_path) -> None:
 
 
 def test_no_field_has_a_default() -> None:
-    """Defaults drifted from config.py before (max_turns 3 vs 4, max_new_tokens 32 vs 64): the fleet states every
+    """Defaults drifted from the config before (max_turns 3 vs 4, max_new_tokens 32 vs 64): the fleet states every
     field, and the run's settings are the config's own sections."""
     assert all(f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
                for f in dataclasses.fields(WorkerSpec))

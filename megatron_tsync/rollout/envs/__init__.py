@@ -5,4 +5,22 @@ Importing the package registers the built-in environments (``get_environment``):
 "terminal-lite", "calculator".
 """
 
+from __future__ import annotations
+
+from typing import Any
+
 from megatron_tsync.rollout.envs import calculator, swe_lite, terminal_lite, workspace_env  # noqa: F401 - registration
+from megatron_tsync.rollout.envs.base import _REGISTRY, Environment
+
+__all__ = ["get_environment", "available_environments"]
+
+
+def get_environment(name: str, **kwargs: Any) -> Environment:
+    try:
+        return _REGISTRY[name](**kwargs)
+    except KeyError:
+        raise KeyError(f"unknown environment {name!r}; available: {', '.join(sorted(_REGISTRY))}") from None
+
+
+def available_environments() -> list[str]:
+    return sorted(_REGISTRY)

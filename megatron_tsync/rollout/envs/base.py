@@ -2,7 +2,7 @@
 
 ::
 
-    env = get_environment("swe-lite", ...)            # or CalculatorEnv(), WorkspaceEnv(...)
+    env = get_environment("swe-lite", ...)            # (rollout.envs) or CalculatorEnv(), WorkspaceEnv(...)
     ep = await env.start(task)                        # a fresh, isolated workspace for this trajectory
     ep.prompt                                         # the first observation (the task, the tools, the format)
     obs = await ep.step(model_turn_text)              # runs the turn's tool call -> Observation(text, done)
@@ -15,7 +15,9 @@ appends ``obs.text`` encoded on its own, with loss mask 0. :class:`EnvTools` is 
 an environment: it finds the trajectory's episode in ``traj.metadata["episode"]`` (through the loop's
 ``CURRENT_CALL``) and, when the observation ends the episode (``submit``), sets the trajectory's finish reason to
 ``"done"`` so the loop stops generating.
-Standard library only (the environments import the sandbox lazily).
+Standard library only (the environments import the sandbox lazily). This module holds the registry
+(:func:`register_environment`); the lookup (``get_environment``, ``available_environments``) lives in the package's
+``__init__``, which imports the built-in environments first, so no environment module and this one import each other.
 """
 
 from __future__ import annotations
@@ -24,8 +26,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol, runtime_checkable
 
-__all__ = ["Observation", "Episode", "Environment", "EnvTools", "register_environment", "get_environment",
-           "available_environments", "run_scripted"]
+__all__ = ["Observation", "Episode", "Environment", "EnvTools", "register_environment", "run_scripted"]
 
 
 @dataclass(frozen=True)
@@ -67,21 +68,6 @@ def register_environment(name: str):
         return factory
 
     return deco
-
-
-def get_environment(name: str, **kwargs: Any) -> Environment:
-    import megatron_tsync.rollout.envs  # noqa: F401 - registers the built-ins
-
-    try:
-        return _REGISTRY[name](**kwargs)
-    except KeyError:
-        raise KeyError(f"unknown environment {name!r}; available: {', '.join(sorted(_REGISTRY))}") from None
-
-
-def available_environments() -> list[str]:
-    import megatron_tsync.rollout.envs  # noqa: F401
-
-    return sorted(_REGISTRY)
 
 
 class EnvTools:

@@ -11,7 +11,8 @@ import pytest
 
 from megatron_tsync.rollout.agent_loop import AgentConfig, AgentLoop
 from megatron_tsync.rollout.engine import Completion, SamplingConfig
-from megatron_tsync.rollout.envs.base import EnvTools, available_environments
+from megatron_tsync.rollout.envs import available_environments
+from megatron_tsync.rollout.envs.base import EnvTools
 from megatron_tsync.rollout.envs.swe_lite import SweLiteEnv, generate_task
 
 pytestmark = pytest.mark.timeout(120)

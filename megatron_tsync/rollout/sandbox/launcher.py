@@ -12,7 +12,7 @@ __all__ = ["LAUNCHER_SRC", "PROBE_SRC"]
 # poll_memory source (trusted Python run by the target itself instead of execve(argv); see Sandbox.run_source)
 LAUNCHER_SRC = r'''
 import ctypes, marshal, os, resource, signal, sys, time
-if "spec" not in globals():  # else run by the fork server (sandbox_forkserver), which passes it
+if "spec" not in globals():  # else run by the fork server (forkserver.py), which passes it
     spec = marshal.loads(bytes.fromhex(sys.argv[1]))  # marshal, not json: json's import costs ~8 ms per call
 STATUS = spec["status_fd"]
 def report(**kw):  # one "key value" line per item; values never contain newlines

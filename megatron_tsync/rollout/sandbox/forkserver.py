@@ -28,7 +28,7 @@ import subprocess
 import sys
 import threading
 
-from megatron_tsync.rollout.sandbox_launcher import LAUNCHER_SRC
+from megatron_tsync.rollout.sandbox.launcher import LAUNCHER_SRC
 
 __all__ = ["ForkServer", "ForkedProc", "SERVER_SRC"]
 

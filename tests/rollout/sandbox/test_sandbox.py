@@ -20,7 +20,7 @@ import pytest
 
 from megatron_tsync.rollout.sandbox import _UID_BASE, _UID_SLOTS, Mount, Sandbox, SandboxConfig, ToolResult
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 pytestmark = pytest.mark.timeout(60)
 

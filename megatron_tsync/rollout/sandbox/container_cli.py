@@ -1,4 +1,4 @@
-"""Command lines of the container runtimes behind :class:`.sandbox_container.ContainerSandbox`, and what each enforces.
+"""Command lines of the container runtimes behind :class:`.container.ContainerSandbox`, and what each enforces.
 
 One :class:`CallSpec` (argv, env, cwd = the workspace, mounts, limits) becomes one runtime invocation:
 

@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from megatron_tsync.rollout import sandbox_container_cli as cli
+import megatron_tsync.rollout.sandbox.container_cli as cli
 from megatron_tsync.rollout.sandbox import Mount, Sandbox, SandboxConfig
-from megatron_tsync.rollout.sandbox_container import (UID_BASE, UID_SLOTS, ContainerConfig, ContainerSandbox,
+from megatron_tsync.rollout.sandbox.container import (UID_BASE, UID_SLOTS, ContainerConfig, ContainerSandbox,
                                                        container_uids_in_use, make_sandbox)
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 INSTALL = ROOT / "tools" / "install_podman.sh"
 
 pytestmark = pytest.mark.timeout(120)

@@ -13,9 +13,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from megatron_tsync.rollout import sandbox_forkserver, tools
+from megatron_tsync.rollout import tools
+from megatron_tsync.rollout.sandbox import forkserver as sandbox_forkserver
 from megatron_tsync.rollout.sandbox import Sandbox, SandboxConfig, uids_in_use
-from tests.rollout.test_sandbox import rendezvous, rendezvous_code, wide
+from tests.rollout.sandbox.test_sandbox import rendezvous, rendezvous_code, wide
 from tests.conftest import until as _until
 
 pytestmark = pytest.mark.timeout(120)

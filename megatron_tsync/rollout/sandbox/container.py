@@ -11,7 +11,7 @@ workspaces with ``path``, ``uid``, ``run``, ``run_async``, ``write_files``, ``re
     sb.enforcement()                                        # {name: {"enforced", "how", "tested"}}
     sb.close()                                              # removes the host-rootfs dir (also at exit)
 
-Each call is one ``podman run`` (see :mod:`.sandbox_container_cli` for the exact command line and for the other
+Each call is one ``podman run`` (see :mod:`.container_cli` for the exact command line and for the other
 runtimes): the workspace (a host directory, a size-limited tmpfs when root, mode 0700, owned by a private uid) is
 bind-mounted read-write at the same path and is the cwd; extra ``mounts={target: Mount(source, read_only)}`` are bound
 too; ``--network none``; ``--memory``/``--memory-swap`` = ``total_memory_bytes`` and ``--pids-limit`` (cgroup of the
@@ -62,12 +62,12 @@ import time
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from megatron_tsync.rollout import sandbox_container_cli as cli
-from megatron_tsync.rollout import sandbox_fs
-from megatron_tsync.rollout.sandbox import (_MEMORY_PATTERNS, CallRunner, Mount, Sandbox, SandboxConfig, ToolResult,
-                                            Workspace)
-from megatron_tsync.rollout.sandbox_caps import ensure_root_dir
-from megatron_tsync.rollout.sandbox_io import Pump, write_files
+import megatron_tsync.rollout.sandbox.container_cli as cli
+import megatron_tsync.rollout.sandbox.fs as sandbox_fs
+from megatron_tsync.rollout.sandbox.core import (_MEMORY_PATTERNS, CallRunner, Mount, Sandbox, SandboxConfig,
+                                                 ToolResult, Workspace)
+from megatron_tsync.rollout.sandbox.caps import ensure_root_dir
+from megatron_tsync.rollout.sandbox.io import Pump, write_files
 
 __all__ = ["BACKENDS", "ContainerConfig", "ContainerSandbox", "make_sandbox", "container_uids_in_use",
            "backend_table"]

@@ -26,7 +26,7 @@ How a call is isolated (each mechanism is probed once per process; :meth:`Sandbo
                                     cgroup = mtsb_<pid>_<n> (memory.limit = total_memory_bytes, pids.max)
       └─ launcher (root), new session + process group; moved into the cgroup by the parent before it forks
                    anything. Forked by the sandbox's fork server (one warm interpreter per Sandbox, started on first
-                   use: :mod:`.sandbox_forkserver`; the default) or, with ``SandboxConfig(launcher="exec")``, a fresh
+                   use: :mod:`.forkserver`; the default) or, with ``SandboxConfig(launcher="exec")``, a fresh
                    `python -I -S -c LAUNCHER_SRC spec` per call: the same launcher code either way
            unshare(NEWNET | NEWNS | NEWPID | NEWIPC | NEWUTS)      network: empty netns, loopback down
            mount: / rprivate, area bind-mounted rw, every other mount remounted read-only; an empty read-only tmpfs
@@ -50,7 +50,7 @@ How a call is isolated (each mechanism is probed once per process; :meth:`Sandbo
 - memory: RLIMIT_AS = RLIMIT_DATA = ``memory_bytes`` per process, and with a cgroup ``total_memory_bytes`` for the
   whole tree (the kernel OOM-kills inside the call at the limit; tmpfs pages the call writes count too). cgroup v2 is
   used where this process's cgroup has memory+pids delegated, else the v1 memory+pids hierarchies (see
-  :mod:`.sandbox_cgroup`). Without a cgroup, the init of the call's pid namespace sums the RSS of every process in it
+  :mod:`.cgroup`). Without a cgroup, the init of the call's pid namespace sums the RSS of every process in it
   every 50 ms and kills them all above ``total_memory_bytes`` (shared pages counted once per process; a burst
   between two polls can go beyond, up to the hard bound ``memory_bytes * max_processes``); without a pid namespace
   either, that hard bound is all.
@@ -58,7 +58,7 @@ How a call is isolated (each mechanism is probed once per process; :meth:`Sandbo
   ENOSPC inside the call, nothing reaches the host disk; RLIMIT_FSIZE caps one file. Writes outside the area fail with
   EROFS (read-only mounts) and EACCES (unprivileged uid).
 - cleanup: an area is removed by ``umount2(MNT_DETACH)`` + ``rmdir`` (no tree walk; without tmpfs an iterative walk,
-  :func:`.sandbox_fs.remove_tree`), the cgroup is emptied and removed, and the uid slot is returned in a ``finally``
+  :func:`.fs.remove_tree`), the cgroup is emptied and removed, and the uid slot is returned in a ``finally``
   of its own: nothing of a call is left behind however it ended. A failed removal is retried after later calls, and
   areas of dead owner pids are swept at start-up.
 - when not root: a user namespace is tried first to obtain the other namespaces; the uid cannot be dropped, no tmpfs
@@ -73,7 +73,7 @@ launcher (two interpreter start-ups), ~9 ms with the fork server (default); wall
 limit a v1 tree may thrash (page cache re-faults) for seconds before the OOM kill. Run ``python -c "from megatron_tsync.rollout.sandbox import
 Sandbox; print(Sandbox().enforcement())"`` on a new machine.
 
-This module and its helpers (``sandbox_*.py``) import only the standard library (no torch, no megatron).
+This module and the rest of the package (``rollout/sandbox/``) import only the standard library (no torch, no megatron).
 """
 
 from __future__ import annotations
@@ -92,13 +92,14 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from megatron_tsync.rollout import sandbox_cgroup, sandbox_fs
-from megatron_tsync.rollout.sandbox_caps import UID_BASE as _UID_BASE
-from megatron_tsync.rollout.sandbox_caps import UID_SLOTS as _UID_SLOTS
-from megatron_tsync.rollout.sandbox_caps import default_scratch_root, detect_capabilities, encode_spec, parse_status
-from megatron_tsync.rollout.sandbox_forkserver import ForkServer
-from megatron_tsync.rollout.sandbox_io import Pump, write_files
-from megatron_tsync.rollout.sandbox_launcher import LAUNCHER_SRC
+import megatron_tsync.rollout.sandbox.cgroup as sandbox_cgroup
+import megatron_tsync.rollout.sandbox.fs as sandbox_fs
+from megatron_tsync.rollout.sandbox.caps import UID_BASE as _UID_BASE
+from megatron_tsync.rollout.sandbox.caps import UID_SLOTS as _UID_SLOTS
+from megatron_tsync.rollout.sandbox.caps import default_scratch_root, detect_capabilities, encode_spec, parse_status
+from megatron_tsync.rollout.sandbox.forkserver import ForkServer
+from megatron_tsync.rollout.sandbox.io import Pump, write_files
+from megatron_tsync.rollout.sandbox.launcher import LAUNCHER_SRC
 
 __all__ = ["SandboxConfig", "ToolResult", "Mount", "Sandbox", "Workspace", "detect_capabilities"]
 
@@ -232,7 +233,7 @@ def uids_in_use() -> set[int]:
 class CallRunner:
     """Stateless calls, ``run_async`` and workspaces on top of a backend's hooks (``_acquire_uid``, ``_new_area``,
     ``_run_in``, ``_release_uid``; ``scratch_root``, ``config``, ``_max_workers``): the namespace :class:`Sandbox`
-    and ``sandbox_container.ContainerSandbox`` share them."""
+    and ``container.ContainerSandbox`` share them."""
 
     # ------------------------------------------------------------------------------------------------ running
     def run(
@@ -329,7 +330,7 @@ class Sandbox(CallRunner):
     # ------------------------------------------------------------------------------------------------ reporting
     def enforcement(self) -> dict[str, dict[str, Any]]:
         """What is and is not enforced for this config on this machine: ``{name: {"enforced": bool, "how": str}}``."""
-        from megatron_tsync.rollout.sandbox_report import enforcement
+        from megatron_tsync.rollout.sandbox.report import enforcement
 
         return enforcement(self)
 

@@ -3,7 +3,7 @@
 The probe tries each namespace alone, then the read-only remount with the tmpfs masks, then runs :data:`PROBE_SRC`
 inside the full setup under a private uid: a TCP port and a 0777 unix socket of the host must be unreachable, /tmp and
 a 0777 sibling dir must not be writable, the scratch dir must be. It also checks whether size-limited tmpfs areas can
-be mounted and which cgroup backend works (:mod:`.sandbox_cgroup`). Standard library only.
+be mounted and which cgroup backend works (:mod:`.cgroup`). Standard library only.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import tempfile
 import threading
 from typing import Any
 
-from megatron_tsync.rollout import sandbox_fs
-from megatron_tsync.rollout.sandbox_launcher import LAUNCHER_SRC, PROBE_SRC
+import megatron_tsync.rollout.sandbox.fs as sandbox_fs
+from megatron_tsync.rollout.sandbox.launcher import LAUNCHER_SRC, PROBE_SRC
 
 __all__ = ["detect_capabilities", "encode_spec", "parse_status", "UID_BASE", "UID_SLOTS", "mask_dirs",
            "default_scratch_root"]

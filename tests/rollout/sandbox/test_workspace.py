@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from megatron_tsync.rollout.sandbox import Mount, Sandbox, SandboxConfig, open_workspaces, uids_in_use
-from tests.rollout.test_sandbox import procs_with, rendezvous_code, require, sandbox_uid_procs, wide
+from tests.rollout.sandbox.test_sandbox import procs_with, rendezvous_code, require, sandbox_uid_procs, wide
 
 pytestmark = pytest.mark.timeout(300)
 

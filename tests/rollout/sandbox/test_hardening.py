@@ -14,10 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from megatron_tsync.rollout import sandbox_cgroup, sandbox_fs
+from megatron_tsync.rollout.sandbox import cgroup as sandbox_cgroup
+from megatron_tsync.rollout.sandbox import fs as sandbox_fs
 from megatron_tsync.rollout.sandbox import Sandbox, SandboxConfig, uids_in_use
-from tests.rollout.test_sandbox import procs_with, require, sandbox_uid_procs
-from tests.rollout.test_sandbox_workspace import assert_nothing_left, my_areas
+from tests.rollout.sandbox.test_sandbox import procs_with, require, sandbox_uid_procs
+from tests.rollout.sandbox.test_workspace import assert_nothing_left, my_areas
 
 pytestmark = pytest.mark.timeout(300)
 
