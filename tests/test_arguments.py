@@ -240,7 +240,8 @@ BAD = [
     (["--expert-model-parallel-size", "2", "--kl-mode", "loss", "--kl-coef", "0.1"],
      ["--expert-model-parallel-size", "lockstep"]),
     (["--moe-aux-loss-coeff", "0.001"], ["--moe-aux-loss-coeff", "advantage"]),
-    (["--tensor-model"], ["unrecognized arguments"]),  # no abbreviations: the surface is exactly the list above
+    # no abbreviations: the surface is exactly the list above
+    (["--tensor-model"], ["unrecognized argument --tensor-model; did you mean --tensor-model-parallel-size?"]),
 ]
 
 
