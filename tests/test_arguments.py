@@ -367,3 +367,11 @@ def test_config_switch_overridden_by_no_flag(tmp_path):
         cfg_file.write_text(f"sequence-packing: {str(value).lower()}\n")
         assert parse_args(["--config", str(cfg_file)]).learner.sequence_packing is value
         assert parse_args(["--config", str(cfg_file), flag]).learner.sequence_packing is want
+
+
+def test_help_defaults_snapshot_is_current():
+    """--help reads its defaults from help_defaults.py (no torch import); regenerate it with
+    ``python -m megatron_tsync.help_defaults`` after changing a default."""
+    from megatron_tsync.help_defaults import DEFAULTS, current
+
+    assert DEFAULTS == current()
