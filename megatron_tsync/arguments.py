@@ -15,7 +15,9 @@ detected by the dataclasses (``config.ConfigError`` names fields, reported here 
 rules about the flags themselves live here (``--micro-batch-size``, ``--min-lr``, ``--global-batch-size``,
 ``--reward-kind``/``--reward-range``, ``--fp8-recipe``, the world size against TP × PP × CP when it is known).
 
-``build_parser`` imports neither torch nor megatron; ``parse_args`` imports torch when it builds the config.
+``build_parser`` and ``--help`` import neither torch nor megatron (help's defaults: ``help_defaults.py``);
+``parse_args`` imports torch when it builds the config. An unknown flag is one line naming the nearest known one
+(``unrecognized argument --lerning-rate; did you mean --lr?``), like an unknown ``--config`` key.
 """
 
 from __future__ import annotations
@@ -316,11 +318,15 @@ def flag_for_field(path: str) -> str | None:
 class _Parser(argparse.ArgumentParser):
     """Shows each flag's default (read from the dataclasses, so only when help is asked for)."""
 
+    def parse_args(self, args=None, namespace=None):  # type: ignore[override]
+        """argparse's, but an unknown flag is one line with the nearest known flag, not the whole usage."""
+        ns, extras = self.parse_known_args(args, namespace)
+        if extras:
+            self.exit(2, f"{self.prog}: error: {unrecognized_message(self, extras)}\n")
+        return ns
+
     def format_help(self) -> str:
-        try:
-            defaults = C.TrainConfig().to_dict()
-        except Exception:  # noqa: BLE001 - help must print even if a section fails to import
-            defaults = {}
+        defaults = _help_defaults()
         for action in self._actions:
             flag = _BY_DEST.get(action.dest)
             if flag is None or not flag.fields or action.help is None or "(default" in action.help:
@@ -334,6 +340,54 @@ class _Parser(argparse.ArgumentParser):
 
 
 _BY_DEST = {_dest(f): f for f in _FLAGS}
+
+# Megatron-LM / common spellings of flags that exist here under another name (for "did you mean").
+_ALIASES = {"learning-rate": "--lr", "lr-rate": "--lr", "max-seq-length": "--seq-length", "seq-len": "--seq-length",
+            "max-length": "--seq-length", "tp": "--tensor-model-parallel-size", "pp": "--pipeline-model-parallel-size",
+            "tensor-parallel-size": "--tensor-model-parallel-size", "num-samples": "--group-size",
+            "num-rollout-workers": "--rollout-workers", "iterations": "--train-iters", "steps": "--train-iters",
+            "kl-loss-coef": "--kl-coef", "max-response-length": "--max-new-tokens", "load-dir": "--load",
+            "save-dir": "--save", "eps-clip": "--clip-ratio-low"}
+
+
+def suggest_flag(name: str, parser: argparse.ArgumentParser) -> str | None:
+    """The known flag nearest to ``name`` (dashes or underscores, with or without the leading ``--``), or None."""
+    import difflib
+
+    key = name.split("=", 1)[0].lstrip("-").replace("_", "-").lower()
+    flags = {o.lstrip("-"): o for a in parser._actions for o in a.option_strings if o.startswith("--")}
+    flags.pop("help", None)
+    if key in _ALIASES:
+        return _ALIASES[key]
+    prefixed = sorted(f for f in flags if f.startswith(key)) if len(key) >= 3 else []
+    if len(prefixed) == 1:  # an abbreviation (not accepted: the surface is exactly the list of flags)
+        return flags[prefixed[0]]
+    close = difflib.get_close_matches(key, [*flags, *_ALIASES], n=1, cutoff=0.6)
+    if not close:
+        return None
+    return flags.get(close[0]) or _ALIASES[close[0]]
+
+
+def unrecognized_message(parser: argparse.ArgumentParser, extras: Sequence[str]) -> str:
+    """``unrecognized argument --lerning-rate; did you mean --lr?`` for the unknown tokens ``extras``."""
+    unknown = [t.split("=", 1)[0] for t in extras if t.startswith("-")] or list(extras)
+    hints = [suggest_flag(tok, parser) if tok.startswith("-") else None for tok in unknown]
+    if len(unknown) == 1:
+        return f"unrecognized argument {unknown[0]}" + (f"; did you mean {hints[0]}?" if hints[0] else "")
+    parts = [f"{tok} (did you mean {hint}?)" if hint else tok for tok, hint in zip(unknown, hints)]
+    return f"unrecognized arguments {', '.join(parts)}"
+
+
+def _help_defaults() -> dict:
+    """``TrainConfig().to_dict()``: live when torch is imported already, else the snapshot (no torch import)."""
+    if "torch" in sys.modules:
+        try:
+            return C.TrainConfig().to_dict()
+        except Exception:  # noqa: BLE001 - help must print even if a section fails to import
+            pass
+    from megatron_tsync.help_defaults import DEFAULTS
+
+    return DEFAULTS
 
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
@@ -375,10 +429,8 @@ def _config_tokens(parser: argparse.ArgumentParser, path: str) -> list[str]:
     for key, value in data.items():
         norm = str(key).replace("-", "_")
         if norm in ("config", "help", "h") or norm not in by_name:
-            import difflib
-
-            close = difflib.get_close_matches(norm, list(by_name), n=1)
-            hint = f" (did you mean {close[0].replace('_', '-')!r}?)" if close else ""
+            close = suggest_flag(str(key), parser) if norm not in ("config", "help", "h") else None
+            hint = f" (did you mean {close.lstrip('-')!r}?)" if close else ""
             parser.error(f"argument --config: unknown key {key!r} in {path}{hint}; keys are flag names without "
                          "the leading dashes")
         opt, action = by_name[norm]

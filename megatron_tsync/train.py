@@ -2,6 +2,9 @@
 
 Flags follow Megatron-LM where they overlap (``--tensor-model-parallel-size``, ``--lr``, ``--load``, ``--save``,
 ...) plus the RL flags; ``--config FILE`` reads YAML/JSON. See ``megatron_tsync/arguments.py``.
+
+Order: flags (``--help`` imports neither torch nor megatron), then the pre-flight checks (``runtime/preflight.py``:
+model folder, tokenizer, task, layout, sequence length; one ``[tsync] error:`` line and exit code 2), then the run.
 """
 
 import sys
@@ -9,10 +12,17 @@ import sys
 
 def main(argv=None) -> int:
     from megatron_tsync.arguments import parse_args
-    from megatron_tsync.runtime.loop import run
 
     cfg = parse_args(argv)
-    run(cfg)
+    from megatron_tsync.runtime.preflight import StartupError, fail, run_preflight
+
+    run_preflight(cfg)  # before torch.distributed, the model, the --save lock or any worker
+    from megatron_tsync.runtime.loop import run
+
+    try:
+        run(cfg)
+    except StartupError as e:
+        fail(e)
     return 0
 
 

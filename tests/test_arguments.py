@@ -240,7 +240,8 @@ BAD = [
     (["--expert-model-parallel-size", "2", "--kl-mode", "loss", "--kl-coef", "0.1"],
      ["--expert-model-parallel-size", "lockstep"]),
     (["--moe-aux-loss-coeff", "0.001"], ["--moe-aux-loss-coeff", "advantage"]),
-    (["--tensor-model"], ["unrecognized arguments"]),  # no abbreviations: the surface is exactly the list above
+    # no abbreviations: the surface is exactly the list above
+    (["--tensor-model"], ["unrecognized argument --tensor-model; did you mean --tensor-model-parallel-size?"]),
 ]
 
 
@@ -366,3 +367,11 @@ def test_config_switch_overridden_by_no_flag(tmp_path):
         cfg_file.write_text(f"sequence-packing: {str(value).lower()}\n")
         assert parse_args(["--config", str(cfg_file)]).learner.sequence_packing is value
         assert parse_args(["--config", str(cfg_file), flag]).learner.sequence_packing is want
+
+
+def test_help_defaults_snapshot_is_current():
+    """--help reads its defaults from help_defaults.py (no torch import); regenerate it with
+    ``python -m megatron_tsync.help_defaults`` after changing a default."""
+    from megatron_tsync.help_defaults import DEFAULTS, current
+
+    assert DEFAULTS == current()

@@ -34,7 +34,8 @@ ALLOWED: dict[str, set[str]] = {
     # the typed config reuses the sections of the modules that consume them (loaded lazily): no rule beyond "not the
     # orchestration" (runtime/) and "not the wire" (transport/)
     "config": {"config", "training", "model", "rollout", "streaming", "algorithms"},
-    "arguments": {"arguments", "config", "training", "model", "rollout", "streaming", "algorithms"},
+    "arguments": {"arguments", "config", "training", "model", "rollout", "streaming", "algorithms", "help_defaults"},
+    "help_defaults": {"config"},  # the --help defaults as data; regenerated from config
     "train": {"arguments", "runtime"},
     "__init__": set(),
 }

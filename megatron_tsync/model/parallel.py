@@ -77,6 +77,10 @@ class ParallelDims:
         return ps.get_model_parallel_group()
 
 
+class PortInUse(RuntimeError):
+    """The rendezvous port (MASTER_PORT) of a multi-process run is taken; the message says which and what to do."""
+
+
 def launcher_env() -> tuple[int, int, int]:
     """(rank, world_size, local_rank) from torchrun (RANK/WORLD_SIZE/LOCAL_RANK) or srun (SLURM_*)."""
     env = os.environ
@@ -131,7 +135,15 @@ def initialize_parallel(
         else:
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ.setdefault("MASTER_PORT", "29500")
-            dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
+            try:
+                dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
+            except (RuntimeError, OSError) as e:  # DistNetworkError (a RuntimeError) and friends
+                if "EADDRINUSE" not in str(e) and "address already in use" not in str(e).lower():
+                    raise
+                raise PortInUse(f"MASTER_PORT {os.environ['MASTER_PORT']} on {os.environ['MASTER_ADDR']} is already "
+                                f"in use by another process (rank {rank} of {world} could not listen on it): "
+                                "export MASTER_PORT=<a free port> (or torchrun --master-port) and start again") \
+                    from None
     if ps.model_parallel_is_initialized():
         if (ps.get_tensor_model_parallel_world_size() != tp or ps.get_pipeline_model_parallel_world_size() != pp
                 or ps.get_expert_model_parallel_world_size() != ep):

@@ -186,26 +186,45 @@ class RolloutFleet:
     def source(self, step: int, max_seq_len: int) -> "TransportSource":
         return TransportSource(self, step, max_seq_len)
 
-    def close(self, grace_s: float = 2.0) -> None:
+    def close(self, grace_s: float = 10.0) -> None:
         """Workers see the trainer's heartbeat say "closed" (external ones leave once idle); the ones this fleet
-        started get ``grace_s`` to leave, then SIGKILL (they ignore SIGTERM: a job-wide signal is the trainer's)."""
+        started get ``grace_s`` to leave (an idle one exits 0 within a fraction of a second), then SIGKILL (they
+        ignore SIGTERM: a job-wide signal is the trainer's)."""
         self.heartbeat.stop(closed=True)
         deadline = time.monotonic() + grace_s
         while any(p.poll() is None for p in self.procs) and time.monotonic() < deadline:
             time.sleep(0.05)
-        for p in self.procs:
+        stopped = set()
+        for w, p in enumerate(self.procs):
             if p.poll() is None:
                 p.kill()
+                stopped.add(w)
         for p in self.procs:
             try:
                 p.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 log.warning("rollout worker pid %d did not exit after SIGKILL", p.pid)
         if self.procs:
-            print(f"[tsync] rollout workers closed: exit codes {[p.returncode for p in self.procs]}", flush=True)
+            print(f"[tsync] {close_message([p.returncode for p in self.procs], stopped, grace_s)}", flush=True)
         if self.weight_publisher is not None:
             self.weight_publisher.close()
         self.receiver.close()
+
+
+def close_message(codes: list, stopped: set, grace_s: float) -> str:
+    """The line the trainer prints when it has closed its workers: how many exited 0, how many it stopped (still
+    running ``grace_s`` after the close; SIGKILL, not a crash), and the exit codes of any that failed."""
+    parts = []
+    clean = sum(1 for w, c in enumerate(codes) if c == 0 and w not in stopped)
+    if clean:
+        parts.append(f"{clean} exited 0")
+    if stopped:
+        parts.append(f"{len(stopped)} stopped (still running {grace_s:g}s after the close: killed)")
+    failed = {w: c for w, c in enumerate(codes) if c != 0 and w not in stopped}
+    if failed:
+        parts.append(f"{len(failed)} failed earlier (exit codes " + ", ".join(f"worker {w}: {c}" for w, c in
+                                                                              failed.items()) + ")")
+    return "rollout workers closed: " + ", ".join(parts)
 
 
 _IPC_PATH_MAX = 100  # bytes: a unix socket path must fit sockaddr_un.sun_path (108 with the NUL; 104 on macOS)

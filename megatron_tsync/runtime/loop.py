@@ -19,8 +19,8 @@ import time
 import torch
 
 from megatron_tsync.config import TrainConfig
-from megatron_tsync.model.parallel import destroy_parallel
-from megatron_tsync.runtime import affinity, env_report, launch_env, run_dir
+from megatron_tsync.model.parallel import PortInUse, destroy_parallel
+from megatron_tsync.runtime import affinity, env_report, launch_env, preflight, run_dir
 from megatron_tsync.runtime.context import RunContext
 from megatron_tsync.runtime.fleet import WorkerDied
 from megatron_tsync.runtime.grpo import GRPO_SPEC
@@ -161,6 +161,9 @@ def run(cfg: TrainConfig) -> list[dict]:
     except (run_dir.RunLocked, run_dir.ConfigMismatch) as e:
         destroy_parallel()
         raise SystemExit(f"error: {e}") from None
+    except PortInUse as e:  # one line, not torch's traceback (every rank: rank 0 prints)
+        destroy_parallel()
+        preflight.fail(e)
     env_report.print_report(cfg, ctx.dims)
     try:
         return train(ctx, spec.build(ctx))

@@ -253,7 +253,14 @@ class RolloutWorker:
         self.sender.close(flush_timeout_s=60)
 
     def _closed(self) -> bool:
-        return self.watch is not None and self.watch.closed
+        """The trainer's heartbeat says closed (read now, not at the watch thread's next beat: the trainer gives
+        its workers a few seconds to leave before it kills them)."""
+        if self.watch is None:
+            return False
+        if not self.watch.closed:
+            data = self.watch.reader.read()
+            self.watch.closed = bool(data and data.get("run_id") == self.watch.run_id and data.get("closed"))
+        return self.watch.closed
 
     def _file_weights(self, step: int) -> bool:
         """Loads weights the learner accepts for ``step``, serving re-dispatched work of earlier steps meanwhile;
@@ -517,7 +524,11 @@ def main(argv=None) -> int:
                   payload=lambda: dict(status)).start()
     watch = sv.TrainerWatch(os.path.join(run_dir, "hb", "trainer.json"), spec.run_id, timeout).start()
     RolloutWorker(spec, run_dir=run_dir, status=status, watch=watch).run()
-    return 0
+    # done (events flushed, sender closed): leave now with 0 rather than through the interpreter's teardown of
+    # torch, the engine and zmq, which can outlast the trainer's grace and end in its SIGKILL
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

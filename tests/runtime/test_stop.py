@@ -153,8 +153,8 @@ def test_sigterm_mid_step_saves_the_last_finished_step_and_resumes(tiny_model, t
             os.killpg(p.pid, signal.SIGKILL)
     text = _read(log)
     assert f"step {k} aborted (SIGTERM" in text, text[-3000:]
-    codes = json.loads(re.search(r"rollout workers closed: exit codes (\[.*\])", text)[1])
-    assert -signal.SIGTERM not in codes and all(c in (0, -signal.SIGKILL) for c in codes), codes  # outlived the save
+    closed = re.search(r"rollout workers closed: (.*)", text)[1]
+    assert "failed" not in closed, closed  # every worker outlived the save (exited 0, or stopped after the grace)
     assert _stop_record(ck) | {"time": 0} == {"finished": False, "reason": "SIGTERM", "step": k, "time": 0}
     with open(os.path.join(ck, "latest_checkpointed_iteration.txt")) as f:
         assert f.read().strip() == str(k)
