@@ -14,6 +14,8 @@ What is checked (each failure is one :class:`PreflightError`, printed as one lin
   layers, EP the experts; with a known world size (``WORLD_SIZE`` / ``SLURM_NTASKS``) TP × PP × CP divides it;
 * ``--task`` / ``--verifier``: the task exists (``module:name`` imported), accepts the verifier, scores with it (or
   brings its own environment), and its prompt source can be read (a task file that is missing or does not parse);
+* ``--trainer-cpus`` / ``--rollout-cpus``: each core exists and this process may use it (``runtime/affinity.py``'s
+  own check, run here before anything else);
 * ``--seq-length`` against the task's prompts (the first prompts of step 0, tokenised with ``tokenizer.json``; else
   estimated at 3 characters a token): the longest prompt, and a correct transcript of the task (its demonstration,
   tokenised segment by segment as the agent loop does), must fit — else every trajectory is cut before it answers
@@ -91,6 +93,7 @@ def run_preflight(cfg) -> list[str]:
 def check(cfg, *, world_size: int | None = None) -> list[str]:
     """Every check of the module docstring on the run's ``TrainConfig``; returns warnings, raises PreflightError."""
     warnings: list[str] = []
+    _check_cpus(cfg)
     hf = _check_model(cfg)
     if hf is not None:
         _check_layout(cfg, hf, world_size if world_size is not None else _world_size())
@@ -98,6 +101,17 @@ def check(cfg, *, world_size: int | None = None) -> list[str]:
     if task is not None and hf is not None and not cfg.logging.replay_rollouts:
         warnings += _check_lengths(cfg, task)
     return warnings
+
+
+def _check_cpus(cfg) -> None:
+    from megatron_tsync.runtime import affinity
+
+    for text, flag in ((cfg.parallel.trainer_cpus, "--trainer-cpus"), (cfg.rollout.cpus, "--rollout-cpus")):
+        if text is not None:
+            try:
+                affinity.resolve(text, flag)
+            except affinity.AffinityError as e:
+                raise PreflightError(str(e)) from None
 
 
 # ------------------------------------------------------------------------------------------------------ model

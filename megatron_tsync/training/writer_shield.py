@@ -6,8 +6,9 @@ every process of the job step (a time limit signals once, then ``srun`` forces t
 signalled again; seen in ``tests/slurm/test_stop_requeue.py``). A helper that installed its handlers as its first
 Python code could be killed before that, and the save failed (EOFError while the manager started). So the signals
 are *blocked* in the thread that starts it: a spawned process inherits that mask through fork and exec, and starts
-with them blocked; its initializer ignores them and unblocks. In the trainer, a signal that arrives meanwhile stays
-pending and is delivered when the mask is restored (nothing is lost).
+with them blocked; its initializer ignores them and unblocks. In the trainer nothing is lost: a signal that arrives
+meanwhile either stays pending in this thread until the mask is restored or, when the process has other threads
+(heartbeats, zmq, torch's), is taken by one of them, and Python runs the handler in the main thread as usual.
 
 A module of its own, with nothing but the standard library: the helper is a *spawned* process, which imports the
 module of its initializer to unpickle it; from ``checkpointing`` it imported torch and megatron-core to run this.

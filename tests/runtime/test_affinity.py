@@ -161,7 +161,8 @@ def test_train_cli_refuses_a_core_that_does_not_exist(tmp_path):
     bad = str(os.cpu_count() + 2)
     p = subprocess.run([sys.executable, "-m", "megatron_tsync.train", "--model", str(tmp_path / "none"),
                         "--rollout-cpus", bad], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
-    assert p.returncode != 0 and f"--rollout-cpus {bad}" in p.stderr and "not available" in p.stderr
+    assert p.returncode == 2 and f"--rollout-cpus {bad}" in p.stderr and "not available" in p.stderr, p.stderr
+    assert p.stderr.startswith("[tsync] error: ") and "Traceback" not in p.stderr  # pre-flight: before the model
 
 
 # ------------------------------------------------------------------------------------------------ live run
