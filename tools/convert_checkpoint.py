@@ -16,6 +16,14 @@ Megatron) or how many processes share the work (Megatron -> HF).
 Processes: under torchrun (or srun) the launcher's ranks are used (world size a multiple of TP x PP x EP; TP/PP/EP
 are the ``--target-*`` sizes; EP, for MoE models, is carved out of the data-parallel ranks). Started as a single
 process with TP x PP x EP > 1, the tool spawns that many local processes itself (gloo on CPU, NCCL on GPUs).
+
+``--verify`` (either direction) checks the conversion by logits: after converting, the Megatron model (the one this
+process converted, no second build) and ``transformers`` (AutoModelForCausalLM, float32, eager attention, on the HF
+side's folder: the exported folder for megatron-to-hf, the source folder for hf-to-megatron) run the same fixed
+2 sequences x 16 tokens; rank 0 prints the max absolute and relative logit difference and exits non-zero with one
+line when it exceeds ``--verify-tolerance`` (default 1e-5, meant for float32 checkpoints; bf16/fp16 models differ by
+their compute rounding, pass a tolerance for them). Works at any TP/EP (vocab-parallel logits are gathered to rank 0);
+needs PP=1 (for megatron-to-hf just convert at PP=1: checkpoints reshard on load).
 """
 
 from __future__ import annotations
@@ -27,6 +35,8 @@ import sys
 
 import torch
 
+VERIFY_SEQUENCES, VERIFY_TOKENS = 2, 16
+_SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
@@ -45,7 +55,52 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "(default: CKPT_DIR/hf_assets when present)")
     p.add_argument("--dtype", choices=sorted(_DTYPES), default=None,
                    help="megatron-to-hf: dtype of the written tensors (default: the checkpoint's)")
-    return p.parse_args(argv)
+    p.add_argument("--verify", action="store_true",
+                   help="after converting, compare the Megatron model's logits with transformers' on the HF folder "
+                        f"({VERIFY_SEQUENCES} fixed sequences x {VERIFY_TOKENS} tokens); print max |diff|, exit "
+                        "non-zero above --verify-tolerance. Any TP/EP; needs PP=1")
+    p.add_argument("--verify-tolerance", type=float, default=1e-5,
+                   help="--verify: largest accepted max |logit difference| (default 1e-5, for float32 checkpoints; "
+                        "bf16/fp16 models need a looser one)")
+    a = p.parse_args(argv)
+    if a.verify and a.target_pipeline_model_parallel_size != 1:
+        p.error("--verify needs --target-pipeline-model-parallel-size 1 (its forward runs on one stage; "
+                "checkpoints reshard on load, so megatron-to-hf can always run at PP=1)")
+    return a
+
+
+def verify_logits(model, hf_dir: str, *, vocab_size: int, tolerance: float, label: str) -> float | None:
+    """Compare ``model``'s logits (every rank of the model calls this: TP/EP collectives) with transformers' on
+    ``hf_dir`` on fixed token sequences. Rank 0 prints one ``[tsync] verify:`` line and returns the max |diff|,
+    or raises SystemExit with one line above ``tolerance``; other ranks return None."""
+    import torch.distributed as dist
+
+    from megatron_tsync.model.hf_conversion import transformers_logits
+    from megatron_tsync.model.logprobs import gather_vocab_parallel_logits, model_logits
+
+    ids = torch.randint(0, vocab_size, (VERIFY_SEQUENCES, VERIFY_TOKENS),
+                        generator=torch.Generator().manual_seed(0))  # (B, S)
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        mine = gather_vocab_parallel_logits(model_logits(model, ids.to(device))).float().cpu()  # (B, S, V[+pad])
+    model.train(was_training)
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return None
+    ref = transformers_logits(hf_dir, ids)  # (B, S, V)
+    mine = mine[..., : ref.shape[-1]]  # megatron may pad the vocabulary
+    diff = (mine - ref).abs().max().item()
+    scale = ref.abs().max().item()
+    rel = diff / scale if scale > 0 else float("inf")
+    what = (f"max |Δlogits| {diff:.3g} (relative {rel:.3g} of max |logit| {scale:.3g}; {label}, "
+            f"{VERIFY_SEQUENCES} sequences × {VERIFY_TOKENS} tokens) against transformers on {hf_dir}")
+    if not diff <= tolerance:  # also catches NaN
+        low = "bf16" in label or "fp16" in label
+        hint = "; bf16/fp16 weights and compute differ by their rounding: pass a looser --verify-tolerance" if low else ""
+        raise SystemExit(f"[tsync] verify FAILED: {what} exceeds --verify-tolerance {tolerance:g}{hint}")
+    print(f"[tsync] verify: {what}", flush=True)
+    return diff
 
 
 def _hf_to_megatron(a: argparse.Namespace) -> None:
@@ -59,6 +114,9 @@ def _hf_to_megatron(a: argparse.Namespace) -> None:
     load_hf_into_model(model, state)
     del state
     save_checkpoint(a.save, 0, model, None, {"converted_from": os.path.abspath(a.load)}, hf_assets_src=a.load)
+    if a.verify:  # the model as converted (and saved) against transformers on the source folder
+        verify_logits(model, a.load, vocab_size=arch.vocab_size, tolerance=a.verify_tolerance,
+                      label=_SHORT.get(dtype, str(dtype)))
 
 
 def _megatron_to_hf(a: argparse.Namespace) -> None:
@@ -83,6 +141,12 @@ def _megatron_to_hf(a: argparse.Namespace) -> None:
         save_hf_dir(a.save, state, arch, tokenizer_src=tok)
         print(f"wrote {a.save} ({len(state)} tensors) from {ck.iter_dir(a.load, meta['step'])}", flush=True)
     dist.barrier()
+    if a.verify:  # the model exported from (in this process) against transformers on the written folder
+        label = _SHORT.get(dtype, str(dtype))
+        if a.dtype and _DTYPES[a.dtype] != dtype:
+            label += f" model, {_SHORT[_DTYPES[a.dtype]]} export"
+        del state
+        verify_logits(model, a.save, vocab_size=arch.vocab_size, tolerance=a.verify_tolerance, label=label)
 
 
 def run(a: argparse.Namespace) -> None:
@@ -122,7 +186,10 @@ def main(argv=None) -> None:
     else:
         import torch.multiprocessing as mp
 
-        mp.spawn(_spawn_entry, args=(world, _free_port(), a), nprocs=world, join=True)
+        try:
+            mp.spawn(_spawn_entry, args=(world, _free_port(), a), nprocs=world, join=True)
+        except mp.ProcessExitedException as e:  # a rank exited non-zero (e.g. --verify failed; it printed why)
+            sys.exit(e.exit_code or 1)
 
 
 if __name__ == "__main__":

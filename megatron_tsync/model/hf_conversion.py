@@ -511,3 +511,14 @@ def save_hf_dir(
             total += state[k].numel() * state[k].element_size()
     with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+
+
+def transformers_logits(path: str, input_ids: torch.Tensor) -> torch.Tensor:
+    """Reference logits of the HF folder ``path`` from ``transformers`` itself (AutoModelForCausalLM, float32, eager
+    attention, CPU): (B, S) -> (B, S, V). What the conversion checks compare Megatron's logits with."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+    hf.eval()
+    with torch.no_grad():
+        return hf(input_ids.cpu()).logits  # (B, S, V)

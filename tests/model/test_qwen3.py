@@ -183,11 +183,7 @@ def test_config_round_trip_through_transformers(models, name, tmp_path):
 
 
 def _hf_logits(path, ids):
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
-    with torch.no_grad():
-        return hf(ids).logits  # (B, S, V)
+    return hc.transformers_logits(path, ids)  # (B, S, V)
 
 
 def _megatron(path, seed=1):
