@@ -9,6 +9,9 @@
 #     bash tools/slurm_cluster.sh up --nodes 2 # a 2-node cluster on this machine: nodes tsn1, tsn2 on 127.0.0.2,
 #                                              # 127.0.0.3 (slurmd port +i each), every slurmd in its own UTS
 #                                              # namespace (unshare --uts; hostname = node name), names in /etc/hosts
+#   TSYNC_SLURMD_NICE=-5 bash tools/slurm_cluster.sh up   # slurmd (and so every job: PropagatePrioProcess=0,
+#                                              # tasks take slurmd's nice value) at that nice value; the tests use
+#                                              # -5: their jobs wait on SLURM's timers beside CPU-bound tests
 #
 # Idempotent: 'up' on a running cluster only prints the export line; 'down' on a stopped one does nothing.
 # Debian/Ubuntu: apt-get install --no-install-recommends slurmctld slurmd slurm-client munge (Debian 12: slurm-wlm
@@ -27,6 +30,7 @@ CONF=$BASE/etc/slurm.conf
 HOST=$(hostname -s)
 NNODES=$(cat "$BASE/nodes" 2>/dev/null || echo 1)  # of the cluster written last ('up --nodes N' sets it)
 SLURMD_PORT=${TSYNC_SLURMD_PORT:-6818}
+SLURMD_NICE=${TSYNC_SLURMD_NICE:-0}
 
 # node i (1-based): its name and address ("$HOST 127.0.0.1" for a 1-node cluster)
 node_name() { if [ "$NNODES" = 1 ]; then echo "$HOST"; else echo "tsn$1"; fi; }
@@ -149,9 +153,9 @@ start_slurm() {
     alive "slurmd-$i" && continue
     n=$(node_name "$i")
     if [ "$NNODES" = 1 ]; then
-      setsid /usr/sbin/slurmd -D -f "$CONF" >"$BASE/log/slurmd.out" 2>&1 </dev/null &
+      setsid nice -n "$SLURMD_NICE" /usr/sbin/slurmd -D -f "$CONF" >"$BASE/log/slurmd.out" 2>&1 </dev/null &
     else  # its own UTS namespace: the node's processes see `hostname` = the node name
-      setsid unshare --uts sh -c 'hostname "$1" && exec /usr/sbin/slurmd -D -N "$1" -f "$2"' sh "$n" "$CONF" \
+      setsid nice -n "$SLURMD_NICE" unshare --uts sh -c 'hostname "$1" && exec /usr/sbin/slurmd -D -N "$1" -f "$2"' sh "$n" "$CONF" \
         >"$BASE/log/slurmd-$n.out" 2>&1 </dev/null &
     fi
     echo $! >"$BASE/slurmd-$i.pid"

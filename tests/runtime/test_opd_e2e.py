@@ -58,8 +58,6 @@ def test_opd_stream_turn_reverse_kl_falls(tmp_path):
 def test_opd_full_vocab_stream_turn_pp2_matches_one_process(tmp_path):
     """``--opd-objective full-vocab --rl-mode stream-turn``, live rollouts: one process and PP=2 (torchrun, gloo: rank 0
     owns the rollout plane and broadcasts the chunks, each stage runs its layers per turn) train the same first step."""
-    from tests.conftest import free_port
-
     root = tmp_path / "models"
     _run([os.path.join(ROOT, "examples", "opd", "make_models.py"), str(root), "--teacher-steps", "30",
           "--student-steps", "5"], tmp_path)
@@ -69,7 +67,7 @@ def test_opd_full_vocab_stream_turn_pp2_matches_one_process(tmp_path):
              "--seq-length", "128", "--lr", "1e-3", "--train-iters", "2", "--no-progress"]
     hist = {}
     for name, launch in (("pp1", ["-m"]), ("pp2", ["-m", "torch.distributed.run", "--nproc_per_node=2",
-                                                   f"--master_port={free_port()}", "-m"])):
+                                                   "--standalone", "-m"])):
         tb = tmp_path / f"tb_{name}"
         extra = ["--pipeline-model-parallel-size", "2"] if name == "pp2" else []
         out = _run([*launch, *flags, *extra, "--tensorboard-dir", str(tb)], tmp_path)

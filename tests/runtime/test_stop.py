@@ -176,12 +176,10 @@ def test_two_ranks_stop_at_the_same_step_when_one_gets_the_signal(tiny_model, lo
     next step's collectives (a hang, then a timeout failure): both ranks exiting 0 after the same saved step is what
     the all-reduce of the stop flag buys."""
     name = signal.Signals(sig).name
-    from tests.conftest import free_port
-
     ck, log = str(tmp_path / "ck"), str(tmp_path / "train.log")
     with open(log, "w") as out:
         p = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                              f"--master_port={free_port()}", "-m", "megatron_tsync.train", "--model", tiny_model,
+                              "--standalone", "-m", "megatron_tsync.train", "--model", tiny_model,
                               "--tensor-model-parallel-size", "2", "--replay-rollouts", long_dump, *REPLAY,
                               "--train-iters", "80", "--save", ck], cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT,
                              env=_env())

@@ -196,13 +196,11 @@ def test_replay_sync_equals_stream_float64(tiny_model, tmp_path, extra):
 def test_live_rollouts_with_two_trainer_ranks(tiny_model, tmp_path):
     """TP=2 trainer under torchrun: rank 0 owns the rollout plane and broadcasts what lands; workers are not
     members of the trainer's process group (the launcher's rendezvous variables are stripped)."""
-    from tests.conftest import free_port
-
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
         env.pop(k, None)
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                        f"--master_port={free_port()}", "-m", "megatron_tsync.train", "--model", tiny_model,
+                        "--standalone", "-m", "megatron_tsync.train", "--model", tiny_model,
                         "--tensor-model-parallel-size", "2", "--group-size", "2", "--global-batch-size", "4",
                         "--rollout-workers", "1", "--max-turns", "2", "--max-new-tokens", "16", "--seq-length", "128",
                         "--train-iters", "2", "--save", str(tmp_path / "ck"), "--no-progress"],

@@ -25,7 +25,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 CLUSTER = os.path.join(ROOT, "tools", "slurm_cluster.sh")
 # its own state dir and ports: it runs beside the 1-node cluster of the other SLURM tests
 CLUSTER_2N_ENV = {"TSYNC_SLURM_DIR": os.environ.get("TSYNC_SLURM_2N_DIR", "/tmp/tsync-slurm-2n"),
-                  "TSYNC_SLURMCTLD_PORT": "6837", "TSYNC_SLURMD_PORT": "6838"}
+                  "TSYNC_SLURMCTLD_PORT": "6837", "TSYNC_SLURMD_PORT": "6838",
+                  "TSYNC_SLURMD_NICE": "-5"}  # as the 1-node cluster's (tests/slurm/test_sbatch.py)
 
 
 @pytest.fixture(scope="module")

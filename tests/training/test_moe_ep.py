@@ -77,7 +77,6 @@ def test_live_run_at_ep2(tmp_path):
     import sys
 
     from megatron_tsync.model.tiny_model import make_tiny_model
-    from tests.conftest import free_port
 
     model = make_tiny_model(str(tmp_path / "moe"), family="qwen3_moe", seed=3)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
@@ -85,7 +84,7 @@ def test_live_run_at_ep2(tmp_path):
         env.pop(k, None)
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                        f"--master_port={free_port()}", "-m", "megatron_tsync.train",
+                        "--standalone", "-m", "megatron_tsync.train",
                         "--config", os.path.join(repo, "examples", "tiny_agent", "config.yaml"), "--model", model,
                         "--expert-model-parallel-size", "2", "--group-size", "4", "--global-batch-size", "16",
                         "--sft-warmup-steps", "30", "--max-new-tokens", "24", "--train-iters", "3",

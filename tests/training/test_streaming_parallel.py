@@ -5,9 +5,9 @@ ratio ≠ 1, KL/entropy strategies; see ``_workers/stream_worker.py``). float32,
 streaming mode against sync is reported next to the permutation control, and every float32 run's distance to
 the float64 run from the same θ0 is asserted: streaming is as close to the exact update as float32 sync is.
 
-One torchrun serves the whole module: the ``stream_reports`` fixture launches the worker once with every
-(layout, check) that the selected tests need, layouts one after the other in the same 2 processes; each test
-reads its own report. The default tier (``-m "not slow"``) runs the float64 check on all three layouts; the
+One torchrun per layout serves the whole module: the ``stream_reports`` fixture launches the worker once per layout,
+when a test first needs it, with every check of that layout that the selected tests need; each test reads its own
+report. (One launch for all three layouts took up to 114 s for the first test under three xdist workers.) The default tier (``-m "not slow"``) runs the float64 check on all three layouts; the
 packing and float32 checks are ``slow`` and join the same launch when selected.
 """
 
@@ -36,15 +36,19 @@ def _pair(item):
 
 @pytest.fixture(scope="module")
 def stream_reports(request, tmp_path_factory):
-    """report(layout, check): the worker's JSON for that pair; one launch for every pair the session selected
-    (a pair asked for outside that plan gets a launch of its own)."""
+    """report(layout, check): the worker's JSON for that pair; one launch per layout for every pair of it the
+    session selected (a pair asked for outside that plan gets a launch of its own)."""
     out = tmp_path_factory.mktemp("stream_parallel")
     planned = selected_params(request, _pair)
-    if planned:
-        torchrun(WORKER, ["--out-dir", str(out), "--checks", *planned])
+    launched: set[str] = set()
 
     def report(layout, check):
         path = out / f"{layout}-{check}.json"
+        if layout not in launched:
+            launched.add(layout)
+            mine = [pair for pair in planned if pair.split(":", 1)[0] == layout]
+            if mine:
+                torchrun(WORKER, ["--out-dir", str(out), "--checks", *mine])
         if not path.exists():
             torchrun(WORKER, ["--out-dir", str(out), "--checks", f"{layout}:{check}"])
         with open(path) as f:

@@ -37,8 +37,8 @@ def run_isolated(args: list[str], *, nproc: int = 1, timeout: float = 300.0, env
     elif nproc == 1:
         cmd = [sys.executable] + args
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-               "--master_addr", "127.0.0.1", "--master_port", str(port)] + args
+        # --standalone: the agent binds its store on port 0 (a port picked beforehand can be taken meanwhile)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--standalone"] + args
     t0 = time.time()
     import tempfile
 
