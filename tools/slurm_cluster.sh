@@ -9,9 +9,10 @@
 #     bash tools/slurm_cluster.sh up --nodes 2 # a 2-node cluster on this machine: nodes tsn1, tsn2 on 127.0.0.2,
 #                                              # 127.0.0.3 (slurmd port +i each), every slurmd in its own UTS
 #                                              # namespace (unshare --uts; hostname = node name), names in /etc/hosts
-#   TSYNC_SLURMD_NICE=-5 bash tools/slurm_cluster.sh up   # slurmd (and so every job: PropagatePrioProcess=0,
-#                                              # tasks take slurmd's nice value) at that nice value; the tests use
-#                                              # -5: their jobs wait on SLURM's timers beside CPU-bound tests
+#   TSYNC_SLURMD_NICE=-5 bash tools/slurm_cluster.sh up   # munged, slurmctld and slurmd (and so every job:
+#                                              # PropagatePrioProcess=0, tasks take slurmd's nice value) at that
+#                                              # nice value; the tests use -5: their jobs are timed by SLURM's clocks
+#                                              # beside CPU-bound tests
 #
 # Idempotent: 'up' on a running cluster only prints the export line; 'down' on a stopped one does nothing.
 # Debian/Ubuntu: apt-get install --no-install-recommends slurmctld slurmd slurm-client munge (Debian 12: slurm-wlm
@@ -133,7 +134,7 @@ start_munge() {
   install -d -o munge -g munge -m 0755 /run/munge
   install -d -o munge -g munge -m 0700 /var/log/munge /var/lib/munge
   rm -f /run/munge/munged.pid
-  runuser -u munge -- /usr/sbin/munged  # daemonizes; writes /run/munge/munged.pid
+  nice -n "$SLURMD_NICE" runuser -u munge -- /usr/sbin/munged  # daemonizes; writes /run/munge/munged.pid
   for _ in $(seq 50); do munge -n 2>/dev/null | unmunge >/dev/null 2>&1 && break; sleep 0.1; done
   munge -n | unmunge >/dev/null || die "munged does not answer (see /var/log/munge/munged.log)"
   cp /run/munge/munged.pid "$BASE/munged.pid"
@@ -143,7 +144,7 @@ start_slurm() {
   export SLURM_CONF=$CONF
   if ! alive slurmctld; then
     # -D: foreground, so $! is the daemon; -i: ignore state left by an earlier cluster
-    setsid /usr/sbin/slurmctld -D -i -f "$CONF" >"$BASE/log/slurmctld.out" 2>&1 </dev/null &
+    setsid nice -n "$SLURMD_NICE" /usr/sbin/slurmctld -D -i -f "$CONF" >"$BASE/log/slurmctld.out" 2>&1 </dev/null &
     echo $! >"$BASE/slurmctld.pid"
   fi
   for _ in $(seq 150); do scontrol ping 2>/dev/null | grep -q UP && break; sleep 0.2; done
