@@ -25,7 +25,7 @@ from megatron_tsync.runtime.fleet import RolloutFleet, open_fleet
 from megatron_tsync.runtime.stop import StopFlag
 from megatron_tsync.runtime.tasks import get_task
 from megatron_tsync.runtime.validation import check_tokenizer_fits
-from megatron_tsync.training.checkpointing import load_checkpoint, save_checkpoint
+from megatron_tsync.training.checkpointing import load_checkpoint, save_checkpoint, shield_checkpoint_writer
 from megatron_tsync.training.optimizer import build_optimizer, wrap_ddp
 from megatron_tsync.training.reference import ReferenceModel
 from megatron_tsync.training.sft import build_sft_optimizer, sft_warmup
@@ -69,6 +69,12 @@ class RunContext:
                                                       p.context_parallel_size, seed=cfg.rl.seed)
         # --save: one trainer per folder (lock), stale .tmp folders of a killed save removed, stop record cleared
         self.run_lock = run_dir.claim(cfg, self.dims.rank, self.dims.world_size)
+        if cfg.checkpoint.save:
+            # the checkpoint writer's helper process now, not at the first save: that save may be the one a SLURM
+            # time-out asked for, while the job's signal waves and srun's forced termination are still under way,
+            # and a helper started then died before it answered (EOFError, no checkpoint: twice in
+            # tests/slurm/test_stop_requeue.py, with and without the signals blocked while it booted)
+            shield_checkpoint_writer()
         self.model_dir = model_dir(cfg, self.dims.rank)
         self.task = get_task(cfg.rollout.task, verifier=cfg.rollout.verifier)
         arch, hf_state = load_hf_dir(self.model_dir)

@@ -200,7 +200,8 @@ def shield_checkpoint_writer() -> bool:
     server process started at the first save (``filesystem_async._get_write_results_queue``). A job-wide SIGTERM
     (SLURM time-out, ``scancel``) killed it, and the save made on that signal failed with BrokenPipeError. This
     starts that manager once, ourselves, shielded from its first instruction (:func:`.writer_shield.start_shielded`),
-    and hands its queue to megatron. (The write processes megatron forks per save inherit the trainer's handlers:
+    and hands its queue to megatron; a training run calls it at start-up (``runtime/context.py``), long before any
+    stop signal, and every save again (a no-op once started). (The write processes megatron forks per save inherit the trainer's handlers:
     they only set the stop flag.) False when this megatron-core has no such queue (nothing to shield)."""
     global _writer_manager
     try:
