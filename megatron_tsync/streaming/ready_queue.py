@@ -69,10 +69,23 @@ class ArrivalSource(Protocol):
         """True when every sample of the step has been returned."""
 
 
-class ListSource:
-    """Replays samples in a fixed order; ``release_times`` (s) makes arrivals wait on the wall clock."""
+class Clock:
+    """What the timed sources read and wait on: ``now()`` (s) and ``sleep(s)``; the wall clock by default, a
+    virtual one in tests (no wall-clock thresholds)."""
 
-    def __init__(self, samples: Iterable[Sample], release_times: list[float] | None = None, batch: int = 1):
+    def __init__(self, now=time.perf_counter, sleep=time.sleep):
+        self.now, self.sleep = now, sleep
+
+
+WALL_CLOCK = Clock()
+
+
+class ListSource:
+    """Replays samples in a fixed order; ``release_times`` (s) makes arrivals wait on ``clock`` (the wall clock)."""
+
+    def __init__(self, samples: Iterable[Sample], release_times: list[float] | None = None, batch: int = 1,
+                 clock: Clock = WALL_CLOCK):
+        self.clock = clock
         self.samples = list(samples)
         self.release = release_times
         self.batch = batch
@@ -81,15 +94,15 @@ class ListSource:
 
     def poll(self, timeout_s: float = 0.0) -> list[Sample]:
         if self.t0 is None:
-            self.t0 = time.perf_counter()
+            self.t0 = self.clock.now()
         if self.release is None:
             out = self.samples[self.i : self.i + self.batch]
             self.i += len(out)
             return out
-        now = time.perf_counter() - self.t0
+        now = self.clock.now() - self.t0
         if self.i < len(self.samples) and self.release[self.i] > now:
-            time.sleep(min(self.release[self.i] - now, max(timeout_s, 0.0)))
-            now = time.perf_counter() - self.t0
+            self.clock.sleep(min(self.release[self.i] - now, max(timeout_s, 0.0)))
+            now = self.clock.now() - self.t0
         out = []
         while self.i < len(self.samples) and self.release[self.i] <= now:
             s = self.samples[self.i]
@@ -121,6 +134,7 @@ class CoalescingSource:
         if min_tokens < 0:
             raise ValueError(f"coalescing token target must be >= 0, got {min_tokens}")
         self.inner, self.window_s, self.min_tokens, self.poll_s = inner, float(window_s), int(min_tokens), poll_s
+        self.clock: Clock = getattr(inner, "clock", WALL_CLOCK)  # the window on the clock the arrivals follow
 
     def __getattr__(self, name):  # the wrapped source's other attributes (samples, ...)
         return getattr(self.inner, name)
@@ -129,10 +143,10 @@ class CoalescingSource:
         got = list(self.inner.poll(timeout_s))
         if not got or (self.window_s <= 0 and self.min_tokens <= 0):
             return got
-        deadline = time.perf_counter() + self.window_s if self.window_s > 0 else math.inf
+        deadline = self.clock.now() + self.window_s if self.window_s > 0 else math.inf
         tokens = sum(s.token_ids.shape[0] for s in got)
         while not self.inner.exhausted() and (self.min_tokens <= 0 or tokens < self.min_tokens):
-            left = deadline - time.perf_counter()
+            left = deadline - self.clock.now()
             if left <= 0:
                 break
             more = self.inner.poll(min(left, self.poll_s))

@@ -3,18 +3,32 @@
 is unchanged (float64) with fewer microbatches."""
 
 import dataclasses
-import time
 
 import pytest
 import torch
 
-from megatron_tsync.streaming.ready_queue import CoalescingSource, ListSource
+from megatron_tsync.streaming.ready_queue import Clock, CoalescingSource, ListSource
 from tests.training.stream_cases import make_samples
+
+
+class VirtualClock(Clock):
+    """Time moves only when a source sleeps: arrivals and windows are exact, whatever the machine's load."""
+
+    def __init__(self):
+        self.t = 0.0
+        super().__init__(now=lambda: self.t, sleep=self._sleep)
+
+    def _sleep(self, s):
+        self.t += max(s, 0.0)
 
 
 def _timed(n=12, gap=0.01):
     S = make_samples(2, num_groups=3)[:n]
     return S, [0.02 + gap * i for i in range(len(S))]
+
+
+def _source(S, rel):
+    return ListSource(S, rel, clock=VirtualClock())
 
 
 def _polls(src):
@@ -23,15 +37,15 @@ def _polls(src):
         got = src.poll(0.05)
         if got:
             sizes.append(len(got))
-            t_last = time.perf_counter()
+            t_last = src.clock.now()
     return sizes, t_last
 
 
 def test_window_coalesces_and_last_arrival_does_not_wait():
     S, rel = _timed()
-    plain, _ = _polls(ListSource(S, rel))
-    assert max(plain) <= 2  # control: 10 ms apart, one (rarely two) per poll
-    src = ListSource(S, rel)
+    plain, _ = _polls(_source(S, rel))
+    assert max(plain) == 1  # control: 10 ms apart, one per poll
+    src = _source(S, rel)
     sizes, t_last = _polls(CoalescingSource(src, 0.045))
     assert sum(sizes) == len(S) and len(sizes) <= len(S) // 3, sizes
     assert t_last - src.t0 - rel[-1] < 0.03  # the last one returns as soon as it lands, not a window later
@@ -45,20 +59,20 @@ def _tokens(samples):
 
 def test_token_target_collects_until_reached_and_last_arrival_does_not_wait():
     S, rel = _timed(gap=0.004)
-    src = ListSource(S, rel)
+    src = _source(S, rel)
     c = CoalescingSource(src, 0.0, min_tokens=_tokens(S[:3]) + 1)
     polls = []
     while not c.exhausted():
         got = c.poll(0.05)
         if got:
             polls.append(got)
-    t_last = time.perf_counter()
+    t_last = src.clock.now()
     assert sum(map(len, polls)) == len(S)
     assert all(_tokens(p) >= _tokens(S[:3]) + 1 for p in polls[:-1]), [len(p) for p in polls]  # each full but the last
     assert len(polls) < len(S) // 2
     assert t_last - src.t0 - rel[-1] < 0.03  # the step's last reward is not held for a target it cannot reach
     # both bounds: the window ends a poll that the token target alone would keep open
-    slow = ListSource(S, [0.02 + 0.05 * i for i in range(len(S))])
+    slow = _source(S, [0.02 + 0.05 * i for i in range(len(S))])
     sizes, _ = _polls(CoalescingSource(slow, 0.02, min_tokens=10 ** 6))
     assert max(sizes) <= 2 and sum(sizes) == len(S), sizes
     with pytest.raises(ValueError):
