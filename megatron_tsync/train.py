@@ -14,15 +14,12 @@ def main(argv=None) -> int:
     from megatron_tsync.arguments import parse_args
 
     cfg = parse_args(argv)
-    from megatron_tsync.runtime.preflight import StartupError, fail, run_preflight
+    from megatron_tsync.runtime.preflight import run_preflight
 
     run_preflight(cfg)  # before torch.distributed, the model, the --save lock or any worker
     from megatron_tsync.runtime.loop import run
 
-    try:
-        run(cfg)
-    except StartupError as e:
-        fail(e)
+    run(cfg)
     return 0
 
 

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_tsync.model import compat
+from megatron_tsync.model.launcher import launcher_env  # noqa: F401 - re-exported (model.parallel.launcher_env)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,16 +80,6 @@ class ParallelDims:
 
 class PortInUse(RuntimeError):
     """The rendezvous port (MASTER_PORT) of a multi-process run is taken; the message says which and what to do."""
-
-
-def launcher_env() -> tuple[int, int, int]:
-    """(rank, world_size, local_rank) from torchrun (RANK/WORLD_SIZE/LOCAL_RANK) or srun (SLURM_*)."""
-    env = os.environ
-    if "RANK" in env and "WORLD_SIZE" in env:
-        return int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0))
-    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
-        return int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0))
-    return 0, 1, 0
 
 
 def initialize_parallel(

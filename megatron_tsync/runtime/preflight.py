@@ -35,33 +35,16 @@ import os
 import sys
 from typing import Any, NoReturn
 
-__all__ = ["PreflightError", "StartupError", "check", "run_preflight", "fail", "launch_rank"]
+from megatron_tsync.model.launcher import launcher_env
+
+__all__ = ["PreflightError", "check", "run_preflight", "fail", "tokenizer_overflow"]
 
 _TOKENIZER_SETS = (("tokenizer.json",), ("tokenizer.model",), ("vocab.json", "merges.txt"), ("vocab.txt",))
 _PROMPTS = 8  # prompts of step 0 tokenised for the length check (cheap; group g does not depend on the count)
 
 
-class StartupError(Exception):
-    """A start-up failure reported as one ``[tsync] error:`` line with exit code 2 (see :func:`fail`)."""
-
-
-class PreflightError(StartupError):
+class PreflightError(Exception):
     """A check of this module failed; the message says what is wrong and what to do."""
-
-
-def launch_rank() -> int:
-    """This process's rank as the launcher tells it (torchrun's RANK, srun's SLURM_PROCID), 0 without one."""
-    for var in ("RANK", "SLURM_PROCID"):
-        if os.environ.get(var, "").isdigit():
-            return int(os.environ[var])
-    return 0
-
-
-def _world_size() -> int | None:
-    for var in ("WORLD_SIZE", "SLURM_NTASKS"):
-        if os.environ.get(var, "").isdigit():
-            return int(os.environ[var])
-    return None
 
 
 def debug() -> bool:
@@ -72,7 +55,7 @@ def fail(err: BaseException | str, code: int = 2) -> NoReturn:
     """One ``[tsync] error: ...`` line on stderr (rank 0), then exit ``code``. ``TSYNC_DEBUG=1``: re-raise instead."""
     if debug() and isinstance(err, BaseException):
         raise err
-    if launch_rank() == 0:
+    if launcher_env()[0] == 0:
         msg = " ".join(str(err).split()) or type(err).__name__
         print(f"[tsync] error: {msg}", file=sys.stderr, flush=True)
     raise SystemExit(code)
@@ -84,7 +67,7 @@ def run_preflight(cfg) -> list[str]:
         warnings = check(cfg)
     except PreflightError as e:
         fail(e)
-    if launch_rank() == 0:
+    if launcher_env()[0] == 0:
         for w in warnings:
             print(f"[tsync] warning: {w}", file=sys.stderr, flush=True)
     return warnings
@@ -96,10 +79,12 @@ def check(cfg, *, world_size: int | None = None) -> list[str]:
     _check_cpus(cfg)
     hf = _check_model(cfg)
     if hf is not None:
-        _check_layout(cfg, hf, world_size if world_size is not None else _world_size())
+        _check_layout(cfg, hf, world_size if world_size is not None else launcher_env()[1])
     task = _check_task(cfg)
-    if task is not None and hf is not None and not cfg.logging.replay_rollouts:
-        warnings += _check_lengths(cfg, task)
+    if not cfg.logging.replay_rollouts:  # a replay reads no prompts
+        prompts = _read_prompts(cfg, task)
+        if hf is not None:
+            warnings += _check_lengths(cfg, task, prompts)
     return warnings
 
 
@@ -163,13 +148,22 @@ def _check_model(cfg) -> dict | None:
     if files is None:
         raise PreflightError(f"--model {path}: no tokenizer (tokenizer.json, tokenizer.model, or vocab.json + "
                              "merges.txt): copy the tokenizer files of the model it came from into the folder")
-    if files == ("tokenizer.json",):
-        n = _tokenizer(path).get_vocab_size(with_added_tokens=True)
-        if n > hf["vocab_size"]:
-            raise PreflightError(f"--model {path}: the tokenizer has {n} tokens but config.json vocab_size is "
-                                 f"{hf['vocab_size']}: ids >= {hf['vocab_size']} would index past the embedding; use "
-                                 "the tokenizer the model was trained with, or resize the embeddings")
+    if files == ("tokenizer.json",):  # other formats: RunContext's check_tokenizer_fits, with transformers
+        ids = _tokenizer(path).get_vocab(with_added_tokens=True).values()
+        msg = tokenizer_overflow(path, len(ids), max(ids, default=-1), hf["vocab_size"])
+        if msg:
+            raise PreflightError(msg)
     return hf
+
+
+def tokenizer_overflow(model_dir: str, n_tokens: int, top_id: int, vocab_size: int) -> str | None:
+    """The one rule for a tokenizer against the model's embedding (here and ``validation.check_tokenizer_fits``):
+    an id ``>= vocab_size`` would index past the embedding rows. The message, or None when it fits."""
+    if top_id < vocab_size:
+        return None
+    return (f"--model {model_dir}: the tokenizer has {n_tokens} tokens (ids up to {top_id}) but the model's "
+            f"vocabulary has {vocab_size} (config.json vocab_size): ids >= {vocab_size} would index past the "
+            "embedding. Use the tokenizer the model was trained with, or resize the model's embeddings")
 
 
 _TOKENIZERS: dict[str, Any] = {}
@@ -189,15 +183,18 @@ def _tokenizer(path: str):
 def _check_layout(cfg, hf: dict, world: int | None) -> None:
     p = cfg.parallel
     tp, pp, cp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size
-    ep = getattr(p, "expert_model_parallel_size", 1)
+    ep = p.expert_model_parallel_size
     where = f"--model {cfg.model.path} (config.json)"
-    heads = hf["num_attention_heads"]
+    heads, vocab = hf["num_attention_heads"], hf["vocab_size"]
     kv = hf.get("num_key_value_heads") or heads
+    fit = [d for d in range(1, min(heads, kv) + 1) if heads % d == 0 and kv % d == 0 and vocab % d == 0]
+    tp_fit = f"; TP sizes that fit: {', '.join(map(str, fit))}"
     rules = [
-        (heads % tp, f"--tensor-model-parallel-size {tp} does not divide the {heads} attention heads of {where}"),
-        (kv % tp, f"--tensor-model-parallel-size {tp} does not divide the {kv} key/value heads of {where}"),
-        (hf["vocab_size"] % tp, f"--tensor-model-parallel-size {tp} does not divide the vocabulary of {where} "
-                                f"({hf['vocab_size']} tokens; the embedding is split by rows, not padded)"),
+        (heads % tp, f"--tensor-model-parallel-size {tp} does not divide the {heads} attention heads of {where}"
+                     + tp_fit),
+        (kv % tp, f"--tensor-model-parallel-size {tp} does not divide the {kv} key/value heads of {where}" + tp_fit),
+        (vocab % tp, f"--tensor-model-parallel-size {tp} does not divide the vocabulary of {where} ({vocab} tokens; "
+                     "the embedding is split by rows, not padded)" + tp_fit),
         (hf["num_hidden_layers"] % pp, f"--pipeline-model-parallel-size {pp} does not divide the "
                                        f"{hf['num_hidden_layers']} layers of {where}"),
     ]
@@ -210,12 +207,7 @@ def _check_layout(cfg, hf: dict, world: int | None) -> None:
                                               f"{tp} × {pp} × {cp}"))
     for bad, msg in rules:
         if bad:
-            divisors = ""
-            if msg.startswith("--tensor-model-parallel-size"):
-                ok = [d for d in range(1, min(heads, kv) + 1) if heads % d == 0 and kv % d == 0
-                      and hf["vocab_size"] % d == 0]
-                divisors = f"; TP sizes that fit: {', '.join(map(str, ok))}"
-            raise PreflightError(msg + divisors)
+            raise PreflightError(msg)
 
 
 # ------------------------------------------------------------------------------------------------------ task
@@ -243,15 +235,18 @@ def _check_task(cfg):
             get_verifier(own, **getattr(task, "verifier_kwargs", {}))
         except (KeyError, TypeError, ValueError) as e:
             raise PreflightError(f"--verifier {own} (task {name}): {e.args[0] if e.args else e}") from None
-    if not cfg.logging.replay_rollouts:
-        try:
-            task.sample_prompts(0, 1, cfg.rl.seed)
-        except (OSError, ValueError, KeyError) as e:
-            raise PreflightError(f"--task {name}: cannot read its prompts: {e}") from None
     return task
 
 
-def _check_lengths(cfg, task) -> list[str]:
+def _read_prompts(cfg, task) -> list:
+    """The first prompts of step 0 (up to ``_PROMPTS``): the task's prompt source exists and parses."""
+    try:
+        return task.sample_prompts(0, min(cfg.rl.groups_per_step, _PROMPTS), cfg.rl.seed)
+    except (OSError, ValueError, KeyError) as e:
+        raise PreflightError(f"--task {cfg.rollout.task}: cannot read its prompts: {e}") from None
+
+
+def _check_lengths(cfg, task, prompts) -> list[str]:
     path = cfg.model.path
     tok = _tokenizer(path) if tokenizer_files(path) == ("tokenizer.json",) else None
 
@@ -262,16 +257,16 @@ def _check_lengths(cfg, task) -> list[str]:
 
     rl = cfg.rl
     how = "" if tok is not None else " (estimated at 3 characters a token: no tokenizer.json)"
-    prompts = task.sample_prompts(0, min(rl.groups_per_step, _PROMPTS), rl.seed)
     longest = max(count(inst.prompt_text) for inst in prompts)
     if longest >= rl.seq_length:
         raise PreflightError(f"--seq-length {rl.seq_length} is too short: the task's prompts take up to {longest} "
                              f"tokens{how}, leaving nothing to generate; raise --seq-length to at least "
                              f"{longest + rl.max_turns * rl.max_new_tokens} (prompt + --max-turns {rl.max_turns} × "
                              f"--max-new-tokens {rl.max_new_tokens})")
+    segments = getattr(task, "demonstration_segments", None)  # a task without reference solutions: nothing to compare
     try:
-        demo = max(sum(count(text) for text, _ in task.demonstration_segments(inst)) for inst in prompts)
-    except Exception:  # noqa: BLE001 - a task without reference solutions: nothing to compare
+        demo = max(sum(count(text) for text, _ in segments(inst)) for inst in prompts) if segments else 0
+    except (KeyError, ValueError, NotImplementedError):  # instances without a reference solution
         demo = 0
     if demo > rl.seq_length:
         raise PreflightError(f"--seq-length {rl.seq_length} is too short for a correct answer: the task's reference "

@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from megatron_tsync.model.builder import ModelArch
+from megatron_tsync.runtime.preflight import tokenizer_overflow
 from megatron_tsync.transport import TrajectoryEvent
 from megatron_tsync.transport.errors import REJECT_REASONS, BadGroup, OutOfVocab, TooLong, TransportError
 from megatron_tsync.transport.ids import group_id, parse_traj_id
@@ -69,13 +70,9 @@ def check_tokenizer_fits(model_dir: str, vocab_size: int, tokenizer: Any = None)
                                                                               "merges")))
             raise ValueError(f"--model {model_dir}: cannot load its tokenizer from {files or 'no tokenizer files'} "
                              f"({type(e).__name__}: {e})") from None
-    ids = list(tokenizer.get_vocab().values())
-    top = max(ids) if ids else -1
-    if top >= vocab_size:
-        raise ValueError(f"--model {model_dir}: the tokenizer has {len(tokenizer)} tokens (ids up to {top}) but the "
-                         f"model's vocabulary has {vocab_size} (config.json vocab_size): ids >= {vocab_size} would "
-                         "index past the embedding. Use the tokenizer the model was trained with, or resize the "
-                         "model's embeddings")
+    msg = tokenizer_overflow(model_dir, len(tokenizer), max(tokenizer.get_vocab().values(), default=-1), vocab_size)
+    if msg:
+        raise ValueError(msg)
 
 
 class EdgeValidator:

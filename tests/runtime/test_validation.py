@@ -213,7 +213,8 @@ def test_the_trainer_refuses_the_mismatch_at_start_up(tiny_model, tmp_path) -> N
                         "--no-progress"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     # pre-flight reads tokenizer.json and config.json before torch.distributed or the model: one line, exit 2
     assert p.returncode == 2 and p.stderr.startswith("[tsync] error: "), p.stderr[-3000:]
-    assert " tokens but config.json vocab_size is 64" in p.stderr and "Traceback" not in p.stderr, p.stderr[-3000:]
+    assert "but the model's vocabulary has 64 (config.json vocab_size)" in p.stderr, p.stderr[-3000:]
+    assert "Traceback" not in p.stderr, p.stderr[-3000:]
 
 
 def _inject(rdir: str, stop, log: list) -> None:
