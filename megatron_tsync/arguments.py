@@ -379,12 +379,8 @@ def unrecognized_message(parser: argparse.ArgumentParser, extras: Sequence[str])
 
 
 def _help_defaults() -> dict:
-    """``TrainConfig().to_dict()``: live when torch is imported already, else the snapshot (no torch import)."""
-    if "torch" in sys.modules:
-        try:
-            return C.TrainConfig().to_dict()
-        except Exception:  # noqa: BLE001 - help must print even if a section fails to import
-            pass
+    """``TrainConfig().to_dict()`` as the snapshot ``help_defaults.py`` keeps (no torch import; a test keeps it
+    current)."""
     from megatron_tsync.help_defaults import DEFAULTS
 
     return DEFAULTS

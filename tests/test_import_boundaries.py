@@ -124,9 +124,9 @@ def boundary_violations() -> list[str]:
     return list(dict.fromkeys(bad))
 
 
-def import_cycles(prefix: str = "megatron_tsync") -> list[list[str]]:
-    """Import cycles among the modules under ``prefix`` (the whole package by default)."""
-    inside = {m for m in MODULES if m == prefix or m.startswith(prefix + ".")}
+def import_cycles() -> list[list[str]]:
+    """Import cycles among the modules of the package (function-local imports and ``__init__``s count)."""
+    inside = set(MODULES)
     graph = {m: {n for n, _ in _own_imports(m) if n in inside and n != m} for m in inside}
     cycles, state = [], {}
 
@@ -145,10 +145,6 @@ def import_cycles(prefix: str = "megatron_tsync") -> list[list[str]]:
         if m not in state:
             visit(m, [])
     return cycles
-
-
-def runtime_cycles() -> list[list[str]]:
-    return import_cycles("megatron_tsync.runtime")
 
 
 def long_files() -> list[str]:
@@ -194,30 +190,34 @@ def test_the_checker_catches_a_rollout_to_training_import(tmp_path, monkeypatch,
     assert any(expect in b and "rollout.probe" in b for b in boundary_violations())
 
 
+def _cycles_with(tmp_path, monkeypatch, sources: dict[str, str]) -> list[list[str]]:
+    """import_cycles() with probe modules {dotted name: source} added to the package."""
+    for i, (module, src) in enumerate(sources.items()):
+        tmp_path.mkdir(parents=True, exist_ok=True)
+        path = tmp_path / f"probe{i}.py"
+        path.write_text(src)
+        monkeypatch.setitem(MODULES, module, str(path))
+    return import_cycles()
+
+
 def test_the_cycle_check_catches_a_cycle(tmp_path, monkeypatch):
-    a, b = tmp_path / "a.py", tmp_path / "b.py"
-    a.write_text("def f():\n    from megatron_tsync.runtime import b\n")
-    b.write_text("from megatron_tsync.runtime.a import f\n")
-    monkeypatch.setitem(MODULES, "megatron_tsync.runtime.a", str(a))
-    monkeypatch.setitem(MODULES, "megatron_tsync.runtime.b", str(b))
-    assert any("megatron_tsync.runtime.a" in c and "megatron_tsync.runtime.b" in c for c in runtime_cycles())
+    cycles = _cycles_with(tmp_path, monkeypatch, {
+        "megatron_tsync.runtime.a": "def f():\n    from megatron_tsync.runtime import b\n",
+        "megatron_tsync.runtime.b": "from megatron_tsync.runtime.a import f\n"})
+    assert any("megatron_tsync.runtime.a" in c and "megatron_tsync.runtime.b" in c for c in cycles)
 
 
 def test_the_cycle_check_catches_a_cycle_across_packages_and_through_an_init(tmp_path, monkeypatch):
     """A subpackage's module importing its own package's ``__init__``, which imports it back, is a cycle; so is a
     function-local import between two top-level packages."""
-    init, mod = tmp_path / "__init__.py", tmp_path / "probe.py"
-    init.write_text("from megatron_tsync.rollout.sandbox.probe import x\n")
-    mod.write_text("def f():\n    from megatron_tsync.rollout.sandbox import Sandbox\n")
-    monkeypatch.setitem(MODULES, "megatron_tsync.rollout.sandbox", str(init))
-    monkeypatch.setitem(MODULES, "megatron_tsync.rollout.sandbox.probe", str(mod))
-    assert any("megatron_tsync.rollout.sandbox.probe" in c for c in import_cycles())
-    m, t = tmp_path / "m.py", tmp_path / "t.py"
-    m.write_text("def f():\n    import megatron_tsync.training.t\n")
-    t.write_text("from megatron_tsync.model.m import f\n")
-    monkeypatch.setitem(MODULES, "megatron_tsync.model.m", str(m))
-    monkeypatch.setitem(MODULES, "megatron_tsync.training.t", str(t))
-    assert any("megatron_tsync.model.m" in c and "megatron_tsync.training.t" in c for c in import_cycles())
+    cycles = _cycles_with(tmp_path / "init", monkeypatch, {
+        "megatron_tsync.rollout.sandbox": "from megatron_tsync.rollout.sandbox.probe import x\n",
+        "megatron_tsync.rollout.sandbox.probe": "def f():\n    from megatron_tsync.rollout.sandbox import Sandbox\n"})
+    assert any("megatron_tsync.rollout.sandbox.probe" in c for c in cycles)
+    cycles = _cycles_with(tmp_path, monkeypatch, {
+        "megatron_tsync.model.m": "def f():\n    import megatron_tsync.training.t\n",
+        "megatron_tsync.training.t": "from megatron_tsync.model.m import f\n"})
+    assert any("megatron_tsync.model.m" in c and "megatron_tsync.training.t" in c for c in cycles)
 
 
 def test_the_line_check_catches_a_long_file(tmp_path, monkeypatch):

@@ -159,6 +159,14 @@ class TrainerWatch:
             return f"no trainer heartbeat for {age:.1f}s (> {self.timeout_s:g}s): the trainer is gone"
         return None
 
+    def closed_now(self) -> bool:
+        """Whether the trainer closed, read from its heartbeat now rather than at this thread's next beat (the
+        trainer gives its workers a few seconds to leave before it kills them)."""
+        if not self.closed:
+            data = self.reader.read()
+            self.closed = bool(data and data.get("run_id") == self.run_id and data.get("closed"))
+        return self.closed
+
     def _run(self) -> None:
         while True:
             why = self.verdict()

@@ -253,14 +253,7 @@ class RolloutWorker:
         self.sender.close(flush_timeout_s=60)
 
     def _closed(self) -> bool:
-        """The trainer's heartbeat says closed (read now, not at the watch thread's next beat: the trainer gives
-        its workers a few seconds to leave before it kills them)."""
-        if self.watch is None:
-            return False
-        if not self.watch.closed:
-            data = self.watch.reader.read()
-            self.watch.closed = bool(data and data.get("run_id") == self.watch.run_id and data.get("closed"))
-        return self.watch.closed
+        return self.watch is not None and self.watch.closed_now()
 
     def _file_weights(self, step: int) -> bool:
         """Loads weights the learner accepts for ``step``, serving re-dispatched work of earlier steps meanwhile;
