@@ -187,9 +187,9 @@ class RolloutFleet:
         return TransportSource(self, step, max_seq_len)
 
     def close(self, grace_s: float = 10.0) -> None:
-        """Workers see the trainer's heartbeat say "closed" (external ones leave once idle); the ones this fleet
-        started get ``grace_s`` to leave (an idle one exits 0 within a fraction of a second), then SIGKILL (they
-        ignore SIGTERM: a job-wide signal is the trainer's)."""
+        """Workers see the trainer's heartbeat say "closed" and leave with 0 within a second, mid-step or not
+        (``supervision.TrainerWatch``; external ones too); the ones this fleet started get ``grace_s`` to leave, then
+        SIGKILL (they ignore SIGTERM: a job-wide signal is the trainer's)."""
         self.heartbeat.stop(closed=True)
         deadline = time.monotonic() + grace_s
         while any(p.poll() is None for p in self.procs) and time.monotonic() < deadline:

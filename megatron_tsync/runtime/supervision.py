@@ -133,8 +133,11 @@ class BeatReader:
 
 class TrainerWatch:
     """Worker side: a daemon thread that ends this process (``os._exit``) when the trainer's heartbeat is stale for
-    ``timeout_s``, names another run, or says the trainer closed and ``exit_when_closed`` (set once the worker has
-    nothing left to do). ``first_wait_s``: how long the file may be absent at start."""
+    ``timeout_s`` or names another run (exit 75), or says the trainer closed (exit 0: a closed trainer reads no more
+    events, so whatever the worker is doing — idling after the last step, or mid-way through a step the trainer
+    aborted on a signal — is of no use; sandboxed tool calls die with it, ``PR_SET_PDEATHSIG``). It reads the
+    heartbeat every ``beat_interval(timeout_s)`` (≤ 1 s), well within the trainer's grace before its SIGKILL.
+    ``first_wait_s``: how long the file may be absent at start."""
 
     def __init__(self, path: str, run_id: str, timeout_s: float, *, first_wait_s: float = 600.0):
         self.reader, self.run_id, self.timeout_s = BeatReader(path), run_id, timeout_s
@@ -173,6 +176,10 @@ class TrainerWatch:
             if why is not None:
                 print(f"[worker] exiting: {why}", file=sys.stderr, flush=True)
                 os._exit(75)
+            if self.closed:
+                print("[worker] the trainer closed: leaving", file=sys.stderr, flush=True)
+                sys.stdout.flush()
+                os._exit(0)
             time.sleep(beat_interval(self.timeout_s))
 
 

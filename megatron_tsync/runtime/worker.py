@@ -11,7 +11,7 @@ as a ``TurnEvent``.
 
 Supervision (``runtime/supervision.py``): from its first line of ``main`` the worker writes a heartbeat
 (``run_dir/hb/worker{w}.json``: step, events sent) and watches the trainer's (it exits when the trainer's is stale
-for ``rollout.heartbeat_timeout_s``, names another run, or says the trainer closed once the worker is idle); a
+for ``rollout.heartbeat_timeout_s``, names another run, or says the trainer closed: then with 0, even mid-step); a
 worker started by the trainer also dies with it (``PR_SET_PDEATHSIG``). Its events are signed with the run's key
 (``WorkerSpec.run_id``). After its own share of a step, and while it waits for the next weights, it rolls out the
 trajectories the fleet re-dispatched to it (``run_dir/assign/``: a dead worker's, same step, same policy version).

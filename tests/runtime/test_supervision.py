@@ -71,16 +71,21 @@ def test_trainer_watch_verdicts(tmp_path, monkeypatch) -> None:
     assert f"now belongs to run {OTHER}" in watch.verdict()
 
 
-def test_trainer_watch_ends_the_process(tmp_path) -> None:
-    """A real process with a watch exits (75) once the trainer's heartbeat stops changing."""
+@pytest.mark.parametrize("beat, code, says", [
+    ({"beat": 1}, 75, "the trainer is gone"),  # the heartbeat stops changing: the trainer is dead
+    ({"beat": 1, "closed": True}, 0, "the trainer closed: leaving"),  # closed: leave now, mid-step or not
+], ids=["stale", "closed"])
+def test_trainer_watch_ends_the_process(tmp_path, beat, code, says) -> None:
+    """A real process with a watch (its main thread busy for an hour, as a worker mid-step) is ended by it: exit 75
+    once the trainer's heartbeat is stale, exit 0 once it says the trainer closed."""
     path = str(tmp_path / "trainer.json")
-    sv.write_json_atomic(path, {"run_id": RUN, "beat": 1})
-    code = ("import time; from megatron_tsync.runtime import supervision as sv; "
+    sv.write_json_atomic(path, {"run_id": RUN, **beat})
+    prog = ("import time; from megatron_tsync.runtime import supervision as sv; "
             f"sv.TrainerWatch({path!r}, {RUN!r}, 0.5).start(); time.sleep(3600)")
-    # exit 75 with the watch's reason: the watch ended it (left alone it sleeps an hour, and exits 0); the 60 s
-    # timeout only catches a watch that never fires
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert p.returncode == 75 and "the trainer is gone" in p.stderr, p.stderr
+    # the watch's exit code and reason: the watch ended it (left alone it sleeps an hour); the 60 s timeout only
+    # catches a watch that never fires
+    p = subprocess.run([sys.executable, "-c", prog], capture_output=True, text=True, timeout=60)
+    assert p.returncode == code and says in p.stderr, p.stderr
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl is Linux-only")
