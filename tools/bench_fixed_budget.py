@@ -103,7 +103,7 @@ ev = importlib.util.module_from_spec(spec); spec.loader.exec_module(ev)
 import torch
 from tokenizers import Tokenizer
 from megatron_tsync.model.builder import build_model
-from megatron_tsync.model.parallel import initialize_parallel
+from megatron_tsync.model.parallel import destroy_parallel, initialize_parallel
 from megatron_tsync.model.tokenizer import TokenizerCodec
 from megatron_tsync.rollout.embedded_engine import EmbeddedEngine
 from megatron_tsync.runtime.tasks import get_task
@@ -121,6 +121,7 @@ for item in sys.argv[4:]:
     out = ev.evaluate(EmbeddedEngine(model), codec, task, num_prompts=n, seed=seed)
     out.pop("example")
     print("EVAL " + json.dumps({"ckpt": d, "step": int(step), **out}), flush=True)
+destroy_parallel()
 """
 
 

@@ -15,6 +15,7 @@ metadata), and :class:`ParallelDims`'s group accessors themselves.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import datetime
 import os
@@ -118,6 +119,7 @@ def initialize_parallel(
         )
     if not dist.is_initialized():
         timeout = datetime.timedelta(seconds=timeout_s)
+        _destroy_at_exit(backend)
         if world == 1:
             # one process: an in-process store, no port. A port picked beforehand (bind to 0, close, export) can be
             # taken by another process before the store binds it (EADDRINUSE), and the 29500 default is taken by
@@ -217,6 +219,20 @@ class ExpertLockstep:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         self.idle += int(t.item()) - n
         return int(t.item())
+
+
+_AT_EXIT = []
+
+
+def _destroy_at_exit(backend: str) -> None:
+    """Tear the process group down before the interpreter finalises, in every process that forgot to (scripts,
+    workers, tools, a test's subprocess). A gloo group still alive at finalisation can abort the process after it
+    finished its work ("terminate called without an active exception", rc -6: gloo's C++ threads hold work objects
+    while Python tears down; seen under load in CI). gloo only: an NCCL group is left to the launcher, where destroying
+    it beside dead peers can block."""
+    if backend == "gloo" and not _AT_EXIT:
+        atexit.register(destroy_parallel)
+        _AT_EXIT.append(True)
 
 
 def destroy_parallel() -> None:
