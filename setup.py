@@ -32,6 +32,8 @@ setup(
     install_requires=CORE,
     extras_require={
         "tests": ["pytest>=8", "pytest-timeout==2.4.0", "pytest-xdist==3.8.0", "matplotlib", "openai>=1", "wandb==0.31.0"],
+        # the learning curve PNG at the end of a run (runtime/curves.py); the quickstart installs it
+        "plot": ["matplotlib"],
         # GPU nodes: Transformer Engine + vLLM (CUDA). apex is not on PyPI: use an NGC PyTorch container.
         "gpu": ["transformer-engine[pytorch]", "vllm"],
         # CPU build of vLLM, used only by the vLLM adapter's tests (installed by CI in its own venv).

@@ -285,6 +285,13 @@ _FLAGS: tuple[_Flag, ...] = (
        help="replay each recorded step in a random arrival order (seeded) instead of the recorded one"),
     _f("--dump-grads", "logging.dump_grads", _G_LOG, metavar="DIR", help="save each step's normalised gradient"),
     _f("--no-progress", "logging.progress", _G_LOG, action="store_false", help="no progress bar"),
+    _f("--eval-interval", "logging.eval_interval", _G_LOG, type=int, metavar="N",
+       help="held-out evaluation at the first step, every N steps and at the end (task's eval split; 0 = off)"),
+    _f("--eval-prompts", "logging.eval_prompts", _G_LOG, type=int, metavar="N",
+       help="held-out prompts per evaluation (one fixed set)"),
+    _f("--eval-greedy", "logging.eval_greedy", _G_LOG, action=argparse.BooleanOptionalAction,
+       help="greedy decoding for the held-out evaluation (default); --no-eval-greedy: one sample per prompt at the "
+            "rollout temperature, fixed seeds"),
     _f("--wandb-project", "logging.wandb_project", _G_LOG, metavar="NAME",
        help="also log the TensorBoard scalars and the config to Weights & Biases (offline unless WANDB_API_KEY is "
             "set or WANDB_MODE says otherwise)"),

@@ -16,7 +16,7 @@ from megatron_tsync.config import TrainConfig
 EXPECTED_FLAGS = [
     "--adam-beta1", "--adam-beta2", "--adam-eps", "--advantage-eps", "--advantage-estimator", "--aux-strategy",
     "--bf16", "--clip-grad", "--clip-ratio-high", "--clip-ratio-low", "--config", "--context-parallel-size", "--deterministic",
-    "--dual-clip", "--dump-grads", "--dump-rollouts", "--entropy-coef", "--exit-duration-in-mins", "--expert-model-parallel-size", "--finetune", "--fp8-format", "--fp8-recipe",
+    "--dual-clip", "--dump-grads", "--dump-rollouts", "--entropy-coef", "--eval-interval", "--eval-prompts", "--eval-greedy", "--no-eval-greedy", "--exit-duration-in-mins", "--expert-model-parallel-size", "--finetune", "--fp8-format", "--fp8-recipe",
     "--global-batch-size", "--group-size", "--groups-per-step", "--help", "--init-tiny-model", "--kl-coef",
     "--keep-last-checkpoints", "--kl-estimator", "--kl-mode", "--latency-profile", "--latency-scale", "--load",
     "--load-fallback", "--log-interval",
@@ -77,6 +77,7 @@ def test_flags_land_in_their_fields():
         "--tis-cap", "2", "--kl-coef", "0.01", "--kl-mode", "loss", "--kl-estimator", "k1", "--temperature", "0.7",
         "--aux-strategy", "defer", "--max-open-groups", "2", "--verifier", "answer_with_format", "--model", "m",
         "--no-progress", "--save", "ck", "--save-interval", "5", "--rollout-workers", "3", "--sandbox-timeout", "2.5",
+        "--eval-interval", "10", "--eval-prompts", "64", "--no-eval-greedy",
     ], world_size=8)
     assert (cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size) == (2, 2)
     assert cfg.parallel.use_distributed_optimizer and cfg.optim.use_distributed_optimizer
@@ -91,6 +92,7 @@ def test_flags_land_in_their_fields():
     assert cfg.learner.reward_spec.kind == "bounded"  # declared by answer_with_format
     assert cfg.learner.max_open_groups == 2
     assert cfg.model.path == "m" and not cfg.logging.progress
+    assert (cfg.logging.eval_interval, cfg.logging.eval_prompts, cfg.logging.eval_greedy) == (10, 64, False)
     assert (cfg.checkpoint.save, cfg.checkpoint.save_interval) == ("ck", 5)
     assert cfg.rollout.num_workers == 3 and cfg.rollout.sandbox_timeout_s == 2.5
 

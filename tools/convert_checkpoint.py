@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import sys
 
 import torch
@@ -161,15 +160,10 @@ def run(a: argparse.Namespace) -> None:
         destroy_parallel()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _spawn_entry(rank: int, world: int, port: int, a: argparse.Namespace) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    # every rank a client of the parent's store (as under torchrun's agent): no rank binds a port of its own
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True")
     run(a)
 
 
@@ -179,15 +173,18 @@ def main(argv=None) -> None:
     world = a.target_tensor_parallel_size * a.target_pipeline_model_parallel_size * a.target_expert_model_parallel_size
     launched = "WORLD_SIZE" in os.environ or "SLURM_NTASKS" in os.environ
     if launched or world == 1:
-        if not launched:
-            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                              MASTER_PORT=str(_free_port()))
+        if not launched:  # one process: an in-process store (model/parallel.py), no port
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
         run(a)
     else:
         import torch.multiprocessing as mp
+        from torch.distributed import TCPStore
 
+        # the ranks' rendezvous store, bound here on port 0 before any rank starts: a port picked by bind-and-close
+        # could be taken by another process before rank 0 bound it (the race torchrun --standalone avoids)
+        store = TCPStore("127.0.0.1", 0, world_size=world, is_master=True, wait_for_workers=False)
         try:
-            mp.spawn(_spawn_entry, args=(world, _free_port(), a), nprocs=world, join=True)
+            mp.spawn(_spawn_entry, args=(world, store.port, a), nprocs=world, join=True)
         except mp.ProcessExitedException as e:  # a rank exited non-zero (e.g. --verify failed; it printed why)
             sys.exit(e.exit_code or 1)
 

@@ -435,6 +435,13 @@ class LoggingConfig:
     """W&B run name (None: W&B's own)."""
     wandb_save_dir: str | None = None
     """Directory W&B writes its run folder into (None: ``SAVE/wandb``, else ``./wandb``)."""
+    eval_interval: int = 0
+    """Held-out evaluation (``runtime/evaluation.py``) of the policy at the run's first step, every this many steps and
+    at the end: the task's ``eval`` split, the real agent loop, tools and verifier, in trainer rank 0 (0 = off)."""
+    eval_prompts: int = 128
+    """Held-out prompts per evaluation: the same fixed set every time (the task's eval split, drawn with the seed)."""
+    eval_greedy: bool = True
+    """Greedy decoding for the evaluation (False: one sample per prompt at the rollout temperature, fixed seeds)."""
 
     def __post_init__(self) -> None:
         _check(self.log_interval >= 1, f"logging.log_interval must be >= 1, got {self.log_interval}",
@@ -442,5 +449,9 @@ class LoggingConfig:
         _check(self.dump_rollouts is None or self.dump_rollouts != self.replay_rollouts,
                "logging.dump_rollouts and logging.replay_rollouts name the same directory: recording would "
                "overwrite the rollouts being replayed", "logging.dump_rollouts", "logging.replay_rollouts")
+        _check(self.eval_interval >= 0, f"logging.eval_interval must be >= 0, got {self.eval_interval}",
+               "logging.eval_interval")
+        _check(self.eval_prompts >= 1, f"logging.eval_prompts must be >= 1, got {self.eval_prompts}",
+               "logging.eval_prompts")
         _check(self.wandb_project is not None or (self.wandb_exp_name is None and self.wandb_save_dir is None),
                "logging.wandb_exp_name and logging.wandb_save_dir need logging.wandb_project", "logging.wandb_project")

@@ -194,6 +194,15 @@ class RunContext:
         if fleet is not None:
             fleet.publish(state, version)
 
+    def heldout_eval(self):
+        """The run's held-out evaluator (``runtime/evaluation.py``) on trainer rank 0 with ``--eval-interval``, else
+        None (pre-flight refused the layouts it cannot run in)."""
+        if not self.cfg.logging.eval_interval or self.dims.rank != 0:
+            return None
+        from megatron_tsync.runtime.evaluation import HeldOutEval
+
+        return HeldOutEval(self.cfg, self.task, self.model_dir, self.ddp, first_step=self.step)
+
     # ------------------------------------------------------------------ logs
     def write_scalars(self, row: dict, names: dict[str, str], k: int) -> None:
         """TensorBoard (and W&B): ``row[key]`` under ``names[key]`` at step ``k`` (None values skipped)."""
@@ -206,13 +215,24 @@ class RunContext:
                 self.tb.add_scalar(tag, row[key], k)
         self.tb.flush()
 
-    def save_history(self) -> None:
-        """Per-step metrics as ``history.json`` next to the checkpoints (or the TensorBoard folder)."""
+    def save_history(self, evals: list[dict] | None = None) -> None:
+        """Per-step metrics as ``history.json`` next to the checkpoints (or the TensorBoard folder), the held-out
+        evaluations as ``eval.json``, and the learning curve ``learning_curve.png`` (``runtime/curves.py``)."""
         out = self.cfg.checkpoint.save or self.cfg.logging.tensorboard_dir
-        if out:
-            os.makedirs(out, exist_ok=True)
-            with open(os.path.join(out, "history.json"), "w") as f:
-                json.dump(self.history, f, indent=1)
+        if not out:
+            return
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, "history.json"), "w") as f:
+            json.dump(self.history, f, indent=1)
+        if evals:
+            with open(os.path.join(out, "eval.json"), "w") as f:
+                json.dump(evals, f, indent=1)
+        from megatron_tsync.runtime.curves import learning_curve
+
+        path = learning_curve(self.history, evals or [], os.path.join(out, "learning_curve.png"),
+                              title=f"{self.cfg.rl.algorithm} {self.cfg.learner.mode} on {self.cfg.rollout.task}")
+        if path:
+            print(f"[tsync] learning curve {path}", flush=True)
 
     def close(self) -> None:
         if self.tb is not None:

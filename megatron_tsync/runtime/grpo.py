@@ -156,14 +156,16 @@ class GRPO:
                 f"rejected {row['events_rejected']} ETA {eta_s:5.0f}s")
 
     def summary(self, h: list[dict]) -> str:
-        n = max(1, min(10, len(h) // 3))  # first / last third (≤ 10 steps): per-step success is noisy
-        first = sum(r["success_rate"] for r in h[:n]) / n
-        last = sum(r["success_rate"] for r in h[-n:]) / n
-        mean_step = sum(r["step_time_s"] for r in h) / len(h)
+        n = max(1, min(10, len(h) // 3))  # first / last third (≤ 10 steps): one step's batch is noisy
+
+        def mean(key: str, rows: list[dict]) -> float:
+            return sum(r[key] for r in rows) / len(rows)
+
         mode = self.ctx.cfg.learner.mode
-        return (f"[tsync] summary: mode {mode}, {len(h)} steps, success {first:.2f} → {last:.2f} "
-                f"(first/last {n} steps), reward {h[0]['reward']:.3f} → {h[-1]['reward']:.3f}, "
-                f"mean step {mean_step:.2f}s, learner idle {sum(r['idle_frac'] for r in h) / len(h):.0%}")
+        return (f"[tsync] summary: mode {mode}, {len(h)} steps, train success {mean('success_rate', h[:n]):.2f} → "
+                f"{mean('success_rate', h[-n:]):.2f}, reward {mean('reward', h[:n]):.3f} → {mean('reward', h[-n:]):.3f} "
+                f"(means of the first/last {n} steps), mean step {mean('step_time_s', h):.2f}s, learner idle "
+                f"{mean('idle_frac', h):.0%}")
 
 
 def _speculation_row(samples: list[Sample], on: bool) -> dict:

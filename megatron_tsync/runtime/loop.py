@@ -34,27 +34,51 @@ def train(ctx: RunContext, algo: Algorithm) -> list[dict]:
     """Steps ``ctx.step .. train_iters`` (or until an agreed stop: a signal, ``--exit-duration-in-mins``); returns
     the per-step rows. After the last save rank 0 writes ``SAVE/tsync_stop.json`` (``runtime/stop.py``)."""
     cfg = ctx.cfg
+    if ctx.step >= cfg.rl.train_iters:  # a finished run started again (the same on every rank: the same checkpoint)
+        if ctx.dims.rank == 0:
+            print(f"[tsync] nothing to do: {cfg.checkpoint.load} is at step {ctx.step} and --train-iters is "
+                  f"{cfg.rl.train_iters} (raise --train-iters to train on, or --save/--load a new folder)", flush=True)
+            if cfg.checkpoint.save:  # start-up cleared the stop record: the run is still finished
+                write_stop_file(cfg.checkpoint.save, finished=True, reason="done", step=ctx.step)
+        ctx.close()
+        return ctx.history
     live = not cfg.logging.replay_rollouts
     agreement = StopAgreement(ctx.dims.world_size)  # collective: every rank, before anything can stop
     ctx.stop.abortable = ctx.dims.world_size == 1  # SIGTERM aborts the step in flight (several ranks: finish it)
     fleet = ctx.open_fleet() if live else None
+    heldout = ctx.heldout_eval()  # --eval-interval: trainer rank 0, else None
     try:
         if fleet is not None:
             fleet.abort_check = ctx.stop.check_abort  # after every poll of a step's source
         if live:
             ctx.publish(fleet, ctx.step)
-        _finish(ctx, _steps(ctx, algo, fleet, agreement))
+        _evaluate(ctx, heldout)
+        _finish(ctx, _steps(ctx, algo, fleet, agreement, heldout))
     finally:
         if fleet is not None:
             fleet.close()
+        if heldout is not None:
+            heldout.close()
         ctx.close()
     if ctx.history and ctx.dims.is_logging_rank:
-        print(algo.summary(ctx.history), flush=True)
-        ctx.save_history()
+        held = heldout.summary() if heldout is not None else ""
+        print(algo.summary(ctx.history) + (f", {held}" if held else ""), flush=True)
+        ctx.save_history(heldout.records if heldout is not None else None)
     return ctx.history
 
 
-def _steps(ctx: RunContext, algo: Algorithm, fleet, agreement: StopAgreement) -> str:
+def _evaluate(ctx: RunContext, heldout) -> None:
+    """Held-out evaluation of the policy now (θ_{ctx.step}) when it is due (``runtime/evaluation.py``)."""
+    if heldout is None or not heldout.due(ctx.step):
+        return
+    from megatron_tsync.runtime.evaluation import EVAL_TB_NAMES
+
+    rec = heldout.run(ctx.step)
+    print(heldout.line(rec), flush=True)
+    ctx.write_scalars(rec, EVAL_TB_NAMES, ctx.step)
+
+
+def _steps(ctx: RunContext, algo: Algorithm, fleet, agreement: StopAgreement, heldout=None) -> str:
     """The step loop; returns the agreed stop reason ("" at the end of training). Saves every --save-interval."""
     cfg = ctx.cfg
     live = not cfg.logging.replay_rollouts  # every rank publishes (a collective over TP/PP); rank 0 owns the fleet
@@ -87,6 +111,7 @@ def _steps(ctx: RunContext, algo: Algorithm, fleet, agreement: StopAgreement) ->
             ctx.publish(fleet, ctx.step)
         row = {**algo.row(k, out, fleet), **perf_row(out, t_step, cpu_step)}
         _log(ctx, algo, k, row, time.perf_counter() - t_run, ctx.step - first)
+        _evaluate(ctx, heldout)  # θ_{k+1}, while the workers roll out step k + 1
         si = cfg.checkpoint.save_interval
         if si and ctx.step % si == 0:
             ctx.save()

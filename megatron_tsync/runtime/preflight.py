@@ -81,6 +81,7 @@ def check(cfg, *, world_size: int | None = None) -> list[str]:
     if hf is not None:
         _check_layout(cfg, hf, world_size if world_size is not None else launcher_env()[1])
     task = _check_task(cfg)
+    _check_eval(cfg, task)
     if not cfg.logging.replay_rollouts:  # a replay reads no prompts
         prompts = _read_prompts(cfg, task)
         if hf is not None:
@@ -236,6 +237,22 @@ def _check_task(cfg):
         except (KeyError, TypeError, ValueError) as e:
             raise PreflightError(f"--verifier {own} (task {name}): {e.args[0] if e.args else e}") from None
     return task
+
+
+def _check_eval(cfg, task) -> None:
+    """``--eval-interval``: a layout where rank 0 holds the whole policy, and a task with a held-out split."""
+    if not cfg.logging.eval_interval:
+        return
+    from megatron_tsync.runtime.evaluation import eval_layout_error
+
+    err = eval_layout_error(cfg)
+    if err:
+        raise PreflightError(err)
+    try:
+        task.sample_prompts(0, 1, cfg.rl.seed, split="eval")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise PreflightError(f"--eval-interval: task {cfg.rollout.task} gives no held-out prompts "
+                             f"(sample_prompts(..., split='eval')): {e}") from None
 
 
 def _read_prompts(cfg, task) -> list:

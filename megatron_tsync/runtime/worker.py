@@ -131,7 +131,7 @@ def _make_engine(spec: WorkerSpec):
     return EmbeddedEngine.from_hf_dir(spec.model_dir, record_routing=spec.record_routing)
 
 
-def sampling_config(spec: WorkerSpec, tokenizer, tool_stop: str = "</tool>") -> "SamplingConfig":
+def sampling_config(rollout: RolloutConfig, rl: RLConfig, tokenizer, tool_stop: str = "</tool>") -> "SamplingConfig":
     """The engine's sampling parameters: the config's (``SamplingConfig.from_config``) plus the agent's stop tokens
     (EOS and ``</answer>``) and tool token (`tool_stop`: the task's ``tool_stop_text``, e.g. Qwen's
     ``</tool_call>``; default ``</tool>``) in this tokenizer."""
@@ -139,7 +139,7 @@ def sampling_config(spec: WorkerSpec, tokenizer, tool_stop: str = "</tool>") -> 
 
     ids = tokenizer.convert_tokens_to_ids
     return SamplingConfig.from_config(
-        spec.rollout, spec.rl,
+        rollout, rl,
         stop_token_ids=tuple(i for i in (tokenizer.eos_token_id, ids("</answer>")) if i is not None),
         tool_token_ids=(ids(tool_stop),),
     )
@@ -215,7 +215,7 @@ class RolloutWorker:
         # a task with an environment (runtime.env_tasks, the calculator) owns each trajectory's tools and reward
         has_env = hasattr(self.task, "make_environment")
         self.verifier = None if has_env else get_verifier(self.task.verifier, **self.task.verifier_kwargs)
-        self.config = AgentConfig(sampling=sampling_config(spec, tok, getattr(self.task, "tool_stop_text", "</tool>")),
+        self.config = AgentConfig(sampling=sampling_config(spec.rollout, spec.rl, tok, getattr(self.task, "tool_stop_text", "</tool>")),
                                   max_turns=spec.rl.max_turns,
                                   max_total_tokens=spec.rl.seq_length)
         self.step_holder = [spec.start_step]
@@ -403,25 +403,9 @@ class RolloutWorker:
 
         m = traj.metadata
         inst = m["inst"]
-        text = self.codec.decode(traj.token_ids[traj.prompt_len :])
-        floor = float(self.task.reward_spec.lo)
-        episode = m.get("episode")
         t_verify = time.perf_counter()
-        if traj.error:
-            reward, status, err = floor, "error", traj.error[:1000]
-            if episode is not None:
-                episode.close()
-        else:
-            try:  # a failing verifier or a non-finite score must not lose the trajectory: it counts as an error
-                if episode is not None:  # the environment's verdict (it closes the episode)
-                    score = await episode.finish(text)
-                else:
-                    score = await self.verifier.evaluate(text, inst.verifier_task())
-                reward, status, err = float(score.reward), "ok", ""
-                if not math.isfinite(reward):
-                    reward, status, err = floor, "error", f"verifier returned a non-finite reward {score.reward!r}"
-            except Exception as e:
-                reward, status, err = floor, "error", f"verifier failed: {type(e).__name__}: {e}"[:1000]
+        reward, status, err = await score_trajectory(traj, self.codec, inst, m.get("episode"), self.verifier,
+                                                     float(self.task.reward_spec.lo))
         verify_s = time.perf_counter() - t_verify
         mask = np.asarray(traj.loss_mask, dtype=np.uint8)
         lp = np.asarray(traj.logprobs, dtype=np.float32) * mask
@@ -456,6 +440,28 @@ class RolloutWorker:
             log.warning("latency trace %s not written: %s", self.trace.path, e)
         self.sent += 1
         self.status.update(sent=self.sent, step_sent=self.status.get("step_sent", 0) + 1)
+
+
+async def score_trajectory(traj, codec, inst, episode, verifier, floor: float) -> tuple[float, str, str]:
+    """(reward, status, error) of a finished trajectory: the environment's verdict on its episode (which it closes),
+    else ``verifier`` on the decoded completion against ``inst``. A failed rollout, a failing verifier or a
+    non-finite score is status "error" with reward ``floor`` (the task's lowest): never lost, never a crash."""
+    if traj.error:
+        if episode is not None:
+            episode.close()
+        return floor, "error", traj.error[:1000]
+    text = codec.decode(traj.token_ids[traj.prompt_len :])
+    try:
+        if episode is not None:
+            score = await episode.finish(text)
+        else:
+            score = await verifier.evaluate(text, inst.verifier_task())
+    except Exception as e:
+        return floor, "error", f"verifier failed: {type(e).__name__}: {e}"[:1000]
+    reward = float(score.reward)
+    if not math.isfinite(reward):
+        return floor, "error", f"verifier returned a non-finite reward {score.reward!r}"
+    return reward, "ok", ""
 
 
 def _routing_fields(traj) -> dict:

@@ -378,13 +378,15 @@ def test_quickstart_trains_tiny_qwen3(tmp_path, family, extra, replay):
     args = ["--config", os.path.join(common.REPO, "examples", "tiny_agent", "config.yaml"), "--model", model,
             "--save", str(tmp_path / "ck"), "--tensorboard-dir", str(tmp_path / "tb"), "--train-iters", "2",
             "--sft-warmup-steps", "5", "--group-size", "2", "--global-batch-size", "4", "--max-new-tokens", "16",
-            "--no-progress"] + (["--moe-router-replay", "--dump-rollouts", str(tmp_path / "dump")] if replay else [])
+            "--no-progress", "--eval-prompts", "8"] + (["--moe-router-replay", "--dump-rollouts", str(tmp_path / "dump")] if replay else [])
     p = subprocess.run([sys.executable, "-m", "megatron_tsync.train", *args], cwd=tmp_path, env=env,
                        capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, f"{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
     assert "summary: mode stream-trajectory, 2 steps" in p.stdout
     hist = json.loads((tmp_path / "ck" / "history.json").read_text())
     assert [h["step"] for h in hist] == [0, 1]
+    # the quickstart's held-out evaluation on this family (the policy itself in the embedded engine): v0 and the end
+    assert [e["version"] for e in json.loads((tmp_path / "ck" / "eval.json").read_text())] == [0, 2]
     from megatron_tsync.training import checkpointing as ck
 
     assert (tmp_path / "ck" / "latest_checkpointed_iteration.txt").read_text().strip() == "2"

@@ -40,7 +40,7 @@ def _run(tmp, name, model, iters, extra):
     args = [sys.executable, "-m", "megatron_tsync.train", "--config", CONFIG, "--model", str(model),
             "--train-iters", str(iters), "--group-size", "4", "--global-batch-size", "16", "--rollout-workers", "1",
             "--save", str(out / "ck"), "--save-interval", str(iters), "--dump-rollouts", str(out / "dump"),
-            "--no-progress", *extra]
+            "--no-progress", "--eval-interval", "0", *extra]
     p = subprocess.run(args, cwd=tmp, env=_env(), capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, f"{name} failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
     assert f"summary: mode stream-trajectory, {iters} steps" in p.stdout

@@ -67,5 +67,5 @@ def test_the_worker_stops_tool_turns_at_the_formats_token(fmt, stop):
 
     task = get_task(NAME + "swe-lite", verifier="hidden_tests", tool_format=fmt)
     assert task.tool_stop_text == stop
-    assert W.sampling_config(_spec(), Tok(), task.tool_stop_text).tool_token_ids == (Tok._ids[stop],)
-    assert W.sampling_config(_spec(), Tok()).tool_token_ids == (4,)  # control: the default is the tag format's
+    assert W.sampling_config(_spec().rollout, _spec().rl, Tok(), task.tool_stop_text).tool_token_ids == (Tok._ids[stop],)
+    assert W.sampling_config(_spec().rollout, _spec().rl, Tok()).tool_token_ids == (4,)  # control: the default is the tag format's

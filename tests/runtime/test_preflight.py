@@ -205,3 +205,23 @@ def test_two_single_process_trainers_at_once_without_master_port(models, tmp_pat
     for p, out in zip(procs, outs):
         assert p.returncode == 0, out[-3000:]
         assert "rollout workers closed: 1 exited 0" in out, out[-2000:]
+
+
+def test_eval_interval_needs_the_whole_model_on_rank_0_and_a_held_out_split(models, monkeypatch):
+    tp2 = ["--model", models[0], "--tensor-model-parallel-size", "2"]
+    with pytest.raises(pf.PreflightError) as e:
+        pf.check(parse_args([*tp2, "--eval-interval", "5"]), world_size=2)
+    assert "--eval-interval" in str(e.value) and "TP 2, PP 1, EP 1, CP 1" in str(e.value) and "evaluate.py" in str(e.value)
+    assert pf.check(parse_args(tp2), world_size=2) == []  # control: without --eval-interval
+    from megatron_tsync.runtime.tasks import ArithmeticCalculatorTask
+
+    def no_split(self, step, num_groups, seed, *, split="train"):
+        if split != "train":
+            raise ValueError("this task has no eval split")
+        return orig(self, step, num_groups, seed)
+
+    orig = ArithmeticCalculatorTask.sample_prompts
+    monkeypatch.setattr(ArithmeticCalculatorTask, "sample_prompts", no_split)
+    msg = _error(["--model", models[0], "--eval-interval", "5"])
+    assert "gives no held-out prompts" in msg and "no eval split" in msg
+    assert pf.check(parse_args(["--model", models[0]])) == []  # control: without --eval-interval

@@ -30,7 +30,8 @@ def test_one_and_two_workers_sample_the_same_trajectories(tmp_path):
                             os.path.join(ROOT, "examples", "tiny_agent", "config.yaml"), "--model", model,
                             "--rollout-workers", str(workers), "--sft-warmup-steps", "0", "--train-iters", "1",
                             "--group-size", "4", "--global-batch-size", "16", "--max-new-tokens", "24",
-                            "--dump-rollouts", str(out / "dump"), "--save", str(out / "ck"), "--no-progress"],
+                            "--dump-rollouts", str(out / "dump"), "--save", str(out / "ck"), "--no-progress",
+                            "--eval-interval", "0"],
                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
         assert p.returncode == 0, f"{p.stdout[-2000:]}\n{p.stderr[-4000:]}"
         samples, _ = load_rollouts(str(out / "dump"), 0)

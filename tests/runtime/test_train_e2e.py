@@ -46,8 +46,14 @@ def test_live_stream_trajectory_checkpoint_and_resume(tiny_model, tmp_path):
     common = ["--model", tiny_model, "--group-size", "2", "--global-batch-size", "4", "--rollout-workers", "2",
               "--max-turns", "2", "--max-new-tokens", "16", "--seq-length", "128", "--lr", "1e-4",
               "--rl-mode", "stream-trajectory", "--save", str(ck), "--save-interval", "1", "--no-progress"]
-    out = _train([*common, "--train-iters", "2", "--tensorboard-dir", str(tb), "--dump-rollouts", str(dump)], tmp_path)
+    out = _train([*common, "--train-iters", "2", "--tensorboard-dir", str(tb), "--dump-rollouts", str(dump),
+                  "--eval-interval", "2", "--eval-prompts", "6"], tmp_path)
     assert "summary: mode stream-trajectory, 2 steps" in out
+    # held-out evaluation: the first version and the end (runtime/evaluation.py), in the log, eval.json, the PNG
+    assert "held-out v0: success" in out and "held-out v2: success" in out and "held-out v1" not in out
+    assert "held-out success" in out.split("summary:")[1] and "(v0 → v2, 6 prompts, greedy)" in out
+    assert [e["version"] for e in json.loads((ck / "eval.json").read_text())] == [0, 2]
+    assert (ck / "learning_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (ck / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
     assert any(n.startswith("events.out.tfevents") for n in os.listdir(tb))
     meta = json.loads((dump / "step_0000001" / "rollouts.json").read_text())
@@ -57,6 +63,11 @@ def test_live_stream_trajectory_checkpoint_and_resume(tiny_model, tmp_path):
     out = _train([*common, "--train-iters", "3", "--load", str(ck)], tmp_path)
     assert "resumed from" in out and "at step 2" in out
     assert (ck / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
+    saved = sorted(os.listdir(ck))
+    out = _train([*common, "--train-iters", "3", "--load", str(ck)], tmp_path)  # finished: started again
+    assert "nothing to do" in out and "at step 3 and --train-iters is 3" in out and "summary" not in out
+    assert sorted(os.listdir(ck)) == saved  # nothing written; the stop record still says finished
+    assert json.loads((ck / "tsync_stop.json").read_text())["finished"] is True
 
 
 @pytest.mark.slow

@@ -58,7 +58,7 @@ class _Tok:
 
 def test_sampling_is_derived_from_the_config_once() -> None:
     spec = _spec()
-    s = W.sampling_config(spec, _Tok())
+    s = W.sampling_config(spec.rollout, spec.rl, _Tok())
     assert (s.temperature, s.top_k, s.top_p, s.max_new_tokens) == (0.7, 5, 0.9, 16)
     assert (s.stop_token_ids, s.tool_token_ids, s.seed) == ((1, 8), (4,), None)
 

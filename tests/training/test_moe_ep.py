@@ -88,7 +88,7 @@ def test_live_run_at_ep2(tmp_path):
                         "--config", os.path.join(repo, "examples", "tiny_agent", "config.yaml"), "--model", model,
                         "--expert-model-parallel-size", "2", "--group-size", "4", "--global-batch-size", "16",
                         "--sft-warmup-steps", "30", "--max-new-tokens", "24", "--train-iters", "3",
-                        "--save", str(tmp_path / "ck"), "--no-progress"],
+                        "--save", str(tmp_path / "ck"), "--no-progress", "--eval-interval", "0"],
                        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, f"{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
     assert "summary: mode stream-trajectory, 3 steps" in p.stdout

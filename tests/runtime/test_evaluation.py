@@ -1,0 +1,110 @@
+"""Held-out evaluation during training (``runtime/evaluation.py``) on a warm-started tiny agent, in-process:
+
+- its success rate equals an independent evaluation of the same weights (``examples/tiny_agent/evaluate.py``'s
+  rollout-and-score path: its own agent config, tokenizer object, tool executor and scoring, near-zero temperature
+  instead of top-k 1) on the same held-out prompts, and is neither 0 nor 1 (so equality could fail);
+- it leaves training untouched: the weights, the train/eval mode and the torch RNG state are the same afterwards,
+  and a second evaluation of the same weights gives the same record; after an optimizer step it changes;
+- which versions are evaluated (the first, every N, the end; each once), and the log / summary lines.
+"""
+
+import os
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+N_PROMPTS = 48
+
+
+@pytest.fixture(scope="module")
+def run(megatron_single, tiny_dir):
+    """(cfg, task, ddp, evaluator): the quickstart's config on the tiny model after a short warm start."""
+    from megatron_tsync.arguments import parse_args
+    from megatron_tsync.model.builder import build_model
+    from megatron_tsync.model.hf_conversion import load_hf_dir, load_hf_into_model
+    from megatron_tsync.model.tokenizer import TokenizerCodec
+    from megatron_tsync.runtime.evaluation import HeldOutEval
+    from megatron_tsync.runtime.tasks import get_task
+    from megatron_tsync.training.optimizer import wrap_ddp
+    from megatron_tsync.training.sft import build_sft_optimizer, sft_warmup
+    from transformers import AutoTokenizer
+
+    cfg = parse_args(["--config", os.path.join(ROOT, "examples", "tiny_agent", "config.yaml"), "--model", tiny_dir,
+                      "--eval-interval", "4", "--eval-prompts", str(N_PROMPTS), "--train-iters", "10",
+                      "--eval-greedy"])  # the quickstart's config evaluates sampled
+    task = get_task(cfg.rollout.task, verifier=cfg.rollout.verifier)
+    arch, state = load_hf_dir(tiny_dir)
+    model = build_model(arch, seed=0)
+    load_hf_into_model(model, state)
+    ddp = wrap_ddp(model)
+    sft_opt, clip = build_sft_optimizer(ddp)
+    sft_warmup(ddp, sft_opt, TokenizerCodec(AutoTokenizer.from_pretrained(tiny_dir)), task, 120, batch_size=16,
+               seed=3, lr=1e-3, clip_grad=clip)
+    ddp.train()
+    ev = HeldOutEval(cfg, task, tiny_dir, ddp, first_step=0)
+    yield cfg, task, ddp, ev
+    ev.close()
+
+
+def _record(rec):
+    return {k: v for k, v in rec.items() if k != "seconds"}
+
+
+def test_success_equals_an_independent_evaluation_of_the_same_weights(run, tiny_dir):
+    from tokenizers import Tokenizer
+
+    from megatron_tsync.model.tokenizer import TokenizerCodec
+    from megatron_tsync.rollout.embedded_engine import EmbeddedEngine
+
+    cfg, task, ddp, ev = run
+    rec = ev.run(0)
+    sys.path.insert(0, os.path.join(ROOT, "examples", "tiny_agent"))
+    try:
+        import evaluate as independent
+    finally:
+        sys.path.pop(0)
+    codec = TokenizerCodec(Tokenizer.from_file(os.path.join(tiny_dir, "tokenizer.json")))
+    insts = task.sample_prompts(0, N_PROMPTS, cfg.rl.seed, split="eval")
+    assert [i.prompt_text for i in insts] == [i.prompt_text for i in ev.instances]
+    train = {i.prompt_text for i in task.sample_prompts(0, 64, cfg.rl.seed)}
+    assert not train & {i.prompt_text for i in insts}  # held out: none of them is a training prompt
+    _, rewards, _ = independent.rollout_and_score(EmbeddedEngine(ddp), codec, task, insts, temperature=1e-4)
+    ddp.train()
+    assert rec["prompts"] == N_PROMPTS and rec["greedy"] and rec["errors"] == 0
+    assert rec["success_rate"] == sum(1 for r in rewards if r >= 1.0) / N_PROMPTS
+    assert 0.0 < rec["success_rate"] < 1.0, rec  # a result that could have differed
+    assert "held-out v0: success" in ev.line(rec) and f"({N_PROMPTS} prompts, greedy" in ev.line(rec)
+
+
+def test_evaluation_leaves_training_untouched_and_follows_the_weights(run):
+    cfg, task, ddp, ev = run
+    params = [p.detach().clone() for p in ddp.parameters()]
+    rng = torch.get_rng_state()
+    assert ddp.training
+    first = ev.run(1)
+    assert ddp.training and torch.equal(torch.get_rng_state(), rng)
+    assert all(torch.equal(a, b) for a, b in zip(params, ddp.parameters()))
+    assert _record(ev.run(2)) == {**_record(first), "version": 2}  # same weights, same record
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # a large move away from the warm start (an update's effect): the evaluation must see it
+        for p in ddp.parameters():
+            p.add_(0.2 * p.abs().mean() * torch.randn(p.shape, generator=gen))
+    try:
+        moved = ev.run(3)
+    finally:
+        with torch.no_grad():
+            for p, p0 in zip(ddp.parameters(), params):
+                p.copy_(p0)
+    assert _record(moved) != {**_record(first), "version": 3}
+
+
+def test_versions_evaluated_and_summary(run):
+    _, _, _, ev = run
+    ev.records = [{"version": 0, "success_rate": 0.25, "prompts": 48, "greedy": True}]
+    assert [v for v in range(12) if ev.due(v)] == [4, 8, 10]  # 0 is done; every 4; the end (--train-iters 10)
+    assert ev.summary() == ""  # one evaluation: nothing to compare
+    ev.records.append({"version": 10, "success_rate": 0.5, "prompts": 48, "greedy": True})
+    assert ev.summary() == "held-out success 0.25 → 0.50 (v0 → v10, 48 prompts, greedy)"
+    assert not ev.due(10) and ev.due(8)
