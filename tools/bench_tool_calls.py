@@ -93,14 +93,18 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--calls", type=int, default=20, help="calls per block (default 20)")
     ap.add_argument("--repeats", type=int, default=5, help="interleaved blocks per path (default 5)")
     ap.add_argument("--calls-per-step", type=float, default=62.0, help="quickstart tool calls per step (default 62)")
-    ap.add_argument("--json", action="store_true", help="print one JSON line instead of the table")
+    ap.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE",
+                    help="write the results as JSON to FILE; without FILE, print one JSON line instead of the table")
     a = ap.parse_args(argv)
     if a.calls < 1 or a.repeats < 1:
         ap.error("--calls and --repeats must be >= 1")
     res = run(a.calls, a.repeats, a.calls_per_step)
-    if a.json:
+    if a.json == "-":
         print(json.dumps(res))
         return res
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(res, f, indent=1)
     print(f"calculator tool calls: {a.calls} per block x {a.repeats} interleaved blocks per path; "
           f"load {res['load_avg_1m']:.2f} on {res['cpus']} CPUs; median [min-max] over blocks")
     print(f"{'path':<12} {'CPU ms/call':>24} {'wall ms/call':>24} {'CPU s/step':>11}")
