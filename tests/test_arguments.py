@@ -34,7 +34,7 @@ EXPECTED_FLAGS = [
     "--stream-coalesce-ms", "--stream-coalesce-tokens", "--stream-wait-for-variance", "--no-stream-wait-for-variance",
     "--stream-full-microbatches", "--no-stream-full-microbatches",
     "--sft-warmup-lr", "--sft-warmup-steps", "--sgd-momentum", "--task", "--teacher-model", "--temperature",
-    "--tensor-model-parallel-size", "--tensorboard-dir", "--tis-cap", "--top-k", "--top-p", "--train-iters",
+    "--tensor-model-parallel-size", "--tensorboard-dir", "--tiny-model-family", "--tis-cap", "--top-k", "--top-p", "--train-iters",
     "--use-distributed-optimizer", "--verifier", "--wandb-exp-name", "--wandb-project", "--wandb-save-dir", "--weight-decay", "--weight-sync", "--weight-sync-bucket-mb", "-h",
 ]
 
@@ -219,6 +219,7 @@ BAD = [
     (["--ref-model", "r"], ["--ref-model", "--kl-mode"]),
     (["--finetune"], ["--finetune", "--load"]),
     (["--init-tiny-model"], ["--init-tiny-model", "--model"]),
+    (["--tiny-model-family", "qwen3"], ["--tiny-model-family", "--init-tiny-model"]),
     (["--max-new-tokens", "4096", "--seq-length", "1024"], ["--max-new-tokens", "--seq-length"]),
     (["--temperature", "0"], ["--temperature"]),
     (["--top-p", "0"], ["--top-p"]),

@@ -215,6 +215,21 @@ def test_choices_match_the_registries():
     from megatron_tsync.training.opd_learner import OPD_OBJECTIVES
 
     assert C.OPD_OBJECTIVES == OPD_OBJECTIVES
+    from megatron_tsync.model.tiny_model import FAMILIES
+
+    assert C.TINY_FAMILIES == FAMILIES
+
+
+def test_tiny_model_family_picks_what_init_tiny_model_creates(tmp_path):
+    import json
+
+    from megatron_tsync.runtime.context import model_dir
+
+    for family, model_type in (("llama", "llama"), ("qwen3_moe", "qwen3_moe")):
+        cfg = TrainConfig.from_dict({"model": {"path": str(tmp_path / family), "init_tiny_model": True,
+                                               "tiny_model_family": family}})
+        model_dir(cfg, rank=0)
+        assert json.loads((tmp_path / family / "config.json").read_text())["model_type"] == model_type
 
 
 def test_reused_sections_are_the_owners_classes():

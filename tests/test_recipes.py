@@ -178,3 +178,16 @@ def test_qwen3_moe_without_expert_parallelism_figure():
     cfg = parse_args(["--config", _config("qwen3_moe")], world_size=32)
     ep = cfg.parallel.expert_model_parallel_size
     assert arch.num_experts % ep == 0 and cfg.parallel.data_parallel_size(32) % ep == 0
+
+
+@pytest.mark.parametrize("name,family", [("tiny_agent", "llama"), ("tiny_qwen3", "qwen3"),
+                                         ("tiny_qwen3_moe", "qwen3_moe")])
+def test_cpu_recipes_differ_from_the_quickstart_only_in_the_family_and_folders(name, family):
+    """The CPU recipes of each family (examples/tiny_*) are the quickstart's run on another family: same task, RL and
+    evaluation settings, their own model and checkpoint folders (README.md there has the measured runs)."""
+    cfg = parse_args(["--config", _config(name)], world_size=1)
+    base = parse_args(["--config", _config("tiny_agent")], world_size=1)
+    assert cfg.model.init_tiny_model and cfg.model.tiny_model_family == family
+    assert cfg.model.path == f"runs/{name}/model" and cfg.checkpoint.save == f"runs/{name}/ckpt"
+    same = lambda c: {k: v for k, v in c.to_dict().items() if k not in ("model", "checkpoint")}  # noqa: E731
+    assert same(cfg) == same(base)

@@ -29,8 +29,8 @@ from megatron_tsync.config.rewards import declared_reward_spec, reward_spec_conf
 from megatron_tsync.config.sections import (ADVANTAGE_ESTIMATORS, AGGREGATIONS, AUX_STRATEGIES, FP8_FORMATS,
                                             FP8_RECIPES, KL_ESTIMATORS, KL_MODES, LATENCY_PROFILES, OLD_LOGPROBS,
                                             OPD_OBJECTIVES, OPTIMIZERS, PARAMS_DTYPES, POLICY_LOSSES, REWARD_KINDS,
-                                            RL_ALGORITHMS, RL_MODES, ROLLOUT_ENGINES, WEIGHT_SYNCS, CheckpointConfig,
-                                            LoggingConfig, ModelConfig, ParallelConfig, RLConfig, RolloutConfig,
+                                            RL_ALGORITHMS, RL_MODES, ROLLOUT_ENGINES, TINY_FAMILIES, WEIGHT_SYNCS,
+                                            CheckpointConfig, LoggingConfig, ModelConfig, ParallelConfig, RLConfig, RolloutConfig,
                                             parse_cpu_list)
 from megatron_tsync.config.train import TrainConfig
 
@@ -59,6 +59,7 @@ __all__ = [
     "RLConfig",
     "ROLLOUT_ENGINES",
     "RolloutConfig",
+    "TINY_FAMILIES",
     "WEIGHT_SYNCS",
     "TrainConfig",
     "parse_cpu_list",

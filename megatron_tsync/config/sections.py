@@ -34,6 +34,7 @@ FP8_RECIPES = ("delayed", "tensorwise", "mxfp8", "blockwise")
 REWARD_KINDS = ("binary", "bounded", "continuous")
 ROLLOUT_ENGINES = ("embedded", "vllm")
 WEIGHT_SYNCS = ("file", "broadcast")
+TINY_FAMILIES = ("llama", "qwen2", "qwen3", "llama3", "qwen3_moe")  # model/tiny_model.FAMILIES (a test keeps them equal)
 LATENCY_PROFILES = ("none", "uniform", "swe-like", "independent")
 
 
@@ -99,6 +100,9 @@ class ModelConfig:
     """Hugging Face model folder (config.json, tokenizer, safetensors) the policy is initialised from."""
     init_tiny_model: bool = False
     """Create a tiny random model at ``path`` if the folder does not exist yet (quickstart and tests)."""
+    tiny_model_family: str = "llama"
+    """The family of the tiny model ``init_tiny_model`` creates (``model/tiny_model.py``): llama, qwen2, qwen3,
+    llama3 or qwen3_moe (4 experts, top-2); the CPU recipes of each family use it."""
     sft_warmup_steps: int = 0
     """Supervised warm-start steps on the task's demonstrations before RL (0 = off)."""
     sft_warmup_lr: float | None = None
@@ -122,6 +126,12 @@ class ModelConfig:
                "gradient inside the policy-loss backward, which streaming scales by the trajectory's advantage "
                "coefficients, so streamed gradients would not equal sync ones (only 0 is exact; see model/moe.py)",
                "model.moe_aux_loss_coeff")
+        _check(self.tiny_model_family in TINY_FAMILIES,
+               f"model.tiny_model_family must be one of {TINY_FAMILIES}, got {self.tiny_model_family!r}",
+               "model.tiny_model_family")
+        _check(self.tiny_model_family == "llama" or self.init_tiny_model,
+               "model.tiny_model_family needs model.init_tiny_model (it picks the family of the tiny model created)",
+               "model.tiny_model_family", "model.init_tiny_model")
         _check(not self.init_tiny_model or bool(self.path),
                "model.init_tiny_model needs model.path (the folder to create the tiny model in)",
                "model.init_tiny_model", "model.path")

@@ -43,8 +43,8 @@ def model_dir(cfg: TrainConfig, rank: int) -> str:
         if not cfg.model.init_tiny_model:
             raise FileNotFoundError(f"--model {path}: no config.json (pass --init-tiny-model to create a tiny one)")
         if rank == 0:
-            log.info("creating a tiny model at %s", path)
-            make_tiny_model(path, seed=cfg.rl.seed)
+            log.info("creating a tiny %s model at %s", cfg.model.tiny_model_family, path)
+            make_tiny_model(path, family=cfg.model.tiny_model_family, seed=cfg.rl.seed)
     if dist.is_initialized():
         dist.barrier()
     return path
