@@ -3,7 +3,7 @@
 Both start from the same tiny Llama (one tokenizer); the teacher gets a long supervised warm start on the arithmetic
 calculator task, the student a short one:
 
-    python examples/opd/make_models.py runs/opd --teacher-steps 300 --student-steps 20
+    python examples/opd/make_models.py runs/opd --teacher-steps 300 --student-steps 120
 
 writes runs/opd/teacher and runs/opd/student (Hugging Face folders). One CPU process.
 """
@@ -43,7 +43,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("root")
     ap.add_argument("--teacher-steps", type=int, default=300)
-    ap.add_argument("--student-steps", type=int, default=20)
+    ap.add_argument("--student-steps", type=int, default=120)
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
