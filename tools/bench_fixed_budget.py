@@ -60,7 +60,11 @@ def train_for(a, base, model, ckpt, mode: str, seed: int, cpus: list[str]) -> di
     with open(os.path.join(out, "train.log"), "w") as log:
         p = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
         t_rl0 = _wait_rl_start(p, os.path.join(plane, "weights"), a.timeout)
-        while p.poll() is None and time.perf_counter() - t_rl0 < a.budget:
+        # the budget, and at least one finished step (its checkpoint, --save-interval 1): a stop that lands before
+        # step 0 begins (a loaded machine, a budget shorter than the start-up) would end the run with no step at
+        # all; steps that end past the budget are not counted (checkpoint_at)
+        first = os.path.join(save, "iter_0000001")
+        while p.poll() is None and (time.perf_counter() - t_rl0 < a.budget or not os.path.isdir(first)):
             time.sleep(0.2)
         if p.poll() is None:
             p.send_signal(signal.SIGUSR1)  # finishes the step in flight, saves, exits (SIGTERM would abort it)
