@@ -115,9 +115,9 @@ class HeldOutEval:
                 m["episode"] = await self._env.start(m["inst"].meta.get("env_task", m["inst"]))
         loop = AgentLoop(engine, self.codec, self.config, tools=self._tools)
         trajs = await loop.run_async(prompts, metadata=meta)
-        floor = float(self.task.reward_spec.lo)
+        spec = self.task.reward_spec
         scored = await asyncio.gather(*(score_trajectory(t, self.codec, t.metadata["inst"], t.metadata.get("episode"),
-                                                         self._verifier, floor) for t in trajs))
+                                                         self._verifier, float(spec.lo), spec) for t in trajs))
         return [r for r, _, _ in scored], [s for _, s, _ in scored]
 
     def line(self, rec: dict) -> str:

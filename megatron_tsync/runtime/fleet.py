@@ -47,6 +47,7 @@ from megatron_tsync.runtime.validation import screen
 from megatron_tsync.runtime import supervision as sv
 from megatron_tsync.runtime.worker import WEIGHT_SYNC_OP_TIMEOUT_S, WEIGHT_WAIT_S, WorkerSpec
 from megatron_tsync.streaming.ready_queue import Sample
+from megatron_tsync.transport.errors import FarFuture
 from megatron_tsync.transport.ids import parse_traj_id, traj_ids
 from megatron_tsync.transport.versions import VersionWindow
 
@@ -68,8 +69,12 @@ class RolloutFleet:
         self.versions = VersionWindow(base_spec.start_step, base_spec.rl.max_staleness)
         self.reward_floor = 0.0  # what a failed trajectory counts with (the task's lowest reward; set by open_fleet)
         self.routing_expect: tuple[int, int, int] | None = None  # --moe-router-replay: (layers, topk, experts)
-        # async mode: trajectories of a later step that arrived while an earlier one was trained (by step)
+        # the rewards the learner assumes (--reward-kind/--reward-range; set by open_fleet): the edge rejects others
+        self.reward_spec = None
+        # async mode: trajectories of a later step that arrived while an earlier one was trained (by step), only for
+        # steps the run can still use (up to max(1, --max-staleness) ahead) and within EARLY_BYTES_CAP in all
         self.early: dict[int, list] = {}
+        self.early_bytes = 0
         self.receiver = EventReceiver(bind_address(base_spec.endpoint), self.key,
                                       expected_version_fn=self.versions.accepted, run_id=base_spec.run_id)
         self.procs: list[subprocess.Popen] = []
@@ -279,8 +284,18 @@ def open_fleet(cfg, *, model_dir: str, start_step: int, reward_floor: float) -> 
         print(f"[tsync] waiting for {n} external rollout worker(s): run "
               f"`python -m megatron_tsync.runtime.worker {run_dir}/worker<w>.json` (w = 0..{n - 1})", flush=True)
     fleet.reward_floor = reward_floor
+    fleet.reward_spec = cfg.learner.reward_spec
     fleet.routing_expect = routing_expect(model_dir) if cfg.model.moe_router_replay else None
     return fleet
+
+
+EARLY_BYTES_CAP = 256 << 20
+"""Bytes of early trajectories (token ids, masks, log-probs, routing) parked for later steps, at most."""
+
+
+def _event_bytes(ev) -> int:
+    arrays = (getattr(ev, k, None) for k in ("token_ids", "loss_mask", "logprobs", "routing"))
+    return 512 + sum(int(getattr(a, "nbytes", 0)) for a in arrays if a is not None)
 
 
 class TransportSource:
@@ -306,6 +321,7 @@ class TransportSource:
         self._ledger_logged = False
         self._early = []
         for ev in fleet.early.pop(step, []):
+            fleet.early_bytes -= _event_bytes(ev)
             if ev.policy_version in fleet.versions:
                 self._early.append(ev)
             else:
@@ -345,7 +361,7 @@ class TransportSource:
         if ev.traj_id not in self.expected:
             ids = parse_traj_id(ev.traj_id)
             if ids is not None and ids[0] > self.step:  # async: a later step's, early
-                self.fleet.early.setdefault(ids[0], []).append(ev)
+                self._park(ev, ids[0])
                 return None
             why = "not a trajectory id" if ids is None else f"step {ids[0]} group {ids[1]}"
             log.warning("dropping unexpected trajectory %s (%s; this is step %d)", ev.traj_id, why, self.step)
@@ -388,6 +404,28 @@ class TransportSource:
                    meta=dict(ev.meta), routing=routing)
         self.samples.append(s)
         return s
+
+    def _park(self, ev, step: int) -> None:
+        """Keep an early trajectory for the source of ``step`` if the run can still use it: at most
+        max(1, --max-staleness) steps ahead (sync modes: the next step), within ``EARLY_BYTES_CAP`` bytes of parked
+        events in all; otherwise drop it and count it (``far_future``): a flood of far-future ids costs a counter,
+        not memory."""
+        fleet = self.fleet
+        ahead = max(1, fleet.spec.rl.max_staleness)
+        size = _event_bytes(ev)
+        why = (f"step {step} is more than {ahead} ahead of step {self.step}" if step > self.step + ahead else
+               f"the parked early trajectories would exceed {EARLY_BYTES_CAP} bytes"
+               if fleet.early_bytes + size > EARLY_BYTES_CAP else "")
+        if not why:
+            fleet.early.setdefault(step, []).append(ev)
+            fleet.early_bytes += size
+            return
+        stats = fleet.receiver.stats
+        stats[FarFuture.reason] = stats.get(FarFuture.reason, 0) + 1
+        if stats[FarFuture.reason] <= 5 or stats[FarFuture.reason] % 10_000 == 0:
+            log.warning("dropping early trajectory %s: %s (%d dropped so far)", ev.traj_id, why,
+                        stats[FarFuture.reason])
+            fleet.receiver.recent_rejections.append((FarFuture.reason, f"{ev.traj_id}: {why}"[:512]))
 
     def exhausted(self) -> bool:
         return self.seen >= self.expected

@@ -8,7 +8,10 @@ here, on every event the receiver hands over (:func:`screen`, called by ``Transp
 * token ids ``< vocab_size`` of the model (``config.json`` of ``--model``): an id past the embedding would crash the
   forward pass (``IndexError``) — reason ``out_of_vocab``;
 * at most ``--seq-length`` tokens — ``too_long``;
-* the group: ``group_id`` is the group of ``traj_id`` and ``group_size`` is ``--group-size`` — ``bad_group``.
+* the group: ``group_id`` is the group of ``traj_id`` and ``group_size`` is ``--group-size`` — ``bad_group``;
+* the reward of a trajectory reported ``ok`` is one the learner's ``--reward-kind/--reward-range`` admits (binary:
+  exactly lo or hi; bounded: in [lo, hi]) — ``bad_reward``: the exact clip rule of the streaming planner relies on
+  it, so one off-spec reward (a custom verifier's bug, a compromised worker) would otherwise stop the run.
 
 Rejections are counted in ``receiver.stats[reason]`` next to the transport's own (``receiver.rejected`` sums them;
 the log row shows them per reason).
@@ -34,7 +37,8 @@ import numpy as np
 from megatron_tsync.model.builder import ModelArch
 from megatron_tsync.runtime.preflight import tokenizer_overflow
 from megatron_tsync.transport import TrajectoryEvent
-from megatron_tsync.transport.errors import REJECT_REASONS, BadGroup, OutOfVocab, TooLong, TransportError
+from megatron_tsync.transport.errors import (REJECT_REASONS, BadGroup, BadReward, OutOfVocab, TooLong,
+                                             TransportError)
 from megatron_tsync.transport.ids import group_id, parse_traj_id
 
 log = logging.getLogger(__name__)
@@ -79,8 +83,9 @@ class EdgeValidator:
     """The checks of the module docstring for one rollout plane; remembers the rejected trajectories per step."""
 
     def __init__(self, *, vocab_size: int | None, max_seq_len: int, group_size: int, groups_per_step: int = 1 << 30,
-                 horizon: int = 0):
+                 horizon: int = 0, reward_spec: Any = None):
         self.vocab_size, self.max_seq_len, self.group_size = vocab_size, max_seq_len, group_size
+        self.reward_spec = reward_spec  # algorithms.streamability.RewardSpec the learner assumes; None: unchecked
         self.groups_per_step, self.horizon = groups_per_step, horizon  # horizon: steps ahead a worker may run
         self.step = 0
         # step -> traj_id -> (policy_version, reason, detail): rejected, no valid event with that id yet
@@ -100,6 +105,11 @@ class EdgeValidator:
             return BadGroup(f"{ev.traj_id}: group_id {ev.group_id!r} is not the trajectory's group")
         if getattr(ev, "KIND", "") == "trajectory" and ev.group_size != self.group_size:
             return BadGroup(f"{ev.traj_id}: group_size {ev.group_size} != --group-size {self.group_size}")
+        if getattr(ev, "KIND", "") == "trajectory" and ev.status == "ok" and self.reward_spec is not None:
+            try:
+                self.reward_spec.check(float(ev.reward))
+            except ValueError as e:
+                return BadReward(f"{ev.traj_id}: {e} (--reward-kind/--reward-range)")
         return None
 
     def remember(self, traj_id: str, version: int, reason: str, detail: str) -> None:
@@ -168,6 +178,7 @@ def screen(source: Any, events: list) -> list:
         rl = fleet.spec.rl
         v = _BY_FLEET[fleet] = EdgeValidator(vocab_size=vocab, max_seq_len=source.max_seq_len,
                                              group_size=rl.group_size, groups_per_step=rl.groups_per_step,
-                                             horizon=rl.max_staleness)
+                                             horizon=rl.max_staleness,
+                                             reward_spec=getattr(fleet, "reward_spec", None))
     v.max_seq_len = source.max_seq_len
     return v.screen(fleet.receiver, source.step, source.expected - source.seen, events)

@@ -404,8 +404,9 @@ class RolloutWorker:
         m = traj.metadata
         inst = m["inst"]
         t_verify = time.perf_counter()
+        spec = self.task.reward_spec
         reward, status, err = await score_trajectory(traj, self.codec, inst, m.get("episode"), self.verifier,
-                                                     float(self.task.reward_spec.lo))
+                                                     float(spec.lo), spec)
         verify_s = time.perf_counter() - t_verify
         mask = np.asarray(traj.loss_mask, dtype=np.uint8)
         lp = np.asarray(traj.logprobs, dtype=np.float32) * mask
@@ -442,10 +443,12 @@ class RolloutWorker:
         self.status.update(sent=self.sent, step_sent=self.status.get("step_sent", 0) + 1)
 
 
-async def score_trajectory(traj, codec, inst, episode, verifier, floor: float) -> tuple[float, str, str]:
+async def score_trajectory(traj, codec, inst, episode, verifier, floor: float,
+                           spec=None) -> tuple[float, str, str]:
     """(reward, status, error) of a finished trajectory: the environment's verdict on its episode (which it closes),
-    else ``verifier`` on the decoded completion against ``inst``. A failed rollout, a failing verifier or a
-    non-finite score is status "error" with reward ``floor`` (the task's lowest): never lost, never a crash."""
+    else ``verifier`` on the decoded completion against ``inst``. A failed rollout, a failing verifier, a
+    non-finite score or one the task's declared ``spec`` (``RewardSpec``) does not admit is status "error" with
+    reward ``floor`` (the task's lowest): never lost, never a crash (the learner's edge checks it again)."""
     if traj.error:
         if episode is not None:
             episode.close()
@@ -461,6 +464,11 @@ async def score_trajectory(traj, codec, inst, episode, verifier, floor: float) -
     reward = float(score.reward)
     if not math.isfinite(reward):
         return floor, "error", f"verifier returned a non-finite reward {score.reward!r}"
+    if spec is not None:
+        try:
+            spec.check(reward)
+        except ValueError as e:
+            return floor, "error", f"verifier returned an off-spec reward: {e}"[:1000]
     return reward, "ok", ""
 
 

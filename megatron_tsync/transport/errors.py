@@ -85,6 +85,21 @@ class BadGroup(TransportError):
     reason = "bad_group"
 
 
+class BadReward(TransportError):
+    """An authentic trajectory whose reward is outside what the learner assumes (``--reward-kind/--reward-range``:
+    not exactly lo or hi for binary, outside [lo, hi] for bounded). The exact clip rule relies on it, so the
+    trajectory counts as failed (the task's lowest reward) instead of stopping the run (the learner's edge)."""
+
+    reason = "bad_reward"
+
+
+class FarFuture(TransportError):
+    """An authentic trajectory of a step the run cannot use yet (beyond the next step, or ``--max-staleness`` steps
+    ahead in async mode), or one more early trajectory than the parking byte cap holds: dropped and counted."""
+
+    reason = "far_future"
+
+
 class Oversize(TransportError):
     """The frame is larger than the receiver's ``max_bytes``; rejected before any parsing."""
 
@@ -133,4 +148,6 @@ REJECT_REASONS: tuple[str, ...] = (
     OutOfVocab.reason,
     TooLong.reason,
     BadGroup.reason,
+    BadReward.reason,
+    FarFuture.reason,
 )

@@ -238,13 +238,16 @@ def test_async_early_trajectories_wait_for_their_step(plane) -> None:
                 tx.send(_traj(tid, 0), timeout_s=5)
             got = _drain(src0, tx)
         assert sorted(s.traj_id for s in got) == sorted(src0.expected) and src0.exhausted()
-        assert {k: [e.traj_id for e in v] for k, v in fleet.early.items()} == {1: ["s1g0t0"], 2: ["s2g1t0"]}
+        # step 2 is more than --max-staleness 1 ahead: its window at step 2 is [1, 2], no v_k sampled now (k <= 0)
+        # can be in it, so it is dropped at once and counted (issue 31: park only what the run can still use)
+        assert {k: [e.traj_id for e in v] for k, v in fleet.early.items()} == {1: ["s1g0t0"]}
+        assert fleet.receiver.stats["far_future"] == 1
         fleet.begin_step(1)  # window [0, 1]: v0 still accepted
         src1 = fleet.source(1, max_seq_len=64)
         assert [(s.traj_id, s.policy_version) for s in src1.poll(5.0)] == [("s1g0t0", 0)]  # at once, no wait
-        fleet.begin_step(2)  # window [1, 2]: the v0 rollout of step 2 is too stale by now
+        fleet.begin_step(2)
         src2 = fleet.source(2, max_seq_len=64)
-        assert src2._early == [] and fleet.early == {}
+        assert src2._early == [] and fleet.early == {} and fleet.early_bytes == 0
     finally:
         fleet.close()
 

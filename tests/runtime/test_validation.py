@@ -106,13 +106,13 @@ def test_a_valid_event_after_a_rejected_one_with_its_id_still_counts(plane) -> N
             assert not src.exhausted() and len(got) == 2  # s0g1t1 is still due: no stand-in yet
             # ... then the valid one for the same id, while the step is still open (sent in its own round trip: once
             # s0g1t1 is in, the rejected id's stand-in is due at once, and a later event for it is a duplicate)
-            tx.send(_traj("s0g0t0", reward=0.25), timeout_s=5)
+            tx.send(_traj("s0g0t0", reward=0.0), timeout_s=5)
             got += _drain(src, tx)
             assert not src.exhausted() and len(got) == 3
             tx.send(_traj("s0g1t1"), timeout_s=5)
             got += _drain(src, tx)
         assert src.exhausted() and src.errors == 0 and fleet.receiver.stats["out_of_vocab"] == 1
-        assert {s.traj_id: s.reward for s in got}["s0g0t0"] == 0.25  # the valid event, not a stand-in
+        assert {s.traj_id: s.reward for s in got}["s0g0t0"] == 0.0  # the valid event, not a -1.0 stand-in
     finally:
         fleet.close()
 
@@ -281,6 +281,48 @@ def test_a_live_run_survives_hostile_signed_events(tiny_model, tmp_path) -> None
     assert (last["rejected_out_of_vocab"], last["rejected_too_long"], last["rejected_non_finite"],
             last["rejected_oversize"]) == (1, 1, 1, 1), last
     assert last["trajectories"] == 4
+
+
+def test_off_spec_rewards_are_rejected_counted_and_the_step_completes(plane) -> None:
+    """A reward the learner's --reward-kind/--reward-range does not admit (binary [0, 1] here: 0.5 and 2.0) used to
+    raise in the streaming planner and stop the run; now it is a counted rejection and the trajectory counts as
+    failed. Control: the same events with in-spec rewards are used as they are."""
+    fleet = _fleet(plane)
+    try:
+        src = fleet.source(0, max_seq_len=8)
+        with _sender(fleet) as tx:
+            for ev in (_traj("s0g0t0", reward=0.5), _traj("s0g0t1", reward=2.0), _traj("s0g1t0", reward=1.0),
+                       _traj("s0g1t1", reward=0.0)):
+                tx.send(ev, timeout_s=5)
+            got = _drain(src, tx)
+        assert fleet.receiver.stats["bad_reward"] == 2 and rejection_row(fleet)["rejected_bad_reward"] == 2
+        assert src.exhausted() and src.errors == 2
+        assert {s.traj_id: s.reward for s in got} == {"s0g0t0": -1.0, "s0g0t1": -1.0, "s0g1t0": 1.0, "s0g1t1": 0.0}
+    finally:
+        fleet.close()
+
+
+def test_far_future_floods_are_counted_not_parked(plane, monkeypatch) -> None:
+    """Early trajectories are parked only for a step the run can still use (sync: the next one) and within the byte
+    cap: 50,000 authentic far-future events cost a counter, not memory (nothing parked); the next step's event is
+    parked (the control), and past the cap even those are dropped and counted."""
+    import megatron_tsync.runtime.fleet as fleet_mod
+
+    fleet = _fleet(plane)
+    try:
+        src = fleet.source(0, max_seq_len=8)
+        for k in range(50_000):
+            src._to_sample(_traj(f"s{2 + k}g0t0"))
+        assert fleet.receiver.stats["far_future"] == 50_000 and not fleet.early and fleet.early_bytes == 0
+        src._to_sample(_traj("s1g0t0"))  # the next step's: parked for it
+        assert list(fleet.early) == [1] and fleet.early_bytes > 0
+        monkeypatch.setattr(fleet_mod, "EARLY_BYTES_CAP", fleet.early_bytes + 1)
+        src._to_sample(_traj("s1g0t1"))  # over the cap: dropped, counted
+        assert fleet.receiver.stats["far_future"] == 50_001 and len(fleet.early[1]) == 1
+        nxt = fleet.source(1, max_seq_len=8)  # the parked one is handed to its step, and the bytes are released
+        assert fleet.early_bytes == 0 and [e.traj_id for e in nxt._early] == ["s1g0t0"]
+    finally:
+        fleet.close()
 
 
 def test_remembered_rejections_are_bounded_to_ids_the_plane_can_owe() -> None:
