@@ -47,7 +47,7 @@ from megatron_tsync.runtime.validation import screen
 from megatron_tsync.runtime import supervision as sv
 from megatron_tsync.runtime.worker import WEIGHT_SYNC_OP_TIMEOUT_S, WEIGHT_WAIT_S, WorkerSpec
 from megatron_tsync.streaming.ready_queue import Sample
-from megatron_tsync.transport.errors import FarFuture
+from megatron_tsync.transport.errors import FarFuture, WrongVersion
 from megatron_tsync.transport.ids import parse_traj_id, traj_ids
 from megatron_tsync.transport.versions import VersionWindow
 
@@ -324,7 +324,9 @@ class TransportSource:
             fleet.early_bytes -= _event_bytes(ev)
             if ev.policy_version in fleet.versions:
                 self._early.append(ev)
-            else:
+            else:  # counted like the receiver's own version rejections
+                stats = fleet.receiver.stats
+                stats[WrongVersion.reason] = stats.get(WrongVersion.reason, 0) + 1
                 log.warning("dropping early trajectory %s: policy version %d is outside %s of step %d", ev.traj_id,
                             ev.policy_version, fleet.versions, step)
 

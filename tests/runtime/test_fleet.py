@@ -245,9 +245,14 @@ def test_async_early_trajectories_wait_for_their_step(plane) -> None:
         fleet.begin_step(1)  # window [0, 1]: v0 still accepted
         src1 = fleet.source(1, max_seq_len=64)
         assert [(s.traj_id, s.policy_version) for s in src1.poll(5.0)] == [("s1g0t0", 0)]  # at once, no wait
-        fleet.begin_step(2)
+        with _sender(fleet) as tx:  # step 2's, sampled with v0 while step 1 trains: parked (1 step ahead) ...
+            tx.send(_traj("s2g0t0", 0), timeout_s=5)
+            _drain(src1, tx)
+        assert {k: [e.traj_id for e in v] for k, v in fleet.early.items()} == {2: ["s2g0t0"]}
+        fleet.begin_step(2)  # ... but step 2's window is [1, 2]: v0 is too stale by now, dropped and counted
         src2 = fleet.source(2, max_seq_len=64)
         assert src2._early == [] and fleet.early == {} and fleet.early_bytes == 0
+        assert fleet.receiver.stats["wrong_version"] == 1
     finally:
         fleet.close()
 
