@@ -119,6 +119,7 @@ def _cfg(**sections):
      {"learner.loss.kl_mode", "rl.algorithm"}),
     (dict(model={"ref_model": "r"}), {"model.ref_model", "learner.loss.kl_mode"}),
     (dict(learner={"max_open_groups": 0}), {"learner.max_open_groups"}),
+    (dict(learner={"num_minibatches": 2}, rl={"groups_per_step": 1}), {"learner.num_minibatches", "rl.groups_per_step"}),
     (dict(learner={"estimator": "ppo"}), {"learner.estimator"}),
     (dict(learner={"loss": {"aggregation": "mean"}}), {"learner.loss.aggregation"}),
     (dict(logging={"replay_rollouts": "d"}), {"rollout.num_workers"}),

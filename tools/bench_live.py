@@ -53,9 +53,12 @@ MODES = ("sync", "stream-group", "stream-trajectory", "async", "sync+spec", "str
 ``+full``: with ``--stream-full-microbatches`` (a packed microbatch runs once full, or at the step's end)."""
 BASES = ("sync", "stream-group", "stream-trajectory", "async")
 SUFFIXES = ("spec", "coalesce", "nowait", "mix", "full")
-# keys of the task config a run sets itself (or that would write into the quickstart's folders)
+# keys of the task config a run sets itself (or that would write into the quickstart's folders); the held-out
+# evaluation (it would run inside the timed steps) and the quickstart's minibatches (the measured workload is one
+# optimizer step per batch, as in docs/benchmarks.md; --train-args "--num-minibatches 2" for the other) are left out
 RUN_KEYS = {"model", "init-tiny-model", "sft-warmup-steps", "rl-mode", "train-iters", "seed", "save", "save-interval",
-            "load", "tensorboard-dir", "max-staleness", "trainer-cpus", "rollout-cpus"}
+            "load", "tensorboard-dir", "max-staleness", "trainer-cpus", "rollout-cpus", "eval-interval",
+            "eval-prompts", "eval-greedy", "num-minibatches"}
 STEP_KEYS = ("wall_step_s", "step_time_s", "idle_frac", "learner_busy_s", "trainer_cpu_s", "success_rate",
              "spec_drafted_tokens", "spec_kept_tokens", "microbatches", "plan_wasted_bucket_items",
              "plan_waited_for_variance")

@@ -88,6 +88,10 @@ class TrainConfig:
         _check(not ((lr.coalesce_ms or lr.coalesce_tokens) and self.rl.algorithm == "opd"),
                "learner.coalesce_ms / learner.coalesce_tokens coalesce GRPO arrivals; OPD streams turns as they land "
                "(they would do nothing there)", "learner.coalesce_ms", "learner.coalesce_tokens")
+        _check(lr.num_minibatches <= self.rl.groups_per_step,
+               f"learner.num_minibatches {lr.num_minibatches} > rl.groups_per_step {self.rl.groups_per_step}: "
+               "minibatches are made of whole groups (lower --num-minibatches or raise --global-batch-size)",
+               "learner.num_minibatches", "rl.groups_per_step")
         _check(lr.max_packed_tokens >= 1, f"learner.max_packed_tokens must be >= 1, got {lr.max_packed_tokens}",
                "learner.max_packed_tokens")
         _check(not (lr.sequence_packing and self.rl.algorithm == "opd"),
