@@ -60,9 +60,6 @@ class RunContext:
     """
 
     def __init__(self, cfg: TrainConfig, stop: StopFlag):
-        if cfg.learner.num_minibatches > cfg.rl.groups_per_step:
-            raise ValueError(f"--num-minibatches {cfg.learner.num_minibatches} > {cfg.rl.groups_per_step} groups per "
-                             "step: minibatches are made of whole groups")
         self.cfg, self.stop = cfg, stop
         p = cfg.parallel
         self.dims: ParallelDims = initialize_parallel(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,

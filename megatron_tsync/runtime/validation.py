@@ -179,6 +179,6 @@ def screen(source: Any, events: list) -> list:
         v = _BY_FLEET[fleet] = EdgeValidator(vocab_size=vocab, max_seq_len=source.max_seq_len,
                                              group_size=rl.group_size, groups_per_step=rl.groups_per_step,
                                              horizon=rl.max_staleness,
-                                             reward_spec=getattr(fleet, "reward_spec", None))
+                                             reward_spec=fleet.reward_spec)
     v.max_seq_len = source.max_seq_len
     return v.screen(fleet.receiver, source.step, source.expected - source.seen, events)
