@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -31,6 +32,7 @@ from megatron_tsync.training.opd_learner import (ListChunkSource, OPDLearner, OP
                                                  chunks_from_sample)
 from megatron_tsync.training.stream_fb import BatchShape
 from megatron_tsync.training.teacher import TeacherChunks, TeacherScorer
+from megatron_tsync.transport.errors import BadTurn
 
 log = logging.getLogger("megatron_tsync")
 
@@ -71,6 +73,10 @@ class OPDTransportSource(TransportSource):
         start = 0 if prev is None else prev.end
         if ev.end <= start:
             return []
+        if prev is not None and not np.array_equal(ev.token_ids[:start], prev.token_ids.numpy()[:start]):
+            _count(self.fleet.receiver, BadTurn(f"{ev.traj_id}: turn {ev.turn} rewrites tokens before {start} that "
+                                                 "earlier turns delivered"))
+            return []
         c = TurnChunk(ev.traj_id, start, torch.as_tensor(ev.token_ids.astype("int64")),
                       torch.as_tensor(ev.loss_mask.astype("float32")), None,
                       torch.as_tensor(ev.logprobs.astype("float64")))
@@ -90,6 +96,13 @@ class OPDTransportSource(TransportSource):
                         s.traj_id)
             return [dataclasses.replace(prev, start=prev.end, last=True)]
         return chunks_from_sample(s, ends, start=start)
+
+
+def _count(receiver, err) -> None:
+    """One content rejection, counted by reason like the edge's (``runtime/validation.py``)."""
+    receiver.stats[err.reason] = receiver.stats.get(err.reason, 0) + 1
+    receiver.recent_rejections.append((err.reason, err.detail[:512]))
+    log.warning("rejected turn event: %s: %s", err.reason, err.detail)
 
 
 def _record_teacher(samples, chunks: list[TurnChunk]) -> None:

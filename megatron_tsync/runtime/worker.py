@@ -237,17 +237,22 @@ class RolloutWorker:
     # ---------------------------------------------------------------------------------------------
     def run(self) -> None:
         spec = self.spec
-        for step in range(spec.start_step, spec.rl.train_iters):
+        step = spec.start_step
+        while step < spec.rl.train_iters:
             self.status.update(step=step, phase="weights")
             if spec.rollout.weight_sync == "broadcast":
                 self._receive_broadcast(step)
-            elif not self._file_weights(step):
-                break  # the trainer closed before this step: nothing more to do
+            else:
+                got = self._file_weights(step)
+                if got is None:
+                    break  # the trainer closed before this step: nothing more to do
+                step = got  # a later step when the learner finished this one without this worker
             self.step_holder[0] = step
             self.status.update(phase="rollout", step_sent=0)
             asyncio.run(self._run_step(step))
             self.sender.flush(timeout_s=600)
             self.status.update(phase="idle")
+            step += 1
         else:
             self._serve_until_closed(spec.rl.train_iters - 1)
         self.sender.close(flush_timeout_s=60)
@@ -255,9 +260,11 @@ class RolloutWorker:
     def _closed(self) -> bool:
         return self.watch is not None and self.watch.closed_now()
 
-    def _file_weights(self, step: int) -> bool:
-        """Loads weights the learner accepts for ``step``, serving re-dispatched work of earlier steps meanwhile;
-        False if the trainer closed first."""
+    def _file_weights(self, step: int) -> int | None:
+        """Loads weights the learner accepts for ``step``, serving re-dispatched work of earlier steps meanwhile, and
+        returns the step to roll out: ``step``, or a later one when the learner has already published a newer policy
+        (it finished ``step`` without this worker: its trajectories were accounted for otherwise, e.g. as failed
+        after a content rejection, or re-dispatched); None if the trainer closed first."""
         spec = self.spec
         window = VersionWindow(step, spec.rl.max_staleness)  # what the learner will accept for this step
         deadline = time.monotonic() + WEIGHT_WAIT_S
@@ -267,7 +274,7 @@ class RolloutWorker:
             if latest is not None and latest >= window.oldest:
                 break
             if self._closed():
-                return False
+                return None
             if time.monotonic() > deadline:
                 raise TimeoutError(f"worker {spec.worker_id}: no weights >= v{window.oldest} for step {step} in "
                                    f"{WEIGHT_WAIT_S:.0f}s (latest: {latest})")
@@ -275,12 +282,20 @@ class RolloutWorker:
                 time.sleep(0.05)
         version, state = self.weights.wait_for(window.oldest, timeout_s=WEIGHT_WAIT_S)
         if version not in window:
-            raise RuntimeError(f"worker {spec.worker_id}: step {step} needs weights {window}, got v{version}")
+            if version < window.oldest:
+                raise RuntimeError(f"worker {spec.worker_id}: step {step} needs weights {window}, got v{version}")
+            if version >= spec.rl.train_iters:
+                log.warning("worker %d: the learner finished its last step before this worker rolled out step %d",
+                            spec.worker_id, step)
+                return None
+            log.warning("worker %d: the learner published v%d before this worker rolled out step %d (that step was "
+                        "completed without it): skipping to step %d", spec.worker_id, version, step, version)
+            step, window = version, VersionWindow(version, spec.rl.max_staleness)
         if self.drafter is not None:
             self.drafter.before_load(step)  # the drafting engine keeps θ_{step-1}; the other one loads θ_step
         if version != self.engine.policy_version or step == spec.start_step:
             self.engine.update_weights(state, version)
-        return True
+        return step
 
     def _weights_landed(self, window: VersionWindow) -> bool:
         latest = self.weights.latest_version()

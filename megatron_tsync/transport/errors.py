@@ -23,6 +23,9 @@ __all__ = [
     "OutOfVocab",
     "TooLong",
     "BadGroup",
+    "BadReward",
+    "FarFuture",
+    "BadTurn",
     "Oversize",
     "WrongVersion",
     "WrongRun",
@@ -100,6 +103,14 @@ class FarFuture(TransportError):
     reason = "far_future"
 
 
+class BadTurn(TransportError):
+    """An authentic turn event (OPD) whose tokens do not extend the turns already delivered for its trajectory (its
+    prefix differs): dropped and counted; the trajectory's final event still delivers the rest (or, if it also
+    disagrees, ends the trajectory where the streamed turns stopped)."""
+
+    reason = "bad_turn"
+
+
 class Oversize(TransportError):
     """The frame is larger than the receiver's ``max_bytes``; rejected before any parsing."""
 
@@ -150,4 +161,5 @@ REJECT_REASONS: tuple[str, ...] = (
     BadGroup.reason,
     BadReward.reason,
     FarFuture.reason,
+    BadTurn.reason,
 )

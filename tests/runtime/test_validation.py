@@ -132,7 +132,7 @@ def test_nan_in_a_signed_event_is_rejected_counted_and_accounted(plane, field) -
         else:
             wire["logprobs"] = ["<f4", 4, np.array([0, 0, np.nan, -0.5], np.float32).tobytes()]
         with _sender(fleet) as tx:  # the raw frame signed with the run's key, on the sender's connection
-            tx._sock.send(_seal(1, msgpack.packb(wire, use_bin_type=True), tx._key, sender_id=tx.sender_id, seq=99,
+            tx._sock.send(_seal(1, msgpack.packb(wire, use_bin_type=True), tx._key, sender_id=tx.sender_id, seq=1 << 20,
                                 epoch=tx.epoch, policy_version=0))
             for tid in ("s0g0t1", "s0g1t0", "s0g1t1"):
                 tx.send(_traj(tid), timeout_s=5)
@@ -217,9 +217,13 @@ def test_the_trainer_refuses_the_mismatch_at_start_up(tiny_model, tmp_path) -> N
     assert "Traceback" not in p.stderr, p.stderr[-3000:]
 
 
+FLOOD = 500
+
+
 def _inject(rdir: str, stop, log: list) -> None:
     """Plays a hostile worker of the live run in ``rdir``: correctly signed (the run's key, and its run id when the
-    spec carries one) step-0 events that break one rule each, a NaN frame and an oversize frame."""
+    spec carries one) step-0 events that break one rule each, a NaN frame, an oversize frame, an off-spec reward and
+    a flood of far-future step ids."""
     import zmq
 
     path = os.path.join(rdir, "worker0.json")
@@ -234,12 +238,15 @@ def _inject(rdir: str, stop, log: list) -> None:
         tx.send(_traj("s0g0t1", ids=tuple(range(3, 3 + 129))), timeout_s=60)  # --seq-length 128
         wire = _traj("s0g1t0").to_wire()
         wire["meta"] = {"latency_s": float("nan")}
-        tx._sock.send(_seal(1, msgpack.packb(wire, use_bin_type=True), tx._key, sender_id=tx.sender_id, seq=99,
+        tx._sock.send(_seal(1, msgpack.packb(wire, use_bin_type=True), tx._key, sender_id=tx.sender_id, seq=1 << 20,
                             epoch=tx.epoch, policy_version=0))
         raw = zmq.Context.instance().socket(zmq.DEALER)
         raw.setsockopt(zmq.LINGER, 0)
         raw.connect(spec["endpoint"])
         raw.send(b"\0" * (70 << 20))  # > the receiver's 64 MiB limit
+        tx.send(_traj("s0g0t0", reward=0.5), timeout_s=60)  # binary reward spec: off-spec
+        for k in range(FLOOD):  # far-future step ids: counted, not parked
+            tx.send(_traj(f"s{5 + k}g0t0"), timeout_s=60)
         tx.flush(timeout_s=60)
         time.sleep(1.0)
         raw.close()
@@ -271,7 +278,8 @@ def test_a_live_run_survives_hostile_signed_events(tiny_model, tmp_path) -> None
                             "--max-new-tokens", "16", "--seq-length", "128", "--train-iters", "2",
                             "--rollout-dir", rdir, "--secret-file", secret,
                             "--rollout-endpoint", f"tcp://127.0.0.1:{free_port()}", "--save", str(ck),
-                            "--no-progress"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=800)
+                            "--tensorboard-dir", str(tmp_path / "tb"), "--no-progress"],
+                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=800)
     finally:
         stop.set()
         t.join(timeout=30)
@@ -279,8 +287,19 @@ def test_a_live_run_survives_hostile_signed_events(tiny_model, tmp_path) -> None
     assert "summary: mode stream-trajectory, 2 steps" in p.stdout and log == ["sent"]
     last = json.loads((ck / "history.json").read_text())[-1]
     assert (last["rejected_out_of_vocab"], last["rejected_too_long"], last["rejected_non_finite"],
-            last["rejected_oversize"]) == (1, 1, 1, 1), last
+            last["rejected_oversize"], last["rejected_bad_reward"]) == (1, 1, 1, 1, 1), last
+    # each flood event is counted once: far_future while step 0 runs, wrong_version (the receiver's version window)
+    # if it lands after the learner moved to step 1
+    assert last["rejected_far_future"] > 0 and last["rejected_far_future"] + last["rejected_wrong_version"] == FLOOD
     assert last["trajectories"] == 4
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    import glob
+
+    ea = EventAccumulator(glob.glob(str(tmp_path / "tb" / "events*"))[0])
+    ea.Reload()
+    got = {r: ea.Scalars(f"transport/rejected_{r}")[-1].value for r in ("bad_reward", "far_future", "out_of_vocab")}
+    assert got == {"bad_reward": 1, "far_future": last["rejected_far_future"], "out_of_vocab": 1}, got
 
 
 def test_off_spec_rewards_are_rejected_counted_and_the_step_completes(plane) -> None:
@@ -340,3 +359,36 @@ def test_a_garbage_tokenizer_file_is_named(tiny_model, tmp_path) -> None:
         f.write("garbage")
     with pytest.raises(ValueError, match=r"cannot load its tokenizer from \[.*'tokenizer.json'.*JSONDecodeError"):
         check_tokenizer_fits(bad, 512)
+
+
+def _turn(tid, turn, start, ids):
+    from megatron_tsync.transport import TurnEvent
+
+    end = len(ids)
+    mask = np.array([0] * start + [1] * (end - start), np.uint8)
+    return TurnEvent(traj_id=tid, group_id=tid.rpartition("t")[0], policy_version=0, turn=turn, start=start, end=end,
+                     token_ids=np.array(ids, np.int32), loss_mask=mask,
+                     logprobs=np.where(mask == 1, -0.5, 0).astype(np.float32))
+
+
+def test_an_opd_turn_that_rewrites_delivered_tokens_is_rejected_and_counted(plane) -> None:
+    """OPD streams each turn as it finishes; a turn whose prefix differs from the turns already delivered for its
+    trajectory would train a chunk on a context the earlier chunks never saw. It is dropped and counted (bad_turn),
+    the next consistent turn continues where the delivered ones ended (control), nothing raises."""
+    from megatron_tsync.runtime.opd import OPDTransportSource
+
+    fleet = _fleet(plane)
+    try:
+        src = OPDTransportSource(fleet, 0, 8, None)
+        with _sender(fleet) as tx:
+            tx.send(_turn("s0g0t0", 0, 2, (3, 4, 5)), timeout_s=5)
+            first = _drain(src, tx)
+            tx.send(_turn("s0g0t0", 1, 4, (3, 9, 5, 6, 7)), timeout_s=5)  # token 1 rewritten
+            rewritten = _drain(src, tx)
+            tx.send(_turn("s0g0t0", 1, 4, (3, 4, 5, 6, 7)), timeout_s=5)  # the consistent one
+            good = _drain(src, tx)
+        assert [(c.start, c.end) for c in first] == [(0, 3)] and rewritten == []
+        assert [(c.start, c.end) for c in good] == [(3, 5)]
+        assert fleet.receiver.stats["bad_turn"] == 1 and rejection_row(fleet)["rejected_bad_turn"] == 1
+    finally:
+        fleet.close()
