@@ -321,6 +321,10 @@ def test_off_spec_rewards_are_rejected_counted_and_the_step_completes(plane) -> 
         fleet.close()
 
 
+def _rss() -> int:
+    return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
 def test_far_future_floods_are_counted_not_parked(plane, monkeypatch) -> None:
     """Early trajectories are parked only for a step the run can still use (sync: the next one) and within the byte
     cap: 50,000 authentic far-future events cost a counter, not memory (nothing parked); the next step's event is
@@ -330,9 +334,12 @@ def test_far_future_floods_are_counted_not_parked(plane, monkeypatch) -> None:
     fleet = _fleet(plane)
     try:
         src = fleet.source(0, max_seq_len=8)
+        rss0 = _rss()
         for k in range(50_000):
             src._to_sample(_traj(f"s{2 + k}g0t0"))
+        grew = _rss() - rss0  # parking them all would hold ~50 MiB (measured: 49.7 MiB for 50k of these events)
         assert fleet.receiver.stats["far_future"] == 50_000 and not fleet.early and fleet.early_bytes == 0
+        assert grew < 16 << 20, f"RSS grew {grew / 2**20:.1f} MiB over the flood"
         src._to_sample(_traj("s1g0t0"))  # the next step's: parked for it
         assert list(fleet.early) == [1] and fleet.early_bytes > 0
         monkeypatch.setattr(fleet_mod, "EARLY_BYTES_CAP", fleet.early_bytes + 1)
