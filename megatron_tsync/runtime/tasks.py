@@ -99,7 +99,11 @@ def get_task(name: str, **kwargs: Any) -> Task:
     ``"some.module:task-name"`` first imports ``some.module`` (which registers its tasks with :func:`register_task`),
     then looks up ``task-name``: how recipes outside the package (``examples/``) bring their own tasks, in the trainer
     and in every rollout worker alike (the module must be importable there: run from the repository root).
+    ``reasoning-gym:NAME[:k=v,...]`` is reasoning-gym's dataset NAME (``runtime/reasoning_gym_task.py``).
     """
+    prefix, _, rest = name.partition(":")
+    if name not in _REGISTRY and prefix in _PARAMETRISED:  # "reasoning-gym:chain_sum": a family of tasks
+        return _PARAMETRISED[prefix](rest, **kwargs)
     if name not in _REGISTRY and ":" in name:
         import importlib
 
@@ -112,6 +116,17 @@ def get_task(name: str, **kwargs: Any) -> Task:
     except KeyError:
         raise KeyError(f"unknown task {name!r}; available: {', '.join(sorted(_REGISTRY))}") from None
     return factory(**kwargs)
+
+
+def _reasoning_gym(spec: str, **kwargs: Any) -> Task:
+    from megatron_tsync.runtime.reasoning_gym_task import ReasoningGymTask  # optional dependency: imported on use
+
+    return ReasoningGymTask.from_name(spec, **kwargs)
+
+
+_PARAMETRISED: dict[str, Callable[..., Task]] = {"reasoning-gym": _reasoning_gym}
+"""``PREFIX:REST`` task names: ``PREFIX``'s factory gets ``REST`` (``reasoning-gym:NAME``:
+``runtime/reasoning_gym_task.py``)."""
 
 
 def available_tasks() -> list[str]:
