@@ -127,12 +127,18 @@ class HeldOutEval:
                 f"reward {rec['mean_reward']:.3f} ({rec['prompts']} prompts, {what}{err}, {rec['seconds']:.1f}s)")
 
     def summary(self) -> str:
-        """``held-out success a → b (vI → vJ, N prompts, greedy)``, or "" before two evaluations."""
-        if len(self.records) < 2:
+        """``held-out success a → b (vI → vJ, N prompts, greedy; evaluation S s in all, s/step per training step)``
+        (one evaluation: ``held-out success b (vJ, …)``), or "" before any."""
+        if not self.records:
             return ""
         a, b = self.records[0], self.records[-1]
-        return (f"held-out success {a['success_rate']:.2f} → {b['success_rate']:.2f} (v{a['version']} → "
-                f"v{b['version']}, {b['prompts']} prompts, {'greedy' if b['greedy'] else 'sampled'})")
+        score = (f"{a['success_rate']:.2f} → {b['success_rate']:.2f} (v{a['version']} → v{b['version']}"
+                 if len(self.records) > 1 else f"{b['success_rate']:.2f} (v{b['version']}")
+        spent = sum(r.get("seconds", 0.0) for r in self.records)
+        steps = b["version"] - a["version"]
+        cost = f"; evaluation {spent:.1f}s in all" + (f", {spent / steps:.2f}s per training step" if steps else "")
+        return (f"held-out success {score}, {b['prompts']} prompts, {'greedy' if b['greedy'] else 'sampled'}"
+                f"{cost})")
 
     def close(self) -> None:
         if self._sandbox is not None and hasattr(self._sandbox, "close"):
