@@ -15,6 +15,14 @@ Where: trainer rank 0, with the policy itself (``EmbeddedEngine`` over the live 
 afterwards; no copy of the weights, no torch RNG drawn: training is unchanged — ``tests/runtime/test_evaluation.py``).
 That needs the whole model on rank 0: TP = PP = EP = CP = 1 (any DP). Larger layouts are refused by pre-flight; evaluate their
 checkpoints with ``examples/tiny_agent/evaluate.py`` (or a converted folder in your own harness).
+Why not on the rollout workers: they hold θ_k already, but an evaluation there would take their engines from the next
+step's rollouts just the same, and the trainer would have to wait for it to report (or report late, at another
+version); on rank 0 it is one synchronous call at a known version, in every ``--rl-mode`` alike (the loop is the same
+for sync, stream-group, stream-trajectory, async and OPD's stream-turn: ``tests/runtime/test_evaluation.py``,
+``test_train_e2e.py``, ``test_opd_e2e.py``). θ_k is published first, so in every live mode the workers roll out
+step k meanwhile (sharing the cores with it on a small CPU machine). Its cost is in the summary line (seconds in all and per
+training step): on the tiny agent, 256 sampled prompts take 3-7 s on a loaded 2-core machine, ≈0.2 s per step at
+``--eval-interval 20``.
 
 Output: a ``[tsync] held-out …`` line per evaluation, TensorBoard/W&B ``eval/success_rate`` and ``eval/mean_reward``
 at the version's step, and ``eval.json`` next to ``history.json`` (one record per evaluation).
