@@ -211,7 +211,8 @@ class ReasoningGymScore(_Base):
         try:
             import reasoning_gym
         except ImportError as e:
-            raise ValueError(f"reasoning-gym is not installed ({e}): pip install 'megatron_tsync[reasoning-gym]'") from None
+            raise ValueError(f"reasoning-gym is not installed ({e}): "
+                             "pip install 'megatron_tsync[reasoning-gym]'") from None
         self.dataset = dataset  # the task's dataset and config: score_answer may read the config
         self._score_answer = reasoning_gym.create_dataset(dataset, seed=0, size=1, **(config or {})).score_answer
 
@@ -223,7 +224,8 @@ class ReasoningGymScore(_Base):
         found = list(_ANSWER_RE.finditer(masked))
         answer = trajectory_text[found[-1].start(1):found[-1].end(1)].strip() if found else None
         reward = float(self._score_answer(answer, dict(entry)))
-        return Score(reward, f"{self.dataset}.score_answer({answer!r:.40}) = {reward:g} (oracle {entry.get('answer')!r:.40})")
+        oracle = str(entry.get("answer"))[:40]
+        return Score(reward, f"{self.dataset}.score_answer({str(answer)[:40]!r}) = {reward:g} (oracle {oracle!r})")
 
 
 # ------------------------------------------------------------------------------------------------------- unit tests

@@ -45,7 +45,8 @@ def _import():
     try:
         import reasoning_gym
     except ImportError as e:
-        raise ImportError(f"reasoning-gym is not installed ({e}): pip install 'megatron_tsync[reasoning-gym]'") from None
+        raise ImportError(f"reasoning-gym is not installed ({e}): "
+                          "pip install 'megatron_tsync[reasoning-gym]'") from None
     return reasoning_gym
 
 

@@ -116,3 +116,20 @@ def test_declared_reward_spec_is_bounded(task):
     spec = declared_reward_spec("reasoning_gym")
     assert (spec.kind, spec.lo, spec.hi) == ("bounded", 0.0, 1.0)
     assert (task.reward_spec.kind, task.reward_spec.lo, task.reward_spec.hi) == ("bounded", 0.0, 1.0)
+
+
+def test_example_recipe_parses_and_passes_the_task_check():
+    """examples/reasoning_gym/config.yaml: the task and verifier it names build, and the learner is told bounded
+    rewards (what the verifier declares), not the binary default."""
+    import os
+
+    from megatron_tsync.arguments import parse_args
+    from megatron_tsync.runtime.preflight import _check_task
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    cfg = parse_args(["--config", os.path.join(root, "examples", "reasoning_gym", "config.yaml")])
+    task = _check_task(cfg)
+    assert task.dataset == "chain_sum" and task.config == {"min_terms": 2, "max_terms": 3, "max_digits": 2}
+    spec = cfg.learner.reward_spec
+    assert (spec.kind, spec.lo, spec.hi) == ("bounded", 0.0, 1.0)
+    assert cfg.logging.eval_interval > 0
