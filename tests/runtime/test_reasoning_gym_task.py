@@ -133,3 +133,19 @@ def test_example_recipe_parses_and_passes_the_task_check():
     spec = cfg.learner.reward_spec
     assert (spec.kind, spec.lo, spec.hi) == ("bounded", 0.0, 1.0)
     assert cfg.logging.eval_interval > 0
+
+
+def test_without_reasoning_gym_installed_preflight_says_how_to_install(monkeypatch):
+    import sys
+
+    from megatron_tsync.arguments import parse_args
+    from megatron_tsync.runtime import reasoning_gym_task
+    from megatron_tsync.runtime.preflight import PreflightError, _check_task
+
+    monkeypatch.setitem(sys.modules, "reasoning_gym", None)  # import reasoning_gym raises ImportError
+    monkeypatch.setattr(reasoning_gym_task, "_CACHE", {})
+    cfg = parse_args(["--task", "reasoning-gym:chain_sum", "--verifier", "reasoning_gym"])
+    with pytest.raises(PreflightError) as e:
+        _check_task(cfg)
+    assert "reasoning-gym is not installed" in str(e.value) and "pip install 'megatron_tsync[reasoning-gym]'" in str(
+        e.value)
