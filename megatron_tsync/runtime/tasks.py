@@ -114,7 +114,8 @@ def get_task(name: str, **kwargs: Any) -> Task:
     try:
         factory = _REGISTRY[name]
     except KeyError:
-        raise KeyError(f"unknown task {name!r}; available: {', '.join(sorted(_REGISTRY))}") from None
+        families = ", ".join(f"{p}:NAME" for p in sorted(_PARAMETRISED))
+        raise KeyError(f"unknown task {name!r}; available: {', '.join(sorted(_REGISTRY))}, {families}") from None
     return factory(**kwargs)
 
 
