@@ -198,23 +198,32 @@ def _used_tool(text: str) -> bool:
 class ReasoningGymScore(_Base):
     """reasoning-gym's own score (``runtime/reasoning_gym_task.py``): the dataset's ``score_answer(answer, entry)``
     on the text of the last ``<answer>…</answer>`` outside ``<result>`` blocks (None when there is none), with the
-    task's ``entry``. Bounded in [0, 1] (partial credit for some datasets); never clamped: a score outside it is
-    the worker's counted error, not a silent 0 or 1."""
+    task's ``entry``; the dataset is ``dataset`` (with ``config``), else the entry's ``metadata.source_dataset``.
+    Bounded in [0, 1] (partial credit for some datasets); never clamped: a score outside it is the worker's counted
+    error, not a silent 0 or 1."""
 
     name = "reasoning_gym"
     reward_range = (0.0, 1.0)
     binary = False
 
     def __init__(self, dataset: str = "", config: dict | None = None):
-        if not dataset:
-            raise ValueError("verifier reasoning_gym scores a reasoning-gym task: use --task reasoning-gym:NAME")
-        try:
-            import reasoning_gym
-        except ImportError as e:
-            raise ValueError(f"reasoning-gym is not installed ({e}): "
-                             "pip install 'megatron_tsync[reasoning-gym]'") from None
-        self.dataset = dataset  # the task's dataset and config: score_answer may read the config
-        self._score_answer = reasoning_gym.create_dataset(dataset, seed=0, size=1, **(config or {})).score_answer
+        self.dataset, self.config = dataset, dict(config or {})  # score_answer may read the dataset's config
+        self._scorers: dict[str, Callable] = {}
+        if dataset:
+            self._scorer(dataset)  # fails now, not at the first trajectory: unknown dataset, bad config
+
+    def _scorer(self, name: str) -> Callable:
+        """The dataset's ``score_answer``: the task's dataset with its config, or (no dataset given) the entry's
+        ``source_dataset`` with its default config."""
+        if name not in self._scorers:
+            try:
+                import reasoning_gym
+            except ImportError as e:
+                raise ValueError(f"reasoning-gym is not installed ({e}): "
+                                 "pip install 'megatron_tsync[reasoning-gym]'") from None
+            config = self.config if name == self.dataset else {}
+            self._scorers[name] = reasoning_gym.create_dataset(name, seed=0, size=1, **config).score_answer
+        return self._scorers[name]
 
     async def evaluate(self, trajectory_text: str, task: Any) -> Score:
         entry = _task_get(task, "entry")
@@ -223,9 +232,12 @@ class ReasoningGymScore(_Base):
         masked = _mask_results(trajectory_text) if isinstance(trajectory_text, str) else ""
         found = list(_ANSWER_RE.finditer(masked))
         answer = trajectory_text[found[-1].start(1):found[-1].end(1)].strip() if found else None
-        reward = float(self._score_answer(answer, dict(entry)))
+        name = self.dataset or (entry.get("metadata") or {}).get("source_dataset", "")
+        if not name:
+            return Score(0.0, "reasoning-gym entry names no source_dataset (and the verifier no dataset)")
+        reward = float(self._scorer(name)(answer, dict(entry)))
         oracle = str(entry.get("answer"))[:40]
-        return Score(reward, f"{self.dataset}.score_answer({str(answer)[:40]!r}) = {reward:g} (oracle {oracle!r})")
+        return Score(reward, f"{name}.score_answer({str(answer)[:40]!r}) = {reward:g} (oracle {oracle!r})")
 
 
 # ------------------------------------------------------------------------------------------------------- unit tests

@@ -32,7 +32,7 @@ import zlib
 from typing import Any
 
 from megatron_tsync.algorithms.streamability import RewardSpec
-from megatron_tsync.runtime.tasks import TaskInstance, _mix
+from megatron_tsync.runtime.tasks import TaskInstance, _mix, register_task_family
 
 __all__ = ["ReasoningGymTask", "parse_task_name", "make_dataset"]
 
@@ -129,7 +129,7 @@ class ReasoningGymTask:
 
     @classmethod
     def from_name(cls, spec: str, **kwargs: Any) -> "ReasoningGymTask":
-        """The task of ``reasoning-gym:SPEC`` (``SPEC`` = ``NAME[:k=v,...]``)."""
+        """The task of ``reasoning-gym:SPEC`` (``SPEC`` = ``NAME[:k=v,...]``; ``get_task``'s family factory)."""
         name, config = parse_task_name(spec)
         return cls(name, config, **kwargs)
 
@@ -185,3 +185,6 @@ class ReasoningGymTask:
 
     def demonstration(self, inst: TaskInstance) -> str:
         return "".join(text for text, _ in self.demonstration_segments(inst))
+
+
+register_task_family(PREFIX)(ReasoningGymTask.from_name)
