@@ -16,9 +16,9 @@ Prompt ``<s>Q: QUESTION `` (the dataset's question verbatim). The agent loop's t
 ``metadata["expression"]`` is integer arithmetic that evaluates to the answer, a calculator call on it, its result,
 then ``<answer>ANSWER</answer>``; otherwise the answer alone.
 
-Splits: the dataset is built once with seed ``dataset_seed`` and ``size`` entries; group ``g`` of step ``k`` tries
-indices ``mix(seed, split, k, g, attempt) mod size`` until it finds an entry of its split, and an entry belongs to
-the eval split iff the CRC32 of its question is 0 mod ``heldout_mod``: a held-out question can never be a training
+Splits: the dataset is built once with seed ``dataset_seed`` and ``size`` entries; group ``g`` of step ``k`` draws
+indices in ``[0, size)`` from a generator seeded by ``mix(seed, split, k, g)`` until it finds an entry of its split
+(the run's ``--seed`` picks the entries; the dataset stays the same), and an entry belongs to the eval split iff the CRC32 of its question is 0 mod ``heldout_mod``: a held-out question can never be a training
 question (by content, whatever index or seed produced it).
 """
 
