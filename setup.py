@@ -31,7 +31,10 @@ setup(
     packages=find_packages(include=["megatron_tsync", "megatron_tsync.*"]),
     install_requires=CORE,
     extras_require={
-        "tests": ["pytest>=8", "pytest-timeout==2.4.0", "pytest-xdist==3.8.0", "matplotlib", "openai>=1", "wandb==0.31.0"],
+        "tests": ["pytest>=8", "pytest-timeout==2.4.0", "pytest-xdist==3.8.0", "matplotlib", "openai>=1", "wandb==0.31.0",
+                  "reasoning-gym==0.1.25"],
+        # --task reasoning-gym:NAME (runtime/reasoning_gym_task.py): its procedural datasets and their scoring
+        "reasoning-gym": ["reasoning-gym==0.1.25"],
         # the learning curve PNG at the end of a run (runtime/curves.py); the quickstart installs it
         "plot": ["matplotlib"],
         # GPU nodes: Transformer Engine + vLLM (CUDA). apex is not on PyPI: use an NGC PyTorch container.

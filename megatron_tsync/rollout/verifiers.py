@@ -11,13 +11,14 @@ A verifier scores the full trajectory text of one rollout against its task::
 
 Tasks are mappings (or objects with attributes). Keys used by the built-ins:
 - ``exact_answer`` / ``answer_with_format``: ``answer`` (int).
+- ``reasoning_gym``: ``entry`` (a reasoning-gym entry; the dataset's own ``score_answer`` gives the reward).
 - ``unit_tests``: ``tests`` (list of Python snippets run against the solution) or ``test_command`` (shell command whose
   output reports ``N passed`` / ``M failed`` pytest-style, or ``PASS``/``FAIL`` lines); optional ``files`` (path ->
   content written to the sandbox first) and ``solution_path`` (default ``solution.py``) where the LAST fenced code
   block of the final text is written.
 
 Answers and code are read only outside ``<result>`` blocks, so tool output cannot forge an answer.
-This module imports only the standard library and the rollout sandbox/tools modules.
+This module imports only the standard library and the rollout sandbox/tools modules (and reasoning-gym, on use).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from megatron_tsync.rollout.tools import ToolCall, _mask_results, parse_tool_cal
 
 __all__ = [
     "Score", "Verifier", "register_verifier", "get_verifier", "available_verifiers", "parse_answer",
-    "ExactAnswer", "AnswerWithFormat", "UnitTests",
+    "ExactAnswer", "AnswerWithFormat", "UnitTests", "ReasoningGymScore",
 ]
 
 
@@ -190,6 +191,53 @@ def _used_tool(text: str) -> bool:
         if isinstance(call, ToolCall):
             return True
     return False
+
+
+# ------------------------------------------------------------------------------------------------------- reasoning-gym
+@register_verifier("reasoning_gym")
+class ReasoningGymScore(_Base):
+    """reasoning-gym's own score (``runtime/reasoning_gym_task.py``): the dataset's ``score_answer(answer, entry)``
+    on the text of the last ``<answer>…</answer>`` outside ``<result>`` blocks (None when there is none), with the
+    task's ``entry``; the dataset is ``dataset`` (with ``config``), else the entry's ``metadata.source_dataset``.
+    Bounded in [0, 1] (partial credit for some datasets); never clamped: a score outside it is the worker's counted
+    error, not a silent 0 or 1."""
+
+    name = "reasoning_gym"
+    reward_range = (0.0, 1.0)
+    binary = False
+
+    def __init__(self, dataset: str = "", config: dict | None = None):
+        self.dataset, self.config = dataset, dict(config or {})  # score_answer may read the dataset's config
+        self._scorers: dict[str, Callable] = {}
+        if dataset:
+            self._scorer(dataset)  # fails now, not at the first trajectory: unknown dataset, bad config
+
+    def _scorer(self, name: str) -> Callable:
+        """The dataset's ``score_answer``: the task's dataset with its config, or (no dataset given) the entry's
+        ``source_dataset`` with its default config."""
+        if name not in self._scorers:
+            try:
+                import reasoning_gym
+            except ImportError as e:
+                raise ValueError(f"reasoning-gym is not installed ({e}): "
+                                 "pip install 'megatron_tsync[reasoning-gym]'") from None
+            config = self.config if name == self.dataset else {}
+            self._scorers[name] = reasoning_gym.create_dataset(name, seed=0, size=1, **config).score_answer
+        return self._scorers[name]
+
+    async def evaluate(self, trajectory_text: str, task: Any) -> Score:
+        entry = _task_get(task, "entry")
+        if not isinstance(entry, Mapping):
+            return Score(0.0, "task has no reasoning-gym 'entry'")
+        masked = _mask_results(trajectory_text) if isinstance(trajectory_text, str) else ""
+        found = list(_ANSWER_RE.finditer(masked))
+        answer = trajectory_text[found[-1].start(1):found[-1].end(1)].strip() if found else None
+        name = self.dataset or (entry.get("metadata") or {}).get("source_dataset", "")
+        if not name:
+            return Score(0.0, "reasoning-gym entry names no source_dataset (and the verifier no dataset)")
+        reward = float(self._scorer(name)(answer, dict(entry)))
+        oracle = str(entry.get("answer"))[:40]
+        return Score(reward, f"{name}.score_answer({str(answer)[:40]!r}) = {reward:g} (oracle {oracle!r})")
 
 
 # ------------------------------------------------------------------------------------------------------- unit tests

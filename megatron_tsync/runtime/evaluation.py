@@ -15,6 +15,14 @@ Where: trainer rank 0, with the policy itself (``EmbeddedEngine`` over the live 
 afterwards; no copy of the weights, no torch RNG drawn: training is unchanged — ``tests/runtime/test_evaluation.py``).
 That needs the whole model on rank 0: TP = PP = EP = CP = 1 (any DP). Larger layouts are refused by pre-flight; evaluate their
 checkpoints with ``examples/tiny_agent/evaluate.py`` (or a converted folder in your own harness).
+Why not on the rollout workers: they hold θ_k already, but an evaluation there would take their engines from the next
+step's rollouts just the same, and the trainer would have to wait for it to report (or report late, at another
+version); on rank 0 it is one synchronous call at a known version, in every ``--rl-mode`` alike (the loop is the same
+for sync, stream-group, stream-trajectory, async and OPD's stream-turn: ``tests/runtime/test_evaluation.py``,
+``test_train_e2e.py``, ``test_opd_e2e.py``). θ_k is published first, so in every live mode the workers roll out
+step k meanwhile (sharing the cores with it on a small CPU machine). Its cost is in the summary line (seconds in all and per
+training step): on the tiny agent, 256 sampled prompts take 3-7 s on a loaded 2-core machine, ≈0.2 s per step at
+``--eval-interval 20``.
 
 Output: a ``[tsync] held-out …`` line per evaluation, TensorBoard/W&B ``eval/success_rate`` and ``eval/mean_reward``
 at the version's step, and ``eval.json`` next to ``history.json`` (one record per evaluation).
@@ -127,12 +135,18 @@ class HeldOutEval:
                 f"reward {rec['mean_reward']:.3f} ({rec['prompts']} prompts, {what}{err}, {rec['seconds']:.1f}s)")
 
     def summary(self) -> str:
-        """``held-out success a → b (vI → vJ, N prompts, greedy)``, or "" before two evaluations."""
-        if len(self.records) < 2:
+        """``held-out success a → b (vI → vJ, N prompts, greedy; evaluation S s in all, s/step per training step)``
+        (one evaluation: ``held-out success b (vJ, …)``), or "" before any."""
+        if not self.records:
             return ""
         a, b = self.records[0], self.records[-1]
-        return (f"held-out success {a['success_rate']:.2f} → {b['success_rate']:.2f} (v{a['version']} → "
-                f"v{b['version']}, {b['prompts']} prompts, {'greedy' if b['greedy'] else 'sampled'})")
+        score = (f"{a['success_rate']:.2f} → {b['success_rate']:.2f} (v{a['version']} → v{b['version']}"
+                 if len(self.records) > 1 else f"{b['success_rate']:.2f} (v{b['version']}")
+        spent = sum(r.get("seconds", 0.0) for r in self.records)
+        steps = b["version"] - a["version"]
+        cost = f"; evaluation {spent:.1f}s in all" + (f", {spent / steps:.2f}s per training step" if steps else "")
+        return (f"held-out success {score}, {b['prompts']} prompts, {'greedy' if b['greedy'] else 'sampled'}"
+                f"{cost})")
 
     def close(self) -> None:
         if self._sandbox is not None and hasattr(self._sandbox, "close"):

@@ -221,6 +221,8 @@ def _check_task(cfg):
     except KeyError as e:
         raise PreflightError(f"--task {name}: {e.args[0] if e.args else e}") from None
     except ImportError as e:
+        if name.startswith("reasoning-gym:"):  # an optional dependency, not a module of the task's name
+            raise PreflightError(f"--task {name}: {e}") from None
         raise PreflightError(f"--task {name}: cannot import {name.partition(':')[0]} ({e}); a 'module:task' name "
                              "needs the module importable from the working directory") from None
     except (TypeError, ValueError) as e:

@@ -46,7 +46,8 @@ from typing import Any, Callable, Protocol, runtime_checkable
 from megatron_tsync.algorithms.streamability import RewardSpec
 
 __all__ = [
-    "TaskInstance", "Task", "register_task", "get_task", "available_tasks", "ArithmeticCalculatorTask",
+    "TaskInstance", "Task", "register_task", "register_task_family", "get_task", "available_tasks",
+    "ArithmeticCalculatorTask",
     "evaluate_expression",
 ]
 
@@ -99,7 +100,15 @@ def get_task(name: str, **kwargs: Any) -> Task:
     ``"some.module:task-name"`` first imports ``some.module`` (which registers its tasks with :func:`register_task`),
     then looks up ``task-name``: how recipes outside the package (``examples/``) bring their own tasks, in the trainer
     and in every rollout worker alike (the module must be importable there: run from the repository root).
+    ``reasoning-gym:NAME[:k=v,...]`` is reasoning-gym's dataset NAME (``runtime/reasoning_gym_task.py``).
     """
+    prefix, _, rest = name.partition(":")
+    if name not in _REGISTRY and (prefix in _FAMILIES or prefix in _FAMILY_MODULES):  # "reasoning-gym:chain_sum"
+        import importlib
+
+        if prefix not in _FAMILIES:  # its module registers it (imported on first use: an optional dependency)
+            importlib.import_module(_FAMILY_MODULES[prefix])
+        return _FAMILIES[prefix](rest, **kwargs)
     if name not in _REGISTRY and ":" in name:
         import importlib
 
@@ -110,8 +119,25 @@ def get_task(name: str, **kwargs: Any) -> Task:
     try:
         factory = _REGISTRY[name]
     except KeyError:
-        raise KeyError(f"unknown task {name!r}; available: {', '.join(sorted(_REGISTRY))}") from None
+        families = ", ".join(f"{p}:NAME" for p in sorted(set(_FAMILIES) | set(_FAMILY_MODULES)))
+        raise KeyError(f"unknown task {name!r}; available: {', '.join(sorted(_REGISTRY))}, {families}") from None
     return factory(**kwargs)
+
+
+_FAMILIES: dict[str, Callable[..., Task]] = {}
+_FAMILY_MODULES = {"reasoning-gym": "megatron_tsync.runtime.reasoning_gym_task"}
+"""Task families, named ``PREFIX:REST``: the factory registered for ``PREFIX`` gets ``REST`` (``reasoning-gym:NAME``:
+``runtime/reasoning_gym_task.py``); a built-in family's module is imported when one of its names is first asked for."""
+
+
+def register_task_family(prefix: str) -> Callable[[Callable[..., Task]], Callable[..., Task]]:
+    """Decorator: ``factory(rest, **kwargs)`` builds the task named ``PREFIX:REST`` (see :func:`get_task`)."""
+
+    def deco(factory):
+        _FAMILIES[prefix] = factory
+        return factory
+
+    return deco
 
 
 def available_tasks() -> list[str]:

@@ -8,6 +8,8 @@
 - which versions are evaluated (the first, every N, the end; each once), and the log / summary lines.
 """
 
+import glob
+import json
 import os
 import sys
 
@@ -102,9 +104,62 @@ def test_evaluation_leaves_training_untouched_and_follows_the_weights(run):
 
 def test_versions_evaluated_and_summary(run):
     _, _, _, ev = run
-    ev.records = [{"version": 0, "success_rate": 0.25, "prompts": 48, "greedy": True}]
+    ev.records = []
+    assert ev.summary() == ""
+    ev.records = [{"version": 0, "success_rate": 0.25, "prompts": 48, "greedy": True, "seconds": 1.5}]
     assert [v for v in range(12) if ev.due(v)] == [4, 8, 10]  # 0 is done; every 4; the end (--train-iters 10)
-    assert ev.summary() == ""  # one evaluation: nothing to compare
-    ev.records.append({"version": 10, "success_rate": 0.5, "prompts": 48, "greedy": True})
-    assert ev.summary() == "held-out success 0.25 → 0.50 (v0 → v10, 48 prompts, greedy)"
+    assert ev.summary() == "held-out success 0.25 (v0, 48 prompts, greedy; evaluation 1.5s in all)"
+    ev.records.append({"version": 10, "success_rate": 0.5, "prompts": 48, "greedy": True, "seconds": 2.5})
+    assert ev.summary() == ("held-out success 0.25 → 0.50 (v0 → v10, 48 prompts, greedy; evaluation 4.0s in all, "
+                            "0.40s per training step)")
     assert not ev.due(10) and ev.due(8)
+
+
+def _train_live(args, cwd):
+    import subprocess
+
+    from tests.conftest import free_port
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", MASTER_PORT=str(free_port()))
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        env.pop(k, None)
+    p = subprocess.run([sys.executable, "-m", "megatron_tsync.train", *args], cwd=cwd, env=env, capture_output=True,
+                       text=True, timeout=900)
+    assert p.returncode == 0, f"train failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
+    return p.stdout
+
+
+# stream-trajectory: tests/runtime/test_train_e2e.py; OPD stream-turn: tests/runtime/test_opd_e2e.py (both read the
+# eval/* scalars back too). sync runs a reasoning-gym task: its verifier in the real workers and the evaluator.
+MODES = {
+    "sync": ["--rl-mode", "sync", "--task", "reasoning-gym:chain_sum:max_terms=2,max_digits=1",
+             "--verifier", "reasoning_gym"],
+    "stream-group": ["--rl-mode", "stream-group"],
+    "async": ["--rl-mode", "async", "--max-staleness", "1"],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", list(MODES))
+def test_live_evaluation_in_every_mode(mode, tiny_dir, tmp_path):
+    """A live run of one step in ``mode`` (real workers, sandbox, verifier) evaluates θ_0 and θ_1: the log lines,
+    the summary line's held-out score, eval.json, and ``eval/*`` read back from TensorBoard at the versions' steps."""
+    if mode == "sync":
+        pytest.importorskip("reasoning_gym")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tb = tmp_path / "tb"
+    out = _train_live(["--model", tiny_dir, "--group-size", "2", "--global-batch-size", "4", "--rollout-workers", "1",
+                       "--max-turns", "2", "--max-new-tokens", "16", "--seq-length", "128", "--lr", "1e-4",
+                       "--train-iters", "1", "--eval-interval", "1", "--eval-prompts", "4", "--no-progress",
+                       "--tensorboard-dir", str(tb), *MODES[mode]], tmp_path)
+    assert "held-out v0: success" in out and "held-out v1: success" in out, out
+    summary = next(line for line in out.splitlines() if "summary: mode" in line)
+    assert f"mode {mode}" in summary and "held-out success" in summary and "(v0 → v1, 4 prompts, greedy" in summary
+    recs = json.loads((tb / "eval.json").read_text())
+    assert [r["version"] for r in recs] == [0, 1] and all(r["prompts"] == 4 for r in recs)
+    ea = EventAccumulator(glob.glob(str(tb / "events*"))[0])
+    ea.Reload()
+    for key, tag in (("success_rate", "eval/success_rate"), ("mean_reward", "eval/mean_reward")):
+        got = [(e.step, e.value) for e in ea.Scalars(tag)]
+        assert got == [(r["version"], pytest.approx(r[key], abs=1e-6)) for r in recs], (tag, got, recs)

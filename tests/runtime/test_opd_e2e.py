@@ -2,7 +2,8 @@
 
 A teacher (tiny Llama after a long supervised warm start on the arithmetic task) and a barely warmed-up student of
 the same tokenizer; ``python -m megatron_tsync.train --rl-algorithm opd --rl-mode stream-turn`` with live rollouts:
-the student's sampled reverse KL to the teacher falls, TensorBoard has ``opd/reverse_kl``, the summary line prints.
+the student's sampled reverse KL to the teacher falls, TensorBoard has ``opd/reverse_kl``, the summary line prints;
+the held-out evaluation (``--eval-interval``) runs in this mode too (``eval/*`` in TensorBoard, the summary line).
 """
 
 import glob
@@ -41,8 +42,10 @@ def test_opd_stream_turn_reverse_kl_falls(tmp_path):
                 "--model", str(root / "student"), "--rl-mode", "stream-turn", "--group-size", "2",
                 "--global-batch-size", "8", "--rollout-workers", "1", "--max-turns", "3", "--max-new-tokens", "24",
                 "--seq-length", "128", "--lr", "1e-3", "--train-iters", "8", "--no-progress",
-                "--tensorboard-dir", str(tb)], tmp_path)
+                "--tensorboard-dir", str(tb), "--eval-interval", "4", "--eval-prompts", "8"], tmp_path)
     assert "opd summary: mode stream-turn, 8 steps" in out, out
+    summary = next(line for line in out.splitlines() if "opd summary" in line)
+    assert "held-out success" in summary and "(v0 → v8, 8 prompts, greedy; evaluation" in summary
     hist = json.loads((tb / "history.json").read_text())
     kl = [h["reverse_kl"] for h in hist]
     assert len(kl) == 8 and all(h["mode"] == "stream-turn" for h in hist)
@@ -52,6 +55,10 @@ def test_opd_stream_turn_reverse_kl_falls(tmp_path):
     ea = EventAccumulator(glob.glob(str(tb / "events*"))[0])
     ea.Reload()
     assert len(ea.Scalars("opd/reverse_kl")) == 8
+    evals = json.loads((tb / "eval.json").read_text())  # held-out evaluation of the student: v0, every 4, the end
+    assert [r["version"] for r in evals] == [0, 4, 8]
+    assert [(e.step, round(e.value, 6)) for e in ea.Scalars("eval/mean_reward")] == [
+        (r["version"], round(r["mean_reward"], 6)) for r in evals]
 
 
 @pytest.mark.slow

@@ -58,7 +58,7 @@ def test_registry_and_protocol():
     assert isinstance(task, Task) and task.max_value == 9
     assert task.reward_spec.kind == "binary"
     assert get_task("arithmetic-calculator", verifier="answer_with_format").reward_spec.kind == "bounded"
-    with pytest.raises(KeyError, match="unknown task"):
+    with pytest.raises(KeyError, match="unknown task 'nope'; available: .*reasoning-gym:NAME"):
         get_task("nope")
     for bad in ({"min_operands": 0}, {"min_operands": 3, "max_operands": 2}, {"ops": "/"}, {"verifier": "x"}):
         with pytest.raises(ValueError):

@@ -51,8 +51,15 @@ def test_live_stream_trajectory_checkpoint_and_resume(tiny_model, tmp_path):
     assert "summary: mode stream-trajectory, 2 steps" in out
     # held-out evaluation: the first version and the end (runtime/evaluation.py), in the log, eval.json, the PNG
     assert "held-out v0: success" in out and "held-out v2: success" in out and "held-out v1" not in out
-    assert "held-out success" in out.split("summary:")[1] and "(v0 → v2, 6 prompts, greedy)" in out
-    assert [e["version"] for e in json.loads((ck / "eval.json").read_text())] == [0, 2]
+    assert "held-out success" in out.split("summary:")[1] and "(v0 → v2, 6 prompts, greedy; evaluation" in out
+    evals = json.loads((ck / "eval.json").read_text())
+    assert [e["version"] for e in evals] == [0, 2]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    ea = EventAccumulator(str(tb))
+    ea.Reload()
+    assert [(e.step, round(e.value, 6)) for e in ea.Scalars("eval/success_rate")] == [
+        (r["version"], round(r["success_rate"], 6)) for r in evals]
     assert (ck / "learning_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (ck / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
     assert any(n.startswith("events.out.tfevents") for n in os.listdir(tb))
