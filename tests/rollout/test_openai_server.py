@@ -166,9 +166,10 @@ def _client(server, episode):
 
 
 def _http(server, method, path, body=None, headers=None):
+    """One request with the test clients' credential (the ``openai`` clients' api_key, which an episode is bound to)."""
     data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
-    req = urllib.request.Request(server.url + path, data=data, method=method,
-                                 headers={"Content-Type": "application/json", **(headers or {})})
+    req = urllib.request.Request(server.url + path, data=data, method=method, headers={
+        "Content-Type": "application/json", "Authorization": "Bearer unused", **(headers or {})})
     try:
         with urllib.request.urlopen(req, timeout=60) as r:
             return r.status, json.loads(r.read())
