@@ -225,6 +225,10 @@ class HttpServer:
             return None
         if not isinstance(event, h11.Request):
             raise _Refuse(400, f"expected a request, got {type(event).__name__}")
+        size = len(event.target) + sum(len(k) + len(v) + 4 for k, v in event.headers)
+        if size > self.limits.max_header_bytes:  # h11 bounds only a head still incomplete
+            raise _Refuse(431, f"the request head is {size} bytes; this server takes at most "
+                               f"{self.limits.max_header_bytes}")
         return event
 
     async def _read_body(self, conn: h11.Connection, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
