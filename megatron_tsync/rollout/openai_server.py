@@ -723,6 +723,7 @@ def main(argv=None) -> int:
     t.add_argument("--no-verify", action="store_true", help="leave the verification seconds out of the replay")
     a = p.parse_args(argv)
     if a.cmd == "serve":
+        a.api_key = a.api_key or None
         if a.api_key is None and not is_loopback(a.host):
             print(f"error: {non_loopback_refusal(a.host)}", file=sys.stderr)
             return 2
