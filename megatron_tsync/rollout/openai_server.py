@@ -1,7 +1,7 @@
 """An OpenAI-compatible chat-completions endpoint on top of any :class:`RolloutEngine`, so a user's own agent harness
 drives an episode while the rollout side keeps the exact tokens and log-probs the learner trains on.
 
-Endpoints (local HTTP, stdlib ``http.server``; bind port 0 for a free port)::
+Endpoints (HTTP/1.1 on ``rollout/http_server.py``: asyncio + h11; bind port 0 for a free port)::
 
     GET  /v1/models                         the served model, as NAME and NAME@vVERSION
     POST /v1/chat/completions               one completion of an episode (OpenAI request/response format)
@@ -32,6 +32,23 @@ sample the smaller cap gives), so batched results equal one-at-a-time ones. An e
 (a concurrent one gets 409). Latency trace: with ``trace_path`` every finished episode appends
 one JSON line (rollout, generation, harness/tool and verification seconds; ``rollout/latency_trace.py``), which
 ``trace-to-profile`` turns into a ``--latency-profile`` file.
+
+Access: with ``api_key`` every request must send ``Authorization: Bearer API_KEY`` (401 otherwise); a non-loopback
+``host`` without a key is refused at construction (the CLI prints one line and exits 2). Episode ownership: an
+episode is bound to the credential of the request that opened it -- its ``X-Episode-Secret`` header if it sent one,
+else its bearer token (an ``openai`` client's ``api_key``), else a secret the server generates and returns as the
+``X-Episode-Secret`` response header and ``tsync.episode_secret``. Its later completions, ``/finish`` and ``DELETE``
+must present that credential (either header), else 403. In-process calls (:meth:`ChatServer.finish`, ``abort``) are
+trusted. With a shared ``api_key`` every key holder presents the same bearer token: clients that must not touch each
+other's episodes send their own ``X-Episode-Secret``.
+
+Limits (every refusal is an OpenAI-style JSON error, nothing is left behind): the transport's
+:class:`~megatron_tsync.rollout.http_server.HttpLimits` (connection and in-flight caps answered 503 + ``Retry-After``,
+head/body read deadlines 408, a body cap 413 checked on ``Content-Length`` before reading; by default ``8 *
+max_prompt_chars + 1 MiB``), then ``max_prompt_chars`` (default ``CHARS_PER_TOKEN_CAP * max_context_tokens``) on the
+request's text before anything is tokenised (400 ``context_length_exceeded``), then ``max_context_tokens`` on the
+tokens. Bodies that are not JSON objects of Unicode text (invalid UTF-8, lone surrogates, NaN, nesting deeper than
+``MAX_JSON_DEPTH``) and wrongly typed fields are 400.
 """
 
 from __future__ import annotations
@@ -201,7 +218,6 @@ class ChatServer:
         except BaseException:
             self._batcher.close()
             raise
-        self._started = False
 
     @classmethod
     def from_hf_dir(cls, engine: RolloutEngine, model_dir: str, *, sampling: SamplingConfig | None = None,
@@ -225,7 +241,6 @@ class ChatServer:
 
     def start(self) -> "ChatServer":
         self.http.start()
-        self._started = True
         return self
 
     def close(self) -> None:
