@@ -6,7 +6,8 @@ What it guarantees (each a field of :class:`HttpLimits`):
 
 - ``backlog``: the listen queue (clamped by the kernel's ``somaxconn``), so bursts of connects queue, not reset;
 - ``max_connections``: open connections; one beyond it still gets an answer (``503`` with ``Retry-After``, then the
-  connection is closed), never a silent drop. The process' open-file limit is raised to fit it when allowed;
+  connection is closed; it has 1 s to send its head), never a silent drop. The process' open-file limit is raised
+  to fit it when allowed;
 - ``max_inflight``: requests handed to the application at once (the worker threads); more get ``503`` +
   ``Retry-After``;
 - ``header_timeout_s``: a request head (request line + headers) must be complete this long after the connection
@@ -136,7 +137,6 @@ class HttpServer:
         asyncio.set_event_loop(self._loop)
         server = self._loop.run_until_complete(
             asyncio.start_server(self._spawn, sock=self.sock, backlog=self.limits.backlog, limit=1 << 16))
-        self._server = server
         self._ready.set()
         try:
             self._loop.run_forever()
@@ -170,7 +170,8 @@ class HttpServer:
         try:
             while True:
                 try:
-                    request = await self._read_head(conn, reader)
+                    request = await self._read_head(  # an over-cap client gets 1 s to say what it wants
+                        conn, reader, min(1.0, self.limits.header_timeout_s) if over_cap else None)
                     if request is None:  # closed or idle keep-alive timed out before a new request began
                         return
                     if over_cap:
@@ -213,13 +214,15 @@ class HttpServer:
                 return None
             conn.receive_data(data)  # b"" is the peer's end of stream
 
-    async def _read_head(self, conn: h11.Connection, reader: asyncio.StreamReader) -> h11.Request | None:
-        deadline = asyncio.get_running_loop().time() + self.limits.header_timeout_s
+    async def _read_head(self, conn: h11.Connection, reader: asyncio.StreamReader,
+                         timeout_s: float | None = None) -> h11.Request | None:
+        timeout_s = self.limits.header_timeout_s if timeout_s is None else timeout_s
+        deadline = asyncio.get_running_loop().time() + timeout_s
         event = await self._receive(conn, reader, deadline)
         if event is None:
             if conn.trailing_data[0] or conn.their_state is not h11.IDLE:
                 self.stats["timeouts_408"] += 1
-                raise _Refuse(408, f"the request head was not complete within {self.limits.header_timeout_s} s")
+                raise _Refuse(408, f"the request head was not complete within {timeout_s} s")
             return None
         if isinstance(event, h11.ConnectionClosed):
             return None

@@ -78,8 +78,8 @@ from megatron_tsync.rollout.openai_chat import (
     ApiError, ChatTemplate, first_difference, normalize_messages, normalize_tools, parse_json_body, parse_tool_calls,
 )
 
-__all__ = ["ChatServer", "Episode", "HttpLimits", "trajectory_to_json", "trajectory_event", "latency_profile_from_trace",
-           "is_loopback"]
+__all__ = ["ChatServer", "Episode", "HttpLimits", "trajectory_to_json", "trajectory_event",
+           "latency_profile_from_trace", "is_loopback"]
 
 CHARS_PER_TOKEN_CAP = 32
 """``max_prompt_chars`` defaults to this many characters per context token (no tokenizer's prompts average more)."""
