@@ -57,7 +57,7 @@ class HttpLimits:
 
     backlog: int = 4096
     max_connections: int = 2048
-    max_inflight: int = 64
+    max_inflight: int = 256
     header_timeout_s: float = 10.0
     body_timeout_s: float = 60.0
     max_body_bytes: int = 8 << 20
