@@ -38,8 +38,8 @@ Access: with ``api_key`` every request must send ``Authorization: Bearer API_KEY
 episode is bound to the credential of the request that opened it -- its ``X-Episode-Secret`` header if it sent one,
 else its bearer token (an ``openai`` client's ``api_key``), else a secret the server generates and returns as the
 ``X-Episode-Secret`` response header and ``tsync.episode_secret``. Its later completions, ``/finish`` and ``DELETE``
-must present that credential (either header), else 403. In-process calls (:meth:`ChatServer.finish`, ``abort``) are
-trusted. With a shared ``api_key`` every key holder presents the same bearer token: clients that must not touch each
+must present that credential (either header), else 403. In-process calls (:meth:`ChatServer.finish`, ``abort``,
+``handle``, ``chat_completion``) are trusted: no key, any episode (``handle(..., trusted=False)`` checks as HTTP does). With a shared ``api_key`` every key holder presents the same bearer token: clients that must not touch each
 other's episodes send their own ``X-Episode-Secret``.
 
 Limits (every refusal is an OpenAI-style JSON error, nothing is left behind): the transport's
@@ -258,16 +258,22 @@ class ChatServer:
         return f"{self.model_name}@v{self.engine.policy_version}"
 
     # ------------------------------------------------------------------ routing (no sockets: testable directly)
-    def handle(self, method: str, path: str, headers: dict[str, str], body: bytes) -> tuple[int, dict]:
-        """One HTTP request -> (status, JSON body). Never raises: bad requests are 4xx, failures 500."""
-        return self.respond(method, path, headers, body)[:2]
+    def handle(self, method: str, path: str, headers: dict[str, str], body: bytes, *,
+               trusted: bool = True) -> tuple[int, dict]:
+        """One HTTP request -> (status, JSON body). Never raises: bad requests are 4xx, failures 500. In-process
+        callers are ``trusted`` like :meth:`finish` (no API key, any episode); ``trusted=False`` checks both as the
+        HTTP transport does."""
+        return self.respond(method, path, headers, body, trusted=trusted)[:2]
 
-    def respond(self, method: str, path: str, headers: dict[str, str], body: bytes) -> tuple[int, dict, dict]:
-        """:meth:`handle` with the response headers (``X-Episode-Secret``, ``WWW-Authenticate``)."""
+    def respond(self, method: str, path: str, headers: dict[str, str], body: bytes, *,
+                trusted: bool = False) -> tuple[int, dict, dict]:
+        """What the HTTP transport calls: :meth:`handle` with the response headers (``X-Episode-Secret``,
+        ``WWW-Authenticate``); untrusted by default."""
         try:
             headers = {k.lower(): v for k, v in headers.items()}
-            self._authorize(headers)
-            out = self._route(method, path.split("?", 1)[0].rstrip("/"), headers, body)
+            if not trusted:
+                self._authorize(headers)
+            out = self._route(method, path.split("?", 1)[0].rstrip("/"), headers, body, trusted)
             secret = out.get("tsync", {}).get("episode_secret")
             return 200, out, ({"X-Episode-Secret": secret} if secret else {})
         except ApiError as e:
@@ -283,7 +289,7 @@ class ChatServer:
             raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer KEY' (the server's --api-key)",
                            None, "invalid_api_key")
 
-    def _route(self, method: str, path: str, headers: dict[str, str], body: bytes) -> dict:
+    def _route(self, method: str, path: str, headers: dict[str, str], body: bytes, trusted: bool) -> dict:
         if method == "GET" and path == "/v1/models":
             return self.models()
         if method == "POST" and path == "/v1/chat/completions":
@@ -292,9 +298,9 @@ class ChatServer:
                 raise ApiError(400, f"the request's text is {chars} characters; this server takes at most "
                                     f"{self.max_prompt_chars} (max_prompt_chars, refused before tokenising)",
                                "messages", "context_length_exceeded")
-            return self.chat_completion(req, headers)
+            return self.chat_completion(req, headers, trusted=trusted)
         m = re.fullmatch(r"/v1/episodes/([^/]+)(/finish)?", path)
-        if m and method in ("POST", "DELETE"):
+        if m and method in ("POST", "DELETE") and not trusted:
             self._check_owner(m.group(1), headers)
         if m and method == "POST" and m.group(2):
             req = parse_json_body(body)[0] if body.strip() else {}
@@ -360,7 +366,7 @@ class ChatServer:
             if self.episodes.pop(episode_id, None) is None:
                 raise ApiError(404, f"no episode {episode_id!r}")
 
-    def _episode(self, episode_id: str, headers: dict[str, str]) -> tuple[Episode, bool, str | None]:
+    def _episode(self, episode_id: str, headers: dict[str, str], trusted: bool) -> tuple[Episode, bool, str | None]:
         """(the episode, whether this request opens it, the secret generated for it when the opener sent no
         credential). An existing episode is only served to the credential that opened it."""
         creds, secret = _credentials(headers), None
@@ -372,7 +378,7 @@ class ChatServer:
                 if not creds:
                     creds = [secret := secrets.token_urlsafe(24)]
                 ep.credential = _digest(creds[0])
-            elif not any(hmac.compare_digest(_digest(c), ep.credential) for c in creds):
+            elif not trusted and not any(hmac.compare_digest(_digest(c), ep.credential) for c in creds):
                 raise ApiError(403, f"episode {episode_id!r} was opened by another client: repeat the credential "
                                     f"that opened it (its X-Episode-Secret header, or the same API key)", None,
                                "episode_not_owned")
@@ -381,7 +387,8 @@ class ChatServer:
             return ep, not ep.turn_spans, secret
 
     # ------------------------------------------------------------------ chat completions
-    def chat_completion(self, body: Any, headers: dict[str, str]) -> dict:
+    def chat_completion(self, body: Any, headers: dict[str, str], *, trusted: bool = True) -> dict:
+        """One completion (``body`` parsed, ``headers`` lower-case); ``trusted``: see :meth:`handle`."""
         t_arrive = time.perf_counter()
         if not isinstance(body, dict):
             raise ApiError(400, "the request body must be a JSON object")
@@ -405,7 +412,7 @@ class ChatServer:
         if pinned is not None and pinned != self.engine.policy_version:
             raise ApiError(409, f"policy version v{pinned} requested, the engine serves v{self.engine.policy_version}",
                            "model", "policy_version_mismatch")
-        ep, new, secret = self._episode(episode_id, headers)
+        ep, new, secret = self._episode(episode_id, headers, trusted)
         try:
             comp, prompt, obs = self._generate(ep, new, messages, tools, sampling, seed, pinned, t_arrive)
             reply = self._record(ep, new, messages, tools, comp, prompt, obs, t_arrive)

@@ -459,6 +459,12 @@ def test_api_key_and_episode_ownership(base, capsys):
         a.with_options(default_headers={"X-Episode-Id": "by-a"}).chat.completions.create(model="tiny", messages=msgs)
         assert _http(srv, "DELETE", "/episodes/by-a", None, {"Authorization": "Bearer b"})[0] == 403
         assert _http(srv, "DELETE", "/episodes/by-a", None, {"Authorization": "Bearer a"})[0] == 200
+        body = json.dumps({"model": "tiny", "messages": msgs}).encode()  # in-process callers are trusted
+        st, out = srv.handle("POST", "/v1/chat/completions", {"X-Episode-Id": "inproc"}, body)
+        follow = msgs + [out["choices"][0]["message"], {"role": "user", "content": "more"}]
+        again = json.dumps({"model": "tiny", "messages": follow}).encode()
+        assert srv.handle("POST", "/v1/chat/completions", {"X-Episode-Id": "inproc"}, again, trusted=False)[0] == 403
+        assert srv.handle("POST", "/v1/chat/completions", {"X-Episode-Id": "inproc"}, again)[0] == 200
 
     with pytest.raises(ValueError, match="refusing to serve on '0.0.0.0' without an API key"):
         _serve(base, base["state"], host="0.0.0.0")
