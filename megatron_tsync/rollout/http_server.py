@@ -282,7 +282,8 @@ class HttpServer:
         data = json.dumps(out).encode()
         hdrs = [("Content-Type", "application/json"), ("Content-Length", str(len(data))), *extra.items()]
         writer.write(conn.send(h11.Response(status_code=status, headers=hdrs, reason=_REASONS.get(status, ""))))
-        writer.write(conn.send(h11.Data(data=data)))
+        if request.method != b"HEAD":  # h11 frames a HEAD answer without a body
+            writer.write(conn.send(h11.Data(data=data)))
         writer.write(conn.send(h11.EndOfMessage()))
         await writer.drain()
 

@@ -216,9 +216,11 @@ def test_30mb_prompt_refused_before_it_is_read(parts):
     (b"GET /v1/models HTTP/1.1\r\nHost: t\r\nX-Big: " + b"a" * (70 << 10) + b"\r\n\r\n", 431),
     (b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", 400),
     (b"PUT /v1/models HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n", 404),
+    (b"HEAD /v1/models HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n", 404),  # answered without a body
     (b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nContent-Length: 10\r\n\r\n{}", 408),  # body stalls
-], ids=["garbage", "bad-length", "no-host", "huge-head", "bad-chunk", "unknown-method", "stalled-body"])
+], ids=["garbage", "bad-length", "no-host", "huge-head", "bad-chunk", "unknown-method", "head",
+                                "stalled-body"])
 def test_malformed_http_gets_4xx(parts, raw, status):
     with _server(parts, limits=HttpLimits(header_timeout_s=5.0, body_timeout_s=0.5)) as srv:
         got, _, out = _exchange(srv, raw, timeout=30)
-    assert got == status and out["error"]["message"], out
+    assert got == status and (out["error"]["message"] if not raw.startswith(b"HEAD") else out == {}), out
