@@ -18,6 +18,7 @@ CORE = [
     "pyyaml",
     "tqdm",  # megatron.core.inference imports it
     "tensorboard",
+    "h11>=0.14",  # the OpenAI-compatible endpoint's HTTP/1.1 parser (rollout/http_server.py)
     "pytest>=8",  # the hidden-test verifier (rollout/envs/verifier.py) runs the task's tests with it, in the sandbox
 ]
 

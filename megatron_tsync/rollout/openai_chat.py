@@ -24,7 +24,10 @@ import re
 from typing import Any
 
 __all__ = ["ApiError", "ChatTemplate", "DEFAULT_CHAT_TEMPLATE", "normalize_messages", "normalize_tools",
-           "first_difference", "parse_tool_calls"]
+           "first_difference", "parse_json_body", "parse_tool_calls"]
+
+MAX_JSON_DEPTH = 64
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class ApiError(Exception):
@@ -35,7 +38,8 @@ class ApiError(Exception):
         self.status, self.message, self.param, self.code = int(status), message, param, code
 
     def body(self) -> dict:
-        kinds = {400: "invalid_request_error", 404: "not_found_error", 409: "conflict_error"}
+        kinds = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                 404: "not_found_error", 409: "conflict_error"}
         kind = kinds.get(self.status, "server_error")
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
 
@@ -155,6 +159,37 @@ class ChatTemplate:
 # ------------------------------------------------------------------------------------------------ validation
 
 _ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def _reject_constant(name: str):
+    raise ApiError(400, f"the request body is not valid JSON: {name} is not a JSON number")
+
+
+def parse_json_body(body: bytes) -> tuple[Any, int]:
+    """The parsed body and its number of string characters (keys included). Refused (400): invalid JSON or UTF-8,
+    NaN/Infinity, nesting deeper than ``MAX_JSON_DEPTH``, strings with lone UTF-16 surrogates (not text)."""
+    try:
+        obj = json.loads(body, parse_constant=_reject_constant)
+    except RecursionError:
+        raise ApiError(400, f"the request body nests JSON deeper than {MAX_JSON_DEPTH} levels") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+    chars, stack = 0, [(obj, 1)]
+    while stack:
+        x, depth = stack.pop()
+        if isinstance(x, str):
+            chars += len(x)
+            if _SURROGATE.search(x):
+                raise ApiError(400, "the request body has a string with a lone UTF-16 surrogate (e.g. \\ud800): "
+                                    "not Unicode text")
+        elif isinstance(x, (dict, list)):
+            if depth > MAX_JSON_DEPTH:
+                raise ApiError(400, f"the request body nests JSON deeper than {MAX_JSON_DEPTH} levels")
+            if isinstance(x, dict):
+                stack.extend((k, depth) for k in x)
+                x = x.values()
+            stack.extend((v, depth + 1) for v in x)
+    return obj, chars
 
 
 def _text_content(content: Any, where: str, *, allow_none: bool) -> str | None:

@@ -1,7 +1,7 @@
 """An OpenAI-compatible chat-completions endpoint on top of any :class:`RolloutEngine`, so a user's own agent harness
 drives an episode while the rollout side keeps the exact tokens and log-probs the learner trains on.
 
-Endpoints (local HTTP, stdlib ``http.server``; bind port 0 for a free port)::
+Endpoints (HTTP/1.1 on ``rollout/http_server.py``: asyncio + h11; bind port 0 for a free port)::
 
     GET  /v1/models                         the served model, as NAME and NAME@vVERSION
     POST /v1/chat/completions               one completion of an episode (OpenAI request/response format)
@@ -32,6 +32,23 @@ sample the smaller cap gives), so batched results equal one-at-a-time ones. An e
 (a concurrent one gets 409). Latency trace: with ``trace_path`` every finished episode appends
 one JSON line (rollout, generation, harness/tool and verification seconds; ``rollout/latency_trace.py``), which
 ``trace-to-profile`` turns into a ``--latency-profile`` file.
+
+Access: with ``api_key`` every request must send ``Authorization: Bearer API_KEY`` (401 otherwise); a non-loopback
+``host`` without a key is refused at construction (the CLI prints one line and exits 2). Episode ownership: an
+episode is bound to the credential of the request that opened it -- its ``X-Episode-Secret`` header if it sent one,
+else its bearer token (an ``openai`` client's ``api_key``), else a secret the server generates and returns as the
+``X-Episode-Secret`` response header and ``tsync.episode_secret``. Its later completions, ``/finish`` and ``DELETE``
+must present that credential (either header), else 403. In-process calls (:meth:`ChatServer.finish`, ``abort``,
+``handle``, ``chat_completion``) are trusted: no key, any episode (``handle(..., trusted=False)`` checks as HTTP does). With a shared ``api_key`` every key holder presents the same bearer token: clients that must not touch each
+other's episodes send their own ``X-Episode-Secret``.
+
+Limits (every refusal is an OpenAI-style JSON error, nothing is left behind): the transport's
+:class:`~megatron_tsync.rollout.http_server.HttpLimits` (connection and in-flight caps answered 503 + ``Retry-After``,
+head/body read deadlines 408, a body cap 413 checked on ``Content-Length`` before reading; by default ``8 *
+max_prompt_chars + 1 MiB``), then ``max_prompt_chars`` (default ``CHARS_PER_TOKEN_CAP * max_context_tokens``) on the
+request's text before anything is tokenised (400 ``context_length_exceeded``), then ``max_context_tokens`` on the
+tokens. Bodies that are not JSON objects of Unicode text (invalid UTF-8, lone surrogates, NaN, nesting deeper than
+``MAX_JSON_DEPTH``) and wrongly typed fields are 400.
 """
 
 from __future__ import annotations
@@ -39,27 +56,33 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import dataclasses
+import hashlib
+import hmac
+import ipaddress
 import json
 import os
 import re
+import secrets
 import signal
 import sys
 import threading
 import time
 import zlib
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from megatron_tsync.rollout.agent_loop import ToolCallRecord, Trajectory
 from megatron_tsync.rollout.engine import RolloutEngine, SamplingConfig, derive_seed
+from megatron_tsync.rollout.http_server import HttpLimits, HttpServer
 from megatron_tsync.rollout.latency_trace import LatencyTrace, latency_profile_from_trace
 from megatron_tsync.rollout.openai_chat import (
-    ApiError, ChatTemplate, first_difference, normalize_messages, normalize_tools, parse_tool_calls,
+    ApiError, ChatTemplate, first_difference, normalize_messages, normalize_tools, parse_json_body, parse_tool_calls,
 )
 
-__all__ = ["ChatServer", "Episode", "trajectory_to_json", "trajectory_event", "latency_profile_from_trace"]
+__all__ = ["ChatServer", "Episode", "HttpLimits", "trajectory_to_json", "trajectory_event",
+           "latency_profile_from_trace", "is_loopback"]
 
-MAX_BODY_BYTES = 32 << 20
+CHARS_PER_TOKEN_CAP = 32
+"""``max_prompt_chars`` defaults to this many characters per context token (no tokenizer's prompts average more)."""
 _REFUSED_FIELDS = ("presence_penalty", "frequency_penalty", "logit_bias")
 
 
@@ -77,6 +100,8 @@ class Episode:
     turn_spans: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     turn_versions: list[int] = dataclasses.field(default_factory=list)
     observations: list[ToolCallRecord] = dataclasses.field(default_factory=list)
+    credential: bytes = b""
+    """SHA-256 of the credential that opened the episode (X-Episode-Secret or bearer token); b"": in-process."""
     messages: list[dict] = dataclasses.field(default_factory=list)
     """The conversation so far as the server saw it, ending with its own last reply."""
     tools: list[dict] | None = None
@@ -148,15 +173,30 @@ class ChatServer:
         fixed_sampling: refuse requests for another temperature / top_p (see the module docstring).
         trace_path: JSONL latency trace, one line per finished episode (None: no trace).
         batch_wait_s: how long the engine thread waits for more requests before a batched ``generate``.
+        host, port: where to listen (port 0: a free one). A non-loopback host needs ``api_key``.
+        api_key: every request must send ``Authorization: Bearer API_KEY`` (401 otherwise); None: no key.
+        max_prompt_chars: cap on a completion request's text (all JSON strings), checked before tokenising;
+            default ``CHARS_PER_TOKEN_CAP * max_context_tokens``.
+        limits: the HTTP transport's limits (:class:`HttpLimits`); default: its defaults with ``max_body_bytes`` =
+            8 bytes per prompt character + 1 MiB (JSON escapes take up to 6 bytes a character).
     """
 
     def __init__(self, engine: RolloutEngine, codec, template: ChatTemplate, *, sampling: SamplingConfig,
                  model_name: str = "tsync-policy", max_context_tokens: int = 4096, fixed_sampling: bool = True,
                  trace_path: str | None = None, batch_wait_s: float = 0.002, host: str = "127.0.0.1",
-                 port: int = 0):
+                 port: int = 0, api_key: str | None = None, max_prompt_chars: int | None = None,
+                 limits: HttpLimits | None = None):
+        if api_key is not None and (not isinstance(api_key, str) or not api_key.strip()):
+            raise ValueError("api_key must be a non-empty string (or None for no key)")
+        if api_key is None and not is_loopback(host):
+            raise ValueError(non_loopback_refusal(host))
+        self.api_key = api_key
         self.engine, self.codec, self.template = engine, codec, template
         self.model_name = model_name
         self.max_context_tokens = int(max_context_tokens)
+        self.max_prompt_chars = int(max_prompt_chars or CHARS_PER_TOKEN_CAP * self.max_context_tokens)
+        if limits is None:
+            limits = HttpLimits(max_body_bytes=8 * self.max_prompt_chars + (1 << 20))
         self.fixed_sampling = bool(fixed_sampling)
         self.trace = None if trace_path is None else LatencyTrace(trace_path)
         eot = codec.encode(template.end_of_turn)
@@ -173,9 +213,11 @@ class ChatServer:
         self._lock = threading.Lock()
         self._count = 0
         self._batcher = _EngineBatcher(engine, batch_wait_s)
-        self._httpd = ThreadingHTTPServer((host, port), _handler_for(self))
-        self._httpd.daemon_threads = True
-        self._thread: threading.Thread | None = None
+        try:
+            self.http = HttpServer(self.respond, host, port, limits)
+        except BaseException:
+            self._batcher.close()
+            raise
 
     @classmethod
     def from_hf_dir(cls, engine: RolloutEngine, model_dir: str, *, sampling: SamplingConfig | None = None,
@@ -194,21 +236,15 @@ class ChatServer:
     # ------------------------------------------------------------------ lifecycle
     @property
     def url(self) -> str:
-        host, port = self._httpd.server_address[:2]
-        return f"http://{host}:{port}/v1"
+        host, port = self.http.address
+        return f"http://[{host}]:{port}/v1" if ":" in host else f"http://{host}:{port}/v1"
 
     def start(self) -> "ChatServer":
-        self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05},
-                                        name="chat-server", daemon=True)
-        self._thread.start()
+        self.http.start()
         return self
 
     def close(self) -> None:
-        if self._thread is not None:
-            self._httpd.shutdown()
-            self._thread.join()
-            self._thread = None
-        self._httpd.server_close()
+        self.http.close()
         self._batcher.close()
 
     def __enter__(self) -> "ChatServer":
@@ -222,36 +258,76 @@ class ChatServer:
         return f"{self.model_name}@v{self.engine.policy_version}"
 
     # ------------------------------------------------------------------ routing (no sockets: testable directly)
-    def handle(self, method: str, path: str, headers: dict[str, str], body: bytes) -> tuple[int, dict]:
-        """One HTTP request -> (status, JSON body). Never raises: bad requests are 4xx, failures 500."""
+    def handle(self, method: str, path: str, headers: dict[str, str], body: bytes, *,
+               trusted: bool = True) -> tuple[int, dict]:
+        """One HTTP request -> (status, JSON body). Never raises: bad requests are 4xx, failures 500. In-process
+        callers are ``trusted`` like :meth:`finish` (no API key, any episode); ``trusted=False`` checks both as the
+        HTTP transport does."""
+        return self.respond(method, path, headers, body, trusted=trusted)[:2]
+
+    def respond(self, method: str, path: str, headers: dict[str, str], body: bytes, *,
+                trusted: bool = False) -> tuple[int, dict, dict]:
+        """What the HTTP transport calls: :meth:`handle` with the response headers (``X-Episode-Secret``,
+        ``WWW-Authenticate``); untrusted by default."""
         try:
-            path = path.split("?", 1)[0].rstrip("/")
             headers = {k.lower(): v for k, v in headers.items()}
-            if method == "GET" and path == "/v1/models":
-                return 200, self.models()
-            if method == "POST" and path == "/v1/chat/completions":
-                return 200, self.chat_completion(_json_body(body), headers)
-            m = re.fullmatch(r"/v1/episodes/([^/]+)(/finish)?", path)
-            if m and method == "POST" and m.group(2):
-                req = _json_body(body) if body.strip() else {}
-                if not isinstance(req, dict):
-                    raise ApiError(400, "the finish body must be a JSON object {verify_s, metadata}")
-                verify_s = req.get("verify_s")
-                if verify_s is not None and not isinstance(verify_s, (int, float)):
-                    raise ApiError(400, "'verify_s' must be a number of seconds", "verify_s")
-                meta = req.get("metadata") or {}
-                if not isinstance(meta, dict):
-                    raise ApiError(400, "'metadata' must be an object", "metadata")
-                return 200, trajectory_to_json(self.finish(m.group(1), verify_s=verify_s, metadata=meta))
-            if m and method == "DELETE" and not m.group(2):
-                self.abort(m.group(1))
-                return 200, {"deleted": m.group(1)}
-            raise ApiError(404, f"no endpoint {method} {path}; see GET /v1/models, POST /v1/chat/completions, "
-                                f"POST /v1/episodes/ID/finish, DELETE /v1/episodes/ID")
+            if not trusted:
+                self._authorize(headers)
+            out = self._route(method, path.split("?", 1)[0].rstrip("/"), headers, body, trusted)
+            secret = out.get("tsync", {}).get("episode_secret")
+            return 200, out, ({"X-Episode-Secret": secret} if secret else {})
         except ApiError as e:
-            return e.status, e.body()
+            return e.status, e.body(), ({"WWW-Authenticate": "Bearer"} if e.status == 401 else {})
         except Exception as e:  # a server bug answers 500 with its reason; the server keeps serving
-            return 500, ApiError(500, f"internal error: {type(e).__name__}: {e}").body()
+            return 500, ApiError(500, f"internal error: {type(e).__name__}: {e}").body(), {}
+
+    def _authorize(self, headers: dict[str, str]) -> None:
+        if self.api_key is None:
+            return
+        token = _bearer(headers)
+        if token is None or not hmac.compare_digest(token.encode(), self.api_key.encode()):
+            raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer KEY' (the server's --api-key)",
+                           None, "invalid_api_key")
+
+    def _route(self, method: str, path: str, headers: dict[str, str], body: bytes, trusted: bool) -> dict:
+        if method == "GET" and path == "/v1/models":
+            return self.models()
+        if method == "POST" and path == "/v1/chat/completions":
+            req, chars = parse_json_body(body)
+            if chars > self.max_prompt_chars:  # before any tokenising: a huge prompt costs no more than its bytes
+                raise ApiError(400, f"the request's text is {chars} characters; this server takes at most "
+                                    f"{self.max_prompt_chars} (max_prompt_chars, refused before tokenising)",
+                               "messages", "context_length_exceeded")
+            return self.chat_completion(req, headers, trusted=trusted)
+        m = re.fullmatch(r"/v1/episodes/([^/]+)(/finish)?", path)
+        if m and method in ("POST", "DELETE") and not trusted:
+            self._check_owner(m.group(1), headers)
+        if m and method == "POST" and m.group(2):
+            req = parse_json_body(body)[0] if body.strip() else {}
+            if not isinstance(req, dict):
+                raise ApiError(400, "the finish body must be a JSON object {verify_s, metadata}")
+            verify_s = req.get("verify_s")
+            if verify_s is not None and (not isinstance(verify_s, (int, float)) or isinstance(verify_s, bool)):
+                raise ApiError(400, "'verify_s' must be a number of seconds", "verify_s")
+            meta = req.get("metadata") or {}
+            if not isinstance(meta, dict):
+                raise ApiError(400, "'metadata' must be an object", "metadata")
+            return trajectory_to_json(self.finish(m.group(1), verify_s=verify_s, metadata=meta))
+        if m and method == "DELETE" and not m.group(2):
+            self.abort(m.group(1))
+            return {"deleted": m.group(1)}
+        raise ApiError(404, f"no endpoint {method} {path}; see GET /v1/models, POST /v1/chat/completions, "
+                            f"POST /v1/episodes/ID/finish, DELETE /v1/episodes/ID")
+
+    def _check_owner(self, episode_id: str, headers: dict[str, str]) -> None:
+        """403 unless the request presents the credential that opened the episode (a missing one is 404 later)."""
+        with self._lock:
+            ep = self.episodes.get(episode_id)
+        if ep is not None and ep.credential and not any(
+                hmac.compare_digest(_digest(c), ep.credential) for c in _credentials(headers)):
+            raise ApiError(403, f"episode {episode_id!r} was opened by another client: repeat the credential that "
+                                f"opened it (its X-Episode-Secret header, or the same API key)", None,
+                           "episode_not_owned")
 
     def models(self) -> dict:
         return {"object": "list", "data": [
@@ -290,18 +366,29 @@ class ChatServer:
             if self.episodes.pop(episode_id, None) is None:
                 raise ApiError(404, f"no episode {episode_id!r}")
 
-    def _episode(self, episode_id: str) -> tuple[Episode, bool]:
+    def _episode(self, episode_id: str, headers: dict[str, str], trusted: bool) -> tuple[Episode, bool, str | None]:
+        """(the episode, whether this request opens it, the secret generated for it when the opener sent no
+        credential). An existing episode is only served to the credential that opened it."""
+        creds, secret = _credentials(headers), None
         with self._lock:
             ep = self.episodes.get(episode_id)
             if ep is None:
                 ep = self.episodes[episode_id] = Episode(episode_id, self._count)
                 self._count += 1
+                if not creds:
+                    creds = [secret := secrets.token_urlsafe(24)]
+                ep.credential = _digest(creds[0])
+            elif not trusted and not any(hmac.compare_digest(_digest(c), ep.credential) for c in creds):
+                raise ApiError(403, f"episode {episode_id!r} was opened by another client: repeat the credential "
+                                    f"that opened it (its X-Episode-Secret header, or the same API key)", None,
+                               "episode_not_owned")
             if not ep.lock.acquire(blocking=False):
                 raise ApiError(409, f"episode {episode_id!r} already has a request in flight (one at a time)")
-            return ep, not ep.turn_spans
+            return ep, not ep.turn_spans, secret
 
     # ------------------------------------------------------------------ chat completions
-    def chat_completion(self, body: Any, headers: dict[str, str]) -> dict:
+    def chat_completion(self, body: Any, headers: dict[str, str], *, trusted: bool = True) -> dict:
+        """One completion (``body`` parsed, ``headers`` lower-case); ``trusted``: see :meth:`handle`."""
         t_arrive = time.perf_counter()
         if not isinstance(body, dict):
             raise ApiError(400, "the request body must be a JSON object")
@@ -315,8 +402,9 @@ class ChatServer:
             except ValueError:
                 raise ApiError(400, "the X-Policy-Version header must be an integer") from None
         episode_id = headers.get("x-episode-id") or body.get("user")
-        if not isinstance(episode_id, str) or not episode_id:
-            raise ApiError(400, "name the episode: an X-Episode-Id header or the 'user' field", "user")
+        if not isinstance(episode_id, str) or not episode_id or len(episode_id) > 256 or "/" in episode_id:
+            raise ApiError(400, "name the episode: an X-Episode-Id header or the 'user' field (1-256 characters, "
+                                "no '/')", "user")
         messages = normalize_messages(body.get("messages"))
         tools = normalize_tools(body.get("tools"))
         sampling, seed = self._sampling(body)
@@ -324,7 +412,7 @@ class ChatServer:
         if pinned is not None and pinned != self.engine.policy_version:
             raise ApiError(409, f"policy version v{pinned} requested, the engine serves v{self.engine.policy_version}",
                            "model", "policy_version_mismatch")
-        ep, new = self._episode(episode_id)
+        ep, new, secret = self._episode(episode_id, headers, trusted)
         try:
             comp, prompt, obs = self._generate(ep, new, messages, tools, sampling, seed, pinned, t_arrive)
             reply = self._record(ep, new, messages, tools, comp, prompt, obs, t_arrive)
@@ -334,7 +422,10 @@ class ChatServer:
                 with self._lock:
                     self.episodes.pop(episode_id, None)
             ep.lock.release()
-        return self._response(ep, comp, reply, len(prompt), want_logprobs)
+        out = self._response(ep, comp, reply, len(prompt), want_logprobs)
+        if secret is not None:
+            out["tsync"]["episode_secret"] = secret
+        return out
 
     def _sampling(self, body: dict) -> tuple[SamplingConfig, int | None]:
         base = self.sampling
@@ -361,8 +452,8 @@ class ChatServer:
                 raise ApiError(400, "'stop' must be a string or a list of non-empty strings", "stop")
             kw["stop_strings"] = tuple(base.stop_strings) + tuple(stop)
         seed = body.get("seed")
-        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
-            raise ApiError(400, "'seed' must be an integer", "seed")
+        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2 ** 63):
+            raise ApiError(400, "'seed' must be an integer in [0, 2**63)", "seed")
         try:
             return dataclasses.replace(base, **kw), seed
         except ValueError as e:
@@ -559,49 +650,34 @@ class _EngineBatcher:
 # ------------------------------------------------------------------------------------------------ HTTP
 
 
-def _json_body(body: bytes) -> Any:
+def _bearer(headers: dict[str, str]) -> str | None:
+    auth = headers.get("authorization", "")
+    scheme, _, token = auth.partition(" ")
+    return token.strip() or None if scheme.lower() == "bearer" else None
+
+
+def _credentials(headers: dict[str, str]) -> list[str]:
+    """What a request presents as its client identity, in order: ``X-Episode-Secret``, the bearer token."""
+    return [c for c in (headers.get("x-episode-secret", "").strip() or None, _bearer(headers)) if c]
+
+
+def _digest(credential: str) -> bytes:
+    return hashlib.sha256(credential.encode("utf-8", "surrogatepass")).digest()
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` only accepts connections from this machine (``localhost``, 127.0.0.0/8, ``::1``)."""
+    if host == "localhost":
+        return True
     try:
-        return json.loads(body)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
-def _handler_for(server: ChatServer):
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-
-        def _serve(self, method: str) -> None:
-            try:
-                n = int(self.headers.get("Content-Length") or 0)
-            except ValueError:
-                n = -1
-            if n < 0 or n > MAX_BODY_BYTES:
-                status, out = (413 if n > 0 else 400), ApiError(
-                    413 if n > 0 else 400, f"Content-Length must be 0..{MAX_BODY_BYTES} bytes").body()
-                self.close_connection = True
-            else:
-                body = self.rfile.read(n) if n else b""
-                status, out = server.handle(method, self.path, dict(self.headers.items()), body)
-            data = json.dumps(out).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def do_GET(self):
-            self._serve("GET")
-
-        def do_POST(self):
-            self._serve("POST")
-
-        def do_DELETE(self):
-            self._serve("DELETE")
-
-        def log_message(self, *args):  # quiet: the harness and the tests report what matters
-            pass
-
-    return Handler
+def non_loopback_refusal(host: str) -> str:
+    return (f"refusing to serve on {host!r} without an API key: anyone who can reach it could sample and read or end "
+            f"episodes; set --api-key KEY (or TSYNC_API_KEY), or bind 127.0.0.1")
 
 
 # ------------------------------------------------------------------------------------------------ command line
@@ -627,8 +703,11 @@ def _serve_main(a) -> int:
     engine = EmbeddedEngine.from_hf_dir(a.model, detokenize=codec.decode)
     sampling = SamplingConfig(temperature=a.temperature, top_k=a.top_k, max_new_tokens=a.max_new_tokens,
                               stop_token_ids=() if tok.eos_token_id is None else (tok.eos_token_id,))
+    limits = HttpLimits(max_connections=a.max_connections,
+                        max_body_bytes=8 * CHARS_PER_TOKEN_CAP * a.max_context_tokens + (1 << 20))
     server = ChatServer(engine, codec, ChatTemplate.from_hf_dir(a.model), sampling=sampling, model_name=a.model_name,
-                        max_context_tokens=a.max_context_tokens, trace_path=a.trace, host=a.host, port=a.port)
+                        max_context_tokens=a.max_context_tokens, trace_path=a.trace, host=a.host, port=a.port,
+                        api_key=a.api_key, limits=limits)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -648,7 +727,11 @@ def main(argv=None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("serve", help="serve --model on the embedded engine until SIGINT/SIGTERM")
     s.add_argument("--model", required=True, help="Hugging Face folder (weights, tokenizer, optional chat template)")
-    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--host", default="127.0.0.1", help="a non-loopback address needs --api-key")
+    s.add_argument("--api-key", default=os.environ.get("TSYNC_API_KEY") or None,
+                   help="require 'Authorization: Bearer KEY' on every request (default: $TSYNC_API_KEY)")
+    s.add_argument("--max-connections", type=int, default=HttpLimits.max_connections,
+                   help="open connections served at once; more are answered 503 + Retry-After")
     s.add_argument("--port", type=int, default=8000, help="0: a free port (printed)")
     s.add_argument("--model-name", default="tsync-policy", help="the name clients put in 'model'")
     s.add_argument("--temperature", type=float, default=1.0)
@@ -662,6 +745,10 @@ def main(argv=None) -> int:
     t.add_argument("--no-verify", action="store_true", help="leave the verification seconds out of the replay")
     a = p.parse_args(argv)
     if a.cmd == "serve":
+        a.api_key = a.api_key or None
+        if a.api_key is None and not is_loopback(a.host):
+            print(f"error: {non_loopback_refusal(a.host)}", file=sys.stderr)
+            return 2
         return _serve_main(a)
     try:
         profile = latency_profile_from_trace(a.trace, include_verify=not a.no_verify)

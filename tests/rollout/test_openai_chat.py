@@ -88,3 +88,27 @@ def test_parse_tool_calls():
     assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"e": "1+2"}, {"e": "2"}]
     assert content == "let me see  <tool_call>{oops}</tool_call>"  # a malformed call stays visible to the harness
     assert parse_tool_calls("plain answer", "x") == ("plain answer", [])
+
+
+def test_parse_json_body_refuses_what_is_not_json_text():
+    """Parsed bodies come with their string characters counted (keys included); anything that is not a JSON document
+    of Unicode text is an ApiError 400 (a RecursionError or a lone surrogate used to surface as a 500)."""
+    from megatron_tsync.rollout.openai_chat import MAX_JSON_DEPTH, parse_json_body
+
+    assert parse_json_body(b'{"ab": ["cde", {"f": 1}], "g": null}') == ({"ab": ["cde", {"f": 1}], "g": None}, 7)
+    nested = "[" * MAX_JSON_DEPTH + "]" * MAX_JSON_DEPTH
+    assert parse_json_body(nested.encode())[1] == 0  # exactly the allowed depth
+    cases = [
+        (b"[" + nested.encode() + b"]", "deeper than"),
+        (b"[" * 200_000 + b"]" * 200_000, "deeper than"),
+        (b'{"k": "\\udc00x"}', "lone UTF-16 surrogate"),
+        (b'{"\\ud800": 1}', "lone UTF-16 surrogate"),
+        (b'[Infinity]', "Infinity is not a JSON number"),
+        (b'\xc3\x28', "not valid JSON"),
+        (b'{"a": 1', "not valid JSON"),
+    ]
+    for body, needle in cases:
+        with pytest.raises(ApiError, match=needle) as e:
+            parse_json_body(body)
+        assert e.value.status == 400
+    assert parse_json_body('{"k": "\\ud83d\\ude00"}'.encode())[0] == {"k": "\U0001F600"}  # a valid pair is text

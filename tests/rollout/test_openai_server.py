@@ -166,9 +166,10 @@ def _client(server, episode):
 
 
 def _http(server, method, path, body=None, headers=None):
+    """One request with the test clients' credential (the ``openai`` clients' api_key, which an episode is bound to)."""
     data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
-    req = urllib.request.Request(server.url + path, data=data, method=method,
-                                 headers={"Content-Type": "application/json", **(headers or {})})
+    req = urllib.request.Request(server.url + path, data=data, method=method, headers={
+        "Content-Type": "application/json", "Authorization": "Bearer unused", **(headers or {})})
     try:
         with urllib.request.urlopen(req, timeout=60) as r:
             return r.status, json.loads(r.read())
@@ -368,6 +369,111 @@ def test_malformed_requests_get_400(base, server):
     assert [c["logprob"] for c in out["choices"][0]["logprobs"]["content"]] == base["engine"].calls[0][1].logprobs
 
 
+def _set(body, path, value):
+    """``body`` with the field at ``path`` (keys and list indices) replaced by ``value``."""
+    out = json.loads(json.dumps(body))
+    node = out
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = value
+    return out
+
+
+def test_every_malformed_body_gets_4xx(base, server):
+    """Bodies that are not a JSON object of text, and every field of a valid request replaced by every kind of wrong
+    value: an OpenAI-style 4xx (or 200 where the value happens to be valid), never a 500, nothing left behind."""
+    ok = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "tools": TOOLS, "max_tokens": 2}
+    raw = [
+        (b'{"model": "tiny", "messages": [{"role": "user", "content": "\\ud800"}]}', "lone UTF-16 surrogate"),
+        (b'{"model": "tiny", "messages": [{"role": "\\udfff", "content": "x"}]}', "lone UTF-16 surrogate"),
+        (b"[" * 100_000 + b"]" * 100_000, "deeper than 64"),
+        (json.dumps(_set(ok, ["metadata"], json.loads("[" * 70 + "]" * 70))).encode(), "deeper than 64"),
+        (json.dumps(ok)[:-1].encode() + b', "top_p": NaN}', "NaN is not a JSON number"),
+        (b'"a string"', "must be a JSON object"), (b"null", "must be a JSON object"), (b"3", "must be a JSON object"),
+        (b"\xff\xfe\x00", "not valid JSON"), (b"", "not valid JSON"), (b'{"a": 1} {"b": 2}', "not valid JSON"),
+    ]
+    for body, needle in raw:
+        st, out = _http(server, "POST", "/chat/completions", body, {"X-Episode-Id": "ep-raw"})
+        assert st == 400 and needle in out["error"]["message"], (body[:80], st, out)
+    values = [None, 0, -1, 2 ** 70, 1.5, "", "x", [], {}, True, [[["deep"]]], {"k": "v"}, "\ud800"]
+    paths = [["model"], ["messages"], ["messages", 0], ["messages", 0, "role"], ["messages", 0, "content"],
+             ["messages", 0, "tool_calls"], ["messages", 0, "name"], ["tools"], ["tools", 0], ["tools", 0, "type"],
+             ["tools", 0, "function"], ["tools", 0, "function", "parameters"], ["temperature"], ["top_p"],
+             ["max_tokens"], ["n"], ["stream"], ["seed"], ["stop"], ["logprobs"], ["tool_choice"],
+             ["response_format"], ["top_logprobs"], ["logit_bias"], ["user"]]
+    statuses = {}
+    for p in paths:
+        for k, v in enumerate(values):
+            ep = f"fz-{'.'.join(map(str, p))}-{k}"
+            st, out = _http(server, "POST", "/chat/completions", _set(ok, p, v), {"X-Episode-Id": ep})
+            statuses[st] = statuses.get(st, 0) + 1
+            assert st == 200 or (400 <= st < 500 and out["error"]["message"] and out["error"]["type"]), (p, v, st, out)
+            if st == 200:
+                assert server.finish(ep).turn_spans
+            assert ep not in server.episodes
+    for verify_s, meta in [("1", {}), (True, {}), (1.0, []), (1.0, "x"), (None, {"deep": [[[[[]]]]]})]:
+        st, out = _http(server, "POST", "/episodes/none/finish", {"verify_s": verify_s, "metadata": meta})
+        assert st in (400, 404), (verify_s, meta, st, out)
+    print(f"\n{len(paths) * len(values)} field mutations: statuses {sorted(statuses.items())}")
+    assert 500 not in statuses and statuses.get(200) and statuses.get(400)
+
+
+def test_api_key_and_episode_ownership(base, capsys):
+    """With an API key every request needs it (401); an episode is served only to the credential that opened it
+    (403 for anyone else): its X-Episode-Secret, else its bearer token, else a secret the server generated and
+    returned. A non-loopback bind without a key is refused (the class raises, the CLI prints one line, exit 2)."""
+    import openai
+
+    from megatron_tsync.rollout.openai_server import main
+
+    msgs = [{"role": "user", "content": "hi"}]
+    with _serve(base, base["state"], max_new_tokens=4, api_key="k1") as srv:
+        st, out = _http(srv, "GET", "/models")  # the helper's "Bearer unused" is not the key
+        assert st == 401 and out["error"]["code"] == "invalid_api_key"
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=srv.url, api_key="wrong", max_retries=0).models.list()
+        key = openai.OpenAI(base_url=srv.url, api_key="k1", max_retries=0, timeout=60)
+        alice = key.with_options(default_headers={"X-Episode-Id": "shared", "X-Episode-Secret": "alice"})
+        bob = key.with_options(default_headers={"X-Episode-Id": "shared", "X-Episode-Secret": "bob"})
+        r = alice.chat.completions.create(model="tiny", messages=msgs)
+        follow = msgs + [r.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "more"}]
+        with pytest.raises(openai.PermissionDeniedError, match="opened by another client"):
+            bob.chat.completions.create(model="tiny", messages=follow)
+        bob_hdr = {"Authorization": "Bearer k1", "X-Episode-Secret": "bob"}
+        assert _http(srv, "POST", "/episodes/shared/finish", {}, bob_hdr)[0] == 403
+        assert _http(srv, "DELETE", "/episodes/shared", None, bob_hdr)[0] == 403
+        alice.chat.completions.create(model="tiny", messages=follow)  # the owner goes on
+        st, traj = _http(srv, "POST", "/episodes/shared/finish", {}, {**bob_hdr, "X-Episode-Secret": "alice"})
+        assert st == 200 and len(traj["turn_spans"]) == 2
+
+    with _serve(base, base["state"], max_new_tokens=4) as srv:
+        req = urllib.request.Request(srv.url + "/chat/completions", method="POST", data=json.dumps(
+            {"model": "tiny", "messages": msgs}).encode(), headers={"X-Episode-Id": "anon"})  # no credential at all
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            secret, out = resp.headers["X-Episode-Secret"], json.loads(resp.read())
+        assert secret and out["tsync"]["episode_secret"] == secret
+        assert _http(srv, "POST", "/episodes/anon/finish", {}, {"Authorization": ""})[0] == 403
+        assert _http(srv, "POST", "/episodes/anon/finish")[0] == 403  # another client's bearer token
+        assert _http(srv, "POST", "/episodes/anon/finish", {}, {"X-Episode-Secret": secret})[0] == 200
+        a = openai.OpenAI(base_url=srv.url, api_key="a", max_retries=0, timeout=60)  # bound to its api_key
+        a.with_options(default_headers={"X-Episode-Id": "by-a"}).chat.completions.create(model="tiny", messages=msgs)
+        assert _http(srv, "DELETE", "/episodes/by-a", None, {"Authorization": "Bearer b"})[0] == 403
+        assert _http(srv, "DELETE", "/episodes/by-a", None, {"Authorization": "Bearer a"})[0] == 200
+        body = json.dumps({"model": "tiny", "messages": msgs}).encode()  # in-process callers are trusted
+        st, out = srv.handle("POST", "/v1/chat/completions", {"X-Episode-Id": "inproc"}, body)
+        follow = msgs + [out["choices"][0]["message"], {"role": "user", "content": "more"}]
+        again = json.dumps({"model": "tiny", "messages": follow}).encode()
+        assert srv.handle("POST", "/v1/chat/completions", {"X-Episode-Id": "inproc"}, again, trusted=False)[0] == 403
+        assert srv.handle("POST", "/v1/chat/completions", {"X-Episode-Id": "inproc"}, again)[0] == 200
+
+    with pytest.raises(ValueError, match="refusing to serve on '0.0.0.0' without an API key"):
+        _serve(base, base["state"], host="0.0.0.0")
+    capsys.readouterr()
+    assert main(["serve", "--model", "/nonexistent", "--host", "0.0.0.0", "--api-key", ""]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: refusing to serve on '0.0.0.0' without an API key")
+
+
 def test_fixed_sampling_flag(base):
     """``fixed_sampling=False`` lets a request choose its temperature and a larger cap; the trajectory records the
     temperature of each turn (with the default, the same request is refused: test_malformed_requests_get_400)."""
@@ -475,15 +581,19 @@ def test_command_line_serve(tiny_dir, tmp_path):
     """``python -m megatron_tsync.rollout.openai_server serve``: each flag visibly in effect, the trace written, a clean
     exit on SIGTERM (~30 s on 2 busy cores: a fresh interpreter loads megatron and the model)."""
     import os
+    import socket
     import subprocess
     import sys
     import types
 
     trace = tmp_path / "trace.jsonl"
     cmd = [sys.executable, "-m", "megatron_tsync.rollout.openai_server", "serve", "--model", tiny_dir, "--port", "0",
+           "--host", "0.0.0.0", "--max-connections", "1",
            "--model-name", "cli", "--temperature", "0.5", "--top-k", "1", "--max-new-tokens", "8",
            "--max-context-tokens", "200", "--trace", str(trace)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    # the key the test helpers send: a non-loopback bind is served with it (and refused without one, see
+    # test_api_key_and_episode_ownership)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "TSYNC_API_KEY": "unused"}
     env.pop("MASTER_PORT", None)
     err = open(tmp_path / "serve.err", "w")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
@@ -492,6 +602,10 @@ def test_command_line_serve(tiny_dir, tmp_path):
         assert line.startswith("serving http://"), line
         srv = types.SimpleNamespace(url=line.split()[1])
         assert [m["id"] for m in _http(srv, "GET", "/models")[1]["data"]] == ["cli", "cli@v0"]
+        assert _http(srv, "GET", "/models", None, {"Authorization": "Bearer other"})[0] == 401
+        with socket.create_connection(("127.0.0.1", int(srv.url.split(":")[2].split("/")[0]))):  # held open
+            st, out = _http(srv, "GET", "/models")
+            assert st == 503 and "max_connections 1" in out["error"]["message"]
         body = {"model": "cli", "messages": [{"role": "user", "content": "2+2?"}]}
         st, out = _http(srv, "POST", "/chat/completions", {**body, "temperature": 0.7}, {"X-Episode-Id": "a"})
         assert st == 400 and "temperature=0.5" in out["error"]["message"]
