@@ -15,7 +15,7 @@ from megatron_tsync.config import TrainConfig
 # on purpose, in the same change.
 EXPECTED_FLAGS = [
     "--adam-beta1", "--adam-beta2", "--adam-eps", "--advantage-eps", "--advantage-estimator", "--aux-strategy",
-    "--bf16", "--clip-grad", "--clip-ratio-high", "--clip-ratio-low", "--config", "--context-parallel-size", "--deterministic",
+    "--bf16", "--harness-cmd", "--harness-fn", "--harness-timeout", "--harness-chat-format", "--clip-grad", "--clip-ratio-high", "--clip-ratio-low", "--config", "--context-parallel-size", "--deterministic",
     "--dual-clip", "--dump-grads", "--dump-rollouts", "--entropy-coef", "--eval-interval", "--eval-prompts", "--eval-greedy", "--no-eval-greedy", "--exit-duration-in-mins", "--expert-model-parallel-size", "--finetune", "--fp8-format", "--fp8-recipe",
     "--global-batch-size", "--group-size", "--groups-per-step", "--help", "--init-tiny-model", "--kl-coef",
     "--keep-last-checkpoints", "--kl-estimator", "--kl-mode", "--latency-profile", "--latency-scale", "--load",

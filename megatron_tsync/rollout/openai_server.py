@@ -148,13 +148,17 @@ class ChatServer:
         fixed_sampling: refuse requests for another temperature / top_p (see the module docstring).
         trace_path: JSONL latency trace, one line per finished episode (None: no trace).
         batch_wait_s: how long the engine thread waits for more requests before a batched ``generate``.
+        tool_parser: ``(text, id_prefix) -> (content, tool_calls)`` of a completion's text (default
+            :func:`parse_tool_calls`, Qwen-style ``<tool_call>`` JSON; ``rollout/tag_chat.py`` has the agent loop's
+            ``<tool>NAME: ARGS</tool>`` format).
     """
 
     def __init__(self, engine: RolloutEngine, codec, template: ChatTemplate, *, sampling: SamplingConfig,
                  model_name: str = "tsync-policy", max_context_tokens: int = 4096, fixed_sampling: bool = True,
                  trace_path: str | None = None, batch_wait_s: float = 0.002, host: str = "127.0.0.1",
-                 port: int = 0):
+                 port: int = 0, tool_parser=None):
         self.engine, self.codec, self.template = engine, codec, template
+        self.tool_parser = tool_parser or parse_tool_calls
         self.model_name = model_name
         self.max_context_tokens = int(max_context_tokens)
         self.fixed_sampling = bool(fixed_sampling)
@@ -463,7 +467,7 @@ class ChatServer:
         eos = [self.codec.decode([t]) for t in self.sampling.stop_token_ids if comp.token_ids[-1:] == [t]]
         if eos and not ep.closed and body.endswith(eos[0]):
             body = body[: len(body) - len(eos[0])]
-        content, calls = parse_tool_calls(body, f"call_{ep.index}_{len(ep.turn_spans) - 1}")
+        content, calls = self.tool_parser(body, f"call_{ep.index}_{len(ep.turn_spans) - 1}")
         reply = {"role": "assistant", "content": content or None}
         if calls:
             reply["tool_calls"] = calls

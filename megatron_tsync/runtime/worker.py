@@ -233,6 +233,11 @@ class RolloutWorker:
         from megatron_tsync.rollout.latency_trace import LatencyTrace  # each trajectory's real latencies (JSONL)
 
         self.trace = LatencyTrace(os.path.join(self.run_dir, "latency_trace", f"worker{spec.worker_id}.jsonl"))
+        self.harness = None  # --harness-cmd / --harness-fn: the user's agent drives each episode (runtime/harness.py)
+        if spec.rollout.harness_cmd or spec.rollout.harness_fn:
+            from megatron_tsync.runtime.harness import HarnessRunner
+
+            self.harness = HarnessRunner(self)
 
     # ---------------------------------------------------------------------------------------------
     def run(self) -> None:
@@ -349,6 +354,8 @@ class RolloutWorker:
     async def _rollout(self, step: int, items: list[tuple[int, int]], seed: int, extra: dict) -> None:
         """Rolls out trajectory ``i`` of group ``g`` of ``step`` for each ``(g, i)`` of ``items`` (sampling seed
         ``seed``; ``extra`` goes into each event's meta) and sends each the moment it is scored."""
+        if self.harness is not None:
+            return await self.harness.rollout(step, items, extra)
         spec = self.spec
         insts = self.task.sample_prompts(step, spec.rl.groups_per_step, spec.rl.seed)
         gids = group_ids(step, spec.rl.groups_per_step)
