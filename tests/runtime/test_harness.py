@@ -1,0 +1,101 @@
+"""Harness-driven training (``runtime/harness.py``): the rollout worker serves the OpenAI-compatible endpoint and runs
+a harness command per episode (``tests/runtime/harness_cases.py``: the real ``openai`` client), in a real training
+run (``python -m megatron_tsync.train``, a worker process, signed events, float64).
+
+- bad harness behaviour: a crash, a hang past ``--harness-timeout``, malformed JSON, no finish and an off-spec reward
+  each give one failed trajectory counted under its reason in the step's log row; the step completes with every
+  trajectory accounted for and nothing rejected;
+- the trained token ids and log-probs are the ones the engine sampled (what each completion response said);
+- the step trained from the harness episodes (stream-trajectory) equals the same episodes replayed with
+  ``--replay-rollouts`` in sync mode: gradients ≤ 1e-12 relative in float64;
+- the example (``examples/openai_harness``, ``--harness-fn``) drives the warm-started tiny agent through the endpoint:
+  tool calls, tool results, the verifier's reward, no failure.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+COMMON = ["--group-size", "2", "--global-batch-size", "8", "--max-new-tokens", "12", "--seq-length", "96",
+          "--params-dtype", "float64", "--optimizer", "sgd", "--lr", "0.5", "--clip-grad", "0", "--train-iters", "1",
+          "--no-progress", "--harness-chat-format", "tag"]
+
+
+def _train(args, cwd, extra_env=None, timeout=900):
+    from tests.conftest import free_port
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", MASTER_PORT=str(free_port()),
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), **(extra_env or {}))
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        env.pop(k, None)
+    p = subprocess.run([sys.executable, "-m", "megatron_tsync.train", *args], cwd=cwd, env=env, capture_output=True,
+                       text=True, timeout=timeout)
+    assert p.returncode == 0, f"train failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
+    return p.stdout + p.stderr
+
+
+@pytest.fixture(scope="module")
+def harness_run(tiny_dir, tmp_path_factory):
+    """One live step driven by tests/runtime/harness_cases.py (4 groups x 2: six misbehaving episodes)."""
+    tmp = tmp_path_factory.mktemp("harness")
+    rec = tmp / "record"
+    rec.mkdir()
+    out = _train(["--model", tiny_dir, *COMMON, "--rl-mode", "stream-trajectory", "--rollout-workers", "1",
+                  "--harness-cmd", f"{sys.executable} {os.path.join(ROOT, 'tests', 'runtime', 'harness_cases.py')}",
+                  "--harness-timeout", "30", "--save", str(tmp / "ck"), "--dump-rollouts", str(tmp / "dump"),
+                  "--dump-grads", str(tmp / "g_live")], ROOT, {"TSYNC_TEST_RECORD": str(rec)})
+    return tmp, out
+
+
+@pytest.mark.slow
+def test_bad_harness_behaviour_is_counted_and_the_step_completes(harness_run):
+    tmp, out = harness_run
+    (row,) = json.loads((tmp / "ck" / "history.json").read_text())
+    assert {k: row[k] for k in row if k.startswith("harness_")} == {
+        "harness_crash": 1, "harness_timeout": 1, "harness_bad_request": 1, "harness_no_finish": 1,
+        "harness_bad_reward": 1}, row
+    assert row["trajectories"] == 8 and row["ledger_used"] == 8 and row["events_rejected"] == 0
+    assert "boom: the harness crashed" in out  # the crash's stderr tail is in the failure message
+    from megatron_tsync.runtime.rollout_io import load_rollouts
+
+    samples, _ = load_rollouts(str(tmp / "dump"), 0)
+    fail = {s.traj_id: s.meta.get("harness_fail") for s in samples}
+    assert fail == {"s0g0t0": "harness_crash", "s0g0t1": "harness_timeout", "s0g1t0": "harness_bad_request",
+                    "s0g1t1": "harness_no_finish", "s0g2t0": None, "s0g2t1": "harness_bad_reward", "s0g3t0": None,
+                    "s0g3t1": None}
+    rewards = {s.traj_id: s.reward for s in samples}
+    assert rewards["s0g2t0"] == rewards["s0g3t0"] == 1.0 and rewards["s0g2t1"] == 0.0  # the harness's / the floor
+
+
+@pytest.mark.slow
+def test_trained_tokens_are_sampled_and_replay_sync_equals_live_float64(harness_run, tiny_dir):
+    tmp, _ = harness_run
+    from megatron_tsync.runtime.rollout_io import load_rollouts
+
+    samples, _ = load_rollouts(str(tmp / "dump"), 0)
+    checked = 0
+    for s in samples:
+        path = tmp / "record" / f"{s.traj_id}.json"
+        if s.meta.get("harness_fail"):  # failed: trained on nothing (its mask is zero)
+            continue
+        (turn,) = json.loads(path.read_text())
+        on = s.loss_mask.numpy() == 1
+        assert s.token_ids.numpy()[on].tolist() == turn["ids"] and len(turn["ids"]) > 0
+        assert np.array_equal(s.behaviour_logp.numpy()[on].astype(np.float32), np.float32(turn["logprobs"]))
+        checked += 1
+    assert checked == 3  # the episodes that finished and were scored (g2t0, g3t0, g3t1)
+    _train(["--model", tiny_dir, *COMMON, "--rl-mode", "sync", "--rollout-workers", "0", "--replay-rollouts",
+            str(tmp / "dump"), "--dump-grads", str(tmp / "g_replay")], ROOT)
+    from safetensors.torch import load_file
+
+    a = load_file(str(tmp / "g_live" / "grad_step_0000000.safetensors"))
+    b = load_file(str(tmp / "g_replay" / "grad_step_0000000.safetensors"))
+    assert set(a) == set(b)
+    num = sum(float((a[n] - b[n]).pow(2).sum()) for n in a) ** 0.5
+    den = sum(float(a[n].pow(2).sum()) for n in a) ** 0.5
+    assert den > 0 and num / den < 1e-12, num / den
