@@ -76,6 +76,21 @@ def harness_row(samples, on: bool) -> dict:
     return row
 
 
+class _CountingEngine:
+    """The worker's engine as the endpoint sees it, keeping the prompts per ``generate`` call (the batch sizes)."""
+
+    def __init__(self, engine):
+        self._engine = engine
+        self.batches: list[int] = []
+
+    def generate(self, prompts, *args, **kwargs):
+        self.batches.append(len(prompts))
+        return self._engine.generate(prompts, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+
 def _server_class():
     from megatron_tsync.rollout.openai_server import ChatServer
 
@@ -146,7 +161,8 @@ class HarnessRunner:
             sampling = SamplingConfig.from_config(ro, rl, stop_token_ids=eos)
         sampling = dataclasses.replace(sampling, seed=rl.seed)  # + crc32(episode id) and turn, per completion
         self.bos = tok.bos_token if isinstance(getattr(tok, "bos_token", None), str) else ""
-        self.server = _server_class()(worker.engine, worker.codec, template, sampling=sampling,
+        self.engine = _CountingEngine(worker.engine)
+        self.server = _server_class()(self.engine, worker.codec, template, sampling=sampling,
                                       max_context_tokens=rl.seq_length, tool_parser=parser).start()
         self.fn = None
         if ro.harness_fn:
@@ -168,10 +184,17 @@ class HarnessRunner:
         insts = self.w.task.sample_prompts(step, spec.rl.groups_per_step, spec.rl.seed)
         gids = group_ids(step, spec.rl.groups_per_step)
         t0 = time.perf_counter()
+        calls0, failed0 = len(self.engine.batches), dict(self.failures)
         await asyncio.gather(*(self._episode(step, g, i, insts[g], gids[g], extra, t0) for g, i in items))
         for eid in list(self.server.episodes):  # episodes under ids the runner never gave out
             self.server.take(eid)
         self.server.refused.clear()
+        batches = self.engine.batches[calls0:]
+        failed = {k: v - failed0[k] for k, v in self.failures.items() if v > failed0[k]}
+        if step == self.w.spec.start_step or failed:  # the first step, and any step with failed episodes
+            print(f"[worker {self.w.spec.worker_id}] harness step {step}: {len(items)} episodes, {sum(batches)} "
+                  f"completions in {len(batches)} engine calls (mean batch {sum(batches) / max(len(batches), 1):.1f}), "
+                  f"{time.perf_counter() - t0:.1f}s; failed: {failed or 'none'}", flush=True)
 
     def task_json(self, inst, eid: str, step: int, g: int, i: int) -> dict:
         rl = self.w.spec.rl

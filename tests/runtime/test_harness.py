@@ -99,3 +99,28 @@ def test_trained_tokens_are_sampled_and_replay_sync_equals_live_float64(harness_
     num = sum(float((a[n] - b[n]).pow(2).sum()) for n in a) ** 0.5
     den = sum(float(a[n].pow(2).sum()) for n in a) ** 0.5
     assert den > 0 and num / den < 1e-12, num / den
+
+
+@pytest.mark.slow
+def test_example_agent_drives_the_tiny_agent(tmp_path):
+    """examples/openai_harness as configured (--harness-fn: the agent as coroutines in the worker), one step of 2
+    prompts x 8 after the warm start: the calculator runs as an OpenAI tool, the verifier scores the answers, the
+    episodes' requests share engine calls, nothing fails."""
+    ck, dump = tmp_path / "ck", tmp_path / "dump"
+    _train(["--config", os.path.join(ROOT, "examples", "openai_harness", "config.yaml"), "--model",
+            str(tmp_path / "model"), "--train-iters", "1", "--global-batch-size", "16", "--eval-interval", "0",
+            "--save", str(ck), "--dump-rollouts", str(dump), "--no-progress"], ROOT)
+    (row,) = json.loads((ck / "history.json").read_text())
+    assert all(row[f"harness_{r}"] == 0 for r in ("crash", "timeout", "bad_request", "no_finish", "bad_reward"))
+    assert row["trajectories"] == 16 and row["success_rate"] > 0, row
+    from transformers import AutoTokenizer
+
+    from megatron_tsync.runtime.rollout_io import load_rollouts
+
+    tok = AutoTokenizer.from_pretrained(str(tmp_path / "model"))
+    samples, _ = load_rollouts(str(dump), 0)
+    texts = [tok.decode(s.token_ids.tolist()) for s in samples]
+    assert any("</tool><result>" in t and "<answer>" in t for t in texts), texts[:4]  # a tool turn, then the answer
+    log = (ck / "rollout_plane" / "worker_logs" / "worker0.log").read_text()
+    line = next(ln for ln in log.splitlines() if "harness step 0: 16 episodes" in ln)
+    assert float(line.split("mean batch ")[1].split(")")[0]) > 1.0, line  # concurrent episodes, one engine call
