@@ -124,3 +124,39 @@ def test_example_agent_drives_the_tiny_agent(tmp_path):
     log = (ck / "rollout_plane" / "worker_logs" / "worker0.log").read_text()
     line = next(ln for ln in log.splitlines() if "harness step 0: 16 episodes" in ln)
     assert float(line.split("mean batch ")[1].split(")")[0]) > 1.0, line  # concurrent episodes, one engine call
+
+
+def test_function_harness_outcomes():
+    """--harness-fn: a raising coroutine is a crash (its own TimeoutError too), one past the timeout is cancelled and
+    a timeout, a returning one is fine; the coroutine gets the documented keyword arguments."""
+    import asyncio
+    import types
+
+    from megatron_tsync.runtime.harness import HarnessRunner
+
+    got = {}
+
+    async def ok(**kw):
+        got.update(kw)
+
+    async def boom(**kw):
+        raise ValueError("bad tool")
+
+    async def own_timeout(**kw):
+        raise TimeoutError("the harness' own HTTP timeout")
+
+    async def hang(**kw):
+        await asyncio.sleep(3600)
+
+    runner = HarnessRunner.__new__(HarnessRunner)  # only the harness-calling part: no worker, no endpoint
+    runner.timeout_s, runner.server = 0.3, types.SimpleNamespace(url="http://127.0.0.1:1/v1", model_name="m")
+    outcomes = {}
+    for fn in (ok, boom, own_timeout, hang):
+        runner.fn = fn
+        outcomes[fn.__name__] = asyncio.run(runner._run_fn("s0g0t0", {"prompt": "Q: 1+1 "}))
+    assert outcomes["ok"] == (None, "")
+    assert got == {"base_url": "http://127.0.0.1:1/v1", "episode_id": "s0g0t0", "task": {"prompt": "Q: 1+1 "},
+                   "model": "m"}
+    assert outcomes["boom"] == ("harness_crash", "ValueError: bad tool")
+    assert outcomes["own_timeout"][0] == "harness_crash"
+    assert outcomes["hang"][0] == "harness_timeout"
