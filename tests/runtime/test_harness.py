@@ -160,3 +160,18 @@ def test_function_harness_outcomes():
     assert outcomes["boom"] == ("harness_crash", "ValueError: bad tool")
     assert outcomes["own_timeout"][0] == "harness_crash"
     assert outcomes["hang"][0] == "harness_timeout"
+
+
+def test_example_config_is_the_quickstart_driven_by_the_harness():
+    """examples/openai_harness/config.yaml = the quickstart's (same model, warm start, task, RL and evaluation) but
+    for the harness keys, its folders, its step count and the native tools' latency profile (no native tools)."""
+    from megatron_tsync.arguments import parse_args
+
+    ours = parse_args(["--config", os.path.join(ROOT, "examples", "openai_harness", "config.yaml")], world_size=1)
+    base = parse_args(["--config", os.path.join(ROOT, "examples", "tiny_agent", "config.yaml")], world_size=1)
+    a, b = ours.to_dict(), base.to_dict()
+    diff = sorted(f"{s}.{k}" for s in a for k in a[s] if a[s][k] != b[s][k])
+    assert diff == ["checkpoint.save", "model.path", "rl.train_iters", "rollout.harness_chat_format",
+                    "rollout.harness_fn", "rollout.harness_timeout_s", "rollout.latency_profile",
+                    "rollout.latency_scale"], diff
+    assert ours.rollout.harness_fn == "examples.openai_harness.agent:run_episode"
