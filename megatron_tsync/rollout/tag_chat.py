@@ -30,7 +30,9 @@ TAG_CHAT_TEMPLATE = """
 {%- for m in messages %}
     {%- if m.role == 'assistant' %}
         {{- m.content or '' }}
-        {%- for c in m.tool_calls or [] %}{{- '<tool>' + c.function.name + ': ' + (c.function.arguments.input or '') }}{%- endfor %}
+        {%- for c in m.tool_calls or [] %}
+            {{- '<tool>' + c.function.name + ': ' + (c.function.arguments.input or '') }}
+        {%- endfor %}
         {{- '</tool>' }}
     {%- elif m.role == 'tool' %}
         {{- '<result>' + m.content + '</result>' }}

@@ -265,9 +265,10 @@ class HarnessRunner:
         meta = {"worker": w.spec.worker_id, "finish": finish or "", "latency_s": time.perf_counter() - t0,
                 "turns": turns, **({"redo": extra["redo"]} if "redo" in extra else {}),
                 **({FAIL_KEY: reason} if reason else {})}
+        if version < 0:  # no completion at all: the version the worker serves
+            version = w.engine.policy_version if w.engine.policy_version >= 0 else step
         ev = TrajectoryEvent(
-            traj_id=tid, group_id=gid, group_size=w.spec.rl.group_size,
-            policy_version=version if version >= 0 else (w.engine.policy_version if w.engine.policy_version >= 0 else step),
+            traj_id=tid, group_id=gid, group_size=w.spec.rl.group_size, policy_version=version,
             token_ids=np.asarray(ids, dtype=np.int32), prompt_len=prompt_len, loss_mask=mask,
             logprobs=np.asarray(lp, dtype=np.float32) * mask, reward=reward,
             turn_spans=[tuple(s) for s in spans], status=status, error=err, meta=meta)
