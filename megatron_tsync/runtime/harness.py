@@ -300,8 +300,9 @@ class HarnessRunner:
             await proc.wait()
             return "harness_timeout", f"still running after {self.timeout_s:g}s (--harness-timeout): killed"
         if proc.returncode != 0:
-            tail = err.decode(errors="replace").strip()[-STDERR_TAIL:]
-            return "harness_crash", f"the harness command exited with {proc.returncode}: {tail}"
+            tail = err.decode(errors="replace").strip()
+            last = tail.splitlines()[-1] if tail else "(no stderr)"  # the exception, first: logs cut messages short
+            return "harness_crash", f"exit {proc.returncode}: {last[:200]} | stderr tail: {tail[-STDERR_TAIL:]}"
         return None, ""
 
     async def _run_fn(self, eid: str, task: dict) -> tuple[str | None, str]:
