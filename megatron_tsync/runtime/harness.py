@@ -23,9 +23,9 @@ as a failed trajectory (status "error", the task's lowest reward, no gradient; i
 ``meta["harness_fail"]`` names the reason, counted per step in the log row and TensorBoard (:func:`harness_row`):
 
 - ``harness_timeout``: still running at the timeout (killed);
-- ``harness_bad_request``: ended without finish after the endpoint refused some of its requests (malformed JSON,
-  a conversation that does not extend the episode, ...);
-- ``harness_crash``: the command exited non-zero (the function raised) without finishing;
+- ``harness_bad_request``: ended (cleanly or not) without finish after the endpoint refused some of its requests
+  (malformed JSON, a conversation that does not extend the episode, ...: an ``openai`` client raises on them);
+- ``harness_crash``: the command exited non-zero (the function raised) without finishing, no request refused;
 - ``harness_no_finish``: exited cleanly without finishing;
 - ``harness_bad_reward``: finished with a reward that is not a finite number the task's reward spec admits.
 
@@ -218,10 +218,11 @@ class HarnessRunner:
             reason = None
         else:
             traj = self.server.take(eid)
-            if reason is None:
-                reason, detail = (("harness_bad_request", f"{refused[0]} refused request(s), the last: {refused[1]}")
-                                  if refused else ("harness_no_finish", "the harness ended without POST "
-                                                   f"/v1/episodes/{eid}/finish"))
+            if refused and reason != "harness_timeout":  # the refusals first: an openai client raises on a 4xx
+                then = f"; then {reason}: {detail}" if reason else ""
+                reason, detail = "harness_bad_request", f"{refused[0]} refused request(s), the last: {refused[1]}{then}"
+            elif reason is None:
+                reason, detail = "harness_no_finish", f"the harness ended without POST /v1/episodes/{eid}/finish"
         env_ep = await self.w.env.start(inst.meta.get("env_task", inst)) if self.w.env is not None else None
         reward, status, err = await self._score(traj, inst, env_ep, reason, detail)
         if status == "error" and reason is None:

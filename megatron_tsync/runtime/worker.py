@@ -7,7 +7,8 @@ place, rolls out its share of the step's groups (group ``g`` belongs to worker `
 each trajectory the moment it finishes and sends a signed ``TrajectoryEvent`` stamped with the policy version that
 produced it (a trajectory whose rollout or verifier failed is sent too, with status "error" and the task's lowest
 reward). Nothing waits for the group or the batch. With ``WorkerSpec.stream_turns`` each finished turn is also sent
-as a ``TurnEvent``.
+as a ``TurnEvent``. With ``--harness-cmd`` / ``--harness-fn`` the user's own agent drives each episode through the
+OpenAI-compatible endpoint instead of the agent loop (``runtime/harness.py``).
 
 Supervision (``runtime/supervision.py``): from its first line of ``main`` the worker writes a heartbeat
 (``run_dir/hb/worker{w}.json``: step, events sent) and watches the trainer's (it exits when the trainer's is stale
