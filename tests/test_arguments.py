@@ -15,7 +15,7 @@ from megatron_tsync.config import TrainConfig
 # on purpose, in the same change.
 EXPECTED_FLAGS = [
     "--adam-beta1", "--adam-beta2", "--adam-eps", "--advantage-eps", "--advantage-estimator", "--aux-strategy",
-    "--bf16", "--clip-grad", "--clip-ratio-high", "--clip-ratio-low", "--config", "--context-parallel-size", "--deterministic",
+    "--bf16", "--harness-cmd", "--harness-fn", "--harness-timeout", "--harness-chat-format", "--clip-grad", "--clip-ratio-high", "--clip-ratio-low", "--config", "--context-parallel-size", "--deterministic",
     "--dual-clip", "--dump-grads", "--dump-rollouts", "--entropy-coef", "--eval-interval", "--eval-prompts", "--eval-greedy", "--no-eval-greedy", "--exit-duration-in-mins", "--expert-model-parallel-size", "--finetune", "--fp8-format", "--fp8-recipe",
     "--global-batch-size", "--group-size", "--groups-per-step", "--help", "--init-tiny-model", "--kl-coef",
     "--keep-last-checkpoints", "--kl-estimator", "--kl-mode", "--latency-profile", "--latency-scale", "--load",
@@ -196,6 +196,10 @@ BAD = [
     (["--max-staleness", "0", "--rl-mode", "sync"], ["--max-staleness", "--rl-mode async"]),
     (["--rl-mode", "async", "--max-staleness", "0"], ["--max-staleness", "> 0"]),
     (["--replay-rollouts", "d", "--rollout-workers", "2"], ["--replay-rollouts", "--rollout-workers"]),
+    (["--harness-cmd", "a", "--harness-fn", "m:f"], ["--harness-cmd", "--harness-fn"]),
+    (["--harness-fn", "nocolon"], ["--harness-fn"]),
+    (["--harness-cmd", "a", "--replay-rollouts", "d", "--rollout-workers", "0"], ["--harness-cmd", "--rollout-workers"]),
+    (["--harness-cmd", "a", "--harness-timeout", "0"], ["--harness-timeout"]),
     (["--max-open-groups", "0"], ["--max-open-groups"]),
     (["--max-device-buckets", "1"], ["--max-device-buckets"]),
     (["--sequence-packing", "--max-packed-tokens", "0"], ["--max-packed-tokens"]),

@@ -325,6 +325,20 @@ class RolloutConfig(_Section):
     π_{k+1}, zero staleness. Embedded engine, file weight hand-off, not in async mode."""
     speculative_draft_tokens: int = 0
     """Cap on the tokens drafted per trajectory (0 = the whole first turn, up to its token cap)."""
+    harness_cmd: str | None = None
+    """Harness-driven rollouts (``runtime/harness.py``, docs/harness.md): each worker serves the OpenAI-compatible
+    endpoint on its engine and runs this shell command once per episode (env: ``OPENAI_BASE_URL``,
+    ``TSYNC_EPISODE_ID``, ``TSYNC_TASK``, ...). None = the native agent loop."""
+    harness_fn: str | None = None
+    """Harness-driven rollouts with an importable async function ``"module:function"`` called once per episode in the
+    worker's event loop (``await fn(base_url=..., episode_id=..., task=..., model=...)``); excludes ``harness_cmd``."""
+    harness_timeout_s: float = 300.0
+    """Wall-clock limit of one harness episode: past it the command is killed (or the coroutine cancelled) and the
+    episode counts as a failed trajectory (``harness_timeout``)."""
+    harness_chat_format: str = "model"
+    """How the endpoint renders messages: "model" (the model folder's chat template, Qwen-style ``<tool_call>``) or
+    "tag" (the agent loop's ``<tool>NAME: ARGS</tool>`` / ``<result>`` text, ``rollout/tag_chat.py``: models trained
+    on native transcripts, e.g. the tiny agent)."""
 
     def __post_init__(self) -> None:
         _check_cpus(self.cpus, "rollout.cpus")
@@ -364,6 +378,17 @@ class RolloutConfig(_Section):
                "rollout.speculative drafts and verifies on the embedded engine with the file weight hand-off (the "
                f"worker drafts while it waits for the next version's file); got engine {self.engine}, weight_sync "
                f"{self.weight_sync}", "rollout.speculative", "rollout.engine", "rollout.weight_sync")
+        _check(not (self.harness_cmd and self.harness_fn), "rollout.harness_cmd and rollout.harness_fn are two ways to "
+               "name the harness: give one", "rollout.harness_cmd", "rollout.harness_fn")
+        _check(not self.harness_fn or (":" in self.harness_fn and all(self.harness_fn.split(":", 1))),
+               f"rollout.harness_fn must be 'module:function', got {self.harness_fn!r}", "rollout.harness_fn")
+        _check(self.harness_timeout_s > 0 and math.isfinite(self.harness_timeout_s),
+               f"rollout.harness_timeout_s must be > 0, got {self.harness_timeout_s}", "rollout.harness_timeout_s")
+        _check(self.harness_chat_format in ("model", "tag"), f"rollout.harness_chat_format must be 'model' or 'tag', "
+               f"got {self.harness_chat_format!r}", "rollout.harness_chat_format")
+        _check(not (self.speculative and (self.harness_cmd or self.harness_fn)), "rollout.speculative drafts the native "
+               "agent loop's first turns; a harness drives its own episodes", "rollout.speculative",
+               "rollout.harness_cmd")
         _check(1 <= self.weight_sync_bucket_mb <= 16384, f"rollout.weight_sync_bucket_mb must be in [1, 16384], got "
                f"{self.weight_sync_bucket_mb}", "rollout.weight_sync_bucket_mb")
         _check(self.stall_timeout_s > 0, f"rollout.stall_timeout_s must be > 0, got {self.stall_timeout_s}",

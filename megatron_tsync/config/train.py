@@ -154,6 +154,12 @@ class TrainConfig:
                "rollout.speculative", "learner.mode")
         _check(not (self.rollout.speculative and self.model.moe_router_replay), "rollout.speculative does not "
                "record MoE routing for router replay yet", "rollout.speculative", "model.moe_router_replay")
+        harness = self.rollout.harness_cmd or self.rollout.harness_fn
+        _check(not harness or (self.rollout.num_workers > 0 and self.logging.replay_rollouts is None
+                               and self.rl.algorithm == "grpo"),
+               "rollout.harness_cmd / harness_fn drive live GRPO rollouts in the rollout workers: they need "
+               "rollout.num_workers > 0, no logging.replay_rollouts and rl.algorithm grpo", "rollout.harness_cmd",
+               "rollout.num_workers")
         _check((lr.mode == "async") == (self.rl.max_staleness > 0),
                f"rl.max_staleness must be > 0 exactly when learner.mode is async (got rl.max_staleness "
                f"{self.rl.max_staleness} with learner.mode {lr.mode})", "rl.max_staleness", "learner.mode")

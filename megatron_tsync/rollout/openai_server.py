@@ -179,19 +179,23 @@ class ChatServer:
             default ``CHARS_PER_TOKEN_CAP * max_context_tokens``.
         limits: the HTTP transport's limits (:class:`HttpLimits`); default: its defaults with ``max_body_bytes`` =
             8 bytes per prompt character + 1 MiB (JSON escapes take up to 6 bytes a character).
+        tool_parser: ``(text, id_prefix) -> (content, tool_calls)`` of a completion's text (default
+            :func:`parse_tool_calls`, Qwen-style ``<tool_call>`` JSON; ``rollout/tag_chat.py`` has the agent loop's
+            ``<tool>NAME: ARGS</tool>`` format).
     """
 
     def __init__(self, engine: RolloutEngine, codec, template: ChatTemplate, *, sampling: SamplingConfig,
                  model_name: str = "tsync-policy", max_context_tokens: int = 4096, fixed_sampling: bool = True,
                  trace_path: str | None = None, batch_wait_s: float = 0.002, host: str = "127.0.0.1",
                  port: int = 0, api_key: str | None = None, max_prompt_chars: int | None = None,
-                 limits: HttpLimits | None = None):
+                 limits: HttpLimits | None = None, tool_parser=None):
         if api_key is not None and (not isinstance(api_key, str) or not api_key.strip()):
             raise ValueError("api_key must be a non-empty string (or None for no key)")
         if api_key is None and not is_loopback(host):
             raise ValueError(non_loopback_refusal(host))
         self.api_key = api_key
         self.engine, self.codec, self.template = engine, codec, template
+        self.tool_parser = tool_parser or parse_tool_calls
         self.model_name = model_name
         self.max_context_tokens = int(max_context_tokens)
         self.max_prompt_chars = int(max_prompt_chars or CHARS_PER_TOKEN_CAP * self.max_context_tokens)
@@ -554,7 +558,7 @@ class ChatServer:
         eos = [self.codec.decode([t]) for t in self.sampling.stop_token_ids if comp.token_ids[-1:] == [t]]
         if eos and not ep.closed and body.endswith(eos[0]):
             body = body[: len(body) - len(eos[0])]
-        content, calls = parse_tool_calls(body, f"call_{ep.index}_{len(ep.turn_spans) - 1}")
+        content, calls = self.tool_parser(body, f"call_{ep.index}_{len(ep.turn_spans) - 1}")
         reply = {"role": "assistant", "content": content or None}
         if calls:
             reply["tool_calls"] = calls

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from megatron_tsync.config import reward_spec_conflict
 from megatron_tsync.runtime.context import RunContext, progress_bar
+from megatron_tsync.runtime.harness import HARNESS_TB_NAMES, harness_row
 from megatron_tsync.runtime.fleet import LEDGER_TB_NAMES, RolloutFleet, TransportSource, ledger_row
 from megatron_tsync.runtime.rollout_io import dump_grads, load_rollouts
 from megatron_tsync.runtime.spec import StepOutcome, TrainSpec
@@ -34,6 +35,7 @@ TB_NAMES = {"reward": "rollout/reward", "success_rate": "rollout/success_rate", 
             "events_rejected": "transport/events_rejected", "staleness": "rollout/staleness",
             "kl_sum_mean": "train/kl_sum_mean"}
 TB_NAMES |= REJECTION_TB_NAMES  # transport/rejected_<reason>
+TB_NAMES |= HARNESS_TB_NAMES  # rollout/harness_<reason>: failed harness episodes (--harness-cmd / --harness-fn)
 
 
 def learner_config(cfg, task) -> LearnerConfig:
@@ -140,6 +142,7 @@ class GRPO:
             **ledger_row(fleet, k),  # used / re-dispatched / dropped trajectories, worker failures, recovery
             "events_rejected": fleet.receiver.rejected if fleet is not None else 0,
             **rejection_row(fleet),  # rejected_<reason>: the run's rejections so far, per reason
+            **harness_row(samples, bool(self.ctx.cfg.rollout.harness_cmd or self.ctx.cfg.rollout.harness_fn)),
             "staleness": max((k - s.policy_version) for s in samples) if samples else 0,
             "trajectories": res.num_trajectories, "microbatches": res.microbatches,
             **{f"plan_{a}": b for a, b in res.planner_stats.items()},

@@ -7,7 +7,8 @@ place, rolls out its share of the step's groups (group ``g`` belongs to worker `
 each trajectory the moment it finishes and sends a signed ``TrajectoryEvent`` stamped with the policy version that
 produced it (a trajectory whose rollout or verifier failed is sent too, with status "error" and the task's lowest
 reward). Nothing waits for the group or the batch. With ``WorkerSpec.stream_turns`` each finished turn is also sent
-as a ``TurnEvent``.
+as a ``TurnEvent``. With ``--harness-cmd`` / ``--harness-fn`` the user's own agent drives each episode through the
+OpenAI-compatible endpoint instead of the agent loop (``runtime/harness.py``).
 
 Supervision (``runtime/supervision.py``): from its first line of ``main`` the worker writes a heartbeat
 (``run_dir/hb/worker{w}.json``: step, events sent) and watches the trainer's (it exits when the trainer's is stale
@@ -233,6 +234,11 @@ class RolloutWorker:
         from megatron_tsync.rollout.latency_trace import LatencyTrace  # each trajectory's real latencies (JSONL)
 
         self.trace = LatencyTrace(os.path.join(self.run_dir, "latency_trace", f"worker{spec.worker_id}.jsonl"))
+        self.harness = None  # --harness-cmd / --harness-fn: the user's agent drives each episode (runtime/harness.py)
+        if spec.rollout.harness_cmd or spec.rollout.harness_fn:
+            from megatron_tsync.runtime.harness import HarnessRunner
+
+            self.harness = HarnessRunner(self)
 
     # ---------------------------------------------------------------------------------------------
     def run(self) -> None:
@@ -364,6 +370,8 @@ class RolloutWorker:
     async def _rollout(self, step: int, items: list[tuple[int, int]], seed: int, extra: dict) -> None:
         """Rolls out trajectory ``i`` of group ``g`` of ``step`` for each ``(g, i)`` of ``items`` (sampling seed
         ``seed``; ``extra`` goes into each event's meta) and sends each the moment it is scored."""
+        if self.harness is not None:
+            return await self.harness.rollout(step, items, extra)
         spec = self.spec
         insts = self.task.sample_prompts(step, spec.rl.groups_per_step, spec.rl.seed)
         gids = group_ids(step, spec.rl.groups_per_step)
