@@ -11,7 +11,8 @@ Task ``i`` of seed ``s`` is a pure function of ``(s, i)`` (no downloads, no cloc
 Hidden tests (never in the workspace): FAIL_TO_PASS checks of the buggy function on inputs where the bug shows
 (at least 3, the issue's example and others) and PASS_TO_PASS checks of every function; expected values are computed
 by running the correct source in the generator. The verifier restores ``tests/`` from the task, renders every check
-with a decoy (``envs/checks.py``) and runs them on the final workspace. The known fix is one ``edit`` (the injected
+as a probe that reports its value (``envs/checks.py``), runs them on the final workspace and compares the values
+outside the sandbox (``envs/probes.py``). The known fix is one ``edit`` (the injected
 string replacement reversed) and ``submit``. Standard library only.
 """
 
