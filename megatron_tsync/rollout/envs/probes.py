@@ -169,8 +169,9 @@ class _Rewriter(ast.NodeTransformer):
             if lit_l and not lit_r and op in _FLIP:
                 return _probe_call(self._site(_FLIP[op], val_l), right)
             return [_probe_call(self._site(), left), _probe_call(self._site(), right)]
-        if isinstance(t, ast.Compare):  # a chain: every operand is probed (pinned by the reference)
-            return [_probe_call(self._site(), x) for x in [t.left, *t.comparators]]
+        if isinstance(t, ast.Compare):  # a chain: its non-literal operands are probed (pinned by the reference)
+            return [_probe_call(self._site(), x) for x in [t.left, *t.comparators] if not _literal(x)[0]] or \
+                [ast.Pass()]
         return _probe_call(self._site(), t)
 
 
