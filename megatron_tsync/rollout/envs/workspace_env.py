@@ -11,6 +11,7 @@ restored as probes, expected values kept outside it: ``envs/probes.py``), then r
 
 from __future__ import annotations
 
+import hashlib
 import threading
 import time
 from dataclasses import dataclass, field
@@ -84,6 +85,15 @@ def rewrite_test_files(test_files: Mapping[str, str | bytes]) -> tuple[dict, dic
         else:
             files[path] = text
     return files, sites
+
+
+def _spec_key(task: WorkspaceTask) -> str:
+    """The spec cache's key: the task id and a digest of what decides its spec (two files may reuse an id)."""
+    h = hashlib.sha256(repr((task.task_id, task.must_pass, task.need_strong, task.solution, task.copy_from,
+                             task.setup, sorted(task.files.items()))).encode())
+    for path, text in sorted(task.test_files.items()):
+        h.update(path.encode() + b"\0" + (text if isinstance(text, bytes) else text.encode()) + b"\0")
+    return h.hexdigest()
 
 
 def select_expected(task: WorkspaceTask, expected_all: Mapping[str, tuple[Expect, ...]]
@@ -184,7 +194,7 @@ class WorkspaceEnv:
         self.format: ToolFormat = get_tool_format(tool_format)
         self.max_obs_chars = max_obs_chars
         self.role = role
-        self._specs: dict[str, TestSpec] = {}
+        self._specs: dict[str, TestSpec] = {}  # loaded tasks' specs by _spec_key
         self._spec_lock = threading.Lock()
 
     def prompt(self, task: WorkspaceTask) -> str:
@@ -216,9 +226,10 @@ class WorkspaceEnv:
         reference solution, or a FAIL_TO_PASS test without a value check)."""
         if task.checks:
             return task.test_spec()
+        key = _spec_key(task)
         with self._spec_lock:
-            if task.task_id in self._specs:
-                return self._specs[task.task_id]
+            if key in self._specs:
+                return self._specs[key]
         if not task.solution:
             raise ValueError(f"task {task.task_id}: a loaded task needs its reference solution (the gold 'patch' / "
                              "solution.sh) to pin the expected values; unverifiable")
@@ -230,7 +241,7 @@ class WorkspaceEnv:
         spec = TestSpec(files, expected, protected=tuple(task.protected), noconftest=task.noconftest,
                         targets=targets)
         with self._spec_lock:
-            self._specs[task.task_id] = spec
+            self._specs[key] = spec
         return spec
 
     def _reference_run(self, task: WorkspaceTask, spec: TestSpec) -> dict:

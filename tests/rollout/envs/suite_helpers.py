@@ -51,9 +51,10 @@ def _git(cwd, *args) -> str:
                           capture_output=True, text=True).stdout
 
 
-def make_swebench_jsonl(root) -> str:
+def make_swebench_jsonl(root, test_add: str | None = None) -> str:
     """A one-instance SWE-bench-style JSONL file under `root` (a real git repository, a test patch, a gold patch):
-    ``calc.ops.add`` subtracts; FAIL_TO_PASS ``test_add``, PASS_TO_PASS ``test_mul``. Returns the file's path."""
+    ``calc.ops.add`` subtracts; FAIL_TO_PASS ``test_add`` (its source: `test_add`), PASS_TO_PASS ``test_mul``.
+    Returns the file's path."""
     import json
     import os
 
@@ -78,9 +79,9 @@ def make_swebench_jsonl(root) -> str:
         _git(repo, "checkout", "--", rel)
         return out
 
-    tests = ("from calc.ops import add, mul\n\n\ndef test_mul():\n    assert mul(3, 4) == 12\n\n\n"
-             "def test_add():\n    assert add(2, 3) == 5\n    want = [add(x, 1) for x in range(4)]\n"
-             "    assert want == [1, 2, 3, 4]\n    assert add(-7, 7) == add(0, 0)\n")
+    test_add = test_add or ("def test_add():\n    assert add(2, 3) == 5\n    want = [add(x, 1) for x in range(4)]\n"
+                            "    assert want == [1, 2, 3, 4]\n    assert add(-7, 7) == add(0, 0)\n")
+    tests = "from calc.ops import add, mul\n\n\ndef test_mul():\n    assert mul(3, 4) == 12\n\n\n" + test_add
     rec = {"instance_id": "acme__calc-1", "repo": "acme/calc", "base_commit": base,
            "problem_statement": "add(2, 3) returns -1 instead of 5.", "test_patch": diff("tests/test_ops.py", tests),
            "patch": diff("calc/ops.py", files["calc/ops.py"].replace("a - b", "a + b")),
