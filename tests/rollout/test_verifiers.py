@@ -146,7 +146,8 @@ def test_unit_tests_refuses_forgeable_tasks(ut):
 
 def test_unit_tests_shell_solution_with_repo_files(ut):
     task = {"files": {"input.txt": "a\nb\nc\n"}, "solution_path": "solution.sh",
-            "tests": ["assert sh('sh solution.sh').strip() == '3'", "assert read('input.txt').split() == ['a', 'b', 'c']"]}
+            "tests": ["assert sh('sh solution.sh').strip() == '3'",
+                      "assert read('input.txt').split() == ['a', 'b', 'c']"]}
     assert run(ut.score("```sh\nwc -l < input.txt\n```", task)) == 1.0
     assert run(ut.score("```sh\necho 4\n```", task)) == 0.5
 

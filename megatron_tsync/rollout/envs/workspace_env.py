@@ -6,7 +6,8 @@ An episode: ``start`` opens ``sandbox.workspace(files=task.files, copy_from=task
 isolated from every other trajectory) and runs the task's ``setup`` commands in it; each ``step`` parses the last
 tool call of the model's turn (tool format "tag" or "qwen", ``envs/tool_format.py``) and runs it there; ``submit``
 ends the episode; ``finish`` hands the final workspace to the verifier (fresh dir, another uid, the task's tests
-restored as probes, expected values kept outside it: ``envs/probes.py``), then removes the workspace. Standard library + rollout.sandbox only.
+restored as probes, expected values kept outside it: ``envs/probes.py``), then removes the workspace.
+Standard library + rollout.sandbox only.
 """
 
 from __future__ import annotations
