@@ -195,7 +195,8 @@ class WorkspaceEnv:
         self.format: ToolFormat = get_tool_format(tool_format)
         self.max_obs_chars = max_obs_chars
         self.role = role
-        self._specs: dict[str, TestSpec] = {}  # loaded tasks' specs by _spec_key
+        self._specs: dict[str, TestSpec | ValueError] = {}  # loaded tasks' specs (or why not) by _spec_key
+        self._spec_locks: dict[str, threading.Lock] = {}
         self._spec_lock = threading.Lock()
 
     def prompt(self, task: WorkspaceTask) -> str:
@@ -221,16 +222,27 @@ class WorkspaceEnv:
         return ws
 
     def test_spec(self, task: WorkspaceTask) -> TestSpec:
-        """The verifier's spec of `task` (blocking; cached per task id). Loaded tasks: the test files' asserts are
+        """The verifier's spec of `task` (blocking; loaded tasks' cached per task). Loaded tasks: the test files' asserts are
         rewritten to probes and the expected values are the task's reference solution's, run twice in a fresh
         workspace (values that differ between the runs are not pinned). ValueError for an unverifiable task (no
         reference solution, or a FAIL_TO_PASS test without a value check)."""
         if task.checks:
             return task.test_spec()
         key = _spec_key(task)
-        with self._spec_lock:
-            if key in self._specs:
-                return self._specs[key]
+        with self._spec_lock:  # one reference computation per task, however many trajectories wait for it
+            lock = self._spec_locks.setdefault(key, threading.Lock())
+        with lock:
+            if key not in self._specs:
+                try:
+                    self._specs[key] = self._loaded_spec(task)
+                except ValueError as e:  # unverifiable: remembered, not recomputed per trajectory
+                    self._specs[key] = e
+        got = self._specs[key]
+        if isinstance(got, ValueError):
+            raise ValueError(str(got))
+        return got
+
+    def _loaded_spec(self, task: WorkspaceTask) -> TestSpec:
         if not task.solution:
             raise ValueError(f"task {task.task_id}: a loaded task needs its reference solution (the gold 'patch' / "
                              "solution.sh) to pin the expected values; unverifiable")
@@ -239,11 +251,8 @@ class WorkspaceEnv:
         ref_spec = TestSpec(files, {}, protected=tuple(task.protected), noconftest=task.noconftest, targets=targets)
         runs = [self._reference_run(task, ref_spec) for _ in range(2)]
         expected = select_expected(task, expectations_from_reference(runs, sites))
-        spec = TestSpec(files, expected, protected=tuple(task.protected), noconftest=task.noconftest,
+        return TestSpec(files, expected, protected=tuple(task.protected), noconftest=task.noconftest,
                         targets=targets)
-        with self._spec_lock:
-            self._specs[key] = spec
-        return spec
 
     def _reference_run(self, task: WorkspaceTask, spec: TestSpec) -> dict:
         ws = self._open(task)
