@@ -263,6 +263,23 @@ def test_known_limit_expected_values_kept_in_the_test_body_are_visible(env_sandb
         assert c.play([c.write(c.host, FRAME_READER, append=True)])[0].reward == reward, body
 
 
+BOOL_GUESSES = {"always True": "return True", "always False": "return False",
+                "the buggy answer negated": "return not _buggy(*a)"}
+
+
+@pytest.mark.parametrize("guess", list(BOOL_GUESSES))
+def test_guessing_a_bool_valued_function(swe_env, guess):
+    """1-bit answers: on a bool-valued bug (is_palindrome), a constant and the negated buggy answer both fail some
+    check (the generator guarantees two expected values and a pass-to-pass check of the buggy function)."""
+    task = generate_task(0, 38)
+    assert task.meta["template"] == "palindrome"
+    path = task.solution[0][1]["path"]
+    fn = re.search(r"is_palindrome|reads_same_backwards|palindromic", task.instruction).group(0)
+    c = Case(swe_env, task, path, True)
+    payload = f"_buggy = {fn}\n\n\ndef {fn}(*a):\n    {BOOL_GUESSES[guess]}\n"
+    assert c.play([c.write(path, payload, append=True)])[0].reward == 0.0
+
+
 @pytest.mark.parametrize("kind", [*PY_KINDS, "terminal-bench"])
 def test_planted_conftest_ini_and_sitecustomize(cases, kind):
     c = cases[kind]
