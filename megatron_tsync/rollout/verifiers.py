@@ -31,7 +31,7 @@ from megatron_tsync.rollout.tools import ToolCall, _mask_results, parse_tool_cal
 
 __all__ = [
     "Score", "Verifier", "register_verifier", "get_verifier", "available_verifiers", "parse_answer",
-    "ExactAnswer", "AnswerWithFormat", "UnitTests",
+    "ExactAnswer", "AnswerWithFormat", "UnitTests", "plan_snippet",
 ]
 
 
