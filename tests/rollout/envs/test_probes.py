@@ -106,6 +106,11 @@ def test_expectations_from_two_reference_runs():
     run2 = {"t::a": [("f#0", "v", 5), ("f#1", "v", [1, 2]), ("f#2", "v", "/tmp/xyz")]}
     (a,) = expectations_from_reference([run1, run2], sites).values()
     assert a == (Expect("f#0", 5, "==", 5), Expect("f#1", [1, 2]), Expect("f#2", NOPIN))  # unstable: not pinned
+    obj = {"t::b": [("f#1", "u", "Obj (TypeError)")]}
+    (b,) = expectations_from_reference([obj, obj], sites).values()
+    assert b == (Expect("f#1", any_kind=True),) and not b[0].strong
+    assert judge({"t::b": [("f#1", "u", "Other")]}, {"t::b": b}) == (["t::b"], [])  # an object: only that it fires
+    assert judge({"t::b": []}, {"t::b": b})[0] == []
     with pytest.raises(ValueError, match="differ between runs"):
         expectations_from_reference([run1, {"t::a": run1["t::a"][:2]}], sites)
     with pytest.raises(ValueError, match="reference solution fails"):
