@@ -43,7 +43,22 @@ OPS = {ast.Eq: "==", ast.NotEq: "!=", ast.Lt: "<", ast.LtE: "<=", ast.Gt: ">", a
 _FLIP = {"==": "==", "!=": "!=", "<": ">", "<=": ">=", ">": "<", ">=": "<="}  # literal on the left: swap sides
 _EVAL = {"==": operator.eq, "!=": operator.ne, "<": operator.lt, "<=": operator.le, ">": operator.gt,
          ">=": operator.ge, "in": lambda a, b: a in b, "not in": lambda a, b: a not in b,
-         "is": lambda a, b: a is b, "is not": lambda a, b: a is not b}
+         "is": lambda a, b: a is b, "is not": lambda a, b: a is not b,
+         "approx": lambda a, b: _approx(a, *b)}
+
+
+def _approx(value: Any, expected: Any, rel: float | None, abs_: float | None) -> bool:
+    """``value == pytest.approx(expected, rel=rel, abs=abs_)`` for numbers and (nested) lists / tuples of them."""
+    if isinstance(expected, (list, tuple)):
+        return (type(value) is type(expected) and len(value) == len(expected)
+                and all(_approx(v, e, rel, abs_) for v, e in zip(value, expected)))
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or isinstance(expected, bool):
+        return False
+    if abs_ is not None and rel is None:  # pytest: an absolute tolerance alone drops the relative one
+        tol = abs_
+    else:
+        tol = max((1e-6 if rel is None else rel) * abs(expected), 1e-12 if abs_ is None else abs_)
+    return value == expected or abs(value - expected) <= tol
 
 # The child's side: imported by the verifier's boot script / the unit-test runner from the read-only bundle. The
 # solution can replace any of it; it then only changes the values claimed (see the module docstring).
@@ -111,7 +126,8 @@ class Expect:
         is not a bool / None (those are 1-bit guesses, e.g. a bare ``assert x`` is True in every passing run)."""
         if self.pinned is not NOPIN and not isinstance(self.pinned, (bool, type(None))):
             return True
-        return self.op == "==" and not isinstance(self.literal, (bool, type(None)))
+        lit = self.literal[0] if self.op == "approx" else self.literal
+        return self.op in ("==", "approx") and not isinstance(lit, (bool, type(None)))
 
     def holds(self, value: Any) -> bool:
         try:
@@ -145,6 +161,18 @@ def _literal(node: ast.AST) -> tuple[bool, Any]:
         return False, None
 
 
+def _approx_literal(node: ast.AST) -> tuple | None:
+    """(expected, rel, abs) of ``approx(LITERAL[, rel=LITERAL][, abs=LITERAL])`` / ``pytest.approx(...)``."""
+    if not (isinstance(node, ast.Call) and len(node.args) == 1 and getattr(node.func, "id", None) == "approx"
+            or isinstance(node, ast.Call) and len(node.args) == 1 and getattr(node.func, "attr", None) == "approx"):
+        return None
+    ok, expected = _literal(node.args[0])
+    kw = {k.arg: _literal(k.value) for k in node.keywords}
+    if not ok or set(kw) - {"rel", "abs"} or not all(good for good, _ in kw.values()):
+        return None
+    return expected, kw.get("rel", (0, None))[1], kw.get("abs", (0, None))[1]
+
+
 def _probe_call(site: str, node: ast.expr) -> ast.Expr:
     return ast.Expr(ast.Call(ast.Name(PROBE, ast.Load()), [ast.Constant(site), node], []))
 
@@ -164,6 +192,9 @@ class _Rewriter(ast.NodeTransformer):
         t = node.test
         if isinstance(t, ast.Compare) and len(t.ops) == 1 and type(t.ops[0]) in OPS:
             op, left, right = OPS[type(t.ops[0])], t.left, t.comparators[0]
+            approx = _approx_literal(right) if op == "==" else None
+            if approx is not None:  # `x == pytest.approx(1.5)`: the tolerance is the trusted side's
+                return _probe_call(self._site("approx", approx), left)
             lit_r, val_r = _literal(right)
             lit_l, val_l = _literal(left)
             if lit_r and not lit_l:

@@ -118,5 +118,16 @@ def test_expectations_from_two_reference_runs():
         expectations_from_reference([bad, bad], sites)
 
 
+def test_pytest_approx_with_literals_is_judged_with_its_tolerance():
+    child, sites = rewrite_asserts("assert f() == pytest.approx(0.3)\nassert g() == approx([1.0, 2.0], abs=0.1)\n"
+                                   "assert h() == approx(x)\n", "a.py")
+    assert "0.3" not in child and "abs" not in child
+    assert sites == {"a.py#0": ("approx", (0.3, None, None)), "a.py#1": ("approx", ([1.0, 2.0], None, 0.1)),
+                     "a.py#2": (None, None), "a.py#3": (None, None)}
+    e0, e1 = (Expect(s, op=op, literal=lit) for s, (op, lit) in list(sites.items())[:2])
+    assert e0.strong and e0.holds(0.1 + 0.2) and not e0.holds(0.31) and not e0.holds("0.3") and not e0.holds(True)
+    assert e1.holds([1.05, 1.95]) and not e1.holds([1.2, 2.0]) and not e1.holds((1.0, 2.0))
+
+
 def test_the_probe_name_is_what_the_rewrite_calls():
     assert PROBE in rewrite_asserts("assert x\n", "p")[0] and f"builtins.{PROBE} = probe" in PROBE_RUNTIME
