@@ -9,13 +9,15 @@ One JSON object per line::
     {"id": "fizzbuzz-1",                         # unique; decides the split (crc32(id) % heldout_mod == 0: eval)
      "prompt": "Write fizzbuzz(n) ...",          # the problem statement (wrapped in the chat template below)
      "files": {"util.py": "..."},                # optional files in the verification sandbox
-     "tests": ["assert fizzbuzz(3) == 'Fizz'"],  # swe-jsonl: Python test snippets run against solution.py
-     "test_command": "sh check.sh",              # terminal-jsonl: a shell command printing "N passed" / "N failed"
+     "tests": ["assert fizzbuzz(3) == 'Fizz'"],  # snippets: each needs an `assert EXPR == LITERAL`; swe-jsonl
+                                                 # imports solution.py, terminal-jsonl calls sh('sh solution.sh')
      "solution_path": "solution.py",             # optional (default solution.py / solution.sh)
      "solution": "def fizzbuzz(n): ..."}         # optional reference solution (supervised warm start)
 
 Reward: the ``unit_tests`` verifier (``rollout/verifiers.py``): the fraction of tests passing when the *last fenced
-code block* of the agent's final text (outside ``<result>`` blocks) is written to ``solution_path``; bounded in
+code block* of the agent's final text (outside ``<result>`` blocks) is written to ``solution_path``, judged by split
+verification (the sandbox reports values, the literals stay outside: docs/threat_model.md; a ``test_command``
+printing PASS lines is refused at load time, as is a snippet without an ``== literal`` check); bounded in
 [0, 1], so the learner uses the bounded-reward clip rule. Tools during the episode: ``<tool>python: CODE</tool>``
 and ``<tool>shell: CMD</tool>`` (``rollout/tools.py``; a fresh sandbox per call, without the task's files — the
 agent sees the problem statement, not a repository checkout: a real SWE environment needs a tool that mounts it).
@@ -34,6 +36,7 @@ import zlib
 from typing import Any
 
 from megatron_tsync.algorithms.streamability import RewardSpec
+from megatron_tsync.rollout.verifiers import plan_snippet
 from megatron_tsync.runtime.tasks import TaskInstance, read_jsonl, register_task
 
 SYSTEM = {
@@ -53,7 +56,7 @@ def _mix(*parts: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class JsonlTask:
-    """Problems of a JSONL file; ``kind`` "swe" (Python tests) or "terminal" (shell test command)."""
+    """Problems of a JSONL file; ``kind`` "swe" (solution.py) or "terminal" (solution.sh)."""
 
     path: str | None = None  # None: $TSYNC_TASK_FILE
     kind: str = "swe"
@@ -80,8 +83,16 @@ class JsonlTask:
             raise ValueError(f"{self.name}: set TSYNC_TASK_FILE to the JSONL file of problems")
         out = []
         for n, rec in read_jsonl(path):  # errors name path:line
-            if "id" not in rec or "prompt" not in rec or not (rec.get("tests") or rec.get("test_command")):
-                raise ValueError(f"{path}:{n}: a problem needs 'id', 'prompt' and 'tests' or 'test_command'")
+            if "id" not in rec or "prompt" not in rec or not rec.get("tests"):
+                raise ValueError(f"{path}:{n}: a problem needs 'id', 'prompt' and 'tests'")
+            if rec.get("test_command"):
+                raise ValueError(f"{path}:{n}: 'test_command' is not supported (a solution can print its PASS "
+                                 "lines); write 'tests' snippets that assert values (docs/threat_model.md)")
+            try:
+                for i, src in enumerate(rec["tests"]):
+                    plan_snippet(src, i)
+            except ValueError as e:
+                raise ValueError(f"{path}:{n}: {e}") from None
             in_eval = zlib.crc32(str(rec["id"]).encode()) % self.heldout_mod == 0
             if in_eval == (split == "eval"):
                 out.append(rec)
@@ -91,7 +102,7 @@ class JsonlTask:
 
     def instance(self, rec: dict, **meta: Any) -> TaskInstance:
         default_path = "solution.py" if self.kind == "swe" else "solution.sh"
-        verifier_meta = {"tests": rec.get("tests"), "test_command": rec.get("test_command"),
+        verifier_meta = {"tests": rec.get("tests"),
                          "files": rec.get("files") or {}, "solution_path": rec.get("solution_path", default_path)}
         prompt = TEMPLATE.format(system=SYSTEM[self.kind], prompt=rec["prompt"])
         return TaskInstance(prompt, rec.get("solution"), {"id": rec["id"], **verifier_meta, **meta})

@@ -12,10 +12,9 @@ A verifier scores the full trajectory text of one rollout against its task::
 Tasks are mappings (or objects with attributes). Keys used by the built-ins:
 - ``exact_answer`` / ``answer_with_format``: ``answer`` (int).
 - ``reasoning_gym``: ``entry`` (a reasoning-gym entry; the dataset's own ``score_answer`` gives the reward).
-- ``unit_tests``: ``tests`` (list of Python snippets run against the solution) or ``test_command`` (shell command whose
-  output reports ``N passed`` / ``M failed`` pytest-style, or ``PASS``/``FAIL`` lines); optional ``files`` (path ->
-  content written to the sandbox first) and ``solution_path`` (default ``solution.py``) where the LAST fenced code
-  block of the final text is written.
+- ``unit_tests``: ``tests`` (list of Python snippets whose ``assert EXPR op LITERAL`` checks are judged here, never
+  in the sandbox: :class:`UnitTests`); optional ``files`` (path -> content written to the sandbox first) and
+  ``solution_path`` (default ``solution.py``) where the LAST fenced code block of the final text is written.
 
 Answers and code are read only outside ``<result>`` blocks, so tool output cannot forge an answer.
 This module imports only the standard library and the rollout sandbox/tools modules (and reasoning-gym, on use).
@@ -33,7 +32,7 @@ from megatron_tsync.rollout.tools import ToolCall, _mask_results, parse_tool_cal
 
 __all__ = [
     "Score", "Verifier", "register_verifier", "get_verifier", "available_verifiers", "parse_answer",
-    "ExactAnswer", "AnswerWithFormat", "UnitTests", "ReasoningGymScore",
+    "ExactAnswer", "AnswerWithFormat", "UnitTests", "ReasoningGymScore", "plan_snippet",
 ]
 
 
@@ -242,30 +241,64 @@ class ReasoningGymScore(_Base):
 
 # ------------------------------------------------------------------------------------------------------- unit tests
 _FENCE_RE = re.compile(r"```[A-Za-z0-9_+-]*\n(.*?)```", re.DOTALL)
-_PYTEST_RE = {k: re.compile(rf"(\d+) {k}\b") for k in ("passed", "failed", "errors?")}
+_MARK = "@@tsync-probes@@ "
 
-# Written to the sandbox as run_tests.py: runs each test snippet in a fresh namespace that imported the solution.
+# Written to the sandbox as run_tests.py after the probe runtime (envs/probes.py): runs each rewritten snippet in a
+# fresh namespace (that imported the solution, for a .py solution) and prints the probe records on one last line.
 _RUNNER_SRC = r'''
-import json, sys, traceback
+import json, subprocess, sys
 sys.path.insert(0, ".")
+
+
+def sh(cmd):
+    return subprocess.run(["/bin/sh", "-c", cmd], capture_output=True, text=True, timeout=20).stdout
+
+
+def read(path):
+    with open(path) as f:
+        return f.read()
+
+
 tests = json.load(open("tests.json"))
-for i, src in enumerate(tests):
-    ns = {}
+for i, src in enumerate(tests["tests"]):
+    current[0] = "t%d" % i
+    ns = {"sh": sh, "read": read}
     try:
-        exec("from solution import *\n", ns)
+        if tests["import"]:
+            exec("from solution import *\n", ns)
         exec(compile(src, "test_%d" % i, "exec"), ns)
-        print("PASS test_%d" % i, flush=True)
     except BaseException as e:
-        print("FAIL test_%d: %s: %s" % (i, type(e).__name__, str(e)[:200]), flush=True)
+        records.append(["t%d" % i, "error", "u", type(e).__name__])
+sys.stdout.write("\n%s%s\n" % (MARK, json.dumps(records)))
 '''
+
+
+def plan_snippet(src: str, i: int) -> tuple[str, tuple]:
+    """(child source, expected probes) of unit-test snippet `i`: its asserts become probes (``envs/probes.py``);
+    ValueError unless every assert compares with a literal and at least one pins a value (``== literal``, not a
+    bool / None): a bare ``assert f(x)`` or ``assert f(x) != 3`` is a guess, not a check."""
+    from megatron_tsync.rollout.envs.probes import Expect, is_strong, rewrite_asserts
+
+    child, sites = rewrite_asserts(src, f"t{i}")
+    expects = tuple(Expect(site, op=op, literal=lit) for site, (op, lit) in sites.items())
+    if any(op is None for op, _ in sites.values()):
+        raise ValueError(f"test {i}: an assert that does not compare with a literal cannot be checked without "
+                         "running the solution's code in the verifier")
+    if not is_strong(expects):
+        raise ValueError(f"test {i}: no 'assert EXPR == LITERAL' check (only guessable outcomes)")
+    return child, expects
 
 
 @register_verifier("unit_tests")
 class UnitTests(_Base):
-    """SWE-style reward: the fraction of unit tests that pass when the agent's solution runs in the sandbox.
+    """SWE-style reward: the fraction of unit-test snippets whose checks hold for the agent's solution.
 
     The solution is the last fenced code block of the final text (outside ``<result>``), written to
-    ``solution_path``. A timeout, crash of the runner or unparsable test output scores 0.0 with the reason.
+    ``solution_path``. Split verification (docs/threat_model.md): each snippet's ``assert EXPR op LITERAL`` runs in
+    the sandbox as a probe that only reports ``EXPR``'s value (the literals are not in the sandbox); this process
+    compares. Snippets may call ``sh(cmd)`` (stdout of ``/bin/sh -c cmd``) and ``read(path)``; a ``.py`` solution
+    is imported (``from solution import *``). A timeout, crash or missing report scores 0.0 with the reason; a
+    task with a ``test_command`` (PASS lines a solution can print) or a snippet without a value check is refused.
     """
 
     name = "unit_tests"
@@ -283,10 +316,18 @@ class UnitTests(_Base):
         return self._sandbox
 
     async def evaluate(self, trajectory_text: str, task: Any) -> Score:
+        from megatron_tsync.rollout.envs.probes import PROBE_RUNTIME, judge, parse_records
+
         tests = _task_get(task, "tests")
-        command = _task_get(task, "test_command")
-        if not tests and not command:
-            return Score(0.0, "task has neither 'tests' nor 'test_command'")
+        if _task_get(task, "test_command"):
+            return Score(0.0, "unverifiable task: 'test_command' (PASS lines the solution can print) is not "
+                              "supported; give 'tests' snippets that assert values")
+        if not tests:
+            return Score(0.0, "task has no 'tests'")
+        try:
+            plans = [plan_snippet(src, i) for i, src in enumerate(tests)]
+        except ValueError as e:
+            return Score(0.0, f"unverifiable task: {e}")
         files = dict(_task_get(task, "files", None) or {})
         blocks = _FENCE_RE.findall(_mask_results(trajectory_text or ""))
         solution_path = _task_get(task, "solution_path", "solution.py")
@@ -294,28 +335,17 @@ class UnitTests(_Base):
             files[solution_path] = blocks[-1]
         elif solution_path not in files:
             return Score(0.0, "malformed: no fenced code block with a solution")
-        if tests:
-            files["tests.json"] = json.dumps(list(tests))
-            files["run_tests.py"] = _RUNNER_SRC
-            res = await self.sandbox.run_async([self.sandbox.python, "-I", "run_tests.py"], files=files)
-        else:
-            res = await self.sandbox.run_async(["/bin/sh", "-c", command], files=files)
+        files["tests.json"] = json.dumps({"tests": [c for c, _ in plans], "import": solution_path == "solution.py"})
+        files["run_tests.py"] = PROBE_RUNTIME + f"MARK = {_MARK!r}\n" + _RUNNER_SRC
+        res = await self.sandbox.run_async([self.sandbox.python, "-I", "run_tests.py"], files=files)
         if res.error and (res.exit_code is None or res.exit_code < 0):
             return Score(0.0, f"test run failed: {res.error}")
-        passed, total = _count(res.stdout + "\n" + res.stderr)
-        if total == 0:
-            return Score(0.0, f"no test results found in output ({res.error or 'exit 0'})")
-        if tests and total < len(tests):
-            total = len(tests)  # a test that never reported (runner died mid-way) counts as failed
-        return self._clamp(Score(passed / total, f"{passed}/{total} tests passed"))
-
-
-def _count(output: str) -> tuple[int, int]:
-    """(passed, total) from PASS/FAIL lines, else from a pytest summary line."""
-    passed = len(re.findall(r"^PASS\b", output, re.MULTILINE))
-    failed = len(re.findall(r"^FAIL\b", output, re.MULTILINE))
-    if passed + failed:
-        return passed, passed + failed
-    counts = {k: sum(int(n) for n in r.findall(output)) for k, r in _PYTEST_RE.items()}
-    p = counts["passed"]
-    return p, p + counts["failed"] + counts["errors?"]
+        lines = [ln for ln in res.stdout.splitlines() if ln.startswith(_MARK)]
+        try:
+            records = parse_records(lines[-1][len(_MARK):]) if lines else None
+        except ValueError as e:
+            return Score(0.0, f"unreadable test report: {e}")
+        if records is None:
+            return Score(0.0, f"no test report in the output ({res.error or f'exit {res.exit_code}'})")
+        passed, _ = judge(records, {f"t{i}": exp for i, (_, exp) in enumerate(plans)})
+        return self._clamp(Score(len(passed) / len(plans), f"{len(passed)}/{len(plans)} tests passed"))

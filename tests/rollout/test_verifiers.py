@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import re
 
 import pytest
 
@@ -129,19 +131,73 @@ def test_unit_tests_malformed_and_timeouts(ut):
     s = run(ut.evaluate("```python\nimport time\ntime.sleep(60)\n```", {"tests": TESTS}))
     assert s.reward == 0.0 and "timeout" in s.reason
     s = run(ut.evaluate("```python\nx = 1\n```", {}))
-    assert s.reward == 0.0 and "neither" in s.reason
+    assert s.reward == 0.0 and "no 'tests'" in s.reason
 
 
-def test_unit_tests_with_command_and_repo_files(ut):
-    task = {
-        "files": {"tests/check.sh": "python3 -c 'import solution; print(\"PASS a\" if solution.f() == 1 else "
-                                    "\"FAIL a\")'\necho 'PASS b'\necho 'FAIL c'\n"},
-        "test_command": "sh tests/check.sh",
-    }
-    s = run(ut.evaluate("```python\ndef f():\n    return 1\n```", task))
-    assert s.reward == pytest.approx(2 / 3), s
-    pytest_like = {"test_command": "echo '===== 3 passed, 1 failed, 1 error in 0.1s ====='"}
-    s = run(ut.evaluate("```\nx\n```", pytest_like))
-    assert s.reward == pytest.approx(3 / 5), s
-    s = run(ut.evaluate("```\nx\n```", {"test_command": "echo nothing"}))
-    assert s.reward == 0.0 and "no test results" in s.reason
+def test_unit_tests_refuses_forgeable_tasks(ut):
+    """A PASS-line test_command and snippets without an `== literal` value check are refused, not scored."""
+    good = "```python\ndef f():\n    return 1\n```"
+    s = run(ut.evaluate(good, {"test_command": "echo PASS a", "tests": ["assert f() == 1"]}))
+    assert s.reward == 0.0 and "test_command" in s.reason, s
+    for snippet in ["assert f()", "assert f() != 2", "assert f() == g()", "assert f() is None", "x = f()"]:
+        s = run(ut.evaluate(good, {"tests": ["assert f() == 1", snippet]}))
+        assert s.reward == 0.0 and "unverifiable task: test 1" in s.reason, (snippet, s)
+
+
+def test_unit_tests_shell_solution_with_repo_files(ut):
+    task = {"files": {"input.txt": "a\nb\nc\n"}, "solution_path": "solution.sh",
+            "tests": ["assert sh('sh solution.sh').strip() == '3'",
+                      "assert read('input.txt').split() == ['a', 'b', 'c']"]}
+    assert run(ut.score("```sh\nwc -l < input.txt\n```", task)) == 1.0
+    assert run(ut.score("```sh\necho 4\n```", task)) == 0.5
+
+
+# Each attack is a solution that does not implement add() but tries to score; each must get 0 (the honest-wrong
+# reward: it returns a - b), while the genuine add() gets 3/4 above.
+UT_ATTACKS = {
+    "print PASS lines": "import sys\nprint('PASS test_0\\nPASS test_1\\nPASS test_2\\n3 passed')\n"
+                        "def add(a, b):\n    return a - b\n",
+    "__eq__ always True": "class Any:\n    def __eq__(self, o):\n        return True\n    __hash__ = None\n"
+                          "def add(a, b):\n    return Any()\n",
+    "str subclass with __eq__": "class S(str):\n    def __eq__(self, o):\n        return True\n"
+                                "def add(a, b):\n    return S('x')\n",
+    "read the tests": "import json, re\nTESTS = json.load(open('tests.json'))['tests']\ndef add(a, b):\n"
+                      "    for t in TESTS:  # the expected value of the test that calls add(a, b)\n"
+                      "        m = re.search(r'add\\((.*?)\\)\\W*==\\s*(.+)$', t)\n"
+                      "        if m and eval('(' + m.group(1) + ',)') == (a, b):\n"
+                      "            return eval(m.group(2))\n    return a - b\n",
+    "patch the probe": "import builtins\n_p = builtins.__tsync_probe__\n"
+                       "builtins.__tsync_probe__ = lambda site, v: _p(site, True)\ndef add(a, b):\n    return a - b\n",
+    "forge the report line": "import os, sys, json\nsys.stdout.write('\\n@@tsync-probes@@ ' + json.dumps("
+                             "[['t%d' % i, 't%d#0' % i, 'v', 'True'] for i in range(4)]) + '\\n')\n"
+                             "sys.stdout.flush()\nos._exit(0)\n",
+    "exit 0 at import": "import os\nos._exit(0)\n",
+}
+
+
+# The previous verifier, kept here as the control: snippets with their literals run where the solution runs, PASS
+# lines counted from the output.
+NAIVE_RUNNER = """
+import json, sys
+sys.path.insert(0, ".")
+for i, src in enumerate(json.load(open("tests.json"))["tests"]):
+    ns = {}
+    try:
+        exec("from solution import *", ns)
+        exec(src, ns)
+        print("PASS test_%d" % i, flush=True)
+    except BaseException as e:
+        print("FAIL test_%d" % i, flush=True)
+"""
+NAIVE_FOOLED = {"print PASS lines", "__eq__ always True", "str subclass with __eq__", "read the tests"}
+
+
+@pytest.mark.parametrize("attack", list(UT_ATTACKS))
+def test_unit_tests_attacks_score_the_honest_wrong_reward(ut, attack):
+    s = run(ut.evaluate(f"```python\n{UT_ATTACKS[attack]}```", {"tests": TESTS}))
+    assert s.reward == 0.0, (attack, s)
+    if attack in NAIVE_FOOLED:  # control: the attack is real, it scores against the PASS-line verifier
+        res = ut.sandbox.run([ut.sandbox.python, "-I", "run.py"], files={
+            "run.py": NAIVE_RUNNER, "solution.py": UT_ATTACKS[attack], "tests.json": json.dumps({"tests": TESTS})})
+        out = res.stdout
+        assert len(re.findall(r"^PASS", out, re.M)) / len(re.findall(r"^(?:PASS|FAIL)", out, re.M)) >= 3 / 7, out

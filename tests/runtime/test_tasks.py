@@ -155,7 +155,7 @@ GOOD = '{"id": "p1", "prompt": "Write f", "tests": ["assert f() == 1"]}'
     ([GOOD, '{"id": "p2", "prompt": "x", "tests": ["1"]'], 2, "not valid JSON"),  # a truncated line
     ([GOOD, "", "[1, 2]"], 3, "expected a JSON object, got list"),
     ([GOOD, "garbage"], 2, "not valid JSON (Expecting value at column 1)"),
-    ([GOOD, '{"id": "p3"}'], 2, "a problem needs 'id', 'prompt' and 'tests' or 'test_command'"),
+    ([GOOD, '{"id": "p3"}'], 2, "a problem needs 'id', 'prompt' and 'tests'"),
 ])
 def test_a_broken_jsonl_task_line_names_file_and_line(tmp_path, lines, where, words):
     """Through the recipes' JSONL task (``examples/jsonl_tasks.py``, read with ``runtime.tasks.read_jsonl``).

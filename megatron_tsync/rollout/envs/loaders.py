@@ -137,6 +137,7 @@ def load_swebench_instance(rec: dict, cache_dir: str, *, repo_root: str | None =
     return WorkspaceTask(
         task_id=iid, instruction=rec["problem_statement"], copy_from=checkout, test_files=test_files,
         must_pass=(*f2p, *p2p), protected=tuple(test_paths), noconftest=False, solution=solution,
+        need_strong=tuple(f2p),
         meta={"suite": "swe-bench", "repo": rec.get("repo", ""), "base_commit": rec["base_commit"],
               "FAIL_TO_PASS": f2p, "PASS_TO_PASS": p2p})
 
@@ -208,6 +209,6 @@ def load_terminal_bench_dir(task_dir: str) -> WorkspaceTask:
     return WorkspaceTask(
         task_id=os.path.basename(os.path.normpath(task_dir)), instruction=instruction, files=files,
         copy_from=ws_dir if os.path.isdir(ws_dir) else None, test_files=test_files,
-        must_pass=tuple(sorted(test_modules)),
+        must_pass=tuple(sorted(test_modules)), need_strong=tuple(sorted(test_modules)),
         protected=("tests",), noconftest=not any(p.endswith("conftest.py") for p in test_files), setup=tuple(setup),
         solution=solution, meta={"suite": "terminal-bench", **{k: v for k, v in meta.items() if k != "instruction"}})

@@ -9,9 +9,12 @@ Task ``i`` of seed ``s`` is a pure function of ``(s, i)`` (no downloads, no cloc
     issue: "`pkg.mod.fn(args)` returns X, but it should return Y" + the symptom
 
 Hidden tests (never in the workspace): FAIL_TO_PASS checks of the buggy function on inputs where the bug shows
-(at least 3, the issue's example and others) and PASS_TO_PASS checks of every function; expected values are computed
+(at least 3, the issue's example and others) and PASS_TO_PASS checks of every function (at least one of the buggy
+function, and its checks expect at least two different values: neither a constant answer nor, for a bool result,
+the buggy answer negated passes them all); expected values are computed
 by running the correct source in the generator. The verifier restores ``tests/`` from the task, renders every check
-with a decoy (``envs/checks.py``) and runs them on the final workspace. The known fix is one ``edit`` (the injected
+as a probe that reports its value (``envs/checks.py``), runs them on the final workspace and compares the values
+outside the sandbox (``envs/probes.py``). The known fix is one ``edit`` (the injected
 string replacement reversed) and ``submit``. Standard library only.
 """
 
@@ -47,6 +50,11 @@ def _run(ns: dict, fn: str, args: tuple) -> tuple[bool, Any]:
         return True, ns[fn](*[_copy(a) for a in args])
     except Exception as e:  # the buggy version may raise
         return False, type(e).__name__
+
+
+def _constant(fails, passes) -> bool:
+    """Whether every check of the buggy function expects the same value (then returning it scores)."""
+    return len({(type(w).__name__, repr(w)) for w in [f[1] for f in fails] + [p[1] for p in passes]}) < 2
 
 
 def _copy(v):
@@ -126,8 +134,8 @@ def _try_generate(rng: random.Random, seed: int, index: int) -> WorkspaceTask | 
             bad = {}
             exec(compile(buggy_src, f"{pkg}/{mod}.py", "exec"), bad)
         fails, passes = _cases(rng, t, fn, good, bad, n_pass=2)
-        if bad is not None and len(fails) < MIN_FAIL_TO_PASS:
-            return None
+        if bad is not None and (len(fails) < MIN_FAIL_TO_PASS or not passes or _constant(fails, passes)):
+            return None  # a constant answer, or (bool results) the buggy answer negated, must fail some check
         test_file = f"tests/test_{mod}.py"
         for args, want, got in fails:
             checks.append(Check(test_file, f"{fn}({_call(args)})", want, "FAIL_TO_PASS",

@@ -2,9 +2,9 @@
 
 Task ``i`` of seed ``s`` is a pure function of ``(s, i)``: one of the families below with random data. The agent
 works with ``bash`` / ``view`` / ``edit`` in its workspace and calls ``submit``; the verifier then copies the final
-workspace (regular files only) into a fresh directory and runs the task's checks there as pytest tests with decoys
-(``envs/checks.py``): file contents, directory listings, or the output of the agent's script on hidden inputs that
-the agent never saw. Expected values are computed by the generator in Python, never by the shell.
+workspace (regular files only) into a fresh directory and runs the task's checks there as probes whose values
+are compared outside the sandbox (``envs/checks.py``, ``envs/probes.py``): file contents, directory listings, or
+the output of the agent's script on hidden inputs that the agent never saw. Expected values are computed by the generator in Python, never by the shell.
 
     sort-unique    distinct lines of a file, sorted, into out/...
     count-match    number of log lines with a level, into out/...

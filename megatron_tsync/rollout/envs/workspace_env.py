@@ -6,13 +6,14 @@ An episode: ``start`` opens ``sandbox.workspace(files=task.files, copy_from=task
 isolated from every other trajectory) and runs the task's ``setup`` commands in it; each ``step`` parses the last
 tool call of the model's turn (tool format "tag" or "qwen", ``envs/tool_format.py``) and runs it there; ``submit``
 ends the episode; ``finish`` hands the final workspace to the verifier (fresh dir, another uid, the task's tests
-restored, decoys), then removes the workspace. Standard library + rollout.sandbox only.
+restored as probes, expected values kept outside it: ``envs/probes.py``), then removes the workspace.
+Standard library + rollout.sandbox only.
 """
 
 from __future__ import annotations
 
-import random
-import secrets
+import hashlib
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
@@ -20,6 +21,7 @@ from typing import Any, Mapping, Sequence
 from megatron_tsync.rollout.envs.base import Observation, register_environment
 from megatron_tsync.rollout.envs.checks import Check, render_checks
 from megatron_tsync.rollout.envs.tool_format import CallError, ToolFormat, bind_args, get_tool_format
+from megatron_tsync.rollout.envs.probes import Expect, expectations_from_reference, is_strong, rewrite_asserts
 from megatron_tsync.rollout.envs.verifier import HiddenTestVerifier, TestSpec, Verdict
 from megatron_tsync.rollout.envs.workspace_tools import WORKSPACE_TOOLS, result_text, run_workspace_tool
 
@@ -36,7 +38,7 @@ class WorkspaceTask:
     files: Mapping[str, str] = field(default_factory=dict)
     """Initial workspace files (relative path -> text)."""
     checks: Sequence[Check] = ()
-    """Hidden checks with expected values (rendered with decoys at each verification)."""
+    """Hidden checks with expected values (rendered as probes; the values stay in the trusted process)."""
     preambles: Mapping[str, str] = field(default_factory=dict)
     """Test file -> its imports/helpers, for ``checks``."""
     test_files: Mapping[str, str] = field(default_factory=dict)
@@ -54,12 +56,66 @@ class WorkspaceTask:
     """The known fix as tool calls ``(name, args)``, ending with submit (scripted policies, demonstrations)."""
     meta: Mapping[str, Any] = field(default_factory=dict)
 
-    def test_spec(self, rng: random.Random) -> TestSpec:
-        files, must_pass, must_fail = render_checks(self.checks, dict(self.preambles), rng)
-        for path, text in self.test_files.items():
+    need_strong: Sequence[str] = ()
+    """Loaded tasks: test ids (or test files) that must each carry a value check (``probes.Expect.strong``) — the
+    FAIL_TO_PASS tests: a task whose fixed tests only check 1-bit outcomes is refused as unverifiable."""
+
+    def test_spec(self) -> TestSpec:
+        """The split verifier's spec of a generated task (expected values from ``checks``); loaded tasks need their
+        reference solution run first: :meth:`WorkspaceEnv.test_spec`."""
+        if not self.checks:
+            raise ValueError(f"task {self.task_id}: no checks (a loaded task: use WorkspaceEnv.test_spec)")
+        files, expected = render_checks(self.checks, dict(self.preambles))
+        return TestSpec(files, expected, protected=tuple(self.protected), noconftest=self.noconftest)
+
+
+def _is_test_module(path: str) -> bool:
+    name = path.rsplit("/", 1)[-1]
+    return name.endswith(".py") and (name.startswith("test_") or name.endswith("_test.py"))
+
+
+def rewrite_test_files(test_files: Mapping[str, str | bytes]) -> tuple[dict, dict]:
+    """(child files, site -> (op, literal)): every test module's asserts become probes (``envs/probes.py``); other
+    files (conftest.py, data) are kept as they are."""
+    files, sites = {}, {}
+    for path, text in test_files.items():
+        if _is_test_module(path):
+            src = text.decode("utf-8") if isinstance(text, bytes) else text
+            files[path], s = rewrite_asserts(src, path)
+            sites.update(s)
+        else:
             files[path] = text
-        return TestSpec(files, [*must_pass, *self.must_pass], must_fail, protected=tuple(self.protected),
-                        noconftest=self.noconftest)
+    return files, sites
+
+
+def _spec_key(task: WorkspaceTask) -> str:
+    """The spec cache's key: the task id and a digest of what decides its spec (two files may reuse an id)."""
+    h = hashlib.sha256(repr((task.task_id, task.must_pass, task.need_strong, task.solution, task.copy_from,
+                             task.setup, sorted(task.files.items()))).encode())
+    for path, text in sorted(task.test_files.items()):
+        h.update(path.encode() + b"\0" + (text if isinstance(text, bytes) else text.encode()) + b"\0")
+    return h.hexdigest()
+
+
+def select_expected(task: WorkspaceTask, expected_all: Mapping[str, tuple[Expect, ...]]
+                    ) -> dict[str, tuple[Expect, ...]]:
+    """The reference's expected probes of the task's must-pass tests; ValueError if a must-pass test never ran or
+    a ``need_strong`` one has no value check."""
+    def matching(entry: str) -> list[str]:
+        if "::" in entry:
+            return [t for t in expected_all if t == entry or t.startswith(entry + "[")]
+        return [t for t in expected_all if t.startswith(entry + "::")]
+
+    out: dict[str, tuple[Expect, ...]] = {}
+    for entry in task.must_pass:
+        out.update({t: expected_all[t] for t in matching(entry)})  # a test without asserts: nothing to check
+    for entry in task.need_strong:
+        if not any(is_strong(expected_all[t]) for t in matching(entry)):
+            raise ValueError(f"task {task.task_id}: {entry} has no value check (no assert that pins a value the "
+                             "solution cannot guess); unverifiable")
+    if not out:
+        raise ValueError(f"task {task.task_id}: its must-pass tests report no probes; unverifiable")
+    return out
 
 
 _TAG_HELP = """Tools (one call per turn, the result comes back in <result>...</result>):
@@ -139,6 +195,9 @@ class WorkspaceEnv:
         self.format: ToolFormat = get_tool_format(tool_format)
         self.max_obs_chars = max_obs_chars
         self.role = role
+        self._specs: dict[str, TestSpec | ValueError] = {}  # loaded tasks' specs (or why not) by _spec_key
+        self._spec_locks: dict[str, threading.Lock] = {}
+        self._spec_lock = threading.Lock()
 
     def prompt(self, task: WorkspaceTask) -> str:
         return render_prompt(task, self.format.name, self.role)
@@ -161,6 +220,54 @@ class WorkspaceEnv:
                 raise RuntimeError(f"task {task.task_id}: setup command {cmd!r} failed: {res.error}: "
                                    f"{res.stderr[-500:]}")
         return ws
+
+    def test_spec(self, task: WorkspaceTask) -> TestSpec:
+        """The verifier's spec of `task` (blocking; loaded tasks' cached per task). Loaded tasks: the test files' asserts are
+        rewritten to probes and the expected values are the task's reference solution's, run twice in a fresh
+        workspace (values that differ between the runs are not pinned). ValueError for an unverifiable task (no
+        reference solution, or a FAIL_TO_PASS test without a value check)."""
+        if task.checks:
+            return task.test_spec()
+        key = _spec_key(task)
+        with self._spec_lock:  # one reference computation per task, however many trajectories wait for it
+            lock = self._spec_locks.setdefault(key, threading.Lock())
+        with lock:
+            if key not in self._specs:
+                try:
+                    self._specs[key] = self._loaded_spec(task)
+                except ValueError as e:  # unverifiable: remembered, not recomputed per trajectory
+                    self._specs[key] = e
+        got = self._specs[key]
+        if isinstance(got, ValueError):
+            raise ValueError(str(got))
+        return got
+
+    def _loaded_spec(self, task: WorkspaceTask) -> TestSpec:
+        if not task.solution:
+            raise ValueError(f"task {task.task_id}: a loaded task needs its reference solution (the gold 'patch' / "
+                             "solution.sh) to pin the expected values; unverifiable")
+        files, sites = rewrite_test_files(task.test_files)
+        targets = tuple(sorted({m.partition("::")[0] for m in task.must_pass}))
+        ref_spec = TestSpec(files, {}, protected=tuple(task.protected), noconftest=task.noconftest, targets=targets)
+        runs = [self._reference_run(task, ref_spec) for _ in range(2)]
+        expected = select_expected(task, expectations_from_reference(runs, sites))
+        return TestSpec(files, expected, protected=tuple(task.protected), noconftest=task.noconftest,
+                        targets=targets)
+
+    def _reference_run(self, task: WorkspaceTask, spec: TestSpec) -> dict:
+        ws = self._open(task)
+        try:
+            for name, args in task.solution:
+                if name != "submit":
+                    res = run_workspace_tool(ws, name, args)
+                    if not res.ok:
+                        raise ValueError(f"task {task.task_id}: the reference solution's {name} failed: {res.error}")
+            records, why, _ = self.verifier.probe(ws.path, spec)
+        finally:
+            ws.close()
+        if records is None:
+            raise ValueError(f"task {task.task_id}: the reference run failed: {why}")
+        return records
 
     def render_solution(self, task: WorkspaceTask) -> list[str]:
         """The known fix as model turns in this environment's tool format."""
@@ -201,8 +308,17 @@ class WorkspaceEpisode:
 
     async def finish(self, transcript: str = "") -> Verdict:
         """Verify the final workspace and close the episode (the verdict's ``verify_s`` is the verifier's time)."""
+        import asyncio
+
+        from megatron_tsync.rollout.sandbox import _get_executor
+
         try:
-            spec = self.task.test_spec(random.Random(secrets.randbits(64)))
+            loop = asyncio.get_running_loop()
+            try:
+                spec = await loop.run_in_executor(_get_executor(self.env.sandbox._max_workers), self.env.test_spec,
+                                                  self.task)
+            except ValueError as e:
+                return Verdict(0.0, f"unverifiable task: {e}")
             return await self.env.verifier.verify_async(self.ws.path, spec)
         finally:
             self.close()

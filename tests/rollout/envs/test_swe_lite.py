@@ -24,6 +24,9 @@ def test_generates_200_distinct_deterministic_tasks():
     for t in tasks:
         assert t.meta["fail_to_pass"] >= 3 and t.meta["pass_to_pass"] >= 6
         assert not any(p.startswith("tests/") and "FAIL" in p for p in t.files)
+        fn = next(c.expr for c in t.checks if c.kind == "FAIL_TO_PASS").split("(")[0]
+        mine = [c for c in t.checks if c.expr.startswith(fn + "(")]  # no constant / negated answer passes them all
+        assert any(c.kind == "PASS_TO_PASS" for c in mine) and len({repr(c.expected) for c in mine}) >= 2
     print(f"swe-lite: {rate:.0f} tasks generated per second")
 
 

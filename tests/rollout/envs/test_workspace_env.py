@@ -126,3 +126,24 @@ def test_the_generators_source_is_hidden_from_the_agent(swe_env):
 
     for obs in asyncio.run(go()):
         assert not obs.ok and "correct source" not in obs.text, obs
+
+
+def test_loaded_tasks_without_a_value_check_or_a_reference_are_refused(swe_env):
+    """A loaded task is verifiable only with its reference solution (it pins the expected values) and a value check
+    in each FAIL_TO_PASS test; otherwise a clear error, and the episode's verdict says so (reward 0)."""
+    from megatron_tsync.rollout.envs.probes import Expect
+    from megatron_tsync.rollout.envs.workspace_env import WorkspaceTask, select_expected
+
+    task = WorkspaceTask("t", "fix it", test_files={"tests/test_a.py": "def test_x():\n    assert f()\n"},
+                         must_pass=("tests/test_a.py::test_x", "tests/test_a.py::test_y"),
+                         need_strong=("tests/test_a.py::test_x",))
+    with pytest.raises(ValueError, match="reference solution"):
+        swe_env.test_spec(task)
+    weak = {"tests/test_a.py::test_x": (Expect("s", pinned=True),), "tests/test_a.py::test_y": (Expect("s", 7),)}
+    with pytest.raises(ValueError, match="test_x has no value check"):
+        select_expected(task, weak)
+    strong = {**weak, "tests/test_a.py::test_x[1]": (Expect("s", pinned=[3]),), "tests/test_b.py::test_z": ()}
+    assert set(select_expected(task, strong)) == {"tests/test_a.py::test_x", "tests/test_a.py::test_x[1]",
+                                                   "tests/test_a.py::test_y"}
+    with pytest.raises(ValueError, match="report no probes"):
+        select_expected(WorkspaceTask("t", "x", must_pass=("tests/test_c.py",)), strong)

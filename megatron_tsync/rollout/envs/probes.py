@@ -1,0 +1,317 @@
+"""Split verification: the untrusted process only *reports values*; a trusted process decides (docs/threat_model.md).
+
+A hidden check ``assert EXPR == EXPECTED`` is never run as such where the solution's code runs. Instead:
+
+    untrusted child (imports the solution)            trusted verifier (the rollout worker; never imports it)
+    ──────────────────────────────────────            ─────────────────────────────────────────────────────────
+    __tsync_probe__("site", EXPR)  ── value ──►        plain data only (``ast.literal_eval`` of a size-capped
+      (expected values stripped:                       repr); compared with the expected value it alone holds
+       the child never sees them)                      (a literal of the test, a generator's value, or the
+                                                       task's reference solution's value on the same check)
+
+Whatever the solution does inside the child (patch pytest, the probe, ``builtins``, ``json``; print; write files;
+exit early) it can only change *which values are claimed*: to claim the right ones it must know them, i.e. compute
+them — solve the task. Objects with a forged ``__eq__`` never reach a comparison: only a repr of plain data leaves
+the child, and the trusted side parses it back into built-in types.
+
+:func:`rewrite_asserts` turns the ``assert`` statements of a pytest file into probes (AST rewrite): for
+``assert L op R`` with one literal operand the literal is stripped from the child's source and kept as the site's
+trusted check; any other operand (and the value of a bare ``assert X``) is probed and must equal the reference
+run's value. :class:`Expect` is one expected probe; :func:`judge` compares a child's records with them.
+Standard library only.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import operator
+import os
+import stat
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+__all__ = ["Expect", "NOPIN", "PROBE_RUNTIME", "rewrite_asserts", "parse_records", "judge", "is_strong",
+           "expectations_from_reference", "MAX_RESULTS_BYTES"]
+
+MAX_VALUE_CHARS = 1 << 20
+MAX_RESULTS_BYTES = 32 << 20
+PROBE = "__tsync_probe__"
+
+OPS = {ast.Eq: "==", ast.NotEq: "!=", ast.Lt: "<", ast.LtE: "<=", ast.Gt: ">", ast.GtE: ">=", ast.In: "in",
+       ast.NotIn: "not in", ast.Is: "is", ast.IsNot: "is not"}
+_FLIP = {"==": "==", "!=": "!=", "<": ">", "<=": ">=", ">": "<", ">=": "<="}  # literal on the left: swap sides
+_EVAL = {"==": operator.eq, "!=": operator.ne, "<": operator.lt, "<=": operator.le, ">": operator.gt,
+         ">=": operator.ge, "in": lambda a, b: a in b, "not in": lambda a, b: a not in b,
+         "is": lambda a, b: a is b, "is not": lambda a, b: a is not b,
+         "approx": lambda a, b: _approx(a, *b)}
+
+
+def _approx(value: Any, expected: Any, rel: float | None, abs_: float | None) -> bool:
+    """``value == pytest.approx(expected, rel=rel, abs=abs_)`` for numbers and (nested) lists / tuples of them."""
+    if isinstance(expected, (list, tuple)):
+        return (type(value) is type(expected) and len(value) == len(expected)
+                and all(_approx(v, e, rel, abs_) for v, e in zip(value, expected)))
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or isinstance(expected, bool):
+        return False
+    if abs_ is not None and rel is None:  # pytest: an absolute tolerance alone drops the relative one
+        tol = abs_
+    else:
+        tol = max((1e-6 if rel is None else rel) * abs(expected), 1e-12 if abs_ is None else abs_)
+    return value == expected or abs(value - expected) <= tol
+
+# The child's side: imported by the verifier's boot script / the unit-test runner from the read-only bundle. The
+# solution can replace any of it; it then only changes the values claimed (see the module docstring).
+PROBE_RUNTIME = r'''
+import builtins, os
+_PLAIN = (int, float, str, bool, type(None), bytes)
+records = []
+current = [None]
+
+
+def _plain(v, depth=0):
+    if depth > 30:
+        raise ValueError("too deep")
+    t = type(v)
+    if t in _PLAIN:
+        return v
+    if t in (list, tuple):
+        return t(_plain(x, depth + 1) for x in v)
+    if t is dict:
+        return {_plain(k, depth + 1): _plain(x, depth + 1) for k, x in v.items()}
+    if t is set:
+        return {_plain(x, depth + 1) for x in v}
+    raise TypeError(t.__name__)
+
+
+def probe(site, value):
+    test = current[0] or os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0]
+    try:
+        text, kind = repr(_plain(value)), "v"
+        if len(text) > %(cap)d:
+            text, kind = "too large", "u"
+    except Exception as e:
+        text, kind = "%%s (%%s)" %% (type(value).__name__, type(e).__name__), "u"
+    records.append([test, site, kind, text])
+
+
+builtins.%(probe)s = probe
+''' % {"cap": MAX_VALUE_CHARS, "probe": PROBE}
+
+
+class _NoPin:
+    def __repr__(self) -> str:
+        return "NOPIN"
+
+
+NOPIN = _NoPin()
+
+
+@dataclass(frozen=True)
+class Expect:
+    """One probe a must-pass test has to report: its site, and what its value must be."""
+
+    site: str
+    pinned: Any = NOPIN
+    """The exact value (plain data) the probe must report, or NOPIN (only ``op`` / no error is checked)."""
+    op: str | None = None
+    literal: Any = None
+    """``value op literal`` must hold (the literal operand stripped from the child's source)."""
+    any_kind: bool = False
+    """Accept a value that is not plain data (the reference reported none either: only that the probe fires)."""
+
+    @property
+    def strong(self) -> bool:
+        """Whether a solution that does not compute the value cannot satisfy this: an exact value it never sees that
+        is not a bool / None (those are 1-bit guesses, e.g. a bare ``assert x`` is True in every passing run)."""
+        if self.pinned is not NOPIN and not isinstance(self.pinned, (bool, type(None))):
+            return True
+        lit = self.literal[0] if self.op == "approx" else self.literal
+        return self.op in ("==", "approx") and not isinstance(lit, (bool, type(None)))
+
+    def holds(self, value: Any) -> bool:
+        try:
+            if self.pinned is not NOPIN and not _equal(value, self.pinned):
+                return False
+            return self.op is None or bool(_EVAL[self.op](value, self.literal))
+        except Exception:  # noqa: BLE001 - e.g. '<' between a str and an int: the check fails
+            return False
+
+
+def is_strong(expects: Sequence[Expect]) -> bool:
+    return any(e.strong for e in expects)
+
+
+def _equal(a: Any, b: Any) -> bool:
+    """Python ``==`` on plain data, but a bool never equals an int (``True == 1`` would let 1-bit guesses pass)."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return type(a) is type(b) and a == b
+    if type(a) in (list, tuple) and type(b) in (list, tuple):
+        return type(a) is type(b) and len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+    if type(a) is dict and type(b) is dict:
+        return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    return a == b
+
+
+# ------------------------------------------------------------------------------------------------ the AST rewrite
+def _literal(node: ast.AST) -> tuple[bool, Any]:
+    try:
+        return True, ast.literal_eval(node)
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        return False, None
+
+
+def _approx_literal(node: ast.AST) -> tuple | None:
+    """(expected, rel, abs) of ``approx(LITERAL[, rel=LITERAL][, abs=LITERAL])`` / ``pytest.approx(...)``."""
+    if not (isinstance(node, ast.Call) and len(node.args) == 1 and getattr(node.func, "id", None) == "approx"
+            or isinstance(node, ast.Call) and len(node.args) == 1 and getattr(node.func, "attr", None) == "approx"):
+        return None
+    ok, expected = _literal(node.args[0])
+    kw = {k.arg: _literal(k.value) for k in node.keywords}
+    if not ok or set(kw) - {"rel", "abs"} or not all(good for good, _ in kw.values()):
+        return None
+    return expected, kw.get("rel", (0, None))[1], kw.get("abs", (0, None))[1]
+
+
+def _probe_call(site: str, node: ast.expr) -> ast.Expr:
+    return ast.Expr(ast.Call(ast.Name(PROBE, ast.Load()), [ast.Constant(site), node], []))
+
+
+class _Rewriter(ast.NodeTransformer):
+    def __init__(self, prefix: str):
+        self.prefix, self.n = prefix, 0
+        self.sites: dict[str, tuple[str | None, Any]] = {}
+
+    def _site(self, op: str | None = None, literal: Any = None) -> str:
+        site = f"{self.prefix}#{self.n}"
+        self.n += 1
+        self.sites[site] = (op, literal)
+        return site
+
+    def visit_Assert(self, node: ast.Assert) -> Any:
+        t = node.test
+        if isinstance(t, ast.Compare) and len(t.ops) == 1 and type(t.ops[0]) in OPS:
+            op, left, right = OPS[type(t.ops[0])], t.left, t.comparators[0]
+            approx = _approx_literal(right) if op == "==" else None
+            if approx is not None:  # `x == pytest.approx(1.5)`: the tolerance is the trusted side's
+                return _probe_call(self._site("approx", approx), left)
+            lit_r, val_r = _literal(right)
+            lit_l, val_l = _literal(left)
+            if lit_r and not lit_l:
+                return _probe_call(self._site(op, val_r), left)
+            if lit_l and not lit_r and op in _FLIP:
+                return _probe_call(self._site(_FLIP[op], val_l), right)
+            return [_probe_call(self._site(), left), _probe_call(self._site(), right)]
+        if isinstance(t, ast.Compare):  # a chain: its non-literal operands are probed (pinned by the reference)
+            return [_probe_call(self._site(), x) for x in [t.left, *t.comparators] if not _literal(x)[0]] or \
+                [ast.Pass()]
+        return _probe_call(self._site(), t)
+
+
+def rewrite_asserts(source: str, prefix: str) -> tuple[str, dict[str, tuple[str | None, Any]]]:
+    """(child source, site -> (op, literal) or (None, None)) for a test file: every ``assert`` becomes probes of
+    its operands; a literal operand of a single comparison is stripped (kept in the returned sites). ValueError if
+    the file is not valid Python."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError as e:
+        raise ValueError(f"{prefix}: not valid Python ({e.msg}, line {e.lineno})") from None
+    rw = _Rewriter(prefix)
+    tree = ast.fix_missing_locations(rw.visit(tree))
+    return ast.unparse(tree) + "\n", rw.sites
+
+
+# ------------------------------------------------------------------------------------------------ the trusted side
+def read_capped(path: str, cap: int = MAX_RESULTS_BYTES) -> bytes:
+    """A regular file's bytes (O_NOFOLLOW, at most `cap`); ValueError otherwise."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as e:
+        raise ValueError(f"no probe results ({e.strerror})") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > cap:
+            raise ValueError("probe results are not a regular file of bounded size")
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            return f.read(cap + 1)
+    finally:
+        os.close(fd)
+
+
+def parse_records(data: bytes | str) -> dict[str, list[tuple[str, str, Any]]]:
+    """test id -> [(site, kind, value)] from the child's JSON records (kind "v": plain data parsed here with
+    ``ast.literal_eval``; anything else: "u" with the text). ValueError for a malformed document."""
+    try:
+        rows = json.loads(data)
+    except (ValueError, RecursionError) as e:
+        raise ValueError(f"probe results are not valid JSON ({str(e)[:80]})") from None
+    if not isinstance(rows, list):
+        raise ValueError("probe results are not a list")
+    out: dict[str, list[tuple[str, str, Any]]] = {}
+    for row in rows:
+        if not (isinstance(row, list) and len(row) == 4 and all(isinstance(x, str) for x in row)):
+            raise ValueError("malformed probe record")
+        test, site, kind, text = row
+        value: Any = text
+        if kind == "v":
+            ok = len(text) <= MAX_VALUE_CHARS
+            try:
+                value = ast.literal_eval(text) if ok else None
+            except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+                ok = False
+            if not ok:
+                kind, value = "u", "unparsable value"
+        out.setdefault(test, []).append((site, kind, value))
+    return out
+
+
+def judge(records: Mapping[str, list[tuple[str, str, Any]]], expected: Mapping[str, Sequence[Expect]]
+          ) -> tuple[list[str], list[str]]:
+    """(tests whose probes all hold, failures "test: why") for every test of `expected`: the test's records must be
+    exactly its expected probes, in order, each value holding."""
+    passed, bad = [], []
+    for test, want in expected.items():
+        got = records.get(test, [])
+        why = None
+        if len(got) != len(want):
+            why = f"{len(got)} probes reported, {len(want)} expected"
+        for (site, kind, value), e in zip(got, want):
+            if why:
+                break
+            if site != e.site:
+                why = f"probe {site} reported where {e.site} was expected"
+            elif kind != "v" and not e.any_kind:
+                why = f"{site}: not plain data ({str(value)[:60]})"
+            elif kind == "v" and not e.holds(value):
+                why = f"{site}: wrong value"
+        (bad.append(f"{test}: {why}") if why else passed.append(test))
+    return passed, bad
+
+
+def expectations_from_reference(runs: Sequence[Mapping[str, list[tuple[str, str, Any]]]],
+                                 sites: Mapping[str, tuple[str | None, Any]]) -> dict[str, tuple[Expect, ...]]:
+    """Expected probes from the reference solution's runs (two or more, to spot values that differ between runs:
+    those are checked only for their literal comparison, if any; values that are not plain data only for being
+reported). ValueError if the runs disagree on which probes
+    fire or the reference itself reports something that is not plain data or fails a literal comparison."""
+    first, rest = runs[0], runs[1:]
+    out: dict[str, tuple[Expect, ...]] = {}
+    for test, recs in first.items():
+        exp = []
+        for i, (site, kind, value) in enumerate(recs):
+            others = [r.get(test, []) for r in rest]
+            if any(len(o) != len(recs) or o[i][0] != site for o in others):
+                raise ValueError(f"{test}: the reference solution's probes differ between runs")
+            if site not in sites:
+                raise ValueError(f"{test}: unknown probe site {site}")
+            op, literal = sites[site]
+            if kind != "v":  # not plain data (an object): only that the probe fires is checked
+                exp.append(Expect(site, any_kind=True))
+                continue
+            stable = all(o[i][1] == "v" and _equal(o[i][2], value) for o in others)
+            e = Expect(site, value if stable else NOPIN, op, literal)
+            if op is not None and not e.holds(value):
+                raise ValueError(f"{test}: the reference solution fails {site}")
+            exp.append(e)
+        out[test] = tuple(exp)
+    return out
