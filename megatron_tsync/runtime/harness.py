@@ -137,12 +137,12 @@ def _server_class():
 class HarnessRunner:
     """The harness side of one :class:`~megatron_tsync.runtime.worker.RolloutWorker` (see the module docstring)."""
 
-    def __init__(self, worker):
+    def __init__(self, worker, score_trajectory):
         import dataclasses
 
         from megatron_tsync.rollout.engine import SamplingConfig
 
-        self.w = worker
+        self.w, self.score_trajectory = worker, score_trajectory  # runtime.worker's (no import cycle)
         spec = worker.spec
         ro, rl = spec.rollout, spec.rl
         tok = worker.codec.tokenizer
@@ -229,8 +229,7 @@ class HarnessRunner:
         self._send(traj, tid, gid, step, reward, status, err, reason, extra, t0)
 
     async def _score(self, traj, inst, env_ep, reason, detail) -> tuple[float, str, str]:
-        from megatron_tsync.runtime.worker import score_trajectory
-
+        score_trajectory = self.score_trajectory
         spec = self.w.task.reward_spec
         floor = float(spec.lo)
         if reason is not None or traj is None:

@@ -238,7 +238,7 @@ class RolloutWorker:
         if spec.rollout.harness_cmd or spec.rollout.harness_fn:
             from megatron_tsync.runtime.harness import HarnessRunner
 
-            self.harness = HarnessRunner(self)
+            self.harness = HarnessRunner(self, score_trajectory)
 
     # ---------------------------------------------------------------------------------------------
     def run(self) -> None:
