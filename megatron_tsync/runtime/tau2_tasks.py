@@ -9,7 +9,8 @@
   ``TSYNC_TAU2_USER_LLM`` (litellm model name, e.g. ``openai/Qwen3-8B`` for an OpenAI-compatible server) and
   ``TSYNC_TAU2_USER_API_BASE`` (e.g. ``http://usernode:8000/v1``, this project's endpoint or vLLM's);
   ``TSYNC_TAU2_USER_TEMPERATURE`` (default 0);
-- ``telecom``: τ²'s telecom domain in solo mode (the agent also has the user's device tools).
+- ``telecom``: τ²'s telecom domain in solo mode (the agent also has the user's device tools);
+- ``airline-retail`` (LLM user), ``airline-retail-scripted``: both domains' tasks in one pool (the GPU recipe).
 
 ``TSYNC_TAU2_TOOL_FORMAT`` picks the tool format ("tag" default, "qwen" for Qwen models). Splits are τ²'s own
 ``split_tasks.json``: our ``train`` is τ²'s ``train``, ``eval`` is τ²'s ``test`` (mock has only ``base``: both
@@ -85,55 +86,69 @@ class Tau2RLTask:
             self._cache["env"] = Tau2Env(user=self.user_config(), tool_format=self.tool_format)
         return self._cache["env"]
 
-    def tasks(self, split: str) -> list:
-        """τ²'s tasks of ``split`` (ours: "train" / "eval"), in τ²'s file order."""
+    @property
+    def domains(self) -> tuple[str, ...]:
+        return tuple(self.domain.split("+"))
+
+    def pool(self, split: str) -> list[tuple[str, Any]]:
+        """(domain, τ² task) of ``split`` (ours: "train" / "eval"), the domains in order, each in τ²'s file order."""
         if split not in _SPLITS:
             raise ValueError(f"split must be one of {sorted(_SPLITS)}, got {split!r}")
-        key = ("tasks", split)
+        key = ("pool", split)
         if key not in self._cache:
             env = self.make_environment()
-            loader = env.ns.registry.get_tasks_loader(self.domain)
-            tasks = loader("base" if self.domain == "mock" else _TAU2_SPLIT[split])
-            if self.user_mode == "solo":
-                tasks = [t for t in tasks if env.ns.llm_agent.LLMSoloAgent.check_valid_task(t)]
-            if not tasks:
+            pool = []
+            for domain in self.domains:
+                tasks = env.ns.registry.get_tasks_loader(domain)("base" if domain == "mock" else _TAU2_SPLIT[split])
+                if self.user_mode == "solo":
+                    tasks = [t for t in tasks if env.ns.llm_agent.LLMSoloAgent.check_valid_task(t)]
+                pool += [(domain, t) for t in tasks]
+            if not pool:
                 raise ValueError(f"task {self.name}: no τ² tasks in split {split!r}")
-            self._cache[key] = tasks
+            self._cache[key] = pool
         return self._cache[key]
 
-    def opening(self, task, key: tuple) -> str | None:
+    def tasks(self, split: str) -> list:
+        """τ²'s tasks of ``split`` (one domain)."""
+        if len(self.domains) != 1:
+            raise ValueError(f"task {self.name} has several domains: use pool()")
+        return [t for _, t in self.pool(split)]
+
+    def opening(self, domain: str, task, key: tuple) -> str | None:
         """The user's words before the agent's first turn (``Tau2Env.opening``): fixed for a scripted user; an LLM
         user's are generated once per ``key`` (split, task, step, group) and cached."""
         if self.user_mode == "solo":
             return None
-        key = ("opening", task.id) if self.user_mode == "scripted" else ("opening", *key)
+        key = ("opening", domain, task.id) if self.user_mode == "scripted" else ("opening", domain, *key)
         if key not in self._cache:
-            self._cache[key] = self.make_environment().opening(self.domain, task)
+            self._cache[key] = self.make_environment().opening(domain, task)
         return self._cache[key]
 
-    def instance(self, task, split: str, step: int = 0, group: int = 0) -> TaskInstance:
+    def instance(self, task, split: str, step: int = 0, group: int = 0, domain: str | None = None) -> TaskInstance:
         from megatron_tsync.rollout.envs.tau2_env import Tau2Task
 
-        t = Tau2Task(self.domain, task, self.opening(task, (split, task.id, step, group)))
-        return TaskInstance(self.make_environment().prompt(t), None, {"env_task": t, "task_id": task.id, "step": step,
-                                                                     "group": group, "split": split})
+        domain = domain or self.domains[0]
+        t = Tau2Task(domain, task, self.opening(domain, task, (split, task.id, step, group)))
+        return TaskInstance(self.make_environment().prompt(t), None, {"env_task": t, "task_id": f"{domain}/{task.id}",
+                                                                     "step": step, "group": group, "split": split})
 
     def sample_prompts(self, step: int, num_groups: int, seed: int, *, split: str = "train") -> list[TaskInstance]:
-        pool = self.tasks(split)
-        return [self.instance(pool[_mix(seed, _SPLITS[split], step, g) % len(pool)], split, step, g)
-                for g in range(num_groups)]
+        pool = self.pool(split)
+        out = []
+        for g in range(num_groups):
+            domain, task = pool[_mix(seed, _SPLITS[split], step, g) % len(pool)]
+            out.append(self.instance(task, split, step, g, domain))
+        return out
 
     def demonstration_segments(self, inst: TaskInstance) -> list[tuple[str, bool]]:
         """The gold actions (then ``respond`` with the information to communicate; solo: ``done``) with τ²'s
         observations, as a scripted user's episode produces them."""
         import asyncio
 
-        from megatron_tsync.rollout.envs.tau2_env import DONE, RESPOND, gold_turns
+        from megatron_tsync.rollout.envs.tau2_env import gold_turns
 
         env = self.make_environment()
-        turns = gold_turns(inst.meta["env_task"].task)
-        if self.user_mode == "solo":
-            turns = [t for t in turns if t[0] != RESPOND] + [(DONE, {})]
+        turns = gold_turns(inst.meta["env_task"].task, solo=self.user_mode == "solo")
 
         async def run():
             ep = await env.start(inst.meta["env_task"])
@@ -173,5 +188,7 @@ def _register(name: str, domain: str, user_mode: str) -> None:
 for _name, _domain, _mode in (("mock", "mock", "solo"), ("mock-scripted", "mock", "scripted"),
                               ("mock-llm", "mock", "llm"), ("airline", "airline", "llm"),
                               ("airline-scripted", "airline", "scripted"), ("retail", "retail", "llm"),
-                              ("retail-scripted", "retail", "scripted"), ("telecom", "telecom", "solo")):
+                              ("retail-scripted", "retail", "scripted"), ("telecom", "telecom", "solo"),
+                              ("airline-retail", "airline+retail", "llm"),
+                              ("airline-retail-scripted", "airline+retail", "scripted")):
     _register(_name, _domain, _mode)

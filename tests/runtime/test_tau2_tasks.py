@@ -30,8 +30,19 @@ def test_splits_are_tau2s_split_files(domain, sizes):
     assert set(train) == set(split["train"]) and set(test) == set(split["test"])
     a, b = task.sample_prompts(3, 4, seed=7, split="eval"), task.sample_prompts(3, 4, seed=7, split="eval")
     assert [i.prompt_text for i in a] == [i.prompt_text for i in b]
-    assert {i.meta["task_id"] for i in a} <= set(test)
+    assert {i.meta["env_task"].task_id for i in a} <= set(test)
+    assert {i.meta["task_id"].split("/")[0] for i in a} == {domain}
     assert all(i.prompt_text.endswith(f"user: {i.meta['env_task'].opening}\n") for i in a)
+
+
+def test_airline_retail_pool_is_both_train_splits():
+    task = get_task(NAME + "airline-retail-scripted", verifier="tau2")
+    pool = task.pool("train")
+    assert [d for d, _ in pool] == ["airline"] * 30 + ["retail"] * 74
+    insts = task.sample_prompts(0, 16, seed=1)
+    assert {i.meta["env_task"].domain for i in insts} == {"airline", "retail"}  # one step draws from both
+    with pytest.raises(ValueError, match="several domains"):
+        task.tasks("train")
 
 
 def test_clear_errors(monkeypatch):

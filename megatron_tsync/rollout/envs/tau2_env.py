@@ -448,11 +448,13 @@ class Tau2Episode:
         pass
 
 
-def gold_turns(task) -> list[tuple[str, dict]]:
-    """The task's gold assistant actions as policy turns, then a ``respond`` carrying the information the task
-    expects communicated (tests, demonstrations). User-requested gold actions (telecom) are the user's."""
+def gold_turns(task, solo: bool = False) -> list[tuple[str, dict]]:
+    """The task's gold actions as policy turns (tests, demonstrations): the assistant's (solo mode: the user's too,
+    which the solo agent runs), then ``respond`` with the information the task expects communicated (solo: ``done``)."""
     crit = task.evaluation_criteria
-    turns = [(a.name, copy.deepcopy(a.arguments)) for a in (crit.actions or []) if a.requestor == "assistant"]
+    turns = [(a.name, copy.deepcopy(a.arguments)) for a in (crit.actions or []) if solo or a.requestor == "assistant"]
+    if solo:
+        return turns + [(DONE, {})]
     info = crit.communicate_info or []
     turns.append((RESPOND, {"content": "Done. " + " ".join(str(x) for x in info)}))
     return turns

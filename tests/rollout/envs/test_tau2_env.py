@@ -1,10 +1,12 @@
 """τ²-bench as an environment (rollout/envs/tau2_env.py) on τ²'s own domains, tasks and evaluator, no model:
 
 - replaying a task's gold actions through the environment scores 1.0 by τ²'s evaluator and a wrong action 0.0, for
-  every mock task and the first 10 airline and 10 retail train tasks with a database write;
+  every mock task and the first 10 airline and 10 retail train tasks with a database write (scripted user), and the
+  first 10 telecom train tasks (solo mode);
 - the reward the environment reports equals what τ²'s own ``run_task`` (its orchestrator, user and evaluator, with a
   τ² agent replaying the same messages) returns, and the conversations are the same messages;
-- τ²'s solo mode (mock): gold then ``done`` scores 1.0; ending without ``done`` scores 0 (τ²: max_steps);
+- τ²'s solo mode (mock; telecom, whose gold actions are the user's phone fixes, 10 tasks above): gold then ``done``
+  scores 1.0; ending without ``done`` scores 0 (τ²: max_steps);
 - turns without a usable call are error observations that add no τ² message.
 
 Needs the optional tau2 extra (tools/test.sh installs it).
@@ -34,13 +36,13 @@ WRONG_STILL_ONE = {"create_task_1_nl_eval"}
 @pytest.fixture(scope="module")
 def tau2_tasks():
     return {name: get_task(NAME + name, verifier="tau2") for name in
-            ("mock-scripted", "mock", "airline-scripted", "retail-scripted")}
+            ("mock-scripted", "mock", "airline-scripted", "retail-scripted", "telecom")}
 
 
-def _solution(task) -> list[tuple[str, dict]]:
+def _solution(task, solo=False) -> list[tuple[str, dict]]:
     if task.id in NO_GOLD:
         return NO_GOLD[task.id] + [(RESPOND, {"content": "Done."})]
-    return gold_turns(task)
+    return gold_turns(task, solo)
 
 
 def _writes(rl_task, task) -> list[int]:
@@ -53,7 +55,11 @@ def _writes(rl_task, task) -> list[int]:
 def _wrong(rl_task, task) -> list[tuple[str, dict]]:
     """The solution with its last write made wrong: mock: a valid write with another value (the other status, a
     wrong title), airline/retail: the first string argument not an existing id (τ² answers with an error, the write
-    does not happen); a solution without writes gets an extra mock task."""
+    does not happen); a solution without writes gets an extra mock task. Telecom (solo): the last fix (a toggle on
+    the user's phone, without arguments) is left out."""
+    if rl_task.user_mode == "solo" and rl_task.domain == "telecom":
+        turns = _solution(task, solo=True)
+        return turns[:-2] + turns[-1:]
     turns = [(n, dict(a)) for n, a in _solution(task)]
     writes = _writes(rl_task, task)
     if not writes:
@@ -79,18 +85,22 @@ def _cases(rl_task, limit):
     tasks = rl_task.tasks("train")
     if limit is None:
         return tasks
+    if rl_task.domain == "telecom":
+        return [t for t in tasks if t.evaluation_criteria.actions][:limit]
     return [t for t in tasks if _writes(rl_task, t)][:limit]
 
 
-@pytest.mark.parametrize("name,limit", [("mock-scripted", None), ("airline-scripted", 10), ("retail-scripted", 10)])
+@pytest.mark.parametrize("name,limit", [("mock-scripted", None), ("airline-scripted", 10), ("retail-scripted", 10),
+                                        ("telecom", 10)])
 def test_gold_actions_score_one_and_a_wrong_action_zero(tau2_tasks, name, limit):
     rl_task = tau2_tasks[name]
+    solo = rl_task.user_mode == "solo"
     cases = _cases(rl_task, limit)
     assert len(cases) == (9 if limit is None else limit)
     for task in cases:
-        verdict, obs = _run(rl_task, task, _solution(task))
+        verdict, obs = _run(rl_task, task, _solution(task, solo))
         assert verdict.reward == 1.0, (task.id, verdict.reason, [o.text[:300] for o in obs])
-        assert obs[-1].done and "user_stop" in verdict.reason  # the scripted user's ###STOP###
+        assert obs[-1].done and ("agent_stop" if solo else "user_stop") in verdict.reason  # done / user ###STOP###
         verdict, obs = _run(rl_task, task, _wrong(rl_task, task))
         if task.id in WRONG_STILL_ONE:
             assert verdict.reward == 1.0
@@ -148,18 +158,19 @@ def _same(ours, theirs):
 
 
 @pytest.mark.parametrize("name,index", [("mock-scripted", 0), ("mock-scripted", 5), ("airline-scripted", 0),
-                                        ("retail-scripted", 0), ("mock", 0)])
+                                        ("retail-scripted", 0), ("mock", 0), ("telecom", 0)])
 def test_reward_equals_tau2s_own_run_and_evaluation(tau2_tasks, name, index):
     rl_task = tau2_tasks[name]
     env = rl_task.make_environment()
     task = _cases(rl_task, None if name.startswith("mock") else 1)[index]
+    wrong = _wrong(rl_task, task)
     solo = rl_task.user_mode == "solo"
     inst = rl_task.instance(task, "train")
     silent = _solution(task)[:-1] + [(RESPOND, {"content": "Done."})]  # the information is not communicated
     rewards = []
-    for turns in (_solution(task), _wrong(rl_task, task), silent):
+    for turns in (_solution(task, solo), wrong) + (() if solo else (silent,)):
         if solo:
-            turns = [t for t in turns if t[0] != RESPOND] + [(DONE, {})]
+            turns = [t for t in turns if t[0] != RESPOND and t[0] != DONE] + [(DONE, {})]
 
         async def episode():
             ep = await env.start(inst.meta["env_task"])
@@ -188,10 +199,11 @@ def test_solo_mode(tau2_tasks):
     solved = [t for t in tasks if not t.evaluation_criteria.communicate_info]  # no user to communicate with
     assert len(solved) == 5
     for task in solved:
-        turns = [t for t in gold_turns(task) if t[0] != RESPOND]
-        verdict, obs = _run(rl_task, task, turns + [(DONE, {})])
+        turns = gold_turns(task, solo=True)
+        assert turns[-1] == (DONE, {})
+        verdict, obs = _run(rl_task, task, turns)
         assert verdict.reward == 1.0 and obs[-1].done and "agent_stop" in verdict.reason, (task.id, verdict.reason)
-        verdict, obs = _run(rl_task, task, turns)  # the agent loop ends it: no stop
+        verdict, obs = _run(rl_task, task, turns[:-1])  # the agent loop ends it: no stop
         assert verdict.reward == 0.0 and "max_steps" in verdict.reason
 
 
