@@ -336,8 +336,11 @@ class Tau2Episode:
                 pending = [scripted_opening(task.task)] if u.mode == "scripted" else []
             else:
                 pending = ([task.opening] if task.opening is not None else []) + list(u.replies)
+            llm_args = dict(u.llm_args or {})
+            if u.mode == "llm":  # one OpenAI `user` per conversation (this project's endpoint: one episode each)
+                llm_args.setdefault("user", f"tau2-user-{uuid.uuid4().hex}")
             user = env._User(scripted=u.mode == "scripted", pending=pending, tools=user_tools,
-                             instructions=str(task.task.user_scenario), llm=u.llm, llm_args=dict(u.llm_args or {}))
+                             instructions=str(task.task.user_scenario), llm=u.llm, llm_args=llm_args)
         self.agent = agent
         self.orch = ns.orchestrator.Orchestrator(
             domain=task.domain, agent=agent, user=user, environment=environment, task=task.task,
