@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from megatron_tsync.rollout.envs.base import Observation, register_environment
-from megatron_tsync.rollout.envs.tool_format import CallError, get_tool_format
+from megatron_tsync.rollout.envs.tool_format import CallError, escape_output, get_tool_format
 from megatron_tsync.rollout.envs.verifier import Verdict
 
 __all__ = ["Tau2Task", "Tau2UserConfig", "Tau2Env", "Tau2Episode", "import_tau2", "render_prompt", "gold_turns",
@@ -199,14 +199,15 @@ def _history_text(ns, task: Tau2Task, fmt, qwen: bool) -> str:
     out, role = [], None
     for msg in history:
         if isinstance(msg, m.ToolMessage):
-            out.append(fmt.render_result(str(msg.content)) if role == "assistant" else f"[tool] {msg.content}\n")
+            out.append(fmt.render_result(str(msg.content)) if role == "assistant" else
+                       f"[tool] {escape_output(str(msg.content))}\n")
             continue
         if isinstance(msg, m.AssistantMessage) and msg.is_tool_call():
             text = "".join(fmt.render_call(tc.name, tc.arguments) for tc in msg.tool_calls)
         elif isinstance(msg, m.AssistantMessage):
             text = fmt.render_call(RESPOND, {"content": msg.content})
         else:
-            text = str(msg.content)
+            text = escape_output(str(msg.content))  # the user's words never carry turn or call markup
         if qwen:
             prefix = "" if role == msg.role or (role == "assistant" and out and out[-1].endswith("assistant\n")) \
                 else f"<|im_start|>{msg.role}\n"
@@ -337,8 +338,9 @@ class Tau2Episode:
             else:
                 pending = ([task.opening] if task.opening is not None else []) + list(u.replies)
             llm_args = dict(u.llm_args or {})
-            if u.mode == "llm":  # one OpenAI `user` per conversation (this project's endpoint: one episode each)
-                llm_args.setdefault("user", f"tau2-user-{uuid.uuid4().hex}")
+            if u.mode == "llm":  # this project's endpoint: one episode per conversation (other servers ignore it)
+                llm_args["extra_headers"] = {"X-Episode-Id": f"tau2-user-{uuid.uuid4().hex}",
+                                             **llm_args.get("extra_headers", {})}
             user = env._User(scripted=u.mode == "scripted", pending=pending, tools=user_tools,
                              instructions=str(task.task.user_scenario), llm=u.llm, llm_args=llm_args)
         self.agent = agent

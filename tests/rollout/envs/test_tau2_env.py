@@ -226,3 +226,56 @@ def test_unusable_turns_are_error_observations(tau2_tasks):
     ep, bad, unknown = asyncio.run(episode())
     assert all(not o.ok and not o.done and o.text.startswith("<result>error: ") for o in bad)
     assert not unknown.ok and ep.orch.num_errors == 1 and ep.orch.trajectory[-1].error
+
+
+def test_qwen_tool_format(tau2_tasks):
+    """The Qwen format: ChatML prompt (τ²'s system prompt, the tools as JSON schemas, greeting and opening turns,
+    an open assistant turn) and a gold replay through ``<tool_call>`` turns scores 1.0."""
+    from megatron_tsync.runtime.tau2_tasks import Tau2RLTask
+
+    rl_task = Tau2RLTask(domain="mock", user_mode="scripted", tool_format="qwen", name="mock-scripted")
+    task = rl_task.tasks("train")[0]
+    inst = rl_task.instance(task, "train")
+    p = inst.prompt_text
+    assert p.startswith("<|im_start|>system\n<instructions>") and p.endswith("<|im_end|>\n<|im_start|>assistant\n")
+    assert '{"type": "function", "function": {"name": "respond"' in p and "<|im_start|>user\n" in p
+    verdict, obs = _run(rl_task, task, _solution(task))
+    assert verdict.reward == 1.0 and obs[0].text.startswith("<|im_end|>\n<|im_start|>user\n<tool_response>")
+
+
+@pytest.mark.slow
+def test_llm_user_served_by_this_projects_endpoint(megatron_single, tiny_dir):
+    """User simulator (b): τ²'s own UserSimulator through litellm (τ²'s LLM configuration: model ``openai/NAME``,
+    ``api_base``) against this project's OpenAI-compatible endpoint serving the tiny model. The tiny model's words
+    are noise; the point is the path: the opening and the user's replies come from the served model."""
+    from transformers import AutoTokenizer
+
+    from megatron_tsync.rollout.embedded_engine import EmbeddedEngine
+    from megatron_tsync.rollout.engine import SamplingConfig
+    from megatron_tsync.rollout.envs.tool_format import escape_output
+    from megatron_tsync.rollout.openai_server import ChatServer
+    from megatron_tsync.runtime.tau2_tasks import Tau2RLTask
+
+    tok = AutoTokenizer.from_pretrained(tiny_dir)
+    eos = tok.eos_token_id
+    engine = EmbeddedEngine.from_hf_dir(tiny_dir, detokenize=tok.decode)
+    sampling = SamplingConfig(temperature=1.0, max_new_tokens=12, stop_token_ids=(eos,), seed=0)
+    with ChatServer.from_hf_dir(engine, tiny_dir, sampling=sampling, model_name="tiny") as srv:
+        rl_task = Tau2RLTask(domain="mock", user_mode="llm", user_llm="openai/tiny", name="mock-llm",
+                             user_llm_args={"api_base": srv.url, "api_key": "EMPTY"})
+        inst = rl_task.sample_prompts(0, 1, seed=0)[0]
+        opening = inst.meta["env_task"].opening
+        assert isinstance(opening, str) and inst.prompt_text.endswith(f"user: {escape_output(opening)}\n")
+        assert rl_task.sample_prompts(0, 1, seed=0)[0].prompt_text == inst.prompt_text  # cached per prompt
+        env = rl_task.make_environment()
+
+        async def episode():
+            ep = await env.start(inst.meta["env_task"])
+            obs = await ep.step('<tool>respond: {"content": "Which task should I create?"}</tool>')
+            return ep, obs, await ep.finish()
+
+        ep, obs, verdict = asyncio.run(episode())
+    said = [m for m in ep.orch.trajectory if m.role == "user"]
+    assert said[0].content == opening and len(said) == 2  # the opening, then the served model's reply
+    assert obs.ok and obs.text == env.format.render_result(said[1].content)  # markup in it escaped
+    assert verdict.reward in (0.0, 1.0) and "tau2 mock/" in verdict.reason  # τ²'s evaluator on the episode
