@@ -317,6 +317,10 @@ class Tau2Env:
         return [self.format.render_call(name, args) for name, args in messages]
 
 
+class _BadCall(ValueError):
+    pass
+
+
 class Tau2Episode:
     def __init__(self, env: Tau2Env, task: Tau2Task, *, opening_only: bool = False):
         ns = env.ns
@@ -383,7 +387,7 @@ class Tau2Episode:
         if name == RESPOND and not self.env.solo:
             content = args.get("content")
             if not isinstance(content, str):
-                raise ValueError(f'{RESPOND} needs {{"content": "<text>"}}')
+                raise _BadCall(f'{RESPOND} needs {{"content": "<text>"}}')
             return m.AssistantMessage(role="assistant", content=content)
         self.calls += 1
         return m.AssistantMessage(role="assistant", content=None, tool_calls=[m.ToolCall(
@@ -399,8 +403,10 @@ class Tau2Episode:
             self._advance()
         else:
             self._advance(agent_turn=True)
-        new = o.trajectory[before + 1:]
-        text = "\n".join(str(msg.content) for msg in new if msg.content is not None and msg.role != "assistant")
+        # what τ²'s agent would be shown: its tools' answers and the user's words (not the user's own tool traffic)
+        new = [msg for msg in o.trajectory[before + 1:] if msg.content is not None and (
+            (msg.role == "tool" and msg.requestor == "assistant") or (msg.role == "user" and not msg.is_tool_call()))]
+        text = "\n".join(str(msg.content) for msg in new)
         error = next((msg.content for msg in new if getattr(msg, "error", False)), None)
         return Observation(self.env.format.render_result(text[: self.env.max_obs_chars]), done=bool(o.done),
                            ok=error is None, tool=name, error=error)
@@ -418,7 +424,7 @@ class Tau2Episode:
         t0 = time.perf_counter()
         try:
             obs = await asyncio.to_thread(self._step_sync, call.name, args)
-        except ValueError as e:  # a malformed respond call: no τ² message
+        except _BadCall as e:  # a malformed respond call: no τ² message
             return Observation(fmt.render_result(f"error: {e}"), ok=False, tool=call.name, error=str(e))
         return Observation(obs.text, obs.done, obs.ok, obs.tool, obs.error, time.perf_counter() - t0)
 
