@@ -1,7 +1,7 @@
 """τ² domains as RL tasks (runtime/tau2_tasks.py): τ²'s own train/test split files, clear errors for a wrong
 verifier or a missing user model, and a 3-step live training run on the mock domain (τ²'s solo mode) in
 ``stream-trajectory`` mode with the tiny model: every trajectory is scored by τ²'s evaluator (status ok), none is
-rejected. The tiny model does not solve τ² tasks (rewards 0): the run shows the plumbing, not learning.
+rejected, and the held-out evaluation runs τ² episodes as well. The tiny model does not solve τ² tasks (rewards 0): the run shows the plumbing, not learning.
 
 Needs the optional tau2 extra (tools/test.sh installs it).
 """
@@ -68,8 +68,10 @@ def test_three_step_stream_trajectory_run_on_mock(tiny_dir, tmp_path):
     out = _train(["--model", tiny_dir, "--task", NAME + "mock", "--verifier", "tau2", "--group-size", "2",
                   "--global-batch-size", "4", "--rollout-workers", "1", "--max-turns", "2", "--max-new-tokens", "16",
                   "--seq-length", "3072", "--lr", "1e-4", "--rl-mode", "stream-trajectory", "--train-iters", "3",
-                  "--no-progress", "--dump-rollouts", str(dump)], tmp_path, timeout=600)
+                  "--no-progress", "--dump-rollouts", str(dump), "--eval-interval", "3", "--eval-prompts", "2"],
+                 tmp_path, timeout=600)
     assert "summary: mode stream-trajectory, 3 steps" in out
+    assert "held-out v0: success" in out and "held-out v3: success" in out  # τ² episodes in the trainer too
     steps = [ln for ln in out.splitlines() if "] step " in ln]
     assert len(steps) == 3 and all("rejected 0" in ln for ln in steps)
     trace = [json.loads(ln) for ln in open(tmp_path / "runs" / "tsync" / "rollout_plane" / "latency_trace" /
