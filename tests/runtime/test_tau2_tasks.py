@@ -80,3 +80,17 @@ def test_three_step_stream_trajectory_run_on_mock(tiny_dir, tmp_path):
     for step in range(3):
         meta = json.loads((dump / f"step_{step:07d}" / "rollouts.json").read_text())
         assert len(meta["trajectories"]) == 4 and all(t["reward"] in (0.0, 1.0) for t in meta["trajectories"])
+
+
+def test_demonstration_is_the_gold_replay():
+    """The supervised warm start's transcript: the prompt, then the gold turns (actions) with τ²'s observations."""
+    from megatron_tsync.rollout.envs.tau2_env import gold_turns
+
+    for name in ("mock-scripted", "mock"):
+        task = get_task(NAME + name, verifier="tau2")
+        inst = task.sample_prompts(0, 1, seed=3)[0]
+        segs = task.demonstration_segments(inst)
+        assert segs[0] == (inst.prompt_text, False) and [a for _, a in segs[1:]] == [True, False] * (len(segs) // 2)
+        turns = gold_turns(inst.meta["env_task"].task, solo=name == "mock")
+        assert [t for t, a in segs if a] == task.make_environment().render_turns(turns)
+        assert segs[-1][0].startswith("<result>")
