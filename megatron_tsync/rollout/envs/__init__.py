@@ -2,14 +2,14 @@
 workspace environment with its tools and the hidden-test verifier, and the built-in suites / loaders.
 
 Importing the package registers the built-in environments (``get_environment``): "workspace", "swe-lite",
-"terminal-lite", "calculator".
+"terminal-lite", "calculator", "tau2" (τ²-bench; its package is imported on first use).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from megatron_tsync.rollout.envs import calculator, swe_lite, terminal_lite, workspace_env  # noqa: F401 - registration
+from megatron_tsync.rollout.envs import calculator, swe_lite, tau2_env, terminal_lite, workspace_env  # noqa: F401
 from megatron_tsync.rollout.envs.base import _REGISTRY, Environment
 
 __all__ = ["get_environment", "available_environments"]
