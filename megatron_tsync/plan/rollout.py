@@ -8,7 +8,8 @@ are updated at every event). A turn's prefill (its prompt or the previous tool's
 ``2·N_act·tokens / (peak·decode_tp·prefill_mfu)`` and holds only that sequence; tool calls and the verifier hold no
 engine. An engine decodes at most ``max_concurrency`` sequences; the others wait in arrival order. Trajectories are
 spread over engines round-robin by group (a group's samples share a prompt and its prefix cache; by trajectory
-when there are fewer groups than engines).
+when there are fewer groups than engines). An engine's worker serves one batch at a time: it starts batch j once its
+share of batch j − 1 has landed and weights new enough for batch j were published (``simulate.py``).
 """
 
 from __future__ import annotations
@@ -93,16 +94,22 @@ def simulate_engine(model: EngineModel, jobs: list[tuple[float, Traj]]) -> dict[
     return done
 
 
-def simulate_rollouts(cost: ModelCost, layout: Layout, batches: list[tuple[float, list[Traj]]]) -> dict[str, float]:
-    """Every injected batch (start time, trajectories; ids must be distinct across batches) on the layout's engines:
-    traj_id -> reward landing time. Batches injected into the same engines share them (async overlap)."""
-    model = EngineModel(cost, layout)
-    per_engine: list[list[tuple[float, Traj]]] = [[] for _ in range(layout.engines)]
-    for t0, trajs in batches:
-        by_group = len({tr.group for tr in trajs}) >= layout.engines
-        for k, tr in enumerate(trajs):
-            per_engine[(tr.group if by_group else k) % layout.engines].append((t0, tr))
-    out: dict[str, float] = {}
-    for jobs in per_engine:
-        out.update(simulate_engine(model, jobs))
+def assign_engines(trajs: list[Traj], engines: int) -> list[list[Traj]]:
+    """Each engine's share of a batch: round-robin by group (by trajectory when groups are fewer than engines)."""
+    out: list[list[Traj]] = [[] for _ in range(engines)]
+    by_group = len({tr.group for tr in trajs}) >= engines
+    for k, tr in enumerate(trajs):
+        out[(tr.group if by_group else k) % engines].append(tr)
     return out
+
+
+def simulate_batch(model: EngineModel, trajs: list[Traj], starts: list[float]) -> tuple[dict[str, float], list[float]]:
+    """One batch on the engines, engine e starting its share at ``starts[e]``: (traj_id -> reward landing time,
+    each engine's last landing — when its worker moves on to the next batch)."""
+    land: dict[str, float] = {}
+    done = []
+    for e, share in enumerate(assign_engines(trajs, len(starts))):
+        got = simulate_engine(model, [(starts[e], tr) for tr in share])
+        land.update(got)
+        done.append(max(got.values(), default=starts[e]))
+    return land, done
