@@ -12,7 +12,9 @@ Per step: ``step_s`` (start to the next step's start: the learner's step plus th
 slowest simulated rank), idle = step − busy, the tail (learner end − last reward; async: its whole step), the sync,
 and ``bound_s``: max(last reward − step start, max over ranks of max_j (r_j + Σ_{r_i ≥ r_j} w_i)) + barrier + sync
 with w = each trajectory's token work (no per-microbatch overhead, no pipeline bubble) of the trajectories some rank
-must train (all-equal groups skipped when the planner skips them): no schedule of that work can end earlier.
+must train (all-equal groups skipped when the planner skips them): no schedule of that work can end earlier. With
+DP above 16 only 16 ranks are simulated (``learner.ranks_to_simulate``); the others enter the step with their
+bound, so no rank's work is left out of the step.
 Summaries average the steps after the first (async's first step waits for its batch like sync; every mode is
 averaged alike).
 """
@@ -69,7 +71,8 @@ def _planner_groups(arrivals: list[tuple[float, Traj]], opd: bool, mode: str) ->
     return [(t, dataclasses.replace(tr, group=tr.group * 100_000 + tr.index, index=0)) for t, tr in arrivals]
 
 
-def _bound(sc: Scenario, arrivals: list[tuple[float, Traj]], dp: int) -> float:
+def _rank_bounds(sc: Scenario, arrivals: list[tuple[float, Traj]], dp: int) -> dict[int, float]:
+    """rank -> max_j (r_j + Σ_{r_i ≥ r_j} w_i) over the trajectories it must train (module docstring)."""
     lc, settings = sc.learner, sc.settings
     arr = sorted(((max(0.0, t), tr) for t, tr in arrivals), key=lambda x: x[0])
     groups: dict[str, set] = {}
@@ -82,8 +85,7 @@ def _bound(sc: Scenario, arrivals: list[tuple[float, Traj]], dp: int) -> float:
             continue
         w = lc.per_token_s * tr.tokens + lc.per_token2_s * tr.tokens ** 2
         per_rank.setdefault(k % dp, []).append((t, w))
-    work = max((lower_bound(j, 0.0) for j in per_rank.values()), default=0.0)
-    return max(arr[-1][0] if arr else 0.0, work) + lc.barrier_s + sc.sync_s
+    return {r: lower_bound(j, 0.0) for r, j in per_rank.items()}
 
 
 def simulate_mode(sc: Scenario, mode: str, batches: list[list[Traj]]) -> list[StepRow]:
@@ -107,14 +109,18 @@ def simulate_mode(sc: Scenario, mode: str, batches: list[list[Traj]]) -> list[St
         plan_mode = "sync" if mode == "async" else mode
         settings = dataclasses.replace(sc.settings, skip_zero_advantage=False) if sc.opd else sc.settings
         tls = [simulate_rank(sc.learner, settings, arrivals, plan_mode, r, lay.dp) for r in ranks]
-        learner_s = max(tl.end_s for tl in tls)
         last = max(t_ for t_, _ in arrivals)
+        work = _rank_bounds(sc, arrivals, lay.dp)
+        after = sc.learner.barrier_s
+        bound = max([max(0.0, last)] + list(work.values())) + after + sc.sync_s
+        # ranks not simulated (DP > 16) count with their bound: the step is never shorter than any rank's work
+        learner_s = max([tl.end_s for tl in tls] + [w + after for r, w in work.items() if r not in ranks])
         slow = max(tls, key=lambda tl: tl.end_s)
         busy = sum(b - a for a, b in slow.busy)
         step_s = learner_s + sc.sync_s
         rows.append(StepRow(step=k, start_s=s_k, step_s=step_s, makespan_s=max(f - b for f, b in zip(free, begin)),
                             last_reward_s=max(0.0, last), busy_s=busy, tail_s=learner_s - max(0.0, last),
-                            sync_s=sc.sync_s, bound_s=_bound(sc, arrivals, lay.dp),
+                            sync_s=sc.sync_s, bound_s=bound,
                             peak_open_groups=max(tl.peak_open_groups for tl in tls), busy=tls[0].busy,
                             landed=sorted(max(0.0, t_) for t_, _ in arrivals), stats=tls[0].stats))
         t = s_k + step_s
