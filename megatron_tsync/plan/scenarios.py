@@ -15,8 +15,9 @@ simulated sync step gives S = 1.91 (bisection), and then show what the simulatio
 OPD uses the same MFU (one learner for both, as in the paper).
 
 ``scaling``: Qwen3-8B (learner TP 2) and Qwen3-30B-A3B (learner EP 8, or DP when smaller) on H100s, half the GPUs rollout engines (8B:
-one GPU each; 30B-A3B: two), half the learner; swe-like latencies at scale 5 (median tool call 5 s); 32 prompts × 8
-trajectories per 8 GPUs (the batch grows with the cluster: 16 trajectories per GPU); 3 steps (the first left out).
+one GPU each; 30B-A3B: two), half the learner; swe-like latencies at scale 5 (median tool call 5 s, 3 calls; 512
+prompt, 256 generated per turn, 128 tool-output tokens); max(32, GPUs) prompts × 8 (256 trajectories on 8 GPUs, then 8
+per GPU); 3 steps (the first left out).
 Reported: stream-trajectory and async(1) over sync, the bucket peak per learner GPU with unlimited open groups, the
 cap on open groups that fits (``report.recommend``'s memory rule) and the speedup under that cap.
 """
@@ -107,7 +108,7 @@ def scaling(gpus=(8, 64, 512, 1024), models=SCALING_MODELS, scale: float = 5.0) 
             dp = n // 2 // kw.get("tp", 1)
             lay = Layout(gpu="h100", rollout_gpus=n // 2, learner_gpus=n // 2, **{**kw, "ep": min(kw.get("ep", 1), dp)})
             arch, sc = _scenario(model, lay)
-            batches = _batches(scale, prompts=4 * n, group_size=8, prompt_tokens=512, gen_tokens=256,
+            batches = _batches(scale, prompts=max(32, n), group_size=8, prompt_tokens=512, gen_tokens=256,
                                tool_output_tokens=128)
             s = {m: v["summary"] for m, v in simulate(sc, batches, ("sync", "stream-trajectory", "async")).items()}
             mem = bucket_memory(arch, sc, s["stream-trajectory"]["peak_open_groups"])

@@ -13,6 +13,7 @@ some groups are all-equal and their work is skipped in every mode, as the learne
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import random
@@ -36,7 +37,7 @@ class Traj:
     reward: float
     step: int = 0
 
-    @property
+    @functools.cached_property
     def tokens(self) -> int:
         """Tokens the learner trains on (the whole conversation)."""
         return sum(t.prefill_tokens + t.gen_tokens for t in self.turns)
