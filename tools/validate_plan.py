@@ -4,9 +4,10 @@
     python tools/validate_plan.py --quick                                    # 1 repeat, 2 steps (a smoke run)
 
 1. Calibration: the release-time benchmark's learner (``tools/bench_streaming.py``'s Harness: the real Megatron
-   learner, hidden 128, 2 layers, one process) times every trajectory's forward + backward of a batch alone (median of
-   3) and the barrier; a least-squares line ``t = overhead + per_token · T`` over those times is the simulated
-   learner's :class:`LearnerCost` (its barrier measured).
+   learner, hidden 128, 2 layers, one process) times every trajectory's forward + backward of a batch alone, the
+   whole batch in one schedule call, and the barrier (medians of 3); a least-squares line over the single calls and
+   the batch call give the simulated learner's :class:`LearnerCost`: per schedule call, per microbatch, per token
+   (``calibrate``). The real planner's own CPU time is counted as the simulation runs it.
 2. Measurements: for each latency profile (``--profiles``, default swe-like and uniform) × batch (``--batches``,
    groups × size, default 4x4 and 8x8): the benchmark's arrival pattern scaled so the rollout makespan is
    ``--makespan-ratio`` × the calibrated learner work; each mode (sync, stream-trajectory, async) runs ``--steps``
@@ -37,21 +38,60 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 MODES = ("sync", "stream-trajectory", "async")
 
 
+def measure(h, batch, reps: int = 3):
+    """Measured learner seconds (medians of ``reps``): each trajectory alone in its own schedule call, all of them in
+    one call, and the barrier (the benchmark's learner, ``Harness.measure_work``'s set-up)."""
+    from megatron_tsync.streaming.planner import Dest, StepPlanner, WorkItem
+    from megatron_tsync.training.learner import shape_for
+    from megatron_tsync.training.optimizer import finalize_and_scale
+
+    ddp, L = h.learner("sync")
+    sizes, shape = shape_for(batch)
+    L.exec.begin_step(StepPlanner(L.estimator, sizes, mode="sync", reward_spec=L.cfg.reward_spec,
+                                  loss_kind="ppo_clip"), shape)
+    items = []
+    for s in batch:
+        L.exec.add_sample(s)
+        items.append(WorkItem(s.traj_id, s.group_id, s.reward, Dest.ACCUM, advantage=0.5))
+
+    def timed(fn):
+        ts = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t)
+        return statistics.median(ts)
+
+    singles = [timed(lambda it=it: L.exec.run([it])) for it in items]
+    together = timed(lambda: L.exec.run(items))
+
+    def barrier():
+        finalize_and_scale(ddp, 1.0)
+        L.opt.step()
+        ddp.zero_grad_buffer()
+
+    return singles, together, timed(barrier)
+
+
 def calibrate(h, batch) -> tuple[object, dict]:
-    """The simulated learner's cost from measured microbatch times (module docstring, 1)."""
+    """The simulated learner's cost from measured microbatch times (module docstring, 1): a least-squares line
+    a + b·T over the single calls; the batch in one call then splits a into the per-call and per-microbatch parts
+    (n·overhead + call = together − b·ΣT, overhead + call = a)."""
     from megatron_tsync.plan.learner import LearnerCost
 
-    work, barrier = h.measure_work(batch)
+    singles, together, barrier = measure(h, batch)
     xs = [s.token_ids.shape[0] for s in batch]
-    mx, my = statistics.mean(xs), statistics.mean(work)
+    mx, my = statistics.mean(xs), statistics.mean(singles)
     sxx = sum((x - mx) ** 2 for x in xs)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, work)) / sxx if sxx > 0 else 0.0
-    slope = max(slope, 0.0)
-    overhead = max(0.0, my - slope * mx)
-    resid = [y - (overhead + slope * x) for x, y in zip(xs, work)]
-    fit = {"overhead_s": overhead, "per_token_s": slope, "barrier_s": barrier, "points": len(xs),
-           "residual_sd_s": statistics.pstdev(resid), "mean_work_s": my}
-    return LearnerCost(overhead_s=overhead, per_token_s=slope, barrier_s=barrier), fit
+    slope = max(0.0, sum((x - mx) * (y - my) for x, y in zip(xs, singles)) / sxx if sxx > 0 else 0.0)
+    a = max(0.0, my - slope * mx)
+    n = len(xs)
+    per_mb = min(a, max(0.0, (together - slope * sum(xs) - a) / (n - 1))) if n > 1 else a
+    resid = [y - (a + slope * x) for x, y in zip(xs, singles)]
+    fit = {"overhead_s": per_mb, "call_s": a - per_mb, "per_token_s": slope, "barrier_s": barrier, "points": n,
+           "residual_sd_s": statistics.pstdev(resid), "together_s": together, "singles_sum_s": sum(singles)}
+    return LearnerCost(overhead_s=per_mb, per_token_s=slope, barrier_s=barrier, call_s=a - per_mb,
+                       planner_time=True), fit
 
 
 def trajs_of(batch, step):
@@ -120,11 +160,12 @@ def main(argv=None) -> dict:
             wl = bs.build_workload(a.steps, groups, G, a.seed, 512, 48, 160)
             configs.append({"profile": prof, "groups": groups, "group_size": G, "workload": wl})
     cost, fit = calibrate(h, configs[-1]["workload"][0])
-    print(f"calibration: {fit['overhead_s'] * 1e3:.2f} ms + {fit['per_token_s'] * 1e6:.1f} µs/token per microbatch "
-          f"(residual sd {fit['residual_sd_s'] * 1e3:.2f} ms), barrier {fit['barrier_s'] * 1e3:.1f} ms", flush=True)
+    print(f"calibration: {fit['call_s'] * 1e3:.2f} ms per schedule call + {fit['overhead_s'] * 1e3:.2f} ms + "
+          f"{fit['per_token_s'] * 1e6:.1f} µs/token per microbatch (residual sd {fit['residual_sd_s'] * 1e3:.2f} ms), "
+          f"barrier {fit['barrier_s'] * 1e3:.1f} ms", flush=True)
     for c in configs:
         raw = bs.arrival_pattern(c["profile"], a.steps, c["groups"], c["group_size"], a.seed, a.calls)
-        work = sum(cost.microbatch_s(s.token_ids.shape[0]) for s in c["workload"][0])
+        work = cost.call_s + sum(cost.microbatch_s(s.token_ids.shape[0]) for s in c["workload"][0])
         c["arrivals"] = bs.scale_arrivals(raw, a.makespan_ratio, work)
         c["predicted"] = {m: predict(cost, c["workload"], c["arrivals"], m) for m in MODES}
         c["measured"] = {m: [] for m in MODES}

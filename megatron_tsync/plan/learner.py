@@ -17,6 +17,7 @@ the step waits for the slowest.
 from __future__ import annotations
 
 import dataclasses
+import time
 
 from megatron_tsync.algorithms.advantages import get_advantage_estimator
 from megatron_tsync.algorithms.streamability import RewardSpec
@@ -27,7 +28,9 @@ from megatron_tsync.plan.workload import Traj
 @dataclasses.dataclass(frozen=True)
 class LearnerCost:
     """Seconds of learner work: ``overhead_s + per_token_s·T + per_token2_s·T²`` per microbatch of T tokens (from
-    FLOPs at an MFU, or fitted to measured microbatch times), ``fold_s`` per group close, ``barrier_s`` per step."""
+    FLOPs at an MFU, or fitted to measured microbatch times), ``call_s`` per schedule call, ``fold_s`` per group
+    close, ``barrier_s`` per step. ``planner_time``: also count the real planner's own CPU seconds, as timed while
+    the simulation runs it (the trainer pays them on any hardware; off by default, so a simulation is deterministic)."""
 
     overhead_s: float
     per_token_s: float
@@ -35,6 +38,8 @@ class LearnerCost:
     fold_s: float = 0.0
     barrier_s: float = 0.0
     pp: int = 1
+    call_s: float = 0.0
+    planner_time: bool = False
 
     def microbatch_s(self, tokens: int) -> float:
         return self.overhead_s + self.per_token_s * tokens + self.per_token2_s * tokens * tokens
@@ -89,13 +94,21 @@ class _Rank:
             else:
                 mbs.append([it])
         secs = [self.cost.microbatch_s(sum(self.trajs[x.traj_id].tokens for x in mb)) for mb in mbs]
-        total = sum(secs) + (self.cost.pp - 1) / self.cost.pp * (sum(secs) / len(secs))
+        total = self.cost.call_s + sum(secs) + (self.cost.pp - 1) / self.cost.pp * (sum(secs) / len(secs))
         t0 = self.now
         for mb, s in zip(mbs, secs):
             self.tl.jobs.append((max(self.release[x.traj_id] for x in mb), s))
         self.tl.order += [("run", it.traj_id) for it in items]
         self.now += total
         self.tl.busy.append((t0, self.now))
+
+    def plan_s(self, t0: float) -> None:
+        """The planner's own seconds since ``t0`` (``LearnerCost.planner_time``)."""
+        if self.cost.planner_time:
+            dt = time.perf_counter() - t0
+            self.tl.busy.append((self.now, self.now + dt))
+            self.tl.jobs.append((0.0, dt))
+            self.now += dt
 
     def close(self, closes) -> None:
         for c in closes:
@@ -131,13 +144,19 @@ def simulate_rank(cost: LearnerCost, settings: PlannerSettings, arrivals: list[t
         metas = [TrajMeta(tr.traj_id, tr.group_id, tr.reward, tr.tokens, k % dp) for k, (_, tr) in
                  zip(range(i, j), arr[i:j])]
         i = j
+        t0 = time.perf_counter()
         items = planner.on_ready_batch(metas)
         R.tl.peak_open_groups = max(R.tl.peak_open_groups, planner.open_groups)
+        R.plan_s(t0)
         R.run(items)
+        t0 = time.perf_counter()
         closes, held = planner.closable()
+        R.plan_s(t0)
         R.run(held)
         R.close(closes)
+    t0 = time.perf_counter()
     closes, held = planner.finish()
+    R.plan_s(t0)
     R.run(held)
     R.close(closes)
     if cost.barrier_s > 0:

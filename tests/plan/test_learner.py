@@ -105,3 +105,20 @@ def test_simulated_order_is_the_learners(tiny, mode, dp, rank):
     if mode == "stream-trajectory":
         assert stats["bucketed"] > 0  # trajectories streamed into buckets before their group completed
         assert any(op == "close" for op, _ in real)
+
+
+def test_schedule_call_and_planner_costs():
+    """``call_s`` is paid once per schedule call (sync: one, at the barrier), ``planner_time`` adds the planner's own
+    seconds."""
+    import dataclasses
+
+    trajs = build_batch(WorkloadSpec(prompts=2, group_size=4, calls=0, profile="none"), 0)
+    arrivals = [(0.0, tr) for tr in trajs]
+    base = LearnerCost(overhead_s=0.01, per_token_s=0.0)
+    every = PlannerSettings(skip_zero_advantage=False)
+    a = simulate_rank(base, every, arrivals, "sync", 0, 1)
+    assert a.end_s == pytest.approx(0.01 * len(trajs))
+    b = simulate_rank(dataclasses.replace(base, call_s=1.0), every, arrivals, "sync", 0, 1)
+    assert b.end_s == pytest.approx(a.end_s + 1.0)
+    c = simulate_rank(dataclasses.replace(base, planner_time=True), every, arrivals, "sync", 0, 1)
+    assert c.end_s > a.end_s
