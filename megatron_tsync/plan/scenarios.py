@@ -101,14 +101,15 @@ def paper(scale: float = PAPER_LATENCY_SCALE) -> list[dict]:
 SCALING_MODELS = {"qwen3-8b": dict(tp=2, rollout_tp=1), "qwen3-30b-a3b": dict(ep=8, rollout_tp=2, mfu=0.2)}
 
 
-def scaling(gpus=(8, 64, 512, 1024), models=SCALING_MODELS, scale: float = 5.0) -> list[dict]:
+def scaling(gpus=(8, 64, 512, 1024), models=SCALING_MODELS, scale: float = 5.0, per_gpu: int = 1) -> list[dict]:
+    """``per_gpu``: prompts per GPU (at least 32 prompts), 8 trajectories each."""
     rows = []
     for model, kw in models.items():
         for n in gpus:
             dp = n // 2 // kw.get("tp", 1)
             lay = Layout(gpu="h100", rollout_gpus=n // 2, learner_gpus=n // 2, **{**kw, "ep": min(kw.get("ep", 1), dp)})
             arch, sc = _scenario(model, lay)
-            batches = _batches(scale, prompts=max(32, n), group_size=8, prompt_tokens=512, gen_tokens=256,
+            batches = _batches(scale, prompts=max(32, per_gpu * n), group_size=8, prompt_tokens=512, gen_tokens=256,
                                tool_output_tokens=128)
             s = {m: v["summary"] for m, v in simulate(sc, batches, ("sync", "stream-trajectory", "async")).items()}
             mem = bucket_memory(arch, sc, s["stream-trajectory"]["peak_open_groups"])
@@ -139,6 +140,11 @@ def main(name: str) -> list[dict]:
                   f"({r['makespan_s']:.1f} / {r['learner_busy_s']:.1f}) | {r['bucket']['bucket_gib']:.0f} |")
         return rows
     rows = scaling()
+    print_scaling(rows)
+    return rows
+
+
+def print_scaling(rows: list[dict]) -> None:
     print("| model | GPUs | trajectories | sync step s | stream-trajectory | async(1) | open groups (peak) | "
           "bucket peak GiB/GPU | groups that fit | stream-trajectory, capped |")
     print("|---|---|---|---|---|---|---|---|---|---|")
@@ -147,4 +153,3 @@ def main(name: str) -> list[dict]:
         print(f"| {r['model']} | {r['gpus']} | {r['trajectories']} | {r['sync_step_s']:.1f} | "
               f"{r['stream_speedup']:.2f}× | {r['async_speedup']:.2f}× | {r['bucket']['peak_open_groups']} | "
               f"{r['bucket']['bucket_gib']:.0f} | {r['fit_open_groups']} | {capped} |")
-    return rows
