@@ -35,12 +35,14 @@ def parser() -> argparse.ArgumentParser:
     w.add_argument("--latency-scale", type=float, default=1.0, help="multiplies every tool/verifier latency")
     w.add_argument("--prompts", type=int, default=32)
     w.add_argument("--group-size", type=int, default=8)
-    w.add_argument("--calls", type=int, default=3, help="tool calls per trajectory (built-in profiles)")
+    w.add_argument("--calls", type=int, default=None, help="tool calls per trajectory (default 3; not with a .jsonl "
+                   "trace, which has its own)")
     w.add_argument("--prompt-tokens", type=int, default=512)
     w.add_argument("--gen-tokens", type=int, default=256, help="median generated tokens per turn")
     w.add_argument("--gen-sigma", type=float, default=0.5, help="log-sd of the generated tokens per turn")
     w.add_argument("--tool-output-tokens", type=int, default=128)
-    w.add_argument("--verify-s", type=float, default=0.0, help="verifier seconds per trajectory (built-in profiles)")
+    w.add_argument("--verify-s", type=float, default=None, help="verifier seconds per trajectory (default 0; not with "
+                   "a .jsonl trace, which has its own)")
     w.add_argument("--algorithm", choices=("grpo", "opd"), default="grpo")
     w.add_argument("--estimator", default="grpo", choices=sorted(PER_GROUP))
     w.add_argument("--steps", type=int, default=5, help="simulated steps (the first is left out of the averages)")
@@ -82,12 +84,14 @@ def build(a) -> tuple:
         teacher = ModelCost.of(load_arch(a.teacher)) if a.teacher else cost
     elif a.teacher:
         raise SystemExit("--teacher is for --algorithm opd")
+    if a.profile.endswith(".jsonl") and (a.calls is not None or a.verify_s is not None):
+        raise SystemExit("--calls / --verify-s: a .jsonl trace has its own tool calls and verifier times")
     settings = PlannerSettings(estimator=a.estimator, max_open_groups=a.max_open_groups)
     sc = Scenario(cost=cost, layout=lay, learner=learner_cost(arch, lay, a.estimator, teacher), settings=settings,
                   sync_s=weight_sync_s(cost, lay), async_k=a.max_staleness, opd=a.algorithm == "opd")
-    ws = WorkloadSpec(prompts=a.prompts, group_size=a.group_size, calls=a.calls, prompt_tokens=a.prompt_tokens,
-                      gen_tokens=a.gen_tokens, gen_sigma=a.gen_sigma, tool_output_tokens=a.tool_output_tokens,
-                      verify_s=a.verify_s, profile=a.profile, latency_scale=a.latency_scale, seed=a.seed)
+    ws = WorkloadSpec(prompts=a.prompts, group_size=a.group_size, calls=3 if a.calls is None else a.calls,
+                      prompt_tokens=a.prompt_tokens, gen_tokens=a.gen_tokens, gen_sigma=a.gen_sigma,
+                      tool_output_tokens=a.tool_output_tokens, verify_s=a.verify_s or 0.0, profile=a.profile, latency_scale=a.latency_scale, seed=a.seed)
     return arch, sc, [build_batch(ws, k) for k in range(a.steps)]
 
 

@@ -9,7 +9,7 @@ import pytest
 from megatron_tsync.plan.__main__ import main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SMALL = ["--prompts", "4", "--group-size", "4", "--steps", "2", "--calls", "2"]
+SMALL = ["--prompts", "4", "--group-size", "4", "--steps", "2"]
 
 
 def test_report_plot_and_hf_config(tmp_path):
@@ -38,3 +38,5 @@ def test_bad_input_is_one_line():
         main(SMALL + ["--model", "no-such-model"])
     with pytest.raises(ValueError, match="do not split"):
         main(SMALL + ["--learner-gpus", "4", "--tp", "3"])
+    with pytest.raises(SystemExit, match="has its own"):
+        main(SMALL + ["--profile", "run/trace.jsonl", "--calls", "2"])
