@@ -6,9 +6,8 @@
 1. Calibration: the release-time benchmark's learner (``tools/bench_streaming.py``'s Harness: the real Megatron
    learner, hidden 128, 2 layers, one process) times every trajectory's forward + backward of a batch alone, the
    whole batch in one schedule call, and the barrier (medians of 3); a least-squares line over the single calls and
-   the batch call give the simulated learner's :class:`LearnerCost`: per schedule call, per microbatch, per token;
-   one sync step of that batch with every reward at 0 gives the step's fixed cost (``calibrate``). The real
-   planner's own CPU time is counted as the simulation runs it.
+   the batch call give the simulated learner's :class:`LearnerCost`: per schedule call, per microbatch, per token
+   (``calibrate``). The real planner's own CPU time is counted as the simulation runs it.
 2. Measurements: for each latency profile (``--profiles``, default swe-like and uniform) × batch (``--batches``,
    groups × size, default 4x4 and 8x8): the benchmark's arrival pattern scaled so the rollout makespan is
    ``--makespan-ratio`` × the calibrated learner work; each mode (sync, stream-trajectory, async) runs ``--steps``
@@ -76,14 +75,10 @@ def measure(h, batch, reps: int = 3):
     return singles, together, timed(barrier)
 
 
-def calibrate(h, batch, cpu) -> tuple[object, dict]:
-    """The simulated learner's cost from measured learner times (module docstring, 1): a least-squares line a + b·T
-    over the single calls; the batch in one call splits a into the per-call and per-microbatch parts
-    (n·overhead + call = together − b·ΣT, overhead + call = a); then one whole sync step of the batch with every
-    reward released at 0 (median of 2 runs) gives the step's fixed cost beyond its microbatches and optimizer step
-    (the learner's set-up, polls, objective, result), added to the barrier."""
-    import dataclasses
-
+def calibrate(h, batch) -> tuple[object, dict]:
+    """The simulated learner's cost from measured microbatch times (module docstring, 1): a least-squares line
+    a + b·T over the single calls; the batch in one call then splits a into the per-call and per-microbatch parts
+    (n·overhead + call = together − b·ΣT, overhead + call = a)."""
     from megatron_tsync.plan.learner import LearnerCost
 
     singles, together, barrier = measure(h, batch)
@@ -95,14 +90,10 @@ def calibrate(h, batch, cpu) -> tuple[object, dict]:
     n = len(xs)
     per_mb = min(a, max(0.0, (together - slope * sum(xs) - a) / (n - 1))) if n > 1 else a
     resid = [y - (a + slope * x) for x, y in zip(xs, singles)]
-    cost = LearnerCost(overhead_s=per_mb, per_token_s=slope, barrier_s=barrier, call_s=a - per_mb, planner_time=True)
-    at_once = [0.0] * n
-    step = statistics.median(h.run_mode("sync", [batch], [at_once], cpu)[0][0]["step_s"] for _ in range(2))
-    fixed = max(0.0, step - predict(cost, [batch], [at_once], "sync")[0])
     fit = {"overhead_s": per_mb, "call_s": a - per_mb, "per_token_s": slope, "barrier_s": barrier, "points": n,
-           "residual_sd_s": statistics.pstdev(resid), "together_s": together, "singles_sum_s": sum(singles),
-           "at_once_step_s": step, "step_fixed_s": fixed}
-    return dataclasses.replace(cost, barrier_s=barrier + fixed), fit
+           "residual_sd_s": statistics.pstdev(resid), "together_s": together, "singles_sum_s": sum(singles)}
+    return LearnerCost(overhead_s=per_mb, per_token_s=slope, barrier_s=barrier, call_s=a - per_mb,
+                       planner_time=True), fit
 
 
 def trajs_of(batch, step):
@@ -171,8 +162,7 @@ def main(argv=None) -> dict:
             wl = bs.build_workload(a.steps, groups, G, a.seed, 512, 48, 160)
             configs.append({"profile": prof, "groups": groups, "group_size": G, "workload": wl})
     cal = configs[-1]["workload"][0]
-    cpu = bs.RolloutCPU(0.0, 1)
-    cost, fit = calibrate(h, cal, cpu)
+    cost, fit = calibrate(h, cal)
     for c in configs:  # the release times, fixed for every repeat (placed with the first calibration)
         raw = bs.arrival_pattern(c["profile"], a.steps, c["groups"], c["group_size"], a.seed, a.calls)
         work = cost.call_s + sum(cost.microbatch_s(s.token_ids.shape[0]) for s in c["workload"][0])
@@ -180,15 +170,15 @@ def main(argv=None) -> dict:
         c["predicted"] = {m: [] for m in MODES}
         c["measured"] = {m: [] for m in MODES}
     fits = []
+    cpu = bs.RolloutCPU(0.0, 1)
     try:
         for rep in range(a.repeats):
             if rep > 0:  # recalibrate with every repeat: the prediction uses the machine as it is now
-                cost, fit = calibrate(h, cal, cpu)
+                cost, fit = calibrate(h, cal)
             fits.append(fit)
             print(f"repeat {rep} calibration: {fit['call_s'] * 1e3:.2f} ms per schedule call + "
                   f"{fit['overhead_s'] * 1e3:.2f} ms + {fit['per_token_s'] * 1e6:.1f} µs/token per microbatch "
-                  f"(residual sd {fit['residual_sd_s'] * 1e3:.2f} ms), barrier {fit['barrier_s'] * 1e3:.1f} ms, "
-                  f"fixed per step {fit['step_fixed_s'] * 1e3:.1f} ms",
+                  f"(residual sd {fit['residual_sd_s'] * 1e3:.2f} ms), barrier {fit['barrier_s'] * 1e3:.1f} ms",
                   file=sys.stderr, flush=True)
             for c in configs:
                 for m in MODES:
