@@ -135,6 +135,11 @@ def run(a) -> dict:
 def main(argv=None) -> dict:
     a = parser().parse_args(argv)
     if a.scenario:
+        base = vars(parser().parse_args([]))
+        extra = sorted(k for k, v in vars(a).items() if k != "scenario" and v != base[k])
+        if extra:
+            raise SystemExit(f"--scenario {a.scenario} fixes its own settings (docs/planner.md); drop "
+                             + ", ".join("--" + k.replace("_", "-") for k in extra))
         from megatron_tsync.plan import scenarios
 
         return scenarios.main(a.scenario)

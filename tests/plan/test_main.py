@@ -38,5 +38,7 @@ def test_bad_input_is_one_line():
         main(SMALL + ["--model", "no-such-model"])
     with pytest.raises(ValueError, match="do not split"):
         main(SMALL + ["--learner-gpus", "4", "--tp", "3"])
+    with pytest.raises(SystemExit, match="drop --gpu"):
+        main(["--scenario", "paper", "--gpu", "a100"])
     with pytest.raises(SystemExit, match="has its own"):
         main(SMALL + ["--profile", "run/trace.jsonl", "--calls", "2"])
