@@ -216,12 +216,12 @@ def summarize(a, configs, fits, load0, t_begin) -> dict:
     lines = [f"Predicted vs measured step time (tools/validate_plan.py, {a.repeats} interleaved repeats × {a.steps} "
              f"steps, makespan = {a.makespan_ratio:g} × learner work; load average {load0[0]:.2f} before, "
              f"{load1[0]:.2f} after; {os.cpu_count()} cores):", "",
-             "| profile | groups × size | mode | measured s/step (min–max) | predicted s/step | error |",
-             "|---|---|---|---|---|---|"]
+             "| profile | groups × size | mode | measured s/step (min–max) | predicted s/step | error | vs fastest run |",
+             "|---|---|---|---|---|---|---|"]
     for x in cells:
         lines.append(f"| {x['profile']} | {x['batch']} | {x['mode']} | {x['measured_step_s']:.3f} "
                      f"({x['spread'][0]:.3f}–{x['spread'][1]:.3f}) | {x['predicted_step_s']:.3f} | "
-                     f"{x['error']:+.0%} |")
+                     f"{x['error']:+.0%} | {x['predicted_step_s'] / x['spread'][0] - 1:+.0%} |")
     within = sum(abs(x["error"]) <= 0.15 for x in cells)
     lines += ["", f"{within} of {len(cells)} cells within ±15 %."]
     return {"calibration": fits, "cells": cells, "within_15pct": within, "load_avg_before": load0,
