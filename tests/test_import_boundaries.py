@@ -37,6 +37,9 @@ ALLOWED: dict[str, set[str]] = {
     "arguments": {"arguments", "config", "training", "model", "rollout", "streaming", "algorithms", "help_defaults"},
     "help_defaults": {"config"},  # the --help defaults as data; regenerated from config
     "train": {"arguments", "runtime"},
+    # the planner/simulator (issue 32): the real streaming planner, the latency profiles (runtime/latency.py, standard
+    # library only) and the model shapes
+    "plan": {"plan", "model", "streaming", "algorithms", "runtime"},
     "__init__": set(),
 }
 MAX_LINES = 800

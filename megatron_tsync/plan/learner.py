@@ -1,0 +1,185 @@
+"""The learner's side of a simulated step: the project's own :class:`StepPlanner` decides the order of work.
+
+Per simulated data-parallel rank, the loop follows ``training/learner.py`` (``_consume`` / ``_feed`` / ``_drain``):
+when the learner is free it takes every reward that has landed (all of them while it was busy), hands them to the
+planner in one ``on_ready_batch`` (each rank's planner sees every arrival, trains only its own: the i-th arrival
+goes to rank i mod DP, ``DataParallelAssigner``), runs the items, then ``closable()``'s held items and group closes;
+when nothing is pending it waits for the next arrival. At the end, ``finish()``'s held items and closes, then the
+barrier (gradient all-reduce and the optimizer). Items cost :class:`LearnerCost` seconds each (one microbatch per
+trajectory, or packed microbatches of at most ``max_packed_tokens``); one schedule call on PP stages pays the
+pipeline's fill and drain once, (PP − 1)/PP of its mean microbatch. ``coalesce_tokens`` (``--stream-coalesce-tokens``)
+holds a poll until the landed trajectories hold that many tokens or the step's rewards are all in.
+
+Ranks simulated: every rank up to ``max_ranks`` (16), else 16 spread evenly (the others are statistically alike);
+the step waits for the slowest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from megatron_tsync.algorithms.advantages import get_advantage_estimator
+from megatron_tsync.algorithms.streamability import RewardSpec
+from megatron_tsync.streaming.planner import StepPlanner, TrajMeta, WorkItem
+from megatron_tsync.plan.workload import Traj
+
+
+@dataclasses.dataclass(frozen=True)
+class LearnerCost:
+    """Seconds of learner work: ``overhead_s + per_token_s·T + per_token2_s·T²`` per microbatch of T tokens (from
+    FLOPs at an MFU, or fitted to measured microbatch times), ``call_s`` per schedule call, ``fold_s`` per group
+    close, ``barrier_s`` per step. ``planner_time``: also count the real planner's own CPU seconds, as timed while
+    the simulation runs it (the trainer pays them on any hardware; off by default, so a simulation is deterministic)."""
+
+    overhead_s: float
+    per_token_s: float
+    per_token2_s: float = 0.0
+    fold_s: float = 0.0
+    barrier_s: float = 0.0
+    pp: int = 1
+    call_s: float = 0.0
+    planner_time: bool = False
+
+    def microbatch_s(self, tokens: int) -> float:
+        return self.overhead_s + self.per_token_s * tokens + self.per_token2_s * tokens * tokens
+
+
+@dataclasses.dataclass(frozen=True)
+class PlannerSettings:
+    estimator: str = "grpo"
+    skip_zero_advantage: bool = True
+    wait_for_variance: bool = True
+    max_open_groups: int | None = None
+    sequence_packing: bool = False
+    max_packed_tokens: int = 4096
+    coalesce_tokens: int = 0
+
+
+@dataclasses.dataclass
+class RankTimeline:
+    end_s: float = 0.0
+    busy: list = dataclasses.field(default_factory=list)  # (start, end) of each schedule call / close / barrier
+    order: list = dataclasses.field(default_factory=list)  # ("run", traj_id) / ("close", group_id), in order
+    jobs: list = dataclasses.field(default_factory=list)  # (release, seconds) of every microbatch (the bound)
+    peak_open_groups: int = 0
+    stats: dict = dataclasses.field(default_factory=dict)
+
+
+def make_planner(settings: PlannerSettings, sizes: dict[str, int], mode: str, rank: int) -> StepPlanner:
+    """The planner the learner builds (``Learner._planner``) for the default loss (PPO clip, trainer log-probs)."""
+    est = get_advantage_estimator(settings.estimator, eps=1e-6)
+    return StepPlanner(est, sizes, mode=mode, reward_spec=RewardSpec.binary(), loss_kind="ppo_clip",
+                       aux_strategy="none", max_open_groups=settings.max_open_groups, ratio_is_one=True,
+                       ratio_known_before_backward=True, dp_rank=rank,
+                       skip_zero_advantage=settings.skip_zero_advantage, wait_for_variance=settings.wait_for_variance)
+
+
+class _Rank:
+    def __init__(self, cost: LearnerCost, settings: PlannerSettings, trajs: dict[str, Traj], release: dict[str, float]):
+        self.cost, self.settings, self.trajs, self.release = cost, settings, trajs, release
+        self.tl = RankTimeline()
+        self.now = 0.0
+
+    def run(self, items: list[WorkItem]) -> None:
+        """One schedule call (``StreamExecutor.run``): the items' microbatches back to back, plus the PP bubble."""
+        if not items:
+            return
+        mbs: list[list[WorkItem]] = []
+        cap = self.settings.max_packed_tokens if self.settings.sequence_packing else 0
+        for it in items:
+            tok = self.trajs[it.traj_id].tokens
+            if mbs and cap and sum(self.trajs[x.traj_id].tokens for x in mbs[-1]) + tok <= cap:
+                mbs[-1].append(it)
+            else:
+                mbs.append([it])
+        secs = [self.cost.microbatch_s(sum(self.trajs[x.traj_id].tokens for x in mb)) for mb in mbs]
+        total = self.cost.call_s + sum(secs) + (self.cost.pp - 1) / self.cost.pp * (sum(secs) / len(secs))
+        t0 = self.now
+        for mb, s in zip(mbs, secs):
+            self.tl.jobs.append((max(self.release[x.traj_id] for x in mb), s))
+        self.tl.order += [("run", it.traj_id) for it in items]
+        self.now += total
+        self.tl.busy.append((t0, self.now))
+
+    def plan_s(self, t0: float) -> None:
+        """The planner's own seconds since ``t0`` (``LearnerCost.planner_time``)."""
+        if self.cost.planner_time:
+            dt = time.perf_counter() - t0
+            self.tl.busy.append((self.now, self.now + dt))
+            self.tl.jobs.append((0.0, dt))
+            self.now += dt
+
+    def close(self, closes) -> None:
+        for c in closes:
+            self.tl.order.append(("close", c.group_id))
+            if self.cost.fold_s > 0:
+                self.tl.busy.append((self.now, self.now + self.cost.fold_s))
+                self.tl.jobs.append((0.0, self.cost.fold_s))
+                self.now += self.cost.fold_s
+
+
+def simulate_rank(cost: LearnerCost, settings: PlannerSettings, arrivals: list[tuple[float, Traj]], mode: str,
+                  rank: int, dp: int, start: float = 0.0) -> RankTimeline:
+    """One rank's step. ``arrivals``: (landing time, trajectory), times relative to the step's start (clamped at
+    0: an async batch may have landed before its step began)."""
+    arr = sorted(((max(0.0, t), tr) for t, tr in arrivals), key=lambda x: x[0])
+    trajs = {tr.traj_id: tr for _, tr in arr}
+    sizes: dict[str, int] = {}
+    for _, tr in arr:
+        sizes[tr.group_id] = sizes.get(tr.group_id, 0) + 1
+    planner = make_planner(settings, sizes, mode, rank)
+    R = _Rank(cost, settings, trajs, {tr.traj_id: t for t, tr in arr})
+    R.now = 0.0
+    i, n = 0, len(arr)
+    while i < n:
+        R.now = max(R.now, arr[i][0])
+        j = i
+        while j < n and arr[j][0] <= R.now:
+            j += 1
+        if settings.coalesce_tokens and mode != "sync":
+            while j < n and sum(tr.tokens for _, tr in arr[i:j]) < settings.coalesce_tokens:
+                R.now = max(R.now, arr[j][0])
+                j += 1
+        metas = [TrajMeta(tr.traj_id, tr.group_id, tr.reward, tr.tokens, k % dp) for k, (_, tr) in
+                 zip(range(i, j), arr[i:j])]
+        i = j
+        t0 = time.perf_counter()
+        items = planner.on_ready_batch(metas)
+        R.tl.peak_open_groups = max(R.tl.peak_open_groups, planner.open_groups)
+        R.plan_s(t0)
+        R.run(items)
+        t0 = time.perf_counter()
+        closes, held = planner.closable()
+        R.plan_s(t0)
+        R.run(held)
+        R.close(closes)
+    t0 = time.perf_counter()
+    closes, held = planner.finish()
+    R.plan_s(t0)
+    R.run(held)
+    R.close(closes)
+    if cost.barrier_s > 0:
+        R.tl.busy.append((R.now, R.now + cost.barrier_s))
+        R.now += cost.barrier_s
+    R.tl.end_s = R.now
+    R.tl.stats = dict(planner.stats)
+    R.tl.busy = [(a + start, b + start) for a, b in R.tl.busy]
+    R.tl.end_s += start
+    return R.tl
+
+
+def ranks_to_simulate(dp: int, max_ranks: int = 16) -> list[int]:
+    if dp <= max_ranks:
+        return list(range(dp))
+    return sorted({k * dp // max_ranks for k in range(max_ranks)})
+
+
+def lower_bound(jobs: list[tuple[float, float]], barrier_s: float) -> float:
+    """max_j (r_j + Σ_{r_i ≥ r_j} w_i) + barrier: a one-machine schedule of these jobs (release r, work w) ends no
+    earlier (``tools/bench_streaming.py``'s per-step bound, the same formula)."""
+    best, suffix = 0.0, 0.0
+    for r, w in sorted(jobs, reverse=True):
+        suffix += w
+        best = max(best, r + suffix)
+    return best + barrier_s

@@ -1,0 +1,111 @@
+"""What the planner prints: the per-mode table, bucket memory per rank, recommended settings, the timeline PNG.
+
+Bucket memory: ``memory.estimate`` (the code behind ``examples/bucket_memory.py``) with the simulated peak of open
+groups on one rank (stream-trajectory; the planner opens a group's bucket when its first trajectory streams into it).
+
+Recommendations, each from a re-simulation of stream-trajectory (so a knob is recommended only when the simulation
+says it shortens the step or is needed to fit):
+
+- ``--stream-coalesce-tokens N``: the best of 0 and a few token targets (2, 4, 8 × the mean trajectory);
+- ``--sequence-packing``: on when packed microbatches (``--max-packed-tokens``) shorten the step;
+- ``--max-device-buckets N`` / offload: when the bucket peak does not fit next to the model state (``costs.py``) in
+  ``mem_frac`` of the GPU's memory (the rest for activations and the allocator), keep N vectors on the GPU and the
+  rest in host memory (``streaming/offload.py``); ``--max-open-groups`` when not even that fits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+
+from megatron_tsync.model.builder import ModelArch
+from megatron_tsync.plan.costs import rank_state_gib
+from megatron_tsync.plan.memory import PER_GROUP, estimate
+from megatron_tsync.plan.simulate import Scenario, simulate
+
+GIB = 1 << 30
+
+
+def bucket_memory(arch: ModelArch, sc: Scenario, peak_open_groups: int) -> dict:
+    lay = sc.layout
+    e = estimate(arch, lay.tp, lay.pp, sc.settings.estimator, peak_open_groups, ep=lay.ep)
+    state = rank_state_gib(arch, lay)
+    return {"peak_open_groups": peak_open_groups, "bucket_vectors": e["bucket_vectors"],
+            "vector_gib": e["vector_bytes"] / GIB, "bucket_gib": e["bucket_bytes"] / GIB, "model_state_gib": state,
+            "gpu_gib": lay.spec("mem_gib")}
+
+
+def recommend(arch: ModelArch, sc: Scenario, batches, base_step_s: float, mem: dict, mem_frac: float = 0.75) -> dict:
+    """Settings for stream-trajectory (module docstring); each with the simulated step it gives."""
+    mean_tok = statistics.mean(tr.tokens for b in batches for tr in b)
+    out: dict = {}
+
+    def step(settings) -> float:
+        s2 = dataclasses.replace(sc, settings=settings)
+        return simulate(s2, batches, modes=("stream-trajectory",))["stream-trajectory"]["summary"]["step_s"]
+
+    best_n, best_s = 0, base_step_s
+    for mult in (2, 4, 8):
+        n = int(round(mult * mean_tok, -2))
+        s = step(dataclasses.replace(sc.settings, coalesce_tokens=n))
+        if s < best_s * 0.99:
+            best_n, best_s = n, s
+    out["stream_coalesce_tokens"] = {"value": best_n, "step_s": best_s}
+    s = step(dataclasses.replace(sc.settings, sequence_packing=True))
+    out["sequence_packing"] = {"value": s < base_step_s * 0.99, "step_s": s}
+    free = mem["gpu_gib"] * mem_frac - mem["model_state_gib"]
+    fit = max(0, int(free // mem["vector_gib"])) if mem["vector_gib"] > 0 else 0
+    per_group = PER_GROUP.get(sc.settings.estimator, 2)
+    if mem["bucket_vectors"] <= fit:
+        out["max_device_buckets"] = {"value": None, "why": f"the peak {mem['bucket_vectors']} vectors fit "
+                                     f"({fit} would, {free:.1f} GiB free of {mem['gpu_gib']:.0f} GiB × {mem_frac})"}
+    elif fit >= per_group:
+        out["max_device_buckets"] = {"value": fit, "why": f"{mem['bucket_vectors']} vectors at the peak, {fit} fit on "
+                                     f"the GPU: offload the rest to host memory"}
+    else:
+        groups = max(1, fit // per_group)
+        out["max_device_buckets"] = {"value": 0, "why": f"not one group's {per_group} vectors fit next to the model "
+                                     f"state ({free:.1f} GiB free): offload every bucket, or raise TP/PP",
+                                     "max_open_groups": groups}
+    return out
+
+
+def table(out: dict) -> str:
+    """Markdown: one row per mode."""
+    lines = ["| mode | step s | vs sync | rollout makespan s | learner busy s | idle | tail s | sync s | bound s |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for m, v in out.items():
+        s = v["summary"]
+        lines.append(f"| {m} | {s['step_s']:.2f} | {s.get('speedup_vs_sync', float('nan')):.2f}× | "
+                     f"{s['makespan_s']:.2f} | {s['learner_busy_s']:.2f} | {s['idle_frac']:.0%} | {s['tail_s']:.2f} | "
+                     f"{s['sync_s']:.2f} | {s['bound_s']:.2f} |")
+    return "\n".join(lines)
+
+
+def plot(out: dict, path: str, title: str) -> None:
+    """One steady-state step per mode (the second step, or the only one): rank 0's learner busy intervals (blue),
+    every reward's landing (grey ticks), the weight sync (orange)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(out), 1, figsize=(10, 1.3 * len(out) + 0.8), sharex=True)
+    axes = axes if hasattr(axes, "__len__") else [axes]
+    xmax = 0.0
+    for ax, (m, v) in zip(axes, out.items()):
+        r = v["rows"][1] if len(v["rows"]) > 1 else v["rows"][0]
+        for a, b in r.busy:
+            ax.axvspan(a, b, ymin=0.3, ymax=0.9, color="tab:blue", alpha=0.8)
+        ax.vlines(r.landed, 0.0, 0.25, color="grey", lw=0.6)
+        ax.axvspan(r.step_s - r.sync_s, r.step_s, ymin=0.3, ymax=0.9, color="tab:orange", alpha=0.8)
+        ax.set_yticks([])
+        ax.set_ylabel(m, rotation=0, ha="right", va="center")
+        xmax = max(xmax, r.step_s)
+    axes[-1].set_xlim(0, xmax * 1.02)
+    axes[-1].set_xlabel("seconds since the step's start (blue: learner rank 0 busy, grey: rewards landing, "
+                        "orange: weight sync)")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,71 @@
+"""The simulation never predicts a step below its lower bound (every mode, step, layout and setting tried), the bound
+is attained where no schedule can do better, and the modes order as the streaming argument says."""
+
+import dataclasses
+
+import pytest
+
+from megatron_tsync.plan.costs import learner_cost, weight_sync_s
+from megatron_tsync.plan.hardware import Layout, ModelCost, load_arch
+from megatron_tsync.plan.learner import LearnerCost, PlannerSettings
+from megatron_tsync.plan.simulate import MODES, Scenario, simulate
+from megatron_tsync.plan.workload import WorkloadSpec, build_batch
+
+
+def _scenario(model="qwen3-8b", settings=PlannerSettings(), opd=False, **layout):
+    arch = load_arch(model)
+    lay = Layout(**layout)
+    cost = ModelCost.of(arch)
+    return Scenario(cost=cost, layout=lay, learner=learner_cost(arch, lay, teacher=cost if opd else None),
+                    settings=settings, sync_s=weight_sync_s(cost, lay), opd=opd)
+
+
+CASES = [
+    dict(),
+    dict(model="qwen3-30b-a3b", learner_gpus=8, ep=2, rollout_gpus=8, rollout_tp=2, gpu="h200"),
+    dict(pp=2, settings=PlannerSettings(sequence_packing=True, coalesce_tokens=4000)),
+    dict(learner_gpus=64, tp=2, settings=PlannerSettings(max_open_groups=2)),
+    dict(opd=True, gpu="b200"),
+]
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+@pytest.mark.parametrize("profile,scale", [("swe-like", 3.0), ("uniform", 0.2)])
+def test_never_below_the_bound(case, profile, scale):
+    sc = _scenario(**CASES[case])
+    batches = [build_batch(WorkloadSpec(prompts=8, group_size=4, profile=profile, latency_scale=scale, seed=case), k)
+               for k in range(3)]
+    out = simulate(sc, batches)
+    for m in MODES:
+        for r in out[m]["rows"]:
+            assert r.step_s >= r.bound_s * (1 - 1e-12), (m, r.step, r.step_s, r.bound_s)
+            assert r.busy_s > 0 and r.idle_s >= 0
+
+
+def test_sync_accounting_and_modes_ordered():
+    """No per-microbatch overhead, no folds, one rank: a sync step is exactly its last reward + the work of the
+    trajectories it trains + barrier + weight sync; with spread-out rewards streaming beats sync."""
+    sc = _scenario(learner_gpus=1)
+    lc = dataclasses.replace(sc.learner, overhead_s=0.0, fold_s=0.0)
+    sc = dataclasses.replace(sc, learner=lc)
+    batches = [build_batch(WorkloadSpec(prompts=4, group_size=4, latency_scale=2.0), k) for k in range(2)]
+    r = simulate(sc, batches, ("sync",))["sync"]["rows"][1]
+    rewards = {}
+    for tr in batches[1]:
+        rewards.setdefault(tr.group_id, set()).add(tr.reward)
+    trained = [tr for tr in batches[1] if len(rewards[tr.group_id]) > 1]  # all-equal groups: skipped
+    assert 0 < len(trained) < len(batches[1])
+    work = sum(lc.microbatch_s(tr.tokens) for tr in trained)
+    assert r.step_s == pytest.approx(r.last_reward_s + work + lc.barrier_s + sc.sync_s, rel=1e-9)
+    spread = [build_batch(WorkloadSpec(prompts=8, group_size=4, latency_scale=5.0), k) for k in range(3)]
+    s = {m: v["summary"] for m, v in simulate(sc, spread).items()}
+    assert s["stream-trajectory"]["step_s"] <= s["stream-group"]["step_s"] < s["sync"]["step_s"]
+    assert s["stream-trajectory"]["tail_s"] < s["sync"]["tail_s"]
+    assert s["sync"]["peak_open_groups"] == 0 < s["stream-trajectory"]["peak_open_groups"]
+
+
+def test_learner_cost_scales_with_the_layout():
+    arch = load_arch("qwen3-8b")
+    one, four = learner_cost(arch, Layout(tp=1)), learner_cost(arch, Layout(tp=4))
+    assert one.per_token_s == pytest.approx(4 * four.per_token_s)
+    assert LearnerCost(0.5, 0.01, 1e-6).microbatch_s(100) == pytest.approx(0.5 + 1.0 + 0.01)
