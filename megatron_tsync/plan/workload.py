@@ -19,6 +19,7 @@ import math
 import random
 
 from megatron_tsync.runtime.latency import LatencyProfile, load_latency_profile
+from megatron_tsync.transport.ids import group_id, traj_id
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,11 +45,11 @@ class Traj:
 
     @property
     def traj_id(self) -> str:
-        return f"s{self.step}g{self.group}t{self.index}"
+        return traj_id(self.group_id, self.index)
 
     @property
     def group_id(self) -> str:
-        return f"s{self.step}g{self.group}"
+        return group_id(self.step, self.group)
 
 
 @dataclasses.dataclass(frozen=True)

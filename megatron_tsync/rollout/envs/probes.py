@@ -24,6 +24,7 @@ Standard library only.
 from __future__ import annotations
 
 import ast
+import copy
 import json
 import operator
 import os
@@ -31,7 +32,7 @@ import stat
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-__all__ = ["Expect", "NOPIN", "PROBE_RUNTIME", "rewrite_asserts", "parse_records", "judge", "is_strong",
+__all__ = ["Expect", "EXPOSED", "NOPIN", "PROBE_RUNTIME", "rewrite_asserts", "parse_records", "judge", "is_strong",
            "expectations_from_reference", "MAX_RESULTS_BYTES"]
 
 MAX_VALUE_CHARS = 1 << 20
@@ -40,11 +41,16 @@ PROBE = "__tsync_probe__"
 
 OPS = {ast.Eq: "==", ast.NotEq: "!=", ast.Lt: "<", ast.LtE: "<=", ast.Gt: ">", ast.GtE: ">=", ast.In: "in",
        ast.NotIn: "not in", ast.Is: "is", ast.IsNot: "is not"}
+EXPOSED = "exposed"
+"""The op of a probe whose comparison had two non-literal operands: both are evaluated in the child, so the one that
+holds the expected value (a variable computed by the test) is visible to the solution's code there; the probe is
+pinned to the reference run's value but never *strong* (a loaded task needs a strong check in each FAIL_TO_PASS
+test: one whose expected value the child never holds)."""
 _FLIP = {"==": "==", "!=": "!=", "<": ">", "<=": ">=", ">": "<", ">=": "<="}  # literal on the left: swap sides
 _EVAL = {"==": operator.eq, "!=": operator.ne, "<": operator.lt, "<=": operator.le, ">": operator.gt,
          ">=": operator.ge, "in": lambda a, b: a in b, "not in": lambda a, b: a not in b,
          "is": lambda a, b: a is b, "is not": lambda a, b: a is not b,
-         "approx": lambda a, b: _approx(a, *b)}
+         "approx": lambda a, b: _approx(a, *b), EXPOSED: lambda a, b: True}
 
 
 def _approx(value: Any, expected: Any, rel: float | None, abs_: float | None) -> bool:
@@ -124,6 +130,8 @@ class Expect:
     def strong(self) -> bool:
         """Whether a solution that does not compute the value cannot satisfy this: an exact value it never sees that
         is not a bool / None (those are 1-bit guesses, e.g. a bare ``assert x`` is True in every passing run)."""
+        if self.op == EXPOSED:
+            return False
         if self.pinned is not NOPIN and not isinstance(self.pinned, (bool, type(None))):
             return True
         lit = self.literal[0] if self.op == "approx" else self.literal
@@ -201,21 +209,82 @@ class _Rewriter(ast.NodeTransformer):
                 return _probe_call(self._site(op, val_r), left)
             if lit_l and not lit_r and op in _FLIP:
                 return _probe_call(self._site(_FLIP[op], val_l), right)
-            return [_probe_call(self._site(), left), _probe_call(self._site(), right)]
+            return [_probe_call(self._site(EXPOSED), left), _probe_call(self._site(EXPOSED), right)]
         if isinstance(t, ast.Compare):  # a chain: its non-literal operands are probed (pinned by the reference)
-            return [_probe_call(self._site(), x) for x in [t.left, *t.comparators] if not _literal(x)[0]] or \
-                [ast.Pass()]
+            probed = [x for x in [t.left, *t.comparators] if not _literal(x)[0]]
+            op = EXPOSED if len(probed) > 1 else None
+            return [_probe_call(self._site(op), x) for x in probed] or [ast.Pass()]
         return _probe_call(self._site(), t)
+
+
+def _stores(scope: ast.AST) -> dict[str, int]:
+    """How often each name is bound in ``scope`` and everything nested in it (assignments, loops, imports, ``del``,
+    ``global``/``nonlocal``, function/class definitions, walrus, ``with ... as``, ``except ... as``)."""
+    out: dict[str, int] = {}
+    for n in ast.walk(scope):
+        names: list[str] = []
+        if isinstance(n, ast.Name) and isinstance(n.ctx, (ast.Store, ast.Del)):
+            names = [n.id]
+        elif isinstance(n, (ast.Global, ast.Nonlocal)):
+            names = list(n.names) * 2  # never a constant
+        elif isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names = [n.name]
+        elif isinstance(n, (ast.Import, ast.ImportFrom)):
+            names = [(a.asname or a.name).split(".")[0] for a in n.names]
+        elif isinstance(n, ast.ExceptHandler) and n.name:
+            names = [n.name]
+        elif isinstance(n, ast.arg):
+            names = [n.arg]
+        for name in names:
+            out[name] = out.get(name, 0) + 1
+    return out
+
+
+def _inline_constants(tree: ast.Module) -> None:
+    """``want = 5`` (bound once, to a literal, in a function body or at module level) whose every use is an operand of
+    an ``assert`` comparison: the uses become the literal and the binding is removed, so the literal is stripped from
+    the child like one written in the assert (``assert add(2, 3) == want`` is ``assert add(2, 3) == 5``). A name used
+    anywhere else keeps its binding (and its comparisons stay probes of both sides: :data:`EXPOSED`)."""
+    stores = _stores(tree)
+    scopes = [tree, *(n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)))]
+    for scope in scopes:
+        local = stores if scope is tree else _stores(scope)
+        for stmt in list(scope.body):
+            if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)):
+                continue
+            name = stmt.targets[0].id
+            if not _literal(stmt.value)[0] or local.get(name) != 1:
+                continue  # bound more than once in its scope (the module: anywhere in the file): not a constant
+            where = scope
+            uses = [n for n in ast.walk(where) if isinstance(n, ast.Name) and n.id == name
+                    and isinstance(n.ctx, ast.Load)]
+            operands = [(cmp, i) for a in ast.walk(where) if isinstance(a, ast.Assert)
+                        and isinstance(a.test, ast.Compare) for cmp in [a.test]
+                        for i, x in enumerate([cmp.left, *cmp.comparators]) if isinstance(x, ast.Name) and x.id == name]
+            if not uses or len(uses) != len(operands):
+                continue
+            for cmp, i in operands:
+                const = copy.deepcopy(stmt.value)
+                if i == 0:
+                    cmp.left = const
+                else:
+                    cmp.comparators[i - 1] = const
+            scope.body.remove(stmt)
+            if not scope.body:
+                scope.body.append(ast.Pass())
 
 
 def rewrite_asserts(source: str, prefix: str) -> tuple[str, dict[str, tuple[str | None, Any]]]:
     """(child source, site -> (op, literal) or (None, None)) for a test file: every ``assert`` becomes probes of
-    its operands; a literal operand of a single comparison is stripped (kept in the returned sites). ValueError if
-    the file is not valid Python."""
+    its operands; a literal operand of a single comparison is stripped (kept in the returned sites), and so is a
+    constant bound to a name used only in such comparisons (:func:`_inline_constants`); a comparison of two
+    non-literal operands probes both with op :data:`EXPOSED` (never a strong check). ValueError if the file is not
+    valid Python."""
     try:
         tree = ast.parse(source)
     except SyntaxError as e:
         raise ValueError(f"{prefix}: not valid Python ({e.msg}, line {e.lineno})") from None
+    _inline_constants(tree)
     rw = _Rewriter(prefix)
     tree = ast.fix_missing_locations(rw.visit(tree))
     return ast.unparse(tree) + "\n", rw.sites

@@ -136,6 +136,11 @@ def _make_user_class(ns):
 
         def _generate_next_message(self, message, state):
             if not self.pending and not self.scripted:
+                headers = (getattr(self, "llm_args", None) or {}).get("extra_headers")
+                if isinstance(headers, dict) and "X-Episode-Id" in headers:
+                    # one endpoint episode per request: τ²'s user history is its own view of the conversation
+                    # (roles flipped, tool calls dropped), not always an extension of the served replies
+                    headers["X-Episode-Id"] = f"tau2-user-{uuid.uuid4().hex}"
                 return super()._generate_next_message(message, state)
             if isinstance(message, ns.message.MultiToolMessage):
                 state.messages.extend(message.tool_messages)
@@ -342,7 +347,7 @@ class Tau2Episode:
             else:
                 pending = ([task.opening] if task.opening is not None else []) + list(u.replies)
             llm_args = dict(u.llm_args or {})
-            if u.mode == "llm":  # this project's endpoint: one episode per conversation (other servers ignore it)
+            if u.mode == "llm":  # this project's endpoint: an episode id per request (other servers ignore it)
                 llm_args["extra_headers"] = {"X-Episode-Id": f"tau2-user-{uuid.uuid4().hex}",
                                              **llm_args.get("extra_headers", {})}
             user = env._User(scripted=u.mode == "scripted", pending=pending, tools=user_tools,

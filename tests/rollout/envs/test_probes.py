@@ -39,7 +39,7 @@ def test_rewrite_strips_literal_operands_and_probes_the_rest():
     child, sites = rewrite_asserts(SRC, "t.py")
     assert not any(lit in child for lit in ("50", "70", "90")) and "assert" not in child
     assert sites == {"t.py#0": ("==", 50), "t.py#1": ("==", 70), "t.py#2": (">", 3), "t.py#3": (None, None),
-                     "t.py#4": (None, None), "t.py#5": (None, None), "t.py#6": (None, None)}
+                     "t.py#4": ("exposed", None), "t.py#5": ("exposed", None), "t.py#6": (None, None)}
     recs = run_child(child, f=lambda x: x * 10, g=lambda x: x + 1)
     assert [(s, v) for _, s, _, v in recs] == [("t.py#0", "10"), ("t.py#1", "20"), ("t.py#2", "30"),
                                                ("t.py#3", "40"), ("t.py#4", "50"), ("t.py#5", "6"),
@@ -123,7 +123,7 @@ def test_pytest_approx_with_literals_is_judged_with_its_tolerance():
                                    "assert h() == approx(x)\n", "a.py")
     assert "0.3" not in child and "abs" not in child
     assert sites == {"a.py#0": ("approx", (0.3, None, None)), "a.py#1": ("approx", ([1.0, 2.0], None, 0.1)),
-                     "a.py#2": (None, None), "a.py#3": (None, None)}
+                     "a.py#2": ("exposed", None), "a.py#3": ("exposed", None)}
     e0, e1 = (Expect(s, op=op, literal=lit) for s, (op, lit) in list(sites.items())[:2])
     assert e0.strong and e0.holds(0.1 + 0.2) and not e0.holds(0.31) and not e0.holds("0.3") and not e0.holds(True)
     assert e1.holds([1.05, 1.95]) and not e1.holds([1.2, 2.0]) and not e1.holds((1.0, 2.0))
@@ -131,3 +131,20 @@ def test_pytest_approx_with_literals_is_judged_with_its_tolerance():
 
 def test_the_probe_name_is_what_the_rewrite_calls():
     assert PROBE in rewrite_asserts("assert x\n", "p")[0] and f"builtins.{PROBE} = probe" in PROBE_RUNTIME
+
+
+def test_constants_bound_in_the_test_are_stripped_and_two_sided_comparisons_are_weak():
+    """`want = 5; assert add(2, 3) == want` is `assert add(2, 3) == 5` (the binding removed, the literal kept on the
+    trusted side); a name used anywhere else, or bound to a computed value, stays in the child, and its comparison
+    probes both sides as EXPOSED: pinned, never strong."""
+    src = ("WANT = {'a': 1}\n"
+           "def test_a():\n    want = 5\n    assert add(2, 3) == want\n"
+           "def test_b():\n    want = 7\n    assert want == add(3, 4)\n    print(want)\n"
+           "def test_c():\n    assert get() == WANT\n"
+           "def test_d():\n    want = sorted([3, 1])\n    assert srt([3, 1]) == want\n")
+    child, sites = rewrite_asserts(src, "t.py")
+    assert "want = 5" not in child and "== 5" not in child and "'a'" not in child and "want = 7" in child and "sorted([3, 1])" in child
+    assert sites == {"t.py#0": ("==", 5), "t.py#1": ("exposed", None), "t.py#2": ("exposed", None),
+                     "t.py#3": ("==", {"a": 1}), "t.py#4": ("exposed", None), "t.py#5": ("exposed", None)}
+    assert not Expect("t.py#4", pinned=[1, 3], op="exposed").strong and Expect("t.py#4", pinned=[1, 3]).strong
+    assert Expect("t.py#4", pinned=[1, 3], op="exposed").holds([1, 3])

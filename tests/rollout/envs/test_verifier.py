@@ -249,18 +249,27 @@ def add(a, b):  # the value the calling test keeps in its local `want`
 '''
 
 
-def test_known_limit_expected_values_kept_in_the_test_body_are_visible(env_sandbox, hidden_verifier, tmp_path):
-    """NOT defended (docs/threat_model.md): a loaded test that keeps its expected value in a variable shows it to
-    the child; a solution reading its caller's frame returns it and scores 1 without fixing add(). The same test
-    with the literal in the assert itself (the form the rewrite strips) gives the cheat 0."""
+def test_expected_values_kept_in_the_test_body(env_sandbox, hidden_verifier, tmp_path):
+    """A solution that reads its caller's frame for the expected value (the test's local `want`) without fixing add():
+    a constant `want = 5` is inlined and stripped like a literal in the assert (the cheat finds nothing: 0); an
+    expected value the test computes in the child (`want = int("5")`) would be visible, so that comparison is never
+    a strong check and the task is refused as unverifiable (0, with the reason); a literal in the assert itself: 0.
+    Control: the same tasks with the real fix score 1 where they are verifiable."""
     env = WorkspaceEnv(sandbox=env_sandbox, verifier=hidden_verifier)
-    for n, (body, reward) in enumerate([("    want = 5\n    assert add(2, 3) == want\n", 1.0),
-                                        ("    assert add(2, 3) == 5\n", 0.0)]):
+    cases = [("    want = 5\n    assert add(2, 3) == want\n", True), ("    assert add(2, 3) == 5\n", True),
+             ("    want = int('5')\n    assert add(2, 3) == want\n", False)]
+    for n, (body, verifiable) in enumerate(cases):
         root = tmp_path / str(n)
         root.mkdir()
         (task,) = load_swebench_jsonl(make_swebench_jsonl(str(root), "def test_add():\n" + body), str(root))
         c = Case(env, task, "calc/ops.py", True)
-        assert c.play([c.write(c.host, FRAME_READER, append=True)])[0].reward == reward, body
+        cheat = c.play([c.write(c.host, FRAME_READER, append=True)])[0]
+        assert cheat.reward == 0.0, (body, cheat)
+        if verifiable:
+            fixed = c.play(c.fix())[0]
+            assert fixed.reward == 1.0, (body, fixed)
+        else:
+            assert "unverifiable" in str(cheat) or "strong" in str(cheat) or "value check" in str(cheat), cheat
 
 
 BOOL_GUESSES = {"always True": "return True", "always False": "return False",
