@@ -90,7 +90,9 @@ def _cases(rl_task, limit):
     return [t for t in tasks if _writes(rl_task, t)][:limit]
 
 
-@pytest.mark.parametrize("name,limit", [("mock-scripted", None), ("airline-scripted", 10), ("retail-scripted", 10),
+@pytest.mark.parametrize("name,limit", [("mock-scripted", None),
+                                        pytest.param("airline-scripted", 10, marks=pytest.mark.slow),  # ~40 s
+                                        pytest.param("retail-scripted", 10, marks=pytest.mark.slow),  # ~30 s
                                         ("telecom", 10)])
 def test_gold_actions_score_one_and_a_wrong_action_zero(tau2_tasks, name, limit):
     rl_task = tau2_tasks[name]

@@ -218,9 +218,13 @@ def test_writes_outside_scratch_fail(sb):
 
 def test_writes_into_another_running_sandbox_dir_fail(sb):
     require(sb, "filesystem")
+    # the holder runs until the test releases it (a file in its own directory), not for a fixed time: under load the
+    # second sandbox's start can take longer than any fixed sleep, and the holder's directory would be gone by then
+    sb = Sandbox(dataclasses.replace(sb.config, wall_timeout_s=30.0))
     before = set(os.listdir(sb.scratch_root))
     holder: dict[str, ToolResult] = {}
-    t = threading.Thread(target=lambda: holder.setdefault("r", sb.run(["sleep", "1.5"])))
+    wait = "i=0; while [ ! -e release ] && [ $i -lt 1000 ]; do sleep 0.02; i=$((i+1)); done"
+    t = threading.Thread(target=lambda: holder.setdefault("r", sb.run(["sh", "-c", wait])))
     t.start()
     deadline = time.monotonic() + 5
     other = None
@@ -233,6 +237,7 @@ def test_writes_into_another_running_sandbox_dir_fail(sb):
     target = os.path.join(other, "planted.txt")
     r = sb.run([sb.python, "-I", "-c", WRITE, target])
     exists = os.path.exists(target)
+    open(os.path.join(other, "release"), "w").close()
     t.join()
     assert r.stdout.startswith(f"DENIED {target}"), r
     assert not exists and holder["r"].ok
