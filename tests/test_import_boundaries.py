@@ -39,7 +39,7 @@ ALLOWED: dict[str, set[str]] = {
     "train": {"arguments", "runtime"},
     # the planner/simulator (issue 32): the real streaming planner, the latency profiles (runtime/latency.py, standard
     # library only) and the model shapes
-    "plan": {"plan", "model", "streaming", "algorithms", "runtime", "transport"},
+    "plan": {"plan", "model", "streaming", "algorithms", "runtime", "transport", "rollout"},
     "__init__": set(),
 }
 MAX_LINES = 800

@@ -74,24 +74,10 @@ class WorkloadSpec:
 
 
 def _trace_rows(path: str) -> list[list[dict]]:
-    groups: dict[str, list[dict]] = {}
-    with open(path) as f:
-        for k, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-                row = {"tool_s": [float(x) for x in rec["tool_s"]], "verify_s": float(rec.get("verify_s") or 0.0),
-                       "gen_tokens": [int(x) for x in rec.get("gen_tokens") or []]}
-                gid = str(rec["group"])
-            except (ValueError, KeyError, TypeError) as e:
-                raise ValueError(f"{path}:{k}: not a latency trace line ({type(e).__name__}: {e})") from None
-            if any(not (x >= 0 and math.isfinite(x)) for x in row["tool_s"] + [row["verify_s"]]):
-                raise ValueError(f"{path}:{k}: latencies must be finite and >= 0")
-            groups.setdefault(gid, []).append(row)
-    if not groups:
-        raise ValueError(f"{path}: no trajectories in the trace")
-    return list(groups.values())
+    """The endpoint's JSONL trace (``rollout/latency_trace.py``'s reader) as rows per group, verify 0 when absent."""
+    from megatron_tsync.rollout.latency_trace import read_trace
+
+    return [[dict(r, verify_s=r["verify_s"] or 0.0) for r in rows] for rows in read_trace(path).values()]
 
 
 def build_batch(spec: WorkloadSpec, step: int = 0) -> list[Traj]:

@@ -21,6 +21,7 @@ the replaying run generates for itself. Standard library only.
 from __future__ import annotations
 
 import json
+import math
 import os
 import threading
 from typing import Any, Sequence
@@ -57,26 +58,38 @@ class LatencyTrace:
                 os.close(fd)
 
 
+def read_trace(path: str) -> dict[str, list[dict]]:
+    """The trace's trajectories per group (first-seen order), each ``{"tool_s": [...], "verify_s": float | None,
+    "gen_tokens": [...]}``; a bad line is an error naming the file and line, and so is a trace with none."""
+    groups: dict[str, list[dict]] = {}
+    with open(path) as f:
+        for k, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+                v = rec.get("verify_s")
+                row = {"tool_s": [float(x) for x in rec["tool_s"]], "verify_s": None if v is None else float(v),
+                       "gen_tokens": [int(x) for x in rec.get("gen_tokens") or []]}
+                group = str(rec["group"])
+            except (ValueError, KeyError, TypeError) as e:
+                raise ValueError(f"{path}:{k}: not a latency trace line ({type(e).__name__}: {e})") from None
+            if any(not (x >= 0 and math.isfinite(x)) for x in row["tool_s"] + [row["verify_s"] or 0.0]):
+                raise ValueError(f"{path}:{k}: latencies must be finite and >= 0, got {row['tool_s']}, "
+                                 f"verify {row['verify_s']}")
+            groups.setdefault(group, []).append(row)
+    if not groups:
+        raise ValueError(f"{path}: no trajectories in the trace")
+    return groups
+
+
 def latency_profile_from_trace(paths: str | Sequence[str], *, include_verify: bool = True) -> dict:
     """A ``--latency-profile`` JSON object replaying one or more JSONL traces (groups in first-seen order; see the
     module docstring). Bad lines are errors naming the file and line."""
     groups: dict[str, list[list[float]]] = {}
     for path in [paths] if isinstance(paths, str) else list(paths):
-        with open(path) as f:
-            for k, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    rec = json.loads(line)
-                    row = [float(x) for x in rec["tool_s"]]
-                    if include_verify and rec.get("verify_s") is not None:
-                        row.append(float(rec["verify_s"]))
-                    group = str(rec["group"])
-                except (ValueError, KeyError, TypeError) as e:
-                    raise ValueError(f"{path}:{k}: not a latency trace line ({type(e).__name__}: {e})") from None
-                if any(not (x >= 0 and x != float("inf")) for x in row):
-                    raise ValueError(f"{path}:{k}: latencies must be finite and >= 0, got {row}")
+        for group, rows in read_trace(path).items():
+            for r in rows:
+                row = r["tool_s"] + ([r["verify_s"]] if include_verify and r["verify_s"] is not None else [])
                 groups.setdefault(group, []).append(row or [0.0])
-    if not groups:
-        raise ValueError(f"{paths}: no trajectories in the trace")
     return {"kind": "trace", "groups": groups}
