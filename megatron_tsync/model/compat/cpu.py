@@ -228,3 +228,43 @@ def _install_cpu_moe_splits() -> None:
 
     maybe_move_tensor_to_cpu._tsync_cpu = True
     td.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+
+
+def _install_gloo_uneven_sequence_collectives() -> None:
+    """CPU (gloo): megatron's MoE dispatcher at expert TP > 1 with EP > 1 gathers the tokens routed to this rank's
+    experts over the expert-TP group with ``output_split_sizes`` (``torch.distributed.all_gather`` of unequal
+    tensors) and reduce-scatters their gradients back with ``input_split_sizes`` (``reduce_scatter`` of unequal
+    tensors); gloo takes neither ("invalid tensor size"). Both become the equal-size collectives on tensors padded
+    with zeros to the longest split, then sliced: the same values (the padding adds exact zeros to no real row)."""
+    import torch.distributed as dist
+    from megatron.core.tensor_parallel import mappings
+
+    if getattr(mappings._gather_along_first_dim, "_tsync_gloo", False):
+        return
+    gather, scatter = mappings._gather_along_first_dim, mappings._reduce_scatter_along_first_dim
+
+    def _pad(t: torch.Tensor, n: int) -> torch.Tensor:
+        return t if t.shape[0] == n else torch.cat([t, t.new_zeros((n - t.shape[0], *t.shape[1:]))])
+
+    def gather_along_first_dim(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if output_split_sizes is None or group.size() == 1 or dist.get_backend(group) != "gloo":
+            return gather(input_, group, output_split_sizes, use_global_buffer)
+        sizes = [int(s) for s in output_split_sizes]
+        n = max(sizes)
+        parts = [torch.empty((n, *input_.shape[1:]), dtype=input_.dtype) for _ in sizes]
+        dist.all_gather(parts, _pad(input_.contiguous(), n), group=group)
+        return torch.cat([p[:s] for p, s in zip(parts, sizes)])
+
+    def reduce_scatter_along_first_dim(input_, group, input_split_sizes=None, use_global_buffer=False):
+        if input_split_sizes is None or group.size() == 1 or dist.get_backend(group) != "gloo":
+            return scatter(input_, group, input_split_sizes, use_global_buffer)
+        sizes = [int(s) for s in input_split_sizes]
+        n = max(sizes)
+        chunks = [_pad(c, n) for c in torch.split(input_, sizes, dim=0)]
+        out = torch.empty((n, *input_.shape[1:]), dtype=input_.dtype)
+        dist.reduce_scatter(out, chunks, group=group)
+        return out[:sizes[group.rank()]]
+
+    gather_along_first_dim._tsync_gloo = True
+    mappings._gather_along_first_dim = gather_along_first_dim
+    mappings._reduce_scatter_along_first_dim = reduce_scatter_along_first_dim

@@ -13,7 +13,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from megatron_tsync.model.compat.attention import use_sdpa_attention
-from megatron_tsync.model.compat.cpu import _install_cpu_moe_splits, cuda_available
+from megatron_tsync.model.compat.cpu import (_install_cpu_moe_splits, _install_gloo_uneven_sequence_collectives,
+                                             cuda_available)
 
 
 def megatron_core_version() -> tuple[int, ...]:
@@ -130,6 +131,7 @@ def _fix_moe_without_te() -> None:
         moe_utils.te_general_gemm = None
     if not cuda_available():
         _install_cpu_moe_splits()
+        _install_gloo_uneven_sequence_collectives()
     _install_float64_routing()
 
 
