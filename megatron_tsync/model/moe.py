@@ -368,6 +368,43 @@ def microbatch_routing(routings, lengths, pad: int = 0) -> list[torch.Tensor] | 
     return [full[:, layer] for layer in range(num_layers)]
 
 
+def prompt_routing(routing, length: int, prefix: int) -> torch.Tensor | None:
+    """(prefix, L, k) the experts a trajectory of ``length`` tokens replays at its first ``prefix`` positions (its
+    engine routing ``routing`` (P, L, k), filled as :func:`microbatch_routing` fills), each position's k experts
+    sorted: the replay scatters them into a routing map, their order is immaterial. None without routing."""
+    if routing is None:
+        return None
+    return torch.stack([r[:prefix] for r in microbatch_routing([routing], [length])], 1).sort(-1).values
+
+
+def shared_prefix_routing(routings, lengths, prefix: int, pad: int = 0) -> list[torch.Tensor] | None:
+    """Per global MoE layer, the (T, k) experts of a shared-prefix microbatch (``training.packing.PrefixLayout``:
+    the prompt's first ``prefix`` positions once, then each trajectory's positions ``prefix..T_i-1``, then ``pad``
+    padding positions), each position's experts from its own trajectory's engine routing as in
+    :func:`microbatch_routing`. The prompt's positions must route alike in every trajectory (the engine prefilled
+    each member's prompt; :func:`prompt_routing` equal): the planner keeps members whose prompt routing differs
+    out of the microbatch, and this raises rather than replay one member's routing for another's prompt."""
+    routings, lengths = list(routings), [int(n) for n in lengths]
+    per_traj = [microbatch_routing([r], [n]) for r, n in zip(routings, lengths)]
+    if all(p is None for p in per_traj):
+        return None
+    if any(p is None for p in per_traj):
+        raise ValueError("router replay: some trajectories of a microbatch carry no routing")
+    head = prompt_routing(routings[0], lengths[0], prefix)
+    for r, n in zip(routings[1:], lengths[1:]):
+        if not torch.equal(prompt_routing(r, n, prefix), head):
+            raise ValueError(f"router replay: the trajectories of a shared-prefix microbatch route their first "
+                             f"{prefix} prompt positions differently (the planner must keep them apart)")
+    topk = int(head.shape[-1])
+    out = []
+    for layer in range(len(per_traj[0])):
+        parts = [per_traj[0][layer][:prefix]] + [p[layer][prefix:] for p in per_traj]
+        if pad:
+            parts.append(torch.arange(topk).expand(pad, topk))
+        out.append(torch.cat(parts))  # (T, k)
+    return out
+
+
 class replay_microbatch:
     """``with replay_microbatch(model, per_layer):``: :class:`replay_routing` with this stage's layers picked out of
     ``per_layer`` (every global MoE layer, e.g. from :func:`microbatch_routing`) by their layer numbers; with
