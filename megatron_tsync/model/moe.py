@@ -80,7 +80,13 @@ forward that first computed it (prefill for the prompt, the decode step for each
 the next turn's prefill), the agent loop keeps them across turns, the trajectory event carries them, and the
 learner's training and π_θ0 forwards route every token to those experts (:func:`microbatch_routing`,
 :class:`replay_microbatch`). Positions no engine computed (the last token, a final tool result) and packing padding
-route to experts 0..k-1: no scored log-prob depends on them. vLLM returns routed experts only with its model runner
+route to experts 0..k-1: no scored log-prob depends on them. With ``--shared-prefix`` the prompt, run once for the
+group's members in its microbatch, replays the engine's prefill routing (:func:`shared_prefix_routing`), and each
+continuation its own trajectory's; the engine prefills every member's prompt, and a member whose prompt routes
+otherwise (float rounding of a differently composed batch can flip a near-tie: measured with a bf16 engine, 7 of 960
+(position, layer) pairs when the same prompt was prefilled beside others) is kept out of that prefix
+(``training.packing.plan_shared_prefix``; counted as ``shared_prefix_routing_split``) and runs unshared with its own
+routing. vLLM returns routed experts only with its model runner
 V2, which needs Triton (not in the CPU build): the vLLM adapter does not record routing yet.
 
 EP rank ``q`` of size ``ep`` holds the global experts ``e = q · E/ep + e_l`` (megatron's contiguous split); the expert
