@@ -383,8 +383,9 @@ def test_quickstart_trains_tiny_qwen3(tmp_path, family, extra, replay):
     args = ["--config", os.path.join(common.REPO, "examples", "tiny_agent", "config.yaml"), "--model", model,
             "--save", str(tmp_path / "ck"), "--tensorboard-dir", str(tmp_path / "tb"), "--train-iters", "2",
             "--sft-warmup-steps", "5", "--group-size", "2", "--global-batch-size", "4", "--max-new-tokens", "16",
-            "--no-progress", "--eval-prompts", "8"] + (["--moe-router-replay", "--dump-rollouts", str(tmp_path / "dump"),
-                                                        *REPLAY_SHARED_PREFIX] if replay else [])
+            "--no-progress", "--eval-prompts", "8"]
+    if replay:
+        args += ["--moe-router-replay", "--dump-rollouts", str(tmp_path / "dump"), *REPLAY_SHARED_PREFIX]
     p = subprocess.run([sys.executable, "-m", "megatron_tsync.train", *args], cwd=tmp_path, env=env,
                        capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, f"{p.stdout[-3000:]}\n{p.stderr[-5000:]}"

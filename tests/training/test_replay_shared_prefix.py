@@ -54,9 +54,9 @@ def setup(megatron_single, tmp_path_factory):
     samples = []
     for t in loop.run([p for p in prompts for _ in range(G)]):
         k, i = divmod(t.index, G)
-        samples.append(Sample(traj_id=f"g{k}t{i}", group_id=f"g{k}", group_size=G,
-                              token_ids=torch.tensor(t.token_ids), loss_mask=torch.tensor(t.loss_mask, dtype=torch.float),
-                              reward=REWARDS[i], behaviour_logp=torch.tensor(t.logprobs, dtype=torch.float64),
+        samples.append(Sample(traj_id=f"g{k}t{i}", group_id=f"g{k}", group_size=G, token_ids=torch.tensor(t.token_ids),
+                              loss_mask=torch.tensor(t.loss_mask, dtype=torch.float), reward=REWARDS[i],
+                              behaviour_logp=torch.tensor(t.logprobs, dtype=torch.float64),
                               routing=torch.from_numpy(t.routing)))
     model = build_model(arch, PrecisionConfig(params_dtype=torch.float64), seed=0, moe_enable_routing_replay=True)
     load_hf_into_model(model, fragile)
