@@ -190,9 +190,6 @@ class TrainConfig:
                "reference: only the GRPO learner's forwards (and the warm start's, one per rank and step) keep the "
                "expert-parallel ranks in lockstep (each MoE all-to-all is a collective over them)",
                "parallel.expert_model_parallel_size", "rl.algorithm")
-        _check(not (self.model.moe_router_replay and self.learner.shared_prefix),
-               "model.moe_router_replay with learner.shared_prefix is not wired (a shared prompt's routing would be "
-               "taken from one trajectory)", "model.moe_router_replay", "learner.shared_prefix")
         _check(not self.model.moe_router_replay or (self.rl.algorithm == "grpo" and self.rollout.engine == "embedded"),
                "model.moe_router_replay is wired for rl.algorithm grpo with rollout.engine embedded (the vLLM "
                "adapter does not return routed experts yet; the OPD learner's forward does not replay)",

@@ -80,7 +80,13 @@ forward that first computed it (prefill for the prompt, the decode step for each
 the next turn's prefill), the agent loop keeps them across turns, the trajectory event carries them, and the
 learner's training and π_θ0 forwards route every token to those experts (:func:`microbatch_routing`,
 :class:`replay_microbatch`). Positions no engine computed (the last token, a final tool result) and packing padding
-route to experts 0..k-1: no scored log-prob depends on them. vLLM returns routed experts only with its model runner
+route to experts 0..k-1: no scored log-prob depends on them. With ``--shared-prefix`` the prompt, run once for the
+group's members in its microbatch, replays the engine's prefill routing (:func:`shared_prefix_routing`), and each
+continuation its own trajectory's; the engine prefills every member's prompt, and a member whose prompt routes
+otherwise (float rounding of a differently composed batch can flip a near-tie: measured with a bf16 engine, 7 of 960
+(position, layer) pairs when the same prompt was prefilled beside others) is kept out of that prefix
+(``training.packing.plan_shared_prefix``; counted as ``shared_prefix_routing_split``) and runs unshared with its own
+routing. vLLM returns routed experts only with its model runner
 V2, which needs Triton (not in the CPU build): the vLLM adapter does not record routing yet.
 
 EP rank ``q`` of size ``ep`` holds the global experts ``e = q · E/ep + e_l`` (megatron's contiguous split); the expert
@@ -366,6 +372,43 @@ def microbatch_routing(routings, lengths, pad: int = 0) -> list[torch.Tensor] | 
         parts.append(torch.arange(topk).expand(pad, num_layers, topk))
     full = torch.cat(parts)  # (T, L, k)
     return [full[:, layer] for layer in range(num_layers)]
+
+
+def prompt_routing(routing, length: int, prefix: int) -> torch.Tensor | None:
+    """(prefix, L, k) the experts a trajectory of ``length`` tokens replays at its first ``prefix`` positions (its
+    engine routing ``routing`` (P, L, k), filled as :func:`microbatch_routing` fills), each position's k experts
+    sorted: the replay scatters them into a routing map, their order is immaterial. None without routing."""
+    if routing is None:
+        return None
+    return torch.stack([r[:prefix] for r in microbatch_routing([routing], [length])], 1).sort(-1).values
+
+
+def shared_prefix_routing(routings, lengths, prefix: int, pad: int = 0) -> list[torch.Tensor] | None:
+    """Per global MoE layer, the (T, k) experts of a shared-prefix microbatch (``training.packing.PrefixLayout``:
+    the prompt's first ``prefix`` positions once, then each trajectory's positions ``prefix..T_i-1``, then ``pad``
+    padding positions), each position's experts from its own trajectory's engine routing as in
+    :func:`microbatch_routing`. The prompt's positions must route alike in every trajectory (the engine prefilled
+    each member's prompt; :func:`prompt_routing` equal): the planner keeps members whose prompt routing differs
+    out of the microbatch, and this raises rather than replay one member's routing for another's prompt."""
+    routings, lengths = list(routings), [int(n) for n in lengths]
+    per_traj = [microbatch_routing([r], [n]) for r, n in zip(routings, lengths)]
+    if all(p is None for p in per_traj):
+        return None
+    if any(p is None for p in per_traj):
+        raise ValueError("router replay: some trajectories of a microbatch carry no routing")
+    head = prompt_routing(routings[0], lengths[0], prefix)
+    for r, n in zip(routings[1:], lengths[1:]):
+        if not torch.equal(prompt_routing(r, n, prefix), head):
+            raise ValueError(f"router replay: the trajectories of a shared-prefix microbatch route their first "
+                             f"{prefix} prompt positions differently (the planner must keep them apart)")
+    topk = int(head.shape[-1])
+    out = []
+    for layer in range(len(per_traj[0])):
+        parts = [per_traj[0][layer][:prefix]] + [p[layer][prefix:] for p in per_traj]
+        if pad:
+            parts.append(torch.arange(topk).expand(pad, topk))
+        out.append(torch.cat(parts))  # (T, k)
+    return out
 
 
 class replay_microbatch:

@@ -317,6 +317,7 @@ class Learner:
         for k, v in planner.stats.items():
             st.stats[k] = st.stats.get(k, 0) + v
         st.stats["shared_prefix_items"] = self.exec.shared_prefix_items
+        st.stats["shared_prefix_routing_split"] = self.exec.prefix_routing_split
         st.stats["waited_for_full_microbatch"] = self.exec.waited_items
 
     def _barrier(self, st: _Batch, j: int, lc: LossConfig) -> None:

@@ -169,7 +169,7 @@ class PrefixLayout:
 
     prefix: int  # o >= 1: the shared tokens
     lengths: tuple[int, ...]  # T_i of each trajectory (> prefix)
-    pad: int = 0  # no padding segment (read by the MoE routing code, which shared prefixes do not use)
+    pad: int = 0  # no padding segment (the MoE routing code reads it: moe.shared_prefix_routing)
 
     @property
     def total(self) -> int:
@@ -214,31 +214,58 @@ def prompt_length(loss_mask: torch.Tensor) -> int:
 
 
 def plan_shared_prefix(items: Sequence[WorkItem], tokens: Callable[[WorkItem], torch.Tensor],
-                       mask: Callable[[WorkItem], torch.Tensor], max_tokens: int
-                       ) -> tuple[list[tuple[list[WorkItem], PrefixLayout]], list[WorkItem]]:
+                       mask: Callable[[WorkItem], torch.Tensor], max_tokens: int,
+                       routing: Callable[[WorkItem], torch.Tensor | None] | None = None
+                       ) -> tuple[list[tuple[list[WorkItem], PrefixLayout]], list[WorkItem], int]:
     """Shared-prefix microbatches of ``items``: members of one group with one :func:`share_key` whose prompts
     agree (the longest common prompt less its last token, >= 1 token), at least two per microbatch, at most
-    ``max_tokens`` tokens each. Returns (packs with their layouts, the items left over, in their order)."""
+    ``max_tokens`` tokens each. ``routing`` (router replay): each item's engine routing; members share only with
+    members whose prompt positions route alike (``moe.prompt_routing``; the engine prefilled each member's prompt,
+    and float rounding of another batch can flip a near-tie) — one trajectory's routing is never replayed for
+    another's prompt. Returns (packs with their layouts, the items left over in their order, the number of members
+    kept from their group's most common prompt routing — they share among themselves or run unshared)."""
     by_key: dict[Hashable, list[WorkItem]] = {}
     for it in items:
         k = share_key(it)
         if k is not None:
             by_key.setdefault((it.group_id, k), []).append(it)
-    packs, used = [], set()
+    packs, split = [], 0
     for members in by_key.values():
         if len(members) < 2:
             continue
         first = tokens(members[0])
         o = min(prompt_length(mask(it)) for it in members) - 1
         same = [it for it in members if o >= 1 and torch.equal(tokens(it)[:o], first[:o])]
-        cur: list[WorkItem] = []
-        for it in same + [None]:  # greedy chunks under max_tokens; a chunk of one is left unshared
-            n = 0 if it is None else tokens(it).numel() - o
-            if cur and (it is None or o + sum(tokens(c).numel() - o for c in cur) + n > max_tokens):
-                if len(cur) >= 2:
-                    packs.append((cur, PrefixLayout(o, tuple(tokens(c).numel() for c in cur))))
-                    used.update(c.traj_id for c in cur)
-                cur = []
-            if it is not None:
-                cur.append(it)
-    return packs, [it for it in items if it.traj_id not in used]
+        classes = _by_prompt_routing(same, lambda it: tokens(it).numel(), routing, o) if routing else [same]
+        split += len(same) - max(map(len, classes), default=0)
+        for cls in classes:
+            packs += _prefix_chunks(cls, tokens, o, max_tokens)
+    used = {it.traj_id for p, _ in packs for it in p}
+    return packs, [it for it in items if it.traj_id not in used], split
+
+
+def _by_prompt_routing(members: list[WorkItem], length: Callable[[WorkItem], int],
+                       routing: Callable[[WorkItem], torch.Tensor | None], o: int) -> list[list[WorkItem]]:
+    """``members`` split by the experts their first ``o`` positions replay (in order of first appearance)."""
+    from megatron_tsync.model.moe import prompt_routing
+
+    classes: dict[Hashable, list[WorkItem]] = {}
+    for it in members:
+        r = prompt_routing(routing(it), length(it), o)
+        classes.setdefault(None if r is None else r.to(torch.int16).numpy().tobytes(), []).append(it)
+    return list(classes.values())
+
+
+def _prefix_chunks(members: list[WorkItem], tokens: Callable[[WorkItem], torch.Tensor], o: int,
+                   max_tokens: int) -> list[tuple[list[WorkItem], PrefixLayout]]:
+    """Greedy chunks of ``members`` (prefix ``o``) under ``max_tokens``; a chunk of one is left unshared."""
+    packs, cur = [], []
+    for it in members + [None]:
+        n = 0 if it is None else tokens(it).numel() - o
+        if cur and (it is None or o + sum(tokens(c).numel() - o for c in cur) + n > max_tokens):
+            if len(cur) >= 2:
+                packs.append((cur, PrefixLayout(o, tuple(tokens(c).numel() for c in cur))))
+            cur = []
+        if it is not None:
+            cur.append(it)
+    return packs

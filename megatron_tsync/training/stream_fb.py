@@ -160,6 +160,7 @@ class StreamExecutor:
         self.microbatches = 0
         self.packed_items = 0  # items that shared a microbatch with others
         self.shared_prefix_items = 0  # items that ran as continuations of a shared prefix
+        self.prefix_routing_split = 0  # members kept from their group's shared prefix: their prompt routes otherwise
         self._waited: set[tuple[str, bool]] = set()  # items that waited for a fuller microbatch (full_microbatches)
         self.keep_theta0 = False  # store π_θ0 of each forward at θ0 in Sample.meta[THETA0_LOGP]
 
@@ -172,6 +173,7 @@ class StreamExecutor:
         self.microbatches = 0
         self.packed_items = 0
         self.shared_prefix_items = 0
+        self.prefix_routing_split = 0
         self._waited.clear()
 
     def begin_phase(self, planner: StepPlanner, shape: BatchShape, loss_cfg: LossConfig) -> None:
@@ -195,10 +197,12 @@ class StreamExecutor:
         t0 = time.perf_counter()
         packs: list = []
         if self.shared_prefix_tokens and items:
-            shared, items = plan_shared_prefix(items, lambda it: self.samples[it.traj_id].token_ids,
-                                               lambda it: self.samples[it.traj_id].loss_mask, self.shared_prefix_tokens)
+            shared, items, split = plan_shared_prefix(
+                items, lambda it: self.samples[it.traj_id].token_ids, lambda it: self.samples[it.traj_id].loss_mask,
+                self.shared_prefix_tokens, routing=lambda it: self.samples[it.traj_id].routing)
             packs = [_PrefixPack(p, lay) for p, lay in shared]
             self.shared_prefix_items += sum(len(p) for p in packs)
+            self.prefix_routing_split += split
         key = mix_key if self.mix_groups else share_key
         planned = plan_microbatches(items, self._length, self.max_packed_tokens, key=key)
         if self.full_microbatches and not final:
@@ -283,7 +287,9 @@ class StreamExecutor:
             layout = pack.layout
             ids = layout.token_ids([s.token_ids for s in samples]).to(dev).unsqueeze(0)  # (1, T)
             pos = layout.position_ids(dev)
-            with compat.rope_positions(self._gpt, pos), compat.forward_without_cpu_mode():
+            routing = moe.shared_prefix_routing([s.routing for s in samples], lengths, layout.prefix, layout.pad)
+            with moe.replay_microbatch(model, routing), compat.rope_positions(self._gpt, pos), \
+                    compat.forward_without_cpu_mode():
                 out = model(ids, pos.unsqueeze(0), layout.mask(dev))
         elif len(pack) == 1:  # one trajectory: plain causal attention, as without packing
             ids = samples[0].token_ids.to(dev).unsqueeze(0)  # (1, T)

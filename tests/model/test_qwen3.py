@@ -359,12 +359,17 @@ def test_convert_checkpoint_bit_identical(models, tmp_path, name, tp, pp):
         assert json.load(a) == json.load(b)
 
 
+# router replay with a shared prompt: a step's arrivals reach the learner together, every group trains
+REPLAY_SHARED_PREFIX = ["--shared-prefix", "--stream-coalesce-tokens", "1000000", "--no-skip-zero-advantage"]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("family, extra, replay", [("qwen3", ["--tie"], False), ("qwen3_moe", [], True)])
 def test_quickstart_trains_tiny_qwen3(tmp_path, family, extra, replay):
     """The quickstart's config (examples/tiny_agent/config.yaml) with ``--model`` a tiny Qwen3 / Qwen3-MoE made by the
     tool; 2 RL steps after a short warm start (small batches: this checks that it runs, not that it learns). With
-    ``--moe-router-replay`` every trajectory of the live run arrives with the engine's routing (dumped). The MoE
+    ``--moe-router-replay`` every trajectory of the live run arrives with the engine's routing (dumped), and with
+    ``--shared-prefix`` (every arrival of a step coalesced, no zero-advantage skip) groups share their prompt. The MoE
     quickstart without replay runs in tests/training/test_moe_ep.py::test_live_run_at_ep2 (at EP=2)."""
     from tests.conftest import free_port
 
@@ -378,7 +383,9 @@ def test_quickstart_trains_tiny_qwen3(tmp_path, family, extra, replay):
     args = ["--config", os.path.join(common.REPO, "examples", "tiny_agent", "config.yaml"), "--model", model,
             "--save", str(tmp_path / "ck"), "--tensorboard-dir", str(tmp_path / "tb"), "--train-iters", "2",
             "--sft-warmup-steps", "5", "--group-size", "2", "--global-batch-size", "4", "--max-new-tokens", "16",
-            "--no-progress", "--eval-prompts", "8"] + (["--moe-router-replay", "--dump-rollouts", str(tmp_path / "dump")] if replay else [])
+            "--no-progress", "--eval-prompts", "8"]
+    if replay:
+        args += ["--moe-router-replay", "--dump-rollouts", str(tmp_path / "dump"), *REPLAY_SHARED_PREFIX]
     p = subprocess.run([sys.executable, "-m", "megatron_tsync.train", *args], cwd=tmp_path, env=env,
                        capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, f"{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
@@ -401,6 +408,7 @@ def test_quickstart_trains_tiny_qwen3(tmp_path, family, extra, replay):
             for s in samples:  # routed by the engine at every position it computed, and trained on
                 assert s.routing is not None and s.routing.shape[1:] == (arch.num_layers, arch.moe_router_topk)
                 assert 0 < s.routing.shape[0] < s.token_ids.numel() and s.loss_mask.sum() > 0
+        assert sum(h["plan_shared_prefix_items"] for h in hist) > 0 and "plan_shared_prefix_routing_split" in hist[0]
 
 
 @pytest.mark.slow

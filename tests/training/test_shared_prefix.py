@@ -4,7 +4,8 @@ microbatch, each trajectory's continuation attending to it; the update equals th
 float64, one process: the model's log-probs through a prefix layout equal each trajectory's own forward (control: a
 mask that lets continuations see each other does not); gradients for every estimator × aggregation, the PPO/engine
 and KL/entropy losses, sync / stream-group / stream-trajectory in several arrival orders, minibatches, against sync
-unshared (≤ 1e-12); the planner's chunks (token cap, a member whose prompt differs runs alone).
+unshared (≤ 1e-12); the planner's chunks (token cap, a member whose prompt differs runs alone, with router replay a
+member whose prompt routes otherwise too: tests/training/test_replay_shared_prefix.py has the MoE runs).
 """
 
 import pytest
@@ -107,12 +108,37 @@ def test_planner_chunks_and_mismatched_prompt():
     by_id = {s.traj_id: s for s in S}
     items = [WorkItem(s.traj_id, s.group_id, s.reward, Dest.ACCUM, advantage=0.5) for s in S]
     tok, msk = (lambda it: by_id[it.traj_id].token_ids), (lambda it: by_id[it.traj_id].loss_mask)
-    packs, rest = plan_shared_prefix(items, tok, msk, 10_000)
-    assert [[it.traj_id for it in p] for p, _ in packs] == [["g0t0", "g0t1", "g0t2"]] and [it.traj_id for it in rest] == ["g0t3"]
+    packs, rest, split = plan_shared_prefix(items, tok, msk, 10_000)
+    assert split == 0 and [[it.traj_id for it in p] for p, _ in packs] == [["g0t0", "g0t1", "g0t2"]] and [it.traj_id for it in rest] == ["g0t3"]
     (lay,) = [lay for _, lay in packs]
     assert lay.prefix == prompt_length(S[0].loss_mask) - 1
     o = lay.prefix
     cap = o + sum(S[i].token_ids.numel() - o for i in (0, 1))  # room for two continuations only
-    packs, rest = plan_shared_prefix(items[:3], tok, msk, cap)
+    packs, rest, _ = plan_shared_prefix(items[:3], tok, msk, cap)
     assert [len(p) for p, _ in packs] == [2] and [it.traj_id for it in rest] == ["g0t2"]
     assert all(lay.total <= cap for _, lay in packs)
+
+
+def test_planner_keeps_members_apart_whose_prompt_routes_otherwise():
+    """Router replay: members share a prefix only with members whose prompt positions replay the same experts
+    (in any order within the top-k); the rest share among themselves or run alone, counted."""
+    S = prompt_groups(9, groups=1, G=4)
+    o = prompt_length(S[0].loss_mask) - 1
+    base = torch.randint(0, 8, (100, 2, 2), generator=torch.Generator().manual_seed(0))  # (P, L, k) experts
+    routing = {s.traj_id: base[: s.token_ids.numel() - 1].clone() for s in S}
+    routing["g0t0"][0] = routing["g0t0"][0].flip(-1)  # the same experts in another order: still alike
+    items = [WorkItem(s.traj_id, s.group_id, s.reward, Dest.ACCUM, advantage=0.5) for s in S]
+    by_id = {s.traj_id: s for s in S}
+    tok, msk = (lambda it: by_id[it.traj_id].token_ids), (lambda it: by_id[it.traj_id].loss_mask)
+
+    def plan():
+        packs, rest, split = plan_shared_prefix(items, tok, msk, 10_000, routing=lambda it: routing[it.traj_id])
+        return [[it.traj_id for it in p] for p, _ in packs], [it.traj_id for it in rest], split
+
+    assert plan() == ([["g0t0", "g0t1", "g0t2", "g0t3"]], [], 0)
+    routing["g0t1"][o - 1, 1, 0] = 8  # another expert at the prefix's last position
+    assert plan() == ([["g0t0", "g0t2", "g0t3"]], ["g0t1"], 1)
+    routing["g0t3"][o - 1, 1, 0] = 8  # two and two: each pair shares its own prefix
+    assert plan() == ([["g0t0", "g0t2"], ["g0t1", "g0t3"]], [], 2)
+    routing["g0t1"][o, 1, 0] = 9  # a continuation's position is its own: no effect
+    assert plan()[2] == 2
