@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import math
 import time
 
 import torch
@@ -131,6 +132,8 @@ class StreamExecutor:
                              "canonical sum cannot separate")
         self._thd = bool(max_packed_tokens) and uses_varlen_attention(gpt)
         self._align = 16 if self._thd and getattr(gpt.config, "fp8", None) else 1  # FP8 GEMMs want T % 16 == 0
+        if gpt.config.sequence_parallel:  # MoE at TP > 1: a pack is split over the TP ranks (model/moe.py)
+            self._align = math.lcm(self._align, gpt.config.tensor_model_parallel_size)
         self.shared_prefix_tokens = shared_prefix_tokens
         if shared_prefix_tokens:
             cores = {type(m).__name__ for m in gpt.modules() if "DotProductAttention" in type(m).__name__

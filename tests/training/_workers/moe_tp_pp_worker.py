@@ -1,0 +1,172 @@
+"""Qwen3-MoE at tensor and pipeline parallelism with sequence packing and router replay (run by
+tests/training/test_moe_tp_pp.py).
+
+``--layout`` single (1 process), tp2 (2: TP 2 with sequence parallelism), pp2 (2: PP 2) or tp2pp2 (4: TP 2 × PP 2);
+DP 1 everywhere. ``--cases``: which of :data:`CASES` to run (packing on or off, replay of given routing on or off),
+each in sync and stream-trajectory mode, float64, on the same HF weights (router × 25: decisive routing) and the same
+trajectories; each trajectory carries a random routing (distinct experts per position and layer, for all but its
+last position), far from what the routers would choose, so a replay that is not applied, or applied to the wrong
+positions, changes the gradient. ``control`` (TP 2 only): replay with every TP rank given the routing of the first
+sequence shard (what replay did before it was sharded), sync.
+
+Every training forward's routing maps are recorded (per local MoE layer, the rank's sequence shard), gathered over
+TP, cut into trajectories by their token ids and compared with the trajectories' routing: ``agree`` counts the
+(position, layer) pairs the engine computed, ``differ`` those the router did not route exactly as given.
+
+Rank 0 writes ``--out`` (torch.save): {"grads": {case: {mode: {hf name: tensor}}}, "agree": {case: [same, differ]},
+"packed": {case: packed items}, "odd_packs": {case: packs whose length is not a multiple of TP before padding}}.
+"""
+
+import argparse
+import os
+import sys
+import warnings
+
+warnings.filterwarnings("ignore")
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from stream_cases import arrival_order, make_samples, spec_for  # noqa: E402
+
+from megatron_tsync.model import moe  # noqa: E402
+from megatron_tsync.model.builder import PrecisionConfig, build_model, unwrap  # noqa: E402
+from megatron_tsync.model.hf_conversion import load_hf_dir, load_hf_into_model  # noqa: E402
+from megatron_tsync.model.parallel import destroy_parallel, initialize_parallel  # noqa: E402
+from megatron_tsync.runtime.rollout_io import grads_to_hf  # noqa: E402
+from megatron_tsync.streaming.ready_queue import ListSource  # noqa: E402
+from megatron_tsync.training.learner import Learner, LearnerConfig, shape_for  # noqa: E402
+from megatron_tsync.training.optimizer import OptimConfig, build_optimizer, wrap_ddp  # noqa: E402
+from megatron_tsync.training.stream_fb import LossConfig  # noqa: E402
+
+CASES = {  # (sequence packing, router replay)
+    "plain": (False, False),
+    "replay": (False, True),
+    "pack": (True, False),
+    "pack-replay": (True, True),
+    "control": (False, True),
+}
+LAYOUTS = {"single": (1, 1), "tp2": (2, 1), "pp2": (1, 2), "tp2pp2": (2, 2)}  # (tp, pp)
+MODES = (("sync", None), ("stream-trajectory", 7))
+PACK_TOKENS = 61  # odd: packs of odd length, padded to a multiple of TP
+
+
+def samples_with_routing(arch, replay: bool):
+    samples = make_samples(41, num_groups=3, reward_kind="bounded", vocab=arch.vocab_size)
+    if replay:
+        g = torch.Generator().manual_seed(9)
+        E, k, L = arch.num_experts, arch.moe_router_topk, arch.num_layers
+        for s in samples:
+            P = s.token_ids.numel() - 1  # the engine computed every position but the last
+            s.routing = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(P * L)]).view(P, L, k)
+    return samples
+
+
+class RoutingCapture:
+    """Per training forward: its token ids and, per local MoE layer, the (S/TP, E) routing map its router made."""
+
+    def __init__(self, model):
+        gpt = unwrap(model)
+        self.layers = [layer.layer_number - 1 for layer in gpt.decoder.layers]
+        self.calls = []
+        self.hooks = [gpt.register_forward_pre_hook(lambda m, a: self.calls.append((a[0][0].clone(), [])))]
+        for layer in gpt.decoder.layers:
+            self.hooks.append(layer.mlp.router.register_forward_hook(
+                lambda m, i, o: self.calls[-1][1].append(o[1].detach().clone())))
+
+    def compare(self, samples, dims):
+        """([same, differ] over the engine-computed (position, layer) pairs of every captured forward, forwards
+        whose real length (before the padding to a multiple of TP) is odd)."""
+        for h in self.hooks:
+            h.remove()
+        by_tokens = {tuple(s.token_ids.tolist()): s for s in samples}
+        lengths = sorted({s.token_ids.numel() for s in samples})
+        same = differ = odd = 0
+        for ids, maps in self.calls:
+            if dims.tp > 1:  # the routers saw the rank's sequence shard: gather the whole (padded) sequence
+                parts = [None] * dims.tp
+                dist.all_gather_object(parts, maps, group=dims.tp_group())
+                maps = [torch.cat([p[j] for p in parts]) for j in range(len(maps))]
+            a = 0
+            while a < ids.numel():
+                s = next((by_tokens[tuple(ids[a:a + n].tolist())] for n in lengths
+                          if tuple(ids[a:a + n].tolist()) in by_tokens), None)
+                if s is None:  # the padding to a multiple of TP (token 0)
+                    assert ids.numel() - a < dims.tp and not ids[a:].any(), "not a concatenation of trajectories"
+                    break
+                r = s.routing  # (P, L, k)
+                for layer, rmap in zip(self.layers, maps):
+                    want = torch.zeros(r.shape[0], rmap.shape[1], dtype=torch.bool)
+                    want.scatter_(1, r[:, layer], True)
+                    eq = (rmap[a:a + r.shape[0]] == want).all(-1)
+                    same, differ = same + int(eq.sum()), differ + int((~eq).sum())
+                a += s.token_ids.numel()
+            odd += a % 2
+        return [same, differ], odd
+
+
+def first_shard(indices, config):
+    """The control's replay sharding: every TP rank gets the routing of the first sequence shard."""
+    tp = config.tensor_model_parallel_size
+    n = (-indices.shape[0]) % tp
+    return torch.cat([indices, torch.arange(indices.shape[1]).expand(n, -1)]).chunk(tp)[0]
+
+
+def run(model_dir, dims, name, mode, order_seed):
+    packing, replay = CASES[name]
+    arch, hf = load_hf_dir(model_dir)
+    model = build_model(arch, PrecisionConfig(params_dtype=torch.float64), seed=0,
+                        **({"moe_enable_routing_replay": True} if replay else {}))
+    load_hf_into_model(model, {k: v.double() for k, v in hf.items()})
+    with torch.no_grad():
+        for layer in model.decoder.layers:
+            layer.mlp.router.weight.mul_(25.0)
+    ddp = wrap_ddp(model)
+    opt = build_optimizer(ddp, OptimConfig(optimizer="sgd", lr=0.0, clip_grad=0))
+    cfg = LearnerConfig(mode=mode, estimator="grpo", loss=LossConfig(), reward_spec=spec_for("bounded"),
+                        sequence_packing=packing, max_packed_tokens=PACK_TOKENS)
+    learner = Learner(ddp, opt, cfg, dp_rank=dims.dp_rank, pp_size=dims.pp)
+    samples = samples_with_routing(arch, replay)
+    order = samples if order_seed is None else arrival_order(samples, order_seed)
+    got = {}
+    learner.grad_hook = lambda d: got.setdefault("g", grads_to_hf(d))
+    capture = RoutingCapture(ddp) if replay else None
+    sizes, shape = shape_for(samples)
+    original = moe.sequence_shard
+    if name == "control":
+        moe.sequence_shard = first_shard
+    try:
+        learner.train_step(ListSource(order), sizes, shape)
+    finally:
+        moe.sequence_shard = original
+    agree, odd = capture.compare(samples, dims) if capture is not None else ([0, 0], 0)
+    return got["g"], agree, learner.exec.packed_items, odd
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--layout", choices=list(LAYOUTS), required=True)
+    ap.add_argument("--cases", nargs="+", choices=list(CASES), required=True)
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    tp, pp = LAYOUTS[a.layout]
+    dims = initialize_parallel(tp, pp)
+    out = {"grads": {}, "agree": {}, "packed": {}, "odd_packs": {}}
+    for name in a.cases:
+        out["grads"][name], agree, out["packed"][name], out["odd_packs"][name] = {}, torch.zeros(2), 0, 0
+        for mode, seed in (MODES[:1] if name == "control" else MODES):
+            g, ag, packed, odd = run(a.model, dims, name, mode, seed)
+            out["grads"][name][mode] = g
+            agree += torch.tensor(ag, dtype=torch.float64)
+            out["packed"][name] += packed
+            out["odd_packs"][name] += odd
+        dist.all_reduce(agree)  # every stage's layers (TP ranks gathered the same maps: counted TP times)
+        out["agree"][name] = [int(x) // tp for x in agree.tolist()]
+    if dims.rank == 0:
+        torch.save(out, a.out)
+    destroy_parallel()
+
+
+if __name__ == "__main__":
+    main()
