@@ -1,10 +1,10 @@
 """Qwen3-MoE at tensor and pipeline parallelism with sequence packing and router replay (run by
 tests/training/test_moe_tp_pp.py).
 
-``--layout`` single (1 process), tp2 (2: TP 2 with sequence parallelism), pp2 (2: PP 2) or tp2pp2 (4: TP 2 × PP 2);
-DP 1 everywhere. ``--cases``: which of :data:`CASES` to run (packing on or off, replay of given routing on or off),
-each in sync and stream-trajectory mode, float64, on the same HF weights (router × 25: decisive routing) and the same
-trajectories; each trajectory carries a random routing (distinct experts per position and layer, for all but its
+``--runs LAYOUT=CASE,... ...``: layouts single (1 process), tp2 (2: TP 2 with sequence parallelism), pp2 (2: PP 2)
+or tp2pp2 (4: TP 2 × PP 2), one after the other on this launch's processes; DP 1 everywhere. Cases: of
+:data:`CASES` (packing on or off, replay of given routing on or off), each in sync and stream-trajectory mode,
+float64, on the same HF weights (router × 25: decisive routing) and the same trajectories; each trajectory carries a random routing (distinct experts per position and layer, for all but its
 last position), far from what the routers would choose, so a replay that is not applied, or applied to the wrong
 positions, changes the gradient. ``control`` (TP 2 only): replay with every TP rank given the routing of the first
 sequence shard (what replay did before it was sharded), sync.
@@ -13,8 +13,9 @@ Every training forward's routing maps are recorded (per local MoE layer, the ran
 TP, cut into trajectories by their token ids and compared with the trajectories' routing: ``agree`` counts the
 (position, layer) pairs the engine computed, ``differ`` those the router did not route exactly as given.
 
-Rank 0 writes ``--out`` (torch.save): {"grads": {case: {mode: {hf name: tensor}}}, "agree": {case: [same, differ]},
-"packed": {case: packed items}, "odd_packs": {case: packs whose length is not a multiple of TP before padding}}.
+Rank 0 writes ``--out`` (torch.save): {layout: {"grads": {case: {mode: {hf name: tensor}}}, "agree": {case: [same,
+differ]}, "packed": {case: packed items}, "odd_packs": {case: forwards of odd length before the padding}}}.
+The test runs the one-process reference in its own process (:func:`run_layout`).
 """
 
 import argparse
@@ -22,7 +23,6 @@ import os
 import sys
 import warnings
 
-warnings.filterwarnings("ignore")
 import torch
 import torch.distributed as dist
 
@@ -143,28 +143,39 @@ def run(model_dir, dims, name, mode, order_seed):
     return got["g"], agree, learner.exec.packed_items, odd
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--layout", choices=list(LAYOUTS), required=True)
-    ap.add_argument("--cases", nargs="+", choices=list(CASES), required=True)
-    ap.add_argument("--out", required=True)
-    a = ap.parse_args()
-    tp, pp = LAYOUTS[a.layout]
-    dims = initialize_parallel(tp, pp)
+def run_layout(model_dir, dims, cases, modes=MODES):
+    """{"grads": {case: {mode: grads}}, "agree": {case: [same, differ]}, "packed": {...}, "odd_packs": {...}} of
+    ``cases`` on the current layout (collective; every rank returns the same)."""
     out = {"grads": {}, "agree": {}, "packed": {}, "odd_packs": {}}
-    for name in a.cases:
+    for name in cases:
         out["grads"][name], agree, out["packed"][name], out["odd_packs"][name] = {}, torch.zeros(2), 0, 0
-        for mode, seed in (MODES[:1] if name == "control" else MODES):
-            g, ag, packed, odd = run(a.model, dims, name, mode, seed)
+        for mode, seed in (modes[:1] if name == "control" else modes):
+            g, ag, packed, odd = run(model_dir, dims, name, mode, seed)
             out["grads"][name][mode] = g
             agree += torch.tensor(ag, dtype=torch.float64)
             out["packed"][name] += packed
             out["odd_packs"][name] += odd
-        dist.all_reduce(agree)  # every stage's layers (TP ranks gathered the same maps: counted TP times)
-        out["agree"][name] = [int(x) // tp for x in agree.tolist()]
-    if dims.rank == 0:
-        torch.save(out, a.out)
+        if dims.world_size > 1:
+            dist.all_reduce(agree)  # every stage's layers (the TP ranks gathered the same maps: counted TP times)
+        out["agree"][name] = [int(x) // dims.tp for x in agree.tolist()]
+    return out
+
+
+def main():
+    warnings.filterwarnings("ignore")
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--runs", nargs="+", required=True, metavar="LAYOUT=CASE,CASE",
+                    help="layouts of this launch's processes, one after the other, each with its cases")
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    out = {}
+    for spec in a.runs:
+        layout, cases = spec.split("=")
+        dims = initialize_parallel(*LAYOUTS[layout])
+        out[layout] = run_layout(a.model, dims, [c for c in cases.split(",") if c in CASES])
+        if dims.rank == 0:
+            torch.save(out, a.out)
     destroy_parallel()
 
 
