@@ -169,11 +169,11 @@ class PrefixLayout:
 
     prefix: int  # o >= 1: the shared tokens
     lengths: tuple[int, ...]  # T_i of each trajectory (> prefix)
-    pad: int = 0  # no padding segment (read by the MoE routing code, which shared prefixes do not use)
+    pad: int = 0  # dummy tokens at the end (a multiple of TP under sequence parallelism); read by no loss term
 
     @property
     def total(self) -> int:
-        return self.prefix + sum(n - self.prefix for n in self.lengths)
+        return self.prefix + sum(n - self.prefix for n in self.lengths) + self.pad
 
     def segments(self) -> list[tuple[int, int]]:
         """Each continuation's (start, end) in the microbatch."""
@@ -188,22 +188,26 @@ class PrefixLayout:
 
     def token_ids(self, tokens: Sequence[torch.Tensor]) -> torch.Tensor:
         """(T,) the microbatch's tokens from the trajectories' (their first ``prefix`` tokens must agree)."""
-        return torch.cat([tokens[0][: self.prefix]] + [t[self.prefix:] for t in tokens])
+        return torch.cat([tokens[0][: self.prefix]] + [t[self.prefix:] for t in tokens]
+                         + [tokens[0].new_zeros(self.pad)])
 
     def position_ids(self, device=None) -> torch.Tensor:
         return torch.cat([torch.arange(self.prefix, device=device)]
-                         + [torch.arange(self.prefix, n, device=device) for n in self.lengths])
+                         + [torch.arange(self.prefix, n, device=device) for n in self.lengths]
+                         + [torch.arange(self.prefix, self.prefix + self.pad, device=device)])
 
     def mask(self, device=None) -> torch.Tensor:
-        """(1, 1, T, T) bool, True = masked out: prefix causal; continuation k sees the prefix and itself causally."""
+        """(1, 1, T, T) bool, True = masked out: prefix causal; continuation k sees the prefix and itself causally
+        (the padding too, as one more continuation)."""
         o = self.prefix
-        seg = torch.repeat_interleave(torch.arange(len(self.lengths) + 1, device=device),
-                                      torch.tensor([o] + [n - o for n in self.lengths], device=device))  # (T,)
+        conts = [n - o for n in self.lengths] + ([self.pad] if self.pad else [])
+        seg = torch.repeat_interleave(torch.arange(len(conts) + 1, device=device),
+                                      torch.tensor([o] + conts, device=device))  # (T,)
         idx = torch.arange(self.total, device=device)
         allowed = ((seg[:, None] == seg[None, :]) | (seg[None, :] == 0)) & (idx[None, :] <= idx[:, None])
         mask = (~allowed).view(1, 1, self.total, self.total)
         # compat.SDPAttention reads the structure off the mask and attends block by block (no T×T scores)
-        setattr(mask, compat.PREFIX_TREE_ATTR, (self.prefix, [n - self.prefix for n in self.lengths]))
+        setattr(mask, compat.PREFIX_TREE_ATTR, (self.prefix, conts))
         return mask
 
 
@@ -214,11 +218,12 @@ def prompt_length(loss_mask: torch.Tensor) -> int:
 
 
 def plan_shared_prefix(items: Sequence[WorkItem], tokens: Callable[[WorkItem], torch.Tensor],
-                       mask: Callable[[WorkItem], torch.Tensor], max_tokens: int
+                       mask: Callable[[WorkItem], torch.Tensor], max_tokens: int, *, align: int = 1
                        ) -> tuple[list[tuple[list[WorkItem], PrefixLayout]], list[WorkItem]]:
     """Shared-prefix microbatches of ``items``: members of one group with one :func:`share_key` whose prompts
     agree (the longest common prompt less its last token, >= 1 token), at least two per microbatch, at most
-    ``max_tokens`` tokens each. Returns (packs with their layouts, the items left over, in their order)."""
+    ``max_tokens`` tokens each (before the padding to a multiple of ``align``: TP under sequence parallelism).
+    Returns (packs with their layouts, the items left over, in their order)."""
     by_key: dict[Hashable, list[WorkItem]] = {}
     for it in items:
         k = share_key(it)
@@ -236,7 +241,8 @@ def plan_shared_prefix(items: Sequence[WorkItem], tokens: Callable[[WorkItem], t
             n = 0 if it is None else tokens(it).numel() - o
             if cur and (it is None or o + sum(tokens(c).numel() - o for c in cur) + n > max_tokens):
                 if len(cur) >= 2:
-                    packs.append((cur, PrefixLayout(o, tuple(tokens(c).numel() for c in cur))))
+                    lay = PrefixLayout(o, tuple(tokens(c).numel() for c in cur))
+                    packs.append((cur, dataclasses.replace(lay, pad=(-lay.total) % align)))
                     used.update(c.traj_id for c in cur)
                 cur = []
             if it is not None:

@@ -20,8 +20,8 @@ from ._launch import torchrun
 
 WORKER = os.path.join(os.path.dirname(__file__), "_workers", "moe_tp_pp_worker.py")
 TOL = 1e-12
-LAUNCHES = {2: ["tp2=pack,replay,control", "pp2=replay"], 4: ["tp2pp2=pack-replay"]}  # processes: layouts=cases
-REFERENCE = {"pack": "plain", "replay": "replay", "pack-replay": "replay", "control": "replay"}
+LAUNCHES = {2: ["tp2=pack,replay,control,shared", "pp2=replay"], 4: ["tp2pp2=pack-replay"]}  # processes: layout=cases
+REFERENCE = {"pack": "plain", "replay": "replay", "pack-replay": "replay", "control": "replay", "shared": "prompts"}
 
 
 def _rel(a, b):
@@ -38,7 +38,7 @@ def single(megatron_single, tmp_path_factory):
     worker = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(worker)
     model = make_tiny_model(str(tmp_path_factory.mktemp("moe_tp_pp") / "moe"), family="qwen3_moe", seed=3)
-    one = worker.run_layout(model, megatron_single, ["plain", "replay"], modes=worker.MODES[:1])
+    one = worker.run_layout(model, megatron_single, ["plain", "replay", "prompts"], modes=worker.MODES[:1])
     r = _rel(one["grads"]["replay"]["sync"], one["grads"]["plain"]["sync"])
     print(f"one process: replayed routing vs the router's own, gradient {r:.2g} relative")
     assert r > 0.1 and one["agree"]["replay"][0] > 0 and one["agree"]["replay"][1] == 0
@@ -48,8 +48,8 @@ def single(megatron_single, tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("nproc", list(LAUNCHES))
 def test_moe_tp_pp_packing_replay_equal_one_process(single, tmp_path, nproc):
-    """2 processes: TP=2 (packing, replay, the unsharded-replay control), then PP=2 (replay); 4: TP=2 × PP=2 (packing
-    and replay together)."""
+    """2 processes: TP=2 (packing, replay, the unsharded-replay control, shared prefix), then PP=2 (replay); 4: TP=2 ×
+    PP=2 (packing and replay together)."""
     model, one = single
     torchrun(WORKER, ["--model", model, "--runs", *LAUNCHES[nproc], "--out", str(tmp_path / "got.pt")], nproc=nproc)
     everything = torch.load(str(tmp_path / "got.pt"))
@@ -73,7 +73,5 @@ def _check(layout, case, got, one):
             assert r < TOL and r_sync < TOL, (layout, case, mode, r, r_sync)
     if case in ("replay", "pack-replay"):  # every engine-computed pair of both modes, as given
         assert differ == 0 and same == 2 * one["agree"]["replay"][0]
-    if case.startswith("pack"):
-        assert got["packed"][case] > 0
-    if case == "pack-replay":
-        assert got["odd_packs"][case] > 0  # packs padded to a multiple of TP
+    if case.startswith("pack") or case == "shared":  # packed (shared) microbatches, some padded to a multiple of TP
+        assert got["packed"][case] > 0 and got["padded"][case] > 0, (case, got["packed"][case], got["padded"][case])

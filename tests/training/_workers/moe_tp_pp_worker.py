@@ -7,18 +7,21 @@ or tp2pp2 (4: TP 2 × PP 2), one after the other on this launch's processes; DP 
 float64, on the same HF weights (router × 25: decisive routing) and the same trajectories; each trajectory carries a random routing (distinct experts per position and layer, for all but its
 last position), far from what the routers would choose, so a replay that is not applied, or applied to the wrong
 positions, changes the gradient. ``control`` (TP 2 only): replay with every TP rank given the routing of the first
-sequence shard (what replay did before it was sharded), sync.
+sequence shard (what replay did before it was sharded), sync. ``shared``: ``--shared-prefix`` on groups with one
+prompt each (arrivals four at a time), against ``prompts``: the same trajectories without sharing.
 
 Every training forward's routing maps are recorded (per local MoE layer, the rank's sequence shard), gathered over
 TP, cut into trajectories by their token ids and compared with the trajectories' routing: ``agree`` counts the
 (position, layer) pairs the engine computed, ``differ`` those the router did not route exactly as given.
 
 Rank 0 writes ``--out`` (torch.save): {layout: {"grads": {case: {mode: {hf name: tensor}}}, "agree": {case: [same,
-differ]}, "packed": {case: packed items}, "odd_packs": {case: forwards of odd length before the padding}}}.
+differ]}, "packed": {case: packed (or shared-prefix) items}, "padded": {case: packed / shared-prefix microbatches
+padded to a multiple of TP}}}.
 The test runs the one-process reference in its own process (:func:`run_layout`).
 """
 
 import argparse
+import contextlib
 import os
 import sys
 import warnings
@@ -27,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from stream_cases import arrival_order, make_samples, spec_for  # noqa: E402
+from stream_cases import arrival_order, make_samples, prompt_groups, spec_for  # noqa: E402
 
 from megatron_tsync.model import moe  # noqa: E402
 from megatron_tsync.model.builder import PrecisionConfig, build_model, unwrap  # noqa: E402
@@ -37,22 +40,28 @@ from megatron_tsync.runtime.rollout_io import grads_to_hf  # noqa: E402
 from megatron_tsync.streaming.ready_queue import ListSource  # noqa: E402
 from megatron_tsync.training.learner import Learner, LearnerConfig, shape_for  # noqa: E402
 from megatron_tsync.training.optimizer import OptimConfig, build_optimizer, wrap_ddp  # noqa: E402
+from megatron_tsync.training import stream_fb  # noqa: E402
 from megatron_tsync.training.stream_fb import LossConfig  # noqa: E402
 
-CASES = {  # (sequence packing, router replay)
-    "plain": (False, False),
-    "replay": (False, True),
-    "pack": (True, False),
-    "pack-replay": (True, True),
-    "control": (False, True),
+CASES = {  # (sequence packing, router replay, shared prefix: groups with one prompt each)
+    "plain": (False, False, False),
+    "replay": (False, True, False),
+    "pack": (True, False, False),
+    "pack-replay": (True, True, False),
+    "control": (False, True, False),
+    "prompts": (False, False, True),  # the shared-prefix case's trajectories without sharing (its reference)
+    "shared": (False, False, True),
 }
 LAYOUTS = {"single": (1, 1), "tp2": (2, 1), "pp2": (1, 2), "tp2pp2": (2, 2)}  # (tp, pp)
 MODES = (("sync", None), ("stream-trajectory", 7))
-PACK_TOKENS = 61  # odd: packs of odd length, padded to a multiple of TP
+PACK_TOKENS = 45  # packs of odd length among them (padded to a multiple of TP)
 
 
-def samples_with_routing(arch, replay: bool):
-    samples = make_samples(41, num_groups=3, reward_kind="bounded", vocab=arch.vocab_size)
+def samples_with_routing(arch, replay: bool, prompts: bool = False):
+    if prompts:  # groups of 4 with one prompt each, binary rewards
+        samples = prompt_groups(43, vocab=arch.vocab_size)
+    else:
+        samples = make_samples(41, num_groups=3, reward_kind="bounded", vocab=arch.vocab_size)
     if replay:
         g = torch.Generator().manual_seed(9)
         E, k, L = arch.num_experts, arch.moe_router_topk, arch.num_layers
@@ -75,13 +84,12 @@ class RoutingCapture:
                 lambda m, i, o: self.calls[-1][1].append(o[1].detach().clone())))
 
     def compare(self, samples, dims):
-        """([same, differ] over the engine-computed (position, layer) pairs of every captured forward, forwards
-        whose real length (before the padding to a multiple of TP) is odd)."""
+        """[same, differ] over the engine-computed (position, layer) pairs of every captured forward."""
         for h in self.hooks:
             h.remove()
         by_tokens = {tuple(s.token_ids.tolist()): s for s in samples}
         lengths = sorted({s.token_ids.numel() for s in samples})
-        same = differ = odd = 0
+        same = differ = 0
         for ids, maps in self.calls:
             if dims.tp > 1:  # the routers saw the rank's sequence shard: gather the whole (padded) sequence
                 parts = [None] * dims.tp
@@ -101,8 +109,7 @@ class RoutingCapture:
                     eq = (rmap[a:a + r.shape[0]] == want).all(-1)
                     same, differ = same + int(eq.sum()), differ + int((~eq).sum())
                 a += s.token_ids.numel()
-            odd += a % 2
-        return [same, differ], odd
+        return [same, differ]
 
 
 def first_shard(indices, config):
@@ -113,7 +120,7 @@ def first_shard(indices, config):
 
 
 def run(model_dir, dims, name, mode, order_seed):
-    packing, replay = CASES[name]
+    packing, replay, prompts = CASES[name]
     arch, hf = load_hf_dir(model_dir)
     model = build_model(arch, PrecisionConfig(params_dtype=torch.float64), seed=0,
                         **({"moe_enable_routing_replay": True} if replay else {}))
@@ -124,9 +131,9 @@ def run(model_dir, dims, name, mode, order_seed):
     ddp = wrap_ddp(model)
     opt = build_optimizer(ddp, OptimConfig(optimizer="sgd", lr=0.0, clip_grad=0))
     cfg = LearnerConfig(mode=mode, estimator="grpo", loss=LossConfig(), reward_spec=spec_for("bounded"),
-                        sequence_packing=packing, max_packed_tokens=PACK_TOKENS)
+                        sequence_packing=packing, max_packed_tokens=PACK_TOKENS, shared_prefix=name == "shared")
     learner = Learner(ddp, opt, cfg, dp_rank=dims.dp_rank, pp_size=dims.pp)
-    samples = samples_with_routing(arch, replay)
+    samples = samples_with_routing(arch, replay, prompts)
     order = samples if order_seed is None else arrival_order(samples, order_seed)
     got = {}
     learner.grad_hook = lambda d: got.setdefault("g", grads_to_hf(d))
@@ -135,26 +142,51 @@ def run(model_dir, dims, name, mode, order_seed):
     original = moe.sequence_shard
     if name == "control":
         moe.sequence_shard = first_shard
+    pads = []
     try:
-        learner.train_step(ListSource(order), sizes, shape)
+        with _count_pads(pads):
+            learner.train_step(ListSource(order, batch=4 if prompts else 1), sizes, shape)
     finally:
         moe.sequence_shard = original
-    agree, odd = capture.compare(samples, dims) if capture is not None else ([0, 0], 0)
-    return got["g"], agree, learner.exec.packed_items, odd
+    agree = capture.compare(samples, dims) if capture is not None else [0, 0]
+    packed = learner.exec.shared_prefix_items if prompts else learner.exec.packed_items
+    return got["g"], agree, packed, sum(1 for n in pads if n)
+
+
+@contextlib.contextmanager
+def _count_pads(pads: list):
+    """Append the padding of every packed / shared-prefix microbatch layout the executor makes to ``pads``."""
+    plan, layout = stream_fb.plan_shared_prefix, stream_fb.layout_for
+
+    def plan_counted(*a, **k):
+        packs, rest = plan(*a, **k)
+        pads.extend(lay.pad for _, lay in packs)
+        return packs, rest
+
+    def layout_counted(*a, **k):
+        lay = layout(*a, **k)
+        pads.append(lay.pad)
+        return lay
+
+    stream_fb.plan_shared_prefix, stream_fb.layout_for = plan_counted, layout_counted
+    try:
+        yield
+    finally:
+        stream_fb.plan_shared_prefix, stream_fb.layout_for = plan, layout
 
 
 def run_layout(model_dir, dims, cases, modes=MODES):
-    """{"grads": {case: {mode: grads}}, "agree": {case: [same, differ]}, "packed": {...}, "odd_packs": {...}} of
+    """{"grads": {case: {mode: grads}}, "agree": {case: [same, differ]}, "packed": {...}, "padded": {...}} of
     ``cases`` on the current layout (collective; every rank returns the same)."""
-    out = {"grads": {}, "agree": {}, "packed": {}, "odd_packs": {}}
+    out = {"grads": {}, "agree": {}, "packed": {}, "padded": {}}
     for name in cases:
-        out["grads"][name], agree, out["packed"][name], out["odd_packs"][name] = {}, torch.zeros(2), 0, 0
+        out["grads"][name], agree, out["packed"][name], out["padded"][name] = {}, torch.zeros(2), 0, 0
         for mode, seed in (modes[:1] if name == "control" else modes):
-            g, ag, packed, odd = run(model_dir, dims, name, mode, seed)
+            g, ag, packed, padded = run(model_dir, dims, name, mode, seed)
             out["grads"][name][mode] = g
             agree += torch.tensor(ag, dtype=torch.float64)
             out["packed"][name] += packed
-            out["odd_packs"][name] += odd
+            out["padded"][name] += padded
         if dims.world_size > 1:
             dist.all_reduce(agree)  # every stage's layers (the TP ranks gathered the same maps: counted TP times)
         out["agree"][name] = [int(x) // dims.tp for x in agree.tolist()]
