@@ -175,6 +175,10 @@ class PrefixLayout:
     def total(self) -> int:
         return self.prefix + sum(n - self.prefix for n in self.lengths) + self.pad
 
+    def aligned(self, align: int) -> "PrefixLayout":
+        """This layout padded to a multiple of ``align`` tokens (TP under sequence parallelism)."""
+        return dataclasses.replace(self, pad=(self.pad - self.total) % align)
+
     def segments(self) -> list[tuple[int, int]]:
         """Each continuation's (start, end) in the microbatch."""
         out, a = [], self.prefix
@@ -218,12 +222,11 @@ def prompt_length(loss_mask: torch.Tensor) -> int:
 
 
 def plan_shared_prefix(items: Sequence[WorkItem], tokens: Callable[[WorkItem], torch.Tensor],
-                       mask: Callable[[WorkItem], torch.Tensor], max_tokens: int, *, align: int = 1
+                       mask: Callable[[WorkItem], torch.Tensor], max_tokens: int
                        ) -> tuple[list[tuple[list[WorkItem], PrefixLayout]], list[WorkItem]]:
     """Shared-prefix microbatches of ``items``: members of one group with one :func:`share_key` whose prompts
     agree (the longest common prompt less its last token, >= 1 token), at least two per microbatch, at most
-    ``max_tokens`` tokens each (before the padding to a multiple of ``align``: TP under sequence parallelism).
-    Returns (packs with their layouts, the items left over, in their order)."""
+    ``max_tokens`` tokens each. Returns (packs with their layouts, the items left over, in their order)."""
     by_key: dict[Hashable, list[WorkItem]] = {}
     for it in items:
         k = share_key(it)
@@ -241,8 +244,7 @@ def plan_shared_prefix(items: Sequence[WorkItem], tokens: Callable[[WorkItem], t
             n = 0 if it is None else tokens(it).numel() - o
             if cur and (it is None or o + sum(tokens(c).numel() - o for c in cur) + n > max_tokens):
                 if len(cur) >= 2:
-                    lay = PrefixLayout(o, tuple(tokens(c).numel() for c in cur))
-                    packs.append((cur, dataclasses.replace(lay, pad=(-lay.total) % align)))
+                    packs.append((cur, PrefixLayout(o, tuple(tokens(c).numel() for c in cur))))
                     used.update(c.traj_id for c in cur)
                 cur = []
             if it is not None:

@@ -200,9 +200,8 @@ class StreamExecutor:
         packs: list = []
         if self.shared_prefix_tokens and items:
             shared, items = plan_shared_prefix(items, lambda it: self.samples[it.traj_id].token_ids,
-                                               lambda it: self.samples[it.traj_id].loss_mask, self.shared_prefix_tokens,
-                                               align=self._tp_align)
-            packs = [_PrefixPack(p, lay) for p, lay in shared]
+                                               lambda it: self.samples[it.traj_id].loss_mask, self.shared_prefix_tokens)
+            packs = [_PrefixPack(p, lay.aligned(self._tp_align)) for p, lay in shared]
             self.shared_prefix_items += sum(len(p) for p in packs)
         key = mix_key if self.mix_groups else share_key
         planned = plan_microbatches(items, self._length, self.max_packed_tokens, key=key)

@@ -68,7 +68,8 @@ def test_shared_prefix_layout_padded_to_tp():
     from megatron_tsync.model import compat
     from megatron_tsync.training.packing import PrefixLayout
 
-    plain, padded = PrefixLayout(3, (5, 6)), PrefixLayout(3, (5, 6), pad=1)
+    plain, padded = PrefixLayout(3, (5, 6)), PrefixLayout(3, (5, 6)).aligned(3)
+    assert padded.pad == 1 and padded.aligned(3) == padded and plain.aligned(1) == plain
     assert (plain.total, padded.total) == (8, 9) and padded.segments() == plain.segments() == [(3, 5), (5, 8)]
     toks = [torch.tensor([7, 8, 9, 1, 2]), torch.tensor([7, 8, 9, 3, 4, 5])]
     assert padded.token_ids(toks).tolist() == plain.token_ids(toks).tolist() + [0]

@@ -40,7 +40,7 @@ from megatron_tsync.runtime.rollout_io import grads_to_hf  # noqa: E402
 from megatron_tsync.streaming.ready_queue import ListSource  # noqa: E402
 from megatron_tsync.training.learner import Learner, LearnerConfig, shape_for  # noqa: E402
 from megatron_tsync.training.optimizer import OptimConfig, build_optimizer, wrap_ddp  # noqa: E402
-from megatron_tsync.training import stream_fb  # noqa: E402
+from megatron_tsync.training import packing, stream_fb  # noqa: E402
 from megatron_tsync.training.stream_fb import LossConfig  # noqa: E402
 
 CASES = {  # (sequence packing, router replay, shared prefix: groups with one prompt each)
@@ -155,24 +155,23 @@ def run(model_dir, dims, name, mode, order_seed):
 
 @contextlib.contextmanager
 def _count_pads(pads: list):
-    """Append the padding of every packed / shared-prefix microbatch layout the executor makes to ``pads``."""
-    plan, layout = stream_fb.plan_shared_prefix, stream_fb.layout_for
+    """Append the padding of every packed / shared-prefix microbatch the executor runs to ``pads``."""
+    mask, layout = packing.PrefixLayout.mask, stream_fb.layout_for
 
-    def plan_counted(*a, **k):
-        packs, rest = plan(*a, **k)
-        pads.extend(lay.pad for _, lay in packs)
-        return packs, rest
+    def mask_counted(lay, device=None):
+        pads.append(lay.pad)
+        return mask(lay, device)
 
     def layout_counted(*a, **k):
         lay = layout(*a, **k)
         pads.append(lay.pad)
         return lay
 
-    stream_fb.plan_shared_prefix, stream_fb.layout_for = plan_counted, layout_counted
+    packing.PrefixLayout.mask, stream_fb.layout_for = mask_counted, layout_counted
     try:
         yield
     finally:
-        stream_fb.plan_shared_prefix, stream_fb.layout_for = plan, layout
+        packing.PrefixLayout.mask, stream_fb.layout_for = mask, layout
 
 
 def run_layout(model_dir, dims, cases, modes=MODES):
