@@ -64,7 +64,7 @@ wrapper, which refuses sequence parallelism, is built through ``compat.allow_seq
 marks them the same way). With PP > 1 every stage pads alike (a later stage receives the padded, sequence-sharded
 hidden states; the last cuts the logits); a packed or shared-prefix microbatch is padded to a multiple of TP by a
 padding segment (``training.packing.layout_for``, ``PrefixLayout.pad``); router replay hands each TP rank the routing
-of its sequence shard (:func:`sequence_shard`). float64, tiny model, against one process's sync gradient
+of its sequence shard (:func:`sequence_shard`), and each pipeline stage its own layers'. float64, tiny model, against one process's sync gradient
 (stream-trajectory and sync, ``tests/training/test_moe_tp_pp.py``): TP=2 with packing, with a shared prefix, with
 replay; PP=2 with replay; TP=2 × PP=2 with packing and replay: all ≤ 4e-14.
 
@@ -84,8 +84,7 @@ already right: everything goes to the accumulator there). Not with ``--determini
 forward that first computed it (prefill for the prompt, the decode step for each generated token; a tool result at
 the next turn's prefill), the agent loop keeps them across turns, the trajectory event carries them, and the
 learner's training and π_θ0 forwards route every token to those experts (:func:`microbatch_routing`,
-:class:`replay_microbatch`: a pipeline stage takes its own layers' routing, a TP rank under sequence parallelism its
-shard's rows). Positions no engine computed (the last token, a final tool result) and packing padding
+:class:`replay_microbatch`). Positions no engine computed (the last token, a final tool result) and packing padding
 route to experts 0..k-1: no scored log-prob depends on them. vLLM returns routed experts only with its model runner
 V2, which needs Triton (not in the CPU build): the vLLM adapter does not record routing yet.
 
@@ -374,22 +373,6 @@ def microbatch_routing(routings, lengths, pad: int = 0) -> list[torch.Tensor] | 
     return [full[:, layer] for layer in range(num_layers)]
 
 
-def sequence_shard(indices: torch.Tensor, config) -> torch.Tensor:
-    """The rows of a microbatch's (T, k) routing that this TP rank's routers see. Under sequence parallelism a
-    router gets its rank's contiguous 1/TP of the sequence, which the model padded at the end to a multiple of TP
-    (``model.builder.pad_for_sequence_parallel``; packs come padded): pad the routing alike (experts 0..k-1, as
-    :func:`microbatch_routing` routes padding) and take the rank's block. Without sequence parallelism: all rows."""
-    tp = config.tensor_model_parallel_size
-    if not config.sequence_parallel or tp == 1:
-        return indices
-    from megatron.core import parallel_state as ps
-
-    n, k = (-indices.shape[0]) % tp, indices.shape[1]
-    if n:
-        indices = torch.cat([indices, torch.arange(k, dtype=indices.dtype).expand(n, k)])
-    return indices.chunk(tp)[ps.get_tensor_model_parallel_rank()]
-
-
 class replay_microbatch:
     """``with replay_microbatch(model, per_layer):``: :class:`replay_routing` with this stage's layers picked out of
     ``per_layer`` (every global MoE layer, e.g. from :func:`microbatch_routing`) by their layer numbers; with
@@ -462,3 +445,19 @@ class replay_routing:
             rr.clear_router_replay_action()
             rr.clear_indices()
         return False
+
+
+def sequence_shard(indices: torch.Tensor, config) -> torch.Tensor:
+    """The rows of a microbatch's (T, k) routing that this TP rank's routers see. Under sequence parallelism a
+    router gets its rank's contiguous 1/TP of the sequence, which the model padded at the end to a multiple of TP
+    (``model.builder.pad_for_sequence_parallel``; packs come padded): pad the routing alike (experts 0..k-1, as
+    :func:`microbatch_routing` routes padding) and take the rank's block. Without sequence parallelism: all rows."""
+    tp = config.tensor_model_parallel_size
+    if not config.sequence_parallel or tp == 1:
+        return indices
+    from megatron.core import parallel_state as ps
+
+    n, k = (-indices.shape[0]) % tp, indices.shape[1]
+    if n:
+        indices = torch.cat([indices, torch.arange(k, dtype=indices.dtype).expand(n, k)])
+    return indices.chunk(tp)[ps.get_tensor_model_parallel_rank()]
