@@ -64,9 +64,9 @@ wrapper, which refuses sequence parallelism, is built through ``compat.allow_seq
 marks them the same way). With PP > 1 every stage pads alike (a later stage receives the padded, sequence-sharded
 hidden states; the last cuts the logits); a packed or shared-prefix microbatch is padded to a multiple of TP by a
 padding segment (``training.packing.layout_for``, ``PrefixLayout.pad``); router replay hands each TP rank the routing
-of its sequence shard (:func:`sequence_shard`), and each pipeline stage its own layers'. float64, tiny model, against one process's sync gradient
-(stream-trajectory and sync, ``tests/training/test_moe_tp_pp.py``): TP=2 with packing, with a shared prefix, with
-replay; PP=2 with replay; TP=2 × PP=2 with packing and replay: all ≤ 4e-14.
+of its sequence shard (:func:`sequence_shard`), and each pipeline stage its own layers'. float64, tiny model, against
+one process's sync gradient (stream-trajectory and sync, ``tests/training/test_moe_tp_pp.py``): TP=2 with packing,
+with a shared prefix, with replay; PP=2 with replay; TP=2 × PP=2 with packing and replay: all ≤ 4e-14.
 
 **Expert parallelism.** Conversion, forward passes and training at EP > 1 are exact (tested at EP=2: float64
 streamed = sync = one process to ~1e-15, ``tests/training/test_moe_ep.py``). Each MoE layer's all-to-all is a
