@@ -4,9 +4,10 @@ tests/training/test_moe_tp_pp.py).
 ``--runs LAYOUT=CASE,... ...``: layouts single (1 process), tp2 (2: TP 2 with sequence parallelism), pp2 (2: PP 2)
 or tp2pp2 (4: TP 2 × PP 2), one after the other on this launch's processes; DP 1 everywhere. Cases: of
 :data:`CASES` (packing on or off, replay of given routing on or off), each in sync and stream-trajectory mode,
-float64, on the same HF weights (router × 25: decisive routing) and the same trajectories; each trajectory carries a random routing (distinct experts per position and layer, for all but its
-last position), far from what the routers would choose, so a replay that is not applied, or applied to the wrong
-positions, changes the gradient. ``control`` (TP 2 only): replay with every TP rank given the routing of the first
+float64, on the same HF weights (router × 25: decisive routing) and the same trajectories; with replay each
+trajectory carries a random routing (distinct experts per position and layer, for all but its last position), far
+from what the routers would choose, so a replay that is not applied, or applied to the wrong positions, changes the
+gradient. ``control`` (TP 2 only): replay with every TP rank given the routing of the first
 sequence shard (what replay did before it was sharded), sync. ``shared``: ``--shared-prefix`` on groups with one
 prompt each (arrivals four at a time), against ``prompts``: the same trajectories without sharing.
 
