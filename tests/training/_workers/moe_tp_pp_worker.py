@@ -52,6 +52,8 @@ CASES = {  # (sequence packing, router replay, shared prefix: groups with one pr
     "control": (False, True, False),
     "prompts": (False, False, True),  # the shared-prefix case's trajectories without sharing (its reference)
     "shared": (False, False, True),
+    "prompts-replay": (False, True, True),  # with replay (each group's prompt routed alike, as one prefill)
+    "shared-replay": (False, True, True),  # needs the executor's shared-prefix replay (main: moe.shared_prefix_routing)
 }
 LAYOUTS = {"single": (1, 1), "tp2": (2, 1), "pp2": (1, 2), "tp2pp2": (2, 2)}  # (tp, pp)
 MODES = (("sync", None), ("stream-trajectory", 7))
@@ -69,6 +71,12 @@ def samples_with_routing(arch, replay: bool, prompts: bool = False):
         for s in samples:
             P = s.token_ids.numel() - 1  # the engine computed every position but the last
             s.routing = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(P * L)]).view(P, L, k)
+        if prompts:  # the engine prefilled one prompt per group: equal prompt routing
+            first = {}
+            for s in samples:
+                f = first.setdefault(s.group_id, s)
+                p = int((s.loss_mask > 0).nonzero()[0])
+                s.routing[:p] = f.routing[:p]
     return samples
 
 
@@ -132,7 +140,8 @@ def run(model_dir, dims, name, mode, order_seed):
     ddp = wrap_ddp(model)
     opt = build_optimizer(ddp, OptimConfig(optimizer="sgd", lr=0.0, clip_grad=0))
     cfg = LearnerConfig(mode=mode, estimator="grpo", loss=LossConfig(), reward_spec=spec_for("bounded"),
-                        sequence_packing=packing, max_packed_tokens=PACK_TOKENS, shared_prefix=name == "shared")
+                        sequence_packing=packing, max_packed_tokens=PACK_TOKENS,
+                        shared_prefix=name.startswith("shared"))
     learner = Learner(ddp, opt, cfg, dp_rank=dims.dp_rank, pp_size=dims.pp)
     samples = samples_with_routing(arch, replay, prompts)
     order = samples if order_seed is None else arrival_order(samples, order_seed)
@@ -149,7 +158,8 @@ def run(model_dir, dims, name, mode, order_seed):
             learner.train_step(ListSource(order, batch=4 if prompts else 1), sizes, shape)
     finally:
         moe.sequence_shard = original
-    agree = capture.compare(samples, dims) if capture is not None else [0, 0]
+    # (a shared-prefix microbatch is not a concatenation of whole trajectories: its routing is not cut and checked)
+    agree = capture.compare(samples, dims) if capture is not None and not prompts else [0, 0]
     packed = learner.exec.shared_prefix_items if prompts else learner.exec.packed_items
     return got["g"], agree, packed, sum(1 for n in pads if n)
 
