@@ -22,7 +22,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPES = {"qwen_swe": dict(tp=4, pp=1, world=16, nodes=4, task="swe-jsonl"),
            "qwen_terminal": dict(tp=4, pp=2, world=16, nodes=4, task="terminal-jsonl"),
            "qwen3_swe": dict(tp=4, pp=1, world=16, nodes=4, task="swe-jsonl"),
-           # TP 1 (MoE at TP > 1 needs sequence parallelism, not with PP > 1 yet); EP 8 (examples/qwen3_moe/README.md)
+           # TP 1 × PP 4, EP 8 (examples/qwen3_moe/README.md)
            "qwen3_moe": dict(tp=1, pp=4, ep=8, world=32, nodes=6, task="terminal-jsonl")}
 # Public Hugging Face config.json values of the two policies (the parts the model builder reads).
 HF_CONFIGS = {

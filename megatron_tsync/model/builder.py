@@ -306,9 +306,10 @@ def pad_for_sequence_parallel(model, tp: int) -> None:
     """Sequence parallelism splits the sequence over the TP ranks, so it must be a multiple of TP long: pad every
     input at the end (token 0, positions continuing) and drop the padded positions' logits on the way out. Causal
     attention keeps the real positions' outputs — and so every log-prob and gradient — as without padding (the
-    padding's own outputs get no loss). Single-stage models only (a later stage receives sharded hidden states)."""
-    if not (model.pre_process and model.post_process):
-        raise ValueError("sequence parallelism with pipeline stages is not supported by this builder yet")
+    padding's own outputs get no loss). Every pipeline stage pads its inputs alike (a later stage's hidden states
+    arrive padded and sequence-sharded; its token ids and positions only size RoPE); only the last stage has logits
+    to cut. Packed microbatches (a mask or THD params) come padded already (``training.packing.layout_for`` with
+    ``align`` a multiple of TP: a padding segment)."""
 
     def pad(module, args, kwargs):
         ids, pos, mask = (list(args) + [None] * 3)[:3]
@@ -317,7 +318,8 @@ def pad_for_sequence_parallel(model, tp: int) -> None:
         if n == 0:
             return None
         if mask is not None or kwargs.get("packed_seq_params") is not None or kwargs.get("inference_context"):
-            raise ValueError("sequence-parallel padding supports plain causal forwards (no mask, packing, cache)")
+            raise ValueError(f"sequence parallelism: a masked, packed or cached forward must be a multiple of TP={tp} "
+                             f"long (got {ids.shape[1]}; packing pads with training.packing.layout_for(align=TP))")
         step = torch.arange(1, n + 1, device=ids.device)
         ids = torch.cat([ids, ids.new_zeros(ids.shape[0], n)], dim=1)
         pos = torch.cat([pos, pos[:, -1:] + step], dim=1) if pos is not None else None
@@ -329,4 +331,5 @@ def pad_for_sequence_parallel(model, tp: int) -> None:
 
     model._tsync_len = None
     model.register_forward_pre_hook(pad, with_kwargs=True)
-    model.register_forward_hook(unpad)
+    if model.post_process:  # earlier stages return sequence-sharded hidden states, passed on as they are
+        model.register_forward_hook(unpad)

@@ -78,12 +78,6 @@ class RunContext:
         check_tokenizer_fits(self.model_dir, arch.vocab_size)  # ids past the embedding would crash the learner
         if cfg.model.moe_router_replay and not arch.num_experts:
             raise ValueError(f"--moe-router-replay needs a MoE model; {self.model_dir} has no experts")
-        if arch.num_experts and p.tensor_model_parallel_size > 1 and (cfg.learner.sequence_packing
-                                                                      or cfg.learner.shared_prefix
-                                                                      or cfg.model.moe_router_replay):
-            raise ValueError("a MoE model at --tensor-model-parallel-size > 1 runs with sequence parallelism "
-                             "(model/moe.py), which supports neither --sequence-packing, --shared-prefix nor "
-                             "--moe-router-replay yet")
         replay = {"moe_enable_routing_replay": True} if cfg.model.moe_router_replay else {}
         model = build_model(arch, cfg.precision, seed=cfg.rl.seed, **replay)
         load_hf_into_model(model, hf_state)

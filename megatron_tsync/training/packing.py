@@ -169,11 +169,15 @@ class PrefixLayout:
 
     prefix: int  # o >= 1: the shared tokens
     lengths: tuple[int, ...]  # T_i of each trajectory (> prefix)
-    pad: int = 0  # no padding segment (the MoE routing code reads it: moe.shared_prefix_routing)
+    pad: int = 0  # dummy tokens at the end (a multiple of TP under sequence parallelism); read by no loss term
 
     @property
     def total(self) -> int:
-        return self.prefix + sum(n - self.prefix for n in self.lengths)
+        return self.prefix + sum(n - self.prefix for n in self.lengths) + self.pad
+
+    def aligned(self, align: int) -> "PrefixLayout":
+        """This layout padded to a multiple of ``align`` tokens (TP under sequence parallelism)."""
+        return dataclasses.replace(self, pad=(self.pad - self.total) % align)
 
     def segments(self) -> list[tuple[int, int]]:
         """Each continuation's (start, end) in the microbatch."""
@@ -188,22 +192,26 @@ class PrefixLayout:
 
     def token_ids(self, tokens: Sequence[torch.Tensor]) -> torch.Tensor:
         """(T,) the microbatch's tokens from the trajectories' (their first ``prefix`` tokens must agree)."""
-        return torch.cat([tokens[0][: self.prefix]] + [t[self.prefix:] for t in tokens])
+        return torch.cat([tokens[0][: self.prefix]] + [t[self.prefix:] for t in tokens]
+                         + [tokens[0].new_zeros(self.pad)])
 
     def position_ids(self, device=None) -> torch.Tensor:
         return torch.cat([torch.arange(self.prefix, device=device)]
-                         + [torch.arange(self.prefix, n, device=device) for n in self.lengths])
+                         + [torch.arange(self.prefix, n, device=device) for n in self.lengths]
+                         + [torch.arange(self.prefix, self.prefix + self.pad, device=device)])
 
     def mask(self, device=None) -> torch.Tensor:
-        """(1, 1, T, T) bool, True = masked out: prefix causal; continuation k sees the prefix and itself causally."""
+        """(1, 1, T, T) bool, True = masked out: prefix causal; continuation k sees the prefix and itself causally
+        (the padding too, as one more continuation)."""
         o = self.prefix
-        seg = torch.repeat_interleave(torch.arange(len(self.lengths) + 1, device=device),
-                                      torch.tensor([o] + [n - o for n in self.lengths], device=device))  # (T,)
+        conts = [n - o for n in self.lengths] + ([self.pad] if self.pad else [])
+        seg = torch.repeat_interleave(torch.arange(len(conts) + 1, device=device),
+                                      torch.tensor([o] + conts, device=device))  # (T,)
         idx = torch.arange(self.total, device=device)
         allowed = ((seg[:, None] == seg[None, :]) | (seg[None, :] == 0)) & (idx[None, :] <= idx[:, None])
         mask = (~allowed).view(1, 1, self.total, self.total)
         # compat.SDPAttention reads the structure off the mask and attends block by block (no T×T scores)
-        setattr(mask, compat.PREFIX_TREE_ATTR, (self.prefix, [n - self.prefix for n in self.lengths]))
+        setattr(mask, compat.PREFIX_TREE_ATTR, (self.prefix, conts))
         return mask
 
 

@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import math
 import time
 
 import torch
@@ -131,6 +132,9 @@ class StreamExecutor:
                              "canonical sum cannot separate")
         self._thd = bool(max_packed_tokens) and uses_varlen_attention(gpt)
         self._align = 16 if self._thd and getattr(gpt.config, "fp8", None) else 1  # FP8 GEMMs want T % 16 == 0
+        # MoE at TP > 1 (sequence parallelism): a microbatch is split over the TP ranks (model/moe.py)
+        self._tp_align = gpt.config.tensor_model_parallel_size if gpt.config.sequence_parallel else 1
+        self._align = math.lcm(self._align, self._tp_align)
         self.shared_prefix_tokens = shared_prefix_tokens
         if shared_prefix_tokens:
             cores = {type(m).__name__ for m in gpt.modules() if "DotProductAttention" in type(m).__name__
@@ -200,7 +204,7 @@ class StreamExecutor:
             shared, items, split = plan_shared_prefix(
                 items, lambda it: self.samples[it.traj_id].token_ids, lambda it: self.samples[it.traj_id].loss_mask,
                 self.shared_prefix_tokens, routing=lambda it: self.samples[it.traj_id].routing)
-            packs = [_PrefixPack(p, lay) for p, lay in shared]
+            packs = [_PrefixPack(p, lay.aligned(self._tp_align)) for p, lay in shared]
             self.shared_prefix_items += sum(len(p) for p in packs)
             self.prefix_routing_split += split
         key = mix_key if self.mix_groups else share_key

@@ -61,6 +61,25 @@ def test_layout_mask_and_positions():
     assert padded.segments() == [(0, 5), (5, 11)]
 
 
+def test_shared_prefix_layout_padded_to_tp():
+    """Sequence parallelism (MoE at TP > 1): a shared-prefix microbatch padded to a multiple of TP by a dummy
+    continuation that sees the prefix and itself; the real continuations' rows of the mask, positions and tokens are
+    those of the unpadded layout."""
+    from megatron_tsync.model import compat
+    from megatron_tsync.training.packing import PrefixLayout
+
+    plain, padded = PrefixLayout(3, (5, 6)), PrefixLayout(3, (5, 6)).aligned(3)
+    assert padded.pad == 1 and padded.aligned(3) == padded and plain.aligned(1) == plain
+    assert (plain.total, padded.total) == (8, 9) and padded.segments() == plain.segments() == [(3, 5), (5, 8)]
+    toks = [torch.tensor([7, 8, 9, 1, 2]), torch.tensor([7, 8, 9, 3, 4, 5])]
+    assert padded.token_ids(toks).tolist() == plain.token_ids(toks).tolist() + [0]
+    assert padded.position_ids().tolist() == plain.position_ids().tolist() + [3]
+    m, m0 = ~padded.mask()[0, 0], ~plain.mask()[0, 0]
+    assert torch.equal(m[:8, :8], m0) and not m[:8, 8].any()  # no real token sees the padding
+    assert m[8].tolist() == [True] * 3 + [False] * 5 + [True]  # the padding: the prefix and itself
+    assert getattr(padded.mask(), compat.PREFIX_TREE_ATTR) == (3, [2, 3, 1])
+
+
 def test_share_key_and_plan():
     acc = [WorkItem(f"a{i}", "g0", 1.0, Dest.ACCUM, advantage=0.5) for i in range(3)]
     aux = WorkItem("x", "g1", 0.0, Dest.ACCUM, policy=False, aux=True)
