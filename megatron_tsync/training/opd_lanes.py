@@ -22,8 +22,14 @@ backward runs its nodes in exactly reverse creation order. The lane's all-to-all
 to this rank's gradient and carry the other ranks' tokens through this rank's experts (their expert gradients).
 
 Everything goes to the batch accumulator (DDP's buffers), so the lanes need no gradient destinations. A finished
-trajectory's graph stays alive until its lane closes (memory: ``peak_graph_bytes`` counts it). Not with PP > 1
-(refused by ``OPDLearner``: a lane's backward would need one p2p exchange per lane and stage).
+trajectory's graph stays alive until its lane closes (memory: ``peak_graph_bytes`` counts it).
+
+Under PP every stage runs the lanes with its own expert-parallel group (the same stage of the other replicas); the
+stages of one pipeline see the same chunks, so they agree on lanes, counts and closes. A chunk forward is
+``opd_pipeline.stage_forward`` (p2p within the pipeline), an idle forward runs this stage's layers only
+(:func:`idle_stage_forward`, zeros as a later stage's input: no p2p). At a close the last stage backprops its
+roots and sends each trajectory's input gradients down (one message per trajectory, in lane order); a stage before
+it receives them all, runs its one backward (with its idle roots) and sends its own down.
 """
 
 from __future__ import annotations
@@ -33,14 +39,29 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
+from megatron_tsync.model.incremental import IncrementalGPT
+from megatron_tsync.training.opd_pipeline import recv_output_grads, send_input_grads
+
 IDLE_TOKENS = 2  # length of an expert-lockstep idle forward
 
 
 def idle_forward(model) -> torch.Tensor:
-    """An idle forward: 2 tokens (id 0) through ``model`` (its MoE layers join the all-to-alls). -> its output."""
+    """An idle microbatch's forward inside megatron's schedule: 2 tokens (id 0) through ``model`` (its MoE layers
+    join the all-to-alls). -> its output."""
     dev = next(model.parameters()).device
     ids = torch.zeros(1, IDLE_TOKENS, dtype=torch.long, device=dev)
     return model(ids, torch.arange(IDLE_TOKENS, device=dev).unsqueeze(0), None)
+
+
+def idle_stage_forward(model) -> torch.Tensor:
+    """A lane's idle forward through this pipeline stage's layers only: 2 tokens (id 0) on the first stage, zeros
+    (2, 1, h) as a later stage's input. -> the stage's output (2, 1, h)."""
+    inc = IncrementalGPT(model, whole=False)
+    m = inc.m
+    p = next(m.parameters())
+    hidden = None if m.pre_process else torch.zeros(IDLE_TOKENS, 1, m.config.hidden_size, dtype=p.dtype,
+                                                     device=p.device)
+    return inc.extend(torch.zeros(IDLE_TOKENS, dtype=torch.long), 0, hidden=hidden)
 
 
 @dataclasses.dataclass
@@ -54,7 +75,7 @@ class _Lane:
 
 
 class TurnLanes:
-    """The lanes of one ``OPDLearner`` (stream-turn, EP > 1, PP = 1); :meth:`point` once per poll on every rank."""
+    """The lanes of one ``OPDLearner`` (stream-turn, EP > 1); :meth:`point` once per poll on every rank."""
 
     def __init__(self, learner, lockstep):
         self.learner, self.lockstep = learner, lockstep
@@ -86,7 +107,7 @@ class TurnLanes:
                     L._turn_forward(tr, c)
             lane = self.lanes.setdefault(j, _Lane())
             for _ in range(most - n_fwd.get(j, 0)):
-                lane.idle.append(idle_forward(L.model))
+                lane.idle.append(idle_stage_forward(L.model))
             self.lockstep.idle += most - n_fwd.get(j, 0)
         # empty chunks of lanes where no rank runs a forward (no collective): their bookkeeping only
         for tr, c in mine:
@@ -103,10 +124,15 @@ class TurnLanes:
         lane = self.lanes.pop(j, None)
         if lane is None:
             return
-        L = self.learner
-        roots = [r for tr in lane.trajs for r in L._turn_roots(tr)]
+        L, link = self.learner, self.learner.link
+        kept = [L._kept_bytes(tr) for tr in lane.trajs]
+        roots = []
+        for tr in lane.trajs:  # lane order: the same on every stage of the pipeline
+            roots += L._turn_roots(tr) if link is None or link.is_last else recv_output_grads(link, tr.stage)
         roots += [(o, torch.zeros_like(o)) for o in lane.idle if o.requires_grad]
         if roots:
             torch.autograd.backward([r for r, _ in roots], [g for _, g in roots])
-        for tr in lane.trajs:
-            L._turn_done(tr)
+        for tr, k in zip(lane.trajs, kept):
+            if link is not None:
+                send_input_grads(link, tr.stage)
+            L._turn_done(tr, k)

@@ -322,9 +322,6 @@ class OPDLearner:
             self.lockstep = None
         self.lanes = None
         if self.lockstep is not None and self.mode == "stream-turn":
-            if self.link is not None:
-                raise ValueError("OPD stream-turn with expert parallelism and PP > 1 is not built (the lockstep "
-                                 "lanes run one backward per lane on one stage); use --rl-mode stream-trajectory")
             self.lanes = TurnLanes(self, self.lockstep)
         self.fb = get_forward_backward_func()
         self.grad_hook = None  # callable(ddp_model) after normalisation, before clipping
@@ -580,13 +577,14 @@ class OPDLearner:
                 tr.terms.append(term)
 
     def _turn_backward(self, tr: _Traj) -> None:
+        kept = self._kept_bytes(tr)
         if self.link is None or self.link.is_last:
             roots = self._turn_roots(tr)
             if roots:
                 torch.autograd.backward([r for r, _ in roots], [g for _, g in roots])
         if self.link is not None:  # PP: the gradients of each stage's received inputs go down, stage by stage
             stage_backward(self.link, tr.stage)
-        self._turn_done(tr)
+        self._turn_done(tr, kept)
 
     def _turn_roots(self, tr: _Traj) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(tensor, gradient) pairs of a finished trajectory's backward on the last stage: its summed loss, or
@@ -601,9 +599,13 @@ class OPDLearner:
                 roots = [(total, torch.ones_like(total))]
         return roots + [(h, torch.zeros_like(h)) for h in tr.outs if h.requires_grad]
 
-    def _turn_done(self, tr: _Traj) -> None:
-        """After a trajectory's backward: its kept bytes counted out, its graph's remains freed."""
-        kept = (tr.mem.bytes if tr.mem is not None else 0) + (tr.stage.output_bytes if tr.stage is not None else 0)
+    @staticmethod
+    def _kept_bytes(tr: _Traj) -> int:
+        """What a trajectory's graph holds on this stage (before its backward)."""
+        return (tr.mem.bytes if tr.mem is not None else 0) + (tr.stage.output_bytes if tr.stage is not None else 0)
+
+    def _turn_done(self, tr: _Traj, kept: int) -> None:
+        """After a trajectory's backward: its ``kept`` bytes counted out, its graph's remains freed."""
         self._max_traj_bytes = max(self._max_traj_bytes, kept)
         self._open_bytes -= kept
         tr.inc = tr.terms = tr.last_h = tr.stage = None  # frees the graph's remains

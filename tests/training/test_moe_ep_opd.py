@@ -8,7 +8,8 @@ forwards, one backward per lane), ``sync`` / ``stream-trajectory`` with idle mic
 (``ExpertLockstep.count``). float64: the gradient (HF names, experts gathered) of every mode at EP = 2 equals the
 one-process ``sync`` gradient to ≤ 1e-12 relative, with router replay too (the learner's experts equal the recorded
 ones for every token the engine computed); a MoE teacher scoring turn by turn at EP = 2 equals one process's.
-Controls: idle forwards ran (the ranks were out of step), and without replay the gradient differs.
+The same at PP 2 × EP 2 (4 processes) for stream-turn. Controls: idle forwards ran (the ranks were out of step),
+and without replay the gradient differs.
 """
 
 import os
@@ -54,11 +55,21 @@ def reference(model, data):
     return {case: W.run(model, case, "sync", S, E)[0] for case in W.CASES}
 
 
+def _launch(model, tmp_path_factory, pp: int):
+    out = tmp_path_factory.mktemp("opd_ep2") / f"ep2pp{pp}.pt"
+    torchrun(WORKER, ["--model", model, "--out", str(out), "--pp", str(pp)], nproc=2 * pp)
+    return torch.load(str(out))
+
+
 @pytest.fixture(scope="module")
 def ep2(model, tmp_path_factory):
-    out = tmp_path_factory.mktemp("opd_ep2") / "ep2.pt"
-    torchrun(WORKER, ["--model", model, "--out", str(out)], nproc=2)
-    return torch.load(str(out))
+    return _launch(model, tmp_path_factory, 1)
+
+
+@pytest.fixture(scope="module")
+def ep2pp2(model, tmp_path_factory):
+    """PP 2 × EP 2 (4 processes): the stream-turn modes."""
+    return _launch(model, tmp_path_factory, 2)
 
 
 def test_router_replay_stream_turn_one_process(model, data, reference):
@@ -75,30 +86,42 @@ def test_router_replay_stream_turn_one_process(model, data, reference):
     assert r < TOL and control > 1e-3
 
 
-@pytest.mark.slow
-def test_ep2_opd_equals_one_process_sync(ep2, reference):
-    for case, (_, modes, _) in W.CASES.items():
+def _check_grads(got, reference, layout, samples):
+    for case, modes in got["grads"].items():
         ref = reference[case]
         experts = [k for k in ref if ".experts." in k]
         assert experts and all(ref[k].abs().max() > 0 for k in experts)  # every expert is trained
-        for mode in modes:
-            g = ep2["grads"][case][mode]
+        for mode, g in modes.items():
             assert set(g) == set(ref)
             r, r_moe = _rel(g, ref), _rel(g, ref, experts)
-            idle = ep2["idle"][case][mode]
-            print(f"opd ep2 {case} {mode}: vs one-process sync {r:.2g} (experts {r_moe:.2g}), idle forwards {idle}")
+            idle = got["idle"][case][mode]
+            print(f"opd {layout} {case} {mode}: vs one-process sync {r:.2g} (experts {r_moe:.2g}), idle forwards {idle}")
             assert r < TOL and r_moe < TOL, (case, mode, r, r_moe)
             if mode.startswith("stream"):
                 assert sum(idle) > 0, (case, mode, idle)  # the ranks were out of step: the lockstep mattered
+    checked, differ = got["replay"]["stream-turn"]  # router replay at EP = 2: every computed token, every layer
+    assert checked == sum(s.routing.shape[0] * s.routing.shape[1] for s in samples) and differ == 0, (checked, differ)
 
 
 @pytest.mark.slow
-def test_ep2_router_replay_and_moe_teacher(ep2, model, data):
-    """At EP = 2 the stream-turn forwards route every computed token to its recorded experts (both ranks), and a
-    MoE teacher's turn-by-turn scores equal one process's."""
+def test_ep2_opd_equals_one_process_sync(ep2, reference, data):
+    assert set(ep2["grads"]["token-mean"]) == {"sync", "stream-trajectory", "stream-turn", "stream-turn-head-first"}
+    _check_grads(ep2, reference, "ep2", data[0])
+
+
+@pytest.mark.slow
+def test_ep2_pp2_stream_turn_equals_one_process_sync(ep2pp2, reference, data):
+    """Every stage runs the lanes with its own expert-parallel group; chunk outputs and input gradients go stage to
+    stage as without EP (one message per trajectory at its lane's close)."""
+    assert set(ep2pp2["grads"]["token-mean"]) == {"stream-turn", "stream-turn-head-first"}
+    _check_grads(ep2pp2, reference, "ep2pp2", data[0])
+
+
+@pytest.mark.slow
+def test_ep2_moe_teacher(ep2, model, data):
+    """A MoE teacher's turn-by-turn scores at EP = 2 (every rank scores every chunk in one order, as the OPD runtime
+    does) equal one process's."""
     S, E = data
-    checked, differ = ep2["replay"]["stream-turn"]
-    assert checked == sum(s.routing.shape[0] * s.routing.shape[1] for s in S) and differ == 0, (checked, differ)
     one = W.teacher_scores(model, S, E)
     err = max(float((one[k] - ep2["teacher"][k]).abs().max()) for k in one)
     print(f"MoE teacher at EP=2 vs one process: max |Δ log-prob| {err:.2g}")

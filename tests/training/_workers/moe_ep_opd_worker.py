@@ -3,7 +3,7 @@ one-process reference imports these functions).
 
 ``python -m torch.distributed.run --nproc_per_node=2 moe_ep_opd_worker.py --model DIR --out R.pt``: TP 1, PP 1,
 DP 2, EP 2 (each rank holds half the experts; every MoE all-to-all spans both ranks, which learn different
-trajectories). Each rank gets every chunk (multi-turn trajectories, tool output between turns) but in its OWN
+trajectories); ``--nproc_per_node=4 ... --pp 2``: PP 2 × EP 2 (the stream-turn modes only). Each rank gets every chunk (multi-turn trajectories, tool output between turns) but in its OWN
 interleaving of the trajectories' turns; trajectory i is learned by rank i mod 2. float64, router weights × 25
 (decisive routing). Rank 0 writes {"grads": {case: {mode: {hf name: tensor}}}, "idle": {case: {mode: idle
 forwards, both ranks}}, "replay": {mode: [tokens checked, tokens whose experts differ from the recorded ones]},
@@ -67,7 +67,8 @@ def trajectories(arch, seed: int = 500):
     return S, E
 
 
-def run(model_dir, case: str, mode: str, S, E, *, dp_rank=0, dp=1, order_seed=11, replay=None, check=None):
+def run(model_dir, case: str, mode: str, S, E, *, dp_rank=0, dp=1, order_seed=11, replay=None, check=None,
+        pp_group=None):
     """HF-named float64 gradient after the barrier and the idle forwards of one learner step. ``replay``
     overrides the case's router replay (the control); ``check``: a [checked, differing] counter of the
     stream-turn forwards' expert choices against the chunks' routing."""
@@ -76,7 +77,7 @@ def run(model_dir, case: str, mode: str, S, E, *, dp_rank=0, dp=1, order_seed=11
     arch, ddp, opt = build(model_dir, case_replay)
     head_first = mode.endswith("head-first")
     L = OPDLearner(ddp, opt, OPDLearnerConfig(mode=mode.removesuffix("-head-first"), head_first=head_first, **kw),
-                   dp_rank=dp_rank, dp_group=None)
+                   dp_rank=dp_rank, dp_group=None, pp_group=pp_group)
     got = {}
     L.grad_hook = lambda d: got.setdefault("g", grads_to_hf(d))
     owner = {s.traj_id: i % dp for i, s in enumerate(S)}
@@ -141,23 +142,25 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--pp", type=int, default=1)
     a = ap.parse_args()
     from megatron_tsync.model.parallel import destroy_parallel, initialize_parallel
 
     torch.set_num_threads(1)
-    dims = initialize_parallel(1, 1, ep=2)
-    assert dims.ep == 2 and dims.dp == 2, dims
+    dims = initialize_parallel(1, a.pp, ep=2)
+    assert dims.ep == 2 and dims.dp == 2 and dims.pp == a.pp, dims
+    pp_group = dims.pp_group() if a.pp > 1 else None
     arch, _ = load_hf_dir(a.model)
     S, E = trajectories(arch)
     out = {"grads": {}, "idle": {}, "replay": {}}
     seed = 11 + 7 * dims.dp_rank  # each rank its own arrival order
     for case, (_, modes, replay) in CASES.items():
         out["grads"][case], out["idle"][case] = {}, {}
-        for mode in modes:
+        for mode in modes if a.pp == 1 else [m for m in modes if m.startswith("stream-turn")]:
             check = [0, 0] if replay and mode == "stream-turn" else None
             g, idle = run(a.model, case, mode, S, E, dp_rank=dims.dp_rank, dp=dims.dp, order_seed=seed,
-                          check=check)
-            both = [None, None]
+                          check=check, pp_group=pp_group)
+            both = [None] * dims.world_size
             dist.all_gather_object(both, (idle, check))
             out["grads"][case][mode] = g
             out["idle"][case][mode] = [b[0] for b in both]
