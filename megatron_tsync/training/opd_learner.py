@@ -25,7 +25,7 @@ engine recorded for it (``TurnChunk.routing``, ``model.moe.replay_microbatch``).
 MoE all-to-all is a collective over data-parallel replicas that learn different trajectories: each poll of the
 source is a schedule point of the expert-parallel group; ``sync`` / ``stream-trajectory`` pad their microbatches
 with idle ones (``model.parallel.ExpertLockstep.count``), ``stream-turn`` runs lanes of matched chunk forwards with
-one backward per lane (``training.opd_lanes``; not with PP > 1).
+one backward per lane (``training.opd_lanes``; under PP too).
 
 Every gradient lands in megatron DDP's grad buffers (``main_grad``); the barrier is the one the GRPO learner uses
 (``training.barrier.barrier_step``: DP reduction, explicit divisor, grad hook, optimizer step, zeroed grads).
