@@ -8,7 +8,7 @@ forwards, one backward per lane), ``sync`` / ``stream-trajectory`` with idle mic
 (``ExpertLockstep.count``). float64: the gradient (HF names, experts gathered) of every mode at EP = 2 equals the
 one-process ``sync`` gradient to ≤ 1e-12 relative, with router replay too (the learner's experts equal the recorded
 ones for every token the engine computed); a MoE teacher scoring turn by turn at EP = 2 equals one process's.
-The same at PP 2 × EP 2 (4 processes) for stream-turn. Controls: idle forwards ran (the ranks were out of step),
+The same at PP 2 × EP 2 (4 processes) for the streaming modes. Controls: idle forwards ran (the ranks were out of step),
 and without replay the gradient differs.
 """
 
@@ -68,7 +68,7 @@ def ep2(model, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ep2pp2(model, tmp_path_factory):
-    """PP 2 × EP 2 (4 processes): the stream-turn modes."""
+    """PP 2 × EP 2 (4 processes): the streaming modes."""
     return _launch(model, tmp_path_factory, 2)
 
 
@@ -110,10 +110,11 @@ def test_ep2_opd_equals_one_process_sync(ep2, reference, data):
 
 
 @pytest.mark.slow
-def test_ep2_pp2_stream_turn_equals_one_process_sync(ep2pp2, reference, data):
-    """Every stage runs the lanes with its own expert-parallel group; chunk outputs and input gradients go stage to
-    stage as without EP (one message per trajectory at its lane's close)."""
-    assert set(ep2pp2["grads"]["token-mean"]) == {"stream-turn", "stream-turn-head-first"}
+def test_ep2_pp2_streaming_equals_one_process_sync(ep2pp2, reference, data):
+    """stream-turn: every stage runs the lanes with its own expert-parallel group; chunk outputs and input gradients
+    go stage to stage as without EP (one message per trajectory at its lane's close). stream-trajectory: idle
+    microbatches through megatron's 1F1B schedule."""
+    assert set(ep2pp2["grads"]["token-mean"]) == {"stream-trajectory", "stream-turn", "stream-turn-head-first"}
     _check_grads(ep2pp2, reference, "ep2pp2", data[0])
 
 

@@ -3,7 +3,7 @@ one-process reference imports these functions).
 
 ``python -m torch.distributed.run --nproc_per_node=2 moe_ep_opd_worker.py --model DIR --out R.pt``: TP 1, PP 1,
 DP 2, EP 2 (each rank holds half the experts; every MoE all-to-all spans both ranks, which learn different
-trajectories); ``--nproc_per_node=4 ... --pp 2``: PP 2 × EP 2 (the stream-turn modes only). Each rank gets every chunk (multi-turn trajectories, tool output between turns) but in its OWN
+trajectories); ``--nproc_per_node=4 ... --pp 2``: PP 2 × EP 2 (the streaming modes only). Each rank gets every chunk (multi-turn trajectories, tool output between turns) but in its OWN
 interleaving of the trajectories' turns; trajectory i is learned by rank i mod 2. float64, router weights × 25
 (decisive routing). Rank 0 writes {"grads": {case: {mode: {hf name: tensor}}}, "idle": {case: {mode: idle
 forwards, both ranks}}, "replay": {mode: [tokens checked, tokens whose experts differ from the recorded ones]},
@@ -156,7 +156,7 @@ def main():
     seed = 11 + 7 * dims.dp_rank  # each rank its own arrival order
     for case, (_, modes, replay) in CASES.items():
         out["grads"][case], out["idle"][case] = {}, {}
-        for mode in modes if a.pp == 1 else [m for m in modes if m.startswith("stream-turn")]:
+        for mode in modes if a.pp == 1 else [m for m in modes if m != "sync"]:
             check = [0, 0] if replay and mode == "stream-turn" else None
             g, idle = run(a.model, case, mode, S, E, dp_rank=dims.dp_rank, dp=dims.dp, order_seed=seed,
                           check=check, pp_group=pp_group)
