@@ -114,7 +114,7 @@ class ModelConfig:
     its advantage coefficients, so the term would be advantage-weighted (not exact; ``model/moe.py``)."""
     moe_router_replay: bool = False
     """MoE router replay: engines record the experts each token was routed to, the events carry them, and the
-    learner's forwards (training, π_θ0) route every token to those experts (``model/moe.py``)."""
+    learner's forwards (training, π_θ0, OPD's turns) route every token to those experts (``model/moe.py``)."""
     ref_model: str | None = None
     """Hugging Face folder of the KL term's reference model, built like the policy (same builder, conversion and
     TP/PP layout; ``training/reference.py``); None = a frozen copy of the policy's initial weights (after ``load``

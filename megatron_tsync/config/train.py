@@ -184,15 +184,14 @@ class TrainConfig:
                "rollout.weight_sync broadcast is a collective every worker joins for every version, so workers cannot "
                "run ahead: use rollout.weight_sync file with learner.mode async", "rollout.weight_sync", "learner.mode")
         ep = self.parallel.expert_model_parallel_size
-        _check(ep == 1 or (self.rl.algorithm == "grpo" and not self.learner.deterministic
-                           and self.learner.loss.kl_mode == "none"),
-               f"parallel.expert_model_parallel_size {ep} trains GRPO without learner.deterministic or a KL "
-               "reference: only the GRPO learner's forwards (and the warm start's, one per rank and step) keep the "
-               "expert-parallel ranks in lockstep (each MoE all-to-all is a collective over them)",
+        _check(ep == 1 or (not self.learner.deterministic and self.learner.loss.kl_mode == "none"),
+               f"parallel.expert_model_parallel_size {ep} trains GRPO and OPD without learner.deterministic or a KL "
+               "reference: only the GRPO and OPD learners' forwards (and the warm start's, one per rank and step) "
+               "keep the expert-parallel ranks in lockstep (each MoE all-to-all is a collective over them)",
                "parallel.expert_model_parallel_size", "rl.algorithm")
-        _check(not self.model.moe_router_replay or (self.rl.algorithm == "grpo" and self.rollout.engine == "embedded"),
-               "model.moe_router_replay is wired for rl.algorithm grpo with rollout.engine embedded (the vLLM "
-               "adapter does not return routed experts yet; the OPD learner's forward does not replay)",
+        _check(not self.model.moe_router_replay or self.rollout.engine == "embedded",
+               "model.moe_router_replay is wired for rollout.engine embedded (the vLLM "
+               "adapter does not return routed experts yet)",
                "model.moe_router_replay", "rollout.engine")
         declared = declared_reward_spec(self.rollout.verifier)
         conflict = None if declared is None else reward_spec_conflict(

@@ -77,13 +77,16 @@ slots, each with one gradient destination (a group's bucket at a reward, or the 
 microbatch for a slot runs an idle one (2 tokens, zero loss) routed to that destination. Without one destination
 per slot the expert gradients came out 0.6-1.6 relative off in stream-trajectory mode (sync and stream-group were
 already right: everything goes to the accumulator there). Not with ``--deterministic`` nor a KL reference model
-(their forwards are not in lockstep); the OPD learner neither.
+(their forwards are not in lockstep). The OPD learner keeps them in lockstep too: idle microbatches in
+``sync`` / ``stream-trajectory``, lanes of matched turn forwards and one backward per lane in ``stream-turn``
+(``training.opd_lanes``; tested at EP=2, ``tests/training/test_moe_ep_opd.py``).
 
 **Router replay** (``--moe-router-replay``; megatron-core's ``RouterReplay``, build with
 ``moe_enable_routing_replay=True``): the embedded engine records the experts of every position it computes, in the
 forward that first computed it (prefill for the prompt, the decode step for each generated token; a tool result at
 the next turn's prefill), the agent loop keeps them across turns, the trajectory event carries them, and the
-learner's training and π_θ0 forwards route every token to those experts (:func:`microbatch_routing`,
+learner's training and π_θ0 forwards (and the OPD learner's, turn by turn in ``stream-turn``; not the
+teacher's, a different model) route every token to those experts (:func:`microbatch_routing`,
 :class:`replay_microbatch`). Positions no engine computed (the last token, a final tool result) and packing padding
 route to experts 0..k-1: no scored log-prob depends on them. With ``--shared-prefix`` the prompt, run once for the
 group's members in its microbatch, replays the engine's prefill routing (:func:`shared_prefix_routing`), and each

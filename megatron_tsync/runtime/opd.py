@@ -6,6 +6,8 @@ input is a stream of teacher-scored turns. The teacher is scored on the learner 
 ``training.teacher.TeacherScorer`` in the trainer process keeps a KV cache per open trajectory and scores each turn's
 new tokens the moment the turn arrives (the workers send no teacher log-probs today). Turns arrive as ``TurnEvent`` s when the worker sends them;
 otherwise a finished ``TrajectoryEvent`` is split at its ``turn_spans`` (same gradient, no overlap with generation).
+``--moe-router-replay``: every turn and trajectory event carries the engine's routing of its positions, and the
+student's forwards replay it (``TurnChunk.routing``); the teacher, another model, routes by itself.
 ``--opd-objective full-vocab``: the teacher also returns its full logits per predicted token (gathered over TP), which
 the learner keeps until that turn's forward has run. Under PP every stage holds the whole teacher and scores every
 chunk (the learner's last stage uses the scores; the first stage's copy is what ``--dump-rollouts`` records).
@@ -23,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_tsync.runtime.context import RunContext, progress_bar
-from megatron_tsync.runtime.fleet import LEDGER_TB_NAMES, RolloutFleet, TransportSource, ledger_row
+from megatron_tsync.runtime.fleet import LEDGER_TB_NAMES, RolloutFleet, TransportSource, _event_routing, ledger_row
 from megatron_tsync.runtime.rollout_io import load_rollouts
 from megatron_tsync.runtime.spec import StepOutcome, TrainSpec
 from megatron_tsync.runtime.validation import REJECTION_TB_NAMES, rejection_row
@@ -77,9 +79,16 @@ class OPDTransportSource(TransportSource):
             _count(self.fleet.receiver, BadTurn(f"{ev.traj_id}: turn {ev.turn} rewrites tokens before {start} that "
                                                  "earlier turns delivered"))
             return []
+        routing = None
+        if self.fleet.routing_expect is not None:  # --moe-router-replay: the turn's prefix routing, or wait
+            routing, why = _event_routing(ev, self.fleet.routing_expect, ev.end)
+            if routing is None:  # its tokens come with the trajectory event (whose routing is checked there)
+                log.warning("turn %d of %s: %s (--moe-router-replay): learned at the trajectory's end", ev.turn,
+                            ev.traj_id, why)
+                return []
         c = TurnChunk(ev.traj_id, start, torch.as_tensor(ev.token_ids.astype("int64")),
                       torch.as_tensor(ev.loss_mask.astype("float32")), None,
-                      torch.as_tensor(ev.logprobs.astype("float64")))
+                      torch.as_tensor(ev.logprobs.astype("float64")), routing=routing)
         self.delivered[ev.traj_id] = c
         return [c]
 

@@ -403,7 +403,8 @@ class RolloutWorker:
                 traj_id=traj_id(m["group_id"], m["index"]), group_id=m["group_id"],
                 policy_version=traj.policy_version if traj.policy_version >= 0 else step, turn=turn, start=start,
                 end=end, token_ids=np.asarray(traj.token_ids[:end], dtype=np.int32), loss_mask=mask,
-                logprobs=np.asarray(traj.logprobs[:end], dtype=np.float32) * mask), timeout_s=600)
+                logprobs=np.asarray(traj.logprobs[:end], dtype=np.float32) * mask,
+                **_routing_fields(traj, end)), timeout_s=600)
 
         from megatron_tsync.rollout.envs.base import EnvTools
 
@@ -495,11 +496,12 @@ async def score_trajectory(traj, codec, inst, episode, verifier, floor: float,
     return reward, "ok", ""
 
 
-def _routing_fields(traj) -> dict:
-    """The event's router-replay fields: the trajectory's (P, L, k) routing flattened, and (L, k)."""
+def _routing_fields(traj, end: int | None = None) -> dict:
+    """The event's router-replay fields: the trajectory's (P, L, k) routing flattened (a turn event's: of its
+    prefix's first ``end`` positions at most), and (L, k)."""
     if traj.routing is None:
         return {}
-    r = np.ascontiguousarray(traj.routing)
+    r = np.ascontiguousarray(traj.routing[:end])
     return {"routing": r.reshape(-1), "routing_shape": (int(r.shape[1]), int(r.shape[2]))}
 
 

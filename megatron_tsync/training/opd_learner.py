@@ -20,6 +20,13 @@ come from ``algorithms.aggregation`` (ν_i before backward, divisor once at the 
   stage backprops all its chunk outputs at once (``training.opd_pipeline``). ``head_first`` works under PP too (the
   head is on the last stage).
 
+MoE: with ``--moe-router-replay`` every forward (a chunk's, a trajectory's) routes each token to the experts the
+engine recorded for it (``TurnChunk.routing``, ``model.moe.replay_microbatch``). At expert parallelism > 1 every
+MoE all-to-all is a collective over data-parallel replicas that learn different trajectories: each poll of the
+source is a schedule point of the expert-parallel group; ``sync`` / ``stream-trajectory`` pad their microbatches
+with idle ones (``model.parallel.ExpertLockstep.count``), ``stream-turn`` runs lanes of matched chunk forwards with
+one backward per lane (``training.opd_lanes``; under PP too).
+
 Every gradient lands in megatron DDP's grad buffers (``main_grad``); the barrier is the one the GRPO learner uses
 (``training.barrier.barrier_step``: DP reduction, explicit divisor, grad hook, optimizer step, zeroed grads).
 
@@ -56,10 +63,14 @@ import torch.distributed as dist
 from megatron_tsync.algorithms.aggregation import barrier_divisor, sequence_weight
 from megatron_tsync.algorithms.opd import opd_loss
 from megatron_tsync.algorithms.policy_loss import PolicyLossConfig
+from megatron_tsync.model import moe
+from megatron_tsync.model.builder import unwrap
 from megatron_tsync.model.incremental import IncrementalGPT
+from megatron_tsync.model.parallel import ExpertLockstep
 from megatron_tsync.streaming.ready_queue import Sample
 from megatron_tsync.model.logprobs import _AllReduceSum, _tp_group_and_size, vocab_parallel_logprobs
 from megatron_tsync.training.barrier import barrier_step
+from megatron_tsync.training.opd_lanes import IDLE_TOKENS, TurnLanes, idle_forward
 from megatron_tsync.training.opd_pipeline import StageGraph, StageLink, stage_backward, stage_forward
 from megatron_tsync.training.stream_fb import BatchShape, LossConfig
 
@@ -112,6 +123,9 @@ class TurnChunk:
     teacher_logits: torch.Tensor | None = None
     dp_rank: int = 0
     arrival_s: float = 0.0
+    routing: torch.Tensor | None = None
+    """``--moe-router-replay``: the engine's experts (P ≤ end, L, k) of the prefix's first P positions
+    (``Sample.routing`` conventions, ``model.moe.microbatch_routing``); None: the student routes by itself."""
 
     @property
     def end(self) -> int:
@@ -140,7 +154,8 @@ def chunks_from_sample(s: Sample, turn_ends: list[int] | None = None, *, start: 
         out.append(TurnChunk(s.traj_id, start, s.token_ids[sl], s.loss_mask[sl],
                              None if s.teacher_logp is None else s.teacher_logp[sl],
                              None if s.behaviour_logp is None else s.behaviour_logp[sl],
-                             last=i == len(ends) - 1, dp_rank=s.dp_rank))
+                             last=i == len(ends) - 1, dp_rank=s.dp_rank,
+                             routing=None if s.routing is None else s.routing[sl]))
         start = e
     return out
 
@@ -268,6 +283,12 @@ class _Traj:
     terms: list = dataclasses.field(default_factory=list)  # per-chunk loss sums (graph kept) | head-first bodies
     last_h: torch.Tensor | None = None
     mem: SavedBytes | None = None
+    lane: int | None = None  # stream-turn at EP > 1: the lockstep lane (training.opd_lanes)
+    outs: list = dataclasses.field(default_factory=list)  # ... and its chunks' body outputs (backward roots)
+
+    @property
+    def ended(self) -> bool:
+        return bool(self.chunks) and self.chunks[-1].last
 
 
 class OPDLearner:
@@ -295,6 +316,13 @@ class OPDLearner:
                 self.mode = "stream-trajectory"
             else:
                 self.link = StageLink(pp_group)
+        # EP > 1: every forward/backward is matched over the expert-parallel ranks (module docstring)
+        self.lockstep = ExpertLockstep(unwrap(ddp_model).config) if ddp_model is not None else None
+        if self.lockstep is not None and not self.lockstep.on:
+            self.lockstep = None
+        self.lanes = None
+        if self.lockstep is not None and self.mode == "stream-turn":
+            self.lanes = TurnLanes(self, self.lockstep)
         self.fb = get_forward_backward_func()
         self.grad_hook = None  # callable(ddp_model) after normalisation, before clipping
         self.sync_order: list[str] | None = None  # sync mode: microbatch order (permutation control)
@@ -344,18 +372,43 @@ class OPDLearner:
         self._full_kl_seen = False
 
     def _consume(self, source: ChunkSource, t0: float) -> tuple[list[_Traj], int, float]:
-        """Poll until the source is exhausted. -> (trajectories held for ``sync``, chunks seen, last arrival time)."""
+        """Poll until the source is exhausted. -> (trajectories held for ``sync``, chunks seen, last arrival time).
+
+        EP > 1: every poll is a schedule point of the expert-parallel group (their sources may differ in order and
+        timing), and the loop ends when every rank's source is exhausted: :meth:`_lockstep_point`."""
         pending: list[_Traj] = []
         n_chunks = 0
         last = t0
-        while not source.exhausted():
-            ready = source.poll(self.cfg.poll_timeout_s)
+        more = True
+        while more if self.lockstep is not None else not source.exhausted():
+            ready = source.poll(self.cfg.poll_timeout_s) if not source.exhausted() else []
             if ready:
                 last = time.perf_counter()
+            n_chunks += len(ready)
+            if self.lockstep is not None:
+                more = self._lockstep_point(ready, pending, source.exhausted())
+                continue
             for c in ready:
-                n_chunks += 1
                 self._on_chunk(c, pending)
         return pending, n_chunks, last
+
+    def _lockstep_point(self, ready: list[TurnChunk], pending: list[_Traj], exhausted: bool) -> bool:
+        """EP > 1, one poll's chunks: stream-turn runs them through the lanes (``training.opd_lanes``);
+        stream-trajectory runs the trajectories that ended here with idle microbatches up to the group's most
+        (``ExpertLockstep.count``); sync holds them. -> whether any rank's source has more."""
+        mine = []
+        for c in ready:
+            tr = self._accept(c)
+            if c.dp_rank == self.dp_rank:
+                mine.append((tr, c))
+        if self.lanes is not None:
+            return self._timed(self.lanes.point, mine, exhausted)
+        ended = [tr for tr, c in mine if c.last]
+        if self.mode == "stream-trajectory":
+            self._timed(self._run_schedule, ended)
+        else:
+            pending += ended
+        return self.lockstep.count(0 if exhausted else 1) > 0
 
     def _on_chunk(self, c: TurnChunk, pending: list[_Traj]) -> None:
         """Append the chunk to its trajectory; on this DP rank run what the mode allows now (module docstring)."""
@@ -377,7 +430,7 @@ class OPDLearner:
         open_ = [tid for tid, tr in self._trajs.items() if not tr.chunks or not tr.chunks[-1].last]
         if open_:
             raise RuntimeError(f"step ended with unfinished trajectories: {open_[:5]}")
-        if pending:
+        if pending or (self.lockstep is not None and self.mode == "sync"):
             if self.sync_order is not None:
                 rank = {tid: i for i, tid in enumerate(self.sync_order)}
                 pending.sort(key=lambda tr: rank[tr.chunks[0].traj_id])
@@ -396,8 +449,9 @@ class OPDLearner:
 
     def _timed(self, fn, *args):
         t = time.perf_counter()
-        fn(*args)
+        out = fn(*args)
         self._busy.append((t, time.perf_counter()))
+        return out
 
     def _nu(self, n_act: int) -> float:
         sh = self._shape
@@ -438,22 +492,33 @@ class OPDLearner:
 
     # ------------------------------------------------------------------ trajectory modes (megatron schedule)
     def _run_schedule(self, trajs: list[_Traj]) -> None:
-        self.fb(forward_step_func=self._forward_step, data_iterator=iter(trajs), model=[self.model],
-                num_microbatches=len(trajs), seq_length=max(tr.end for tr in trajs), micro_batch_size=1,
+        """The trajectories as microbatches of megatron's schedule; EP > 1: idle ones (None) up to the most any
+        expert-parallel rank runs here (collective over the group; every rank calls it at every point)."""
+        n = self.lockstep.count(len(trajs)) if self.lockstep is not None else len(trajs)
+        if n == 0:
+            return
+        todo = list(trajs) + [None] * (n - len(trajs))
+        self.fb(forward_step_func=self._forward_step, data_iterator=iter(todo), model=[self.model],
+                num_microbatches=n, seq_length=max([tr.end for tr in trajs] + [IDLE_TOKENS]), micro_batch_size=1,
                 forward_only=False)
+        if not trajs:
+            return
         # one microbatch's graph is alive at a time on one stage (1F1B under PP keeps up to PP of them)
         per = max(tr.mem.bytes for tr in trajs)
         self._max_traj_bytes = max(self._max_traj_bytes, per)
         self._peak_bytes = max(self._peak_bytes, per * min(self.pp_size, len(trajs)))
 
     def _forward_step(self, data_iterator, model):
-        tr: _Traj = next(data_iterator)
+        tr: _Traj | None = next(data_iterator)
+        if tr is None:  # an expert-lockstep idle microbatch: its loss is 0 · Σ logits
+            out = idle_forward(model)
+            return out, lambda o: (0.0 * o.sum(), torch.tensor(0, dtype=torch.int), {"loss": o.new_zeros(())})
         c = tr.chunks[-1]  # its arrays cover the whole trajectory
         dev = _device()
         ids = c.token_ids.to(dev).unsqueeze(0)  # (1, T)
         pos = torch.arange(ids.shape[1], device=dev).unsqueeze(0)
         tr.mem = SavedBytes(self.model.parameters())
-        with tr.mem():
+        with tr.mem(), moe.replay_microbatch(model, moe.microbatch_routing([c.routing], [c.end])):
             out = model(ids, pos, None)  # last stage: (1, T, V/tp); other stages: hidden states
         return out, functools.partial(self._traj_loss, tr)
 
@@ -478,11 +543,13 @@ class OPDLearner:
             tr.stage = StageGraph()
         before = tr.mem.bytes + tr.stage.output_bytes
         if c.end > c.start:
-            with tr.mem():
+            with tr.mem(), moe.replay_microbatch(self.model, _chunk_routing(c)):
                 if self.link is None:
                     h = tr.inc.extend(c.token_ids[c.start : c.end], c.start)  # (s, 1, hid)
                 else:  # PP: receive from the previous stage, run this stage's layers, send on
                     h = stage_forward(tr.inc, self.link, tr.stage, c.token_ids[c.start : c.end], c.start)
+            if self.lanes is not None:
+                tr.outs.append(h)  # a backward root with gradient 0: every forward's all-to-alls are reached
             if self.link is None or self.link.is_last:
                 self._turn_head(tr, c, h)
         c.teacher_logits = None  # (tokens, V): used by the head above, or never needed on this stage
@@ -510,25 +577,46 @@ class OPDLearner:
                 tr.terms.append(term)
 
     def _turn_backward(self, tr: _Traj) -> None:
-        kept = (tr.mem.bytes if tr.mem is not None else 0) + (tr.stage.output_bytes if tr.stage is not None else 0)
+        kept = self._kept_bytes(tr)
         if self.link is None or self.link.is_last:
-            self._turn_loss_backward(tr)
+            roots = self._turn_roots(tr)
+            if roots:
+                torch.autograd.backward([r for r, _ in roots], [g for _, g in roots])
         if self.link is not None:  # PP: the gradients of each stage's received inputs go down, stage by stage
             stage_backward(self.link, tr.stage)
-        self._max_traj_bytes = max(self._max_traj_bytes, kept)
-        self._open_bytes -= kept
-        tr.inc = tr.terms = tr.last_h = tr.stage = None  # frees the graph's remains
+        self._turn_done(tr, kept)
 
-    def _turn_loss_backward(self, tr: _Traj) -> None:
+    def _turn_roots(self, tr: _Traj) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(tensor, gradient) pairs of a finished trajectory's backward on the last stage: its summed loss, or
+        with head_first its bodies with the heads' gradients; under lockstep also every chunk output with 0."""
+        roots = []
         if self.cfg.head_first:
-            pairs = [(b, h.grad) for b, h in tr.terms if h.grad is not None]
-            if pairs:
-                torch.autograd.backward([b for b, _ in pairs], [g for _, g in pairs])
+            roots = [(b, h.grad) for b, h in tr.terms if h.grad is not None]
         elif tr.terms:
             total = self._nu(tr.n_act) * torch.stack(tr.terms).sum()
             self._stats[0] += float(total.detach())
             if total.requires_grad:
-                total.backward()
+                roots = [(total, torch.ones_like(total))]
+        return roots + [(h, torch.zeros_like(h)) for h in tr.outs if h.requires_grad]
+
+    @staticmethod
+    def _kept_bytes(tr: _Traj) -> int:
+        """What a trajectory's graph holds on this stage (before its backward)."""
+        return (tr.mem.bytes if tr.mem is not None else 0) + (tr.stage.output_bytes if tr.stage is not None else 0)
+
+    def _turn_done(self, tr: _Traj, kept: int) -> None:
+        """After a trajectory's backward: its ``kept`` bytes counted out, its graph's remains freed."""
+        self._max_traj_bytes = max(self._max_traj_bytes, kept)
+        self._open_bytes -= kept
+        tr.inc = tr.terms = tr.last_h = tr.stage = None  # frees the graph's remains
+        tr.outs = []
+
+
+def _chunk_routing(c: TurnChunk) -> list[torch.Tensor] | None:
+    """Per MoE layer the (s, k) experts of the chunk's new tokens [start, end) (router replay), or None."""
+    if c.routing is None:
+        return None
+    return moe.microbatch_routing([c.routing[c.start : c.end]], [c.end - c.start])
 
 
 def _device() -> torch.device:

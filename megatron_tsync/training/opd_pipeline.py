@@ -92,14 +92,27 @@ def stage_backward(link: StageLink, g: StageGraph) -> None:
     Stages < P−1 receive d(loss)/d(output) of every chunk (one message) and backprop all outputs at once; stages > 0
     then send d(loss)/d(input) of every chunk (one message) to the previous stage. Clears ``g``.
     """
+    pairs = recv_output_grads(link, g)
+    if pairs:
+        torch.autograd.backward([p for p, _ in pairs], [gr for _, gr in pairs])
+    send_input_grads(link, g)
+
+
+def recv_output_grads(link: StageLink, g: StageGraph) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Stages < P−1: d(loss)/d(output) of every chunk from the next stage (one message) -> (output, gradient) pairs
+    to backprop ([] on the last stage or for a trajectory without tokens)."""
     n = sum(g.sizes)
-    if n > 0 and not link.is_last:
-        o = g.outputs[0]
-        grad = link.recv((n, 1, o.shape[-1]), o.dtype, o.device, link.next)  # (Σs, 1, h)
-        pairs = [(out, gr) for out, gr in zip(g.outputs, grad.split(g.sizes)) if out.requires_grad]
-        if pairs:
-            torch.autograd.backward([p for p, _ in pairs], [gr for _, gr in pairs])
-    if n > 0 and not link.is_first:
+    if n == 0 or link.is_last:
+        return []
+    o = g.outputs[0]
+    grad = link.recv((n, 1, o.shape[-1]), o.dtype, o.device, link.next)  # (Σs, 1, h)
+    return [(out, gr) for out, gr in zip(g.outputs, grad.split(g.sizes)) if out.requires_grad]
+
+
+def send_input_grads(link: StageLink, g: StageGraph) -> None:
+    """Stages > 0, after the backward: d(loss)/d(input) of every chunk to the previous stage (one message). Clears
+    ``g``."""
+    if sum(g.sizes) > 0 and not link.is_first:
         link.send(torch.cat([x.grad if x.grad is not None else torch.zeros_like(x) for x in g.inputs]), link.prev)
     g.inputs, g.outputs, g.sizes = [], [], []
 

@@ -402,7 +402,7 @@ class TurnEvent(_WireMixin):
     """One generated turn; arrays cover the prefix ``[0, end)``, the turn is ``[start, end)``."""
 
     KIND: ClassVar[str] = "turn"
-    _OPTIONAL: ClassVar[frozenset[str]] = frozenset({"teacher_logprobs"})
+    _OPTIONAL: ClassVar[frozenset[str]] = frozenset({"teacher_logprobs", "routing"})
 
     traj_id: str
     group_id: str
@@ -415,6 +415,8 @@ class TurnEvent(_WireMixin):
     logprobs: np.ndarray  # (end,) float32: behaviour log-probs where loss_mask == 1, 0 elsewhere
     teacher_logprobs: np.ndarray | None = None  # (end,) float32, finite
     meta: dict[str, str | int | float] = field(default_factory=dict)
+    routing: np.ndarray | None = None  # (P·L·k,) as TrajectoryEvent's, for the prefix's first P ≤ end positions
+    routing_shape: tuple[int, int] = (0, 0)  # (L, k) of ``routing``
 
     def validate(self, limits: SchemaLimits | None = None) -> None:
         lim, c = limits or _DEFAULT_LIMITS, "TurnEvent"
@@ -438,6 +440,7 @@ class TurnEvent(_WireMixin):
             _check_array(c, "teacher_logprobs", self.teacher_logprobs, (_F32,), self.end, lim.max_seq_len)
             _check_finite_array(c, "teacher_logprobs", self.teacher_logprobs)
         _check_meta(c, self.meta, lim)
+        _check_routing(c, self.routing, self.routing_shape, self.end)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -85,3 +85,35 @@ def test_opd_full_vocab_stream_turn_pp2_matches_one_process(tmp_path):
     for key in ("reverse_kl", "full_vocab_kl", "grad_norm", "loss"):
         assert abs(a[key] - b[key]) <= 1e-5 * abs(a[key]), (key, a[key], b[key])
     assert all(h["mode"] == "stream-turn" for h in hist["pp1"] + hist["pp2"])
+
+
+
+@pytest.mark.slow
+def test_opd_moe_ep2_router_replay_stream_turn(tmp_path):
+    """A tiny Qwen3-MoE student distilled from a MoE teacher with ``--moe-router-replay --rl-mode stream-turn`` on the
+    embedded engine, two trainer ranks at expert parallelism 2 (torchrun, gloo): every turn event carries the
+    engine's routing of its prefix (none is held back to the trajectory's end for lack of it), the student's turn
+    forwards replay it in lockstep lanes across the EP ranks (the MoE teacher scores every turn on both), two steps
+    run; the dumped trajectories carry routing. (Exactness of the same path: tests/training/test_moe_ep_opd.py.)"""
+    from megatron_tsync.model.tiny_model import make_tiny_model
+    from megatron_tsync.runtime.rollout_io import load_rollouts
+
+    student = make_tiny_model(str(tmp_path / "student"), family="qwen3_moe", seed=3)
+    teacher = make_tiny_model(str(tmp_path / "teacher"), family="qwen3_moe", seed=5)
+    tb = tmp_path / "tb"
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone", "-m",
+                        "megatron_tsync.train", "--rl-algorithm", "opd", "--teacher-model", teacher, "--model", student,
+                        "--moe-router-replay", "--expert-model-parallel-size", "2", "--rl-mode", "stream-turn",
+                        "--group-size", "2", "--global-batch-size", "4", "--rollout-workers", "1", "--max-turns", "3",
+                        "--max-new-tokens", "16", "--seq-length", "128", "--train-iters", "2", "--no-progress",
+                        "--tensorboard-dir", str(tb), "--dump-rollouts", str(tmp_path / "dump")],
+                       cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, f"{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
+    assert "DP 2, CP 1, EP 2" in p.stdout and "opd summary: mode stream-turn, 2 steps" in p.stdout, p.stdout
+    assert "learned at the trajectory's end" not in p.stdout + p.stderr  # every turn event had its routing
+    hist = json.loads((tb / "history.json").read_text())
+    assert all(h["mode"] == "stream-turn" and h["trajectories"] == 4 and h["chunks"] > 4 for h in hist)
+    for step in (0, 1):
+        samples, _ = load_rollouts(str(tmp_path / "dump"), step)
+        assert len(samples) == 4 and all(s.routing is not None and 0 < s.routing.shape[0] < s.token_ids.numel()
+                                         for s in samples)

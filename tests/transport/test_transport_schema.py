@@ -210,3 +210,16 @@ def test_router_replay_routing_validated(ev, match) -> None:
     bad.routing_shape = (0, 2)
     with pytest.raises(SchemaError, match=r"routing_shape\[0\]: 0 < minimum 1"):
         bad.validate()
+
+
+def test_turn_event_routing_round_trips_and_is_validated() -> None:
+    """A turn event carries the routing of its prefix (``--moe-router-replay`` with OPD stream-turn): at most ``end``
+    positions."""
+    t = make_turn(2, end=16)
+    t.routing, t.routing_shape = np.arange(15 * 2 * 2, dtype=np.uint8) % 4, (2, 2)
+    t.validate()
+    out = decode(encode(t, KEY), KEY, max_bytes=1 << 20)
+    assert np.array_equal(out.routing, t.routing) and out.routing_shape == (2, 2) and out == t
+    t.routing = np.zeros(17 * 2 * 2, dtype=np.uint8)
+    with pytest.raises(SchemaError, match=r"TurnEvent.routing: length 68 exceeds"):
+        t.validate()
