@@ -491,11 +491,14 @@ def routing_of(routed_experts, moe_layers: list[int]):
 class NativeWeightSyncClient:
     """``VLLMWeightSyncClient`` (vLLM's four-method control-plane protocol) over a :class:`VLLMEngine`: the engine's
     lock is taken in ``start_weight_update`` and released in ``finish_weight_update`` (no generate in between),
-    and the update runs inside the version barrier. A failed update leaves the lock held (the transfer group is
-    unusable anyway: vLLM's NCCL trainer engine says the caller has to tear it down)."""
+    and the update runs inside the version barrier. ``policy_version`` becomes ``finish_weight_update``'s
+    ``weight_version``, else ``next_version`` (set it before ``send_weights``: vLLM's trainer engines finish without
+    a version). A failed update leaves the lock held (the transfer group is unusable anyway: vLLM's NCCL trainer
+    engine says the caller has to tear it down)."""
 
     def __init__(self, engine: VLLMEngine):
         self.engine = engine
+        self.next_version: int | None = None
         self._paused = False
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
@@ -522,7 +525,8 @@ class NativeWeightSyncClient:
                 compat.resume_generation(self.engine.llm)
             else:
                 self.engine.llm.reset_prefix_cache()
-            if weight_version is not None:
-                self.engine._version = int(weight_version)
+            version = weight_version if weight_version is not None else self.next_version
+            if version is not None:
+                self.engine._version = int(version)
         finally:
             self.engine._lock.release()
