@@ -193,10 +193,9 @@ class TrainConfig:
         _check(not (self.model.moe_router_replay and self.learner.shared_prefix),
                "model.moe_router_replay with learner.shared_prefix is not wired (a shared prompt's routing would be "
                "taken from one trajectory)", "model.moe_router_replay", "learner.shared_prefix")
-        _check(not self.model.moe_router_replay or (self.rl.algorithm == "grpo" and self.rollout.engine == "embedded"),
-               "model.moe_router_replay is wired for rl.algorithm grpo with rollout.engine embedded (the vLLM "
-               "adapter does not return routed experts yet; the OPD learner's forward does not replay)",
-               "model.moe_router_replay", "rollout.engine")
+        _check(not self.model.moe_router_replay or self.rl.algorithm == "grpo",  # vllm: VLLMEngine(record_routing)
+               "model.moe_router_replay is wired for rl.algorithm grpo (the OPD learner's forward does not replay)",
+               "model.moe_router_replay", "rl.algorithm")
         declared = declared_reward_spec(self.rollout.verifier)
         conflict = None if declared is None else reward_spec_conflict(
             lr.reward_spec, declared, f"rollout.verifier {self.rollout.verifier}")

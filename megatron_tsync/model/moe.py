@@ -80,8 +80,9 @@ forward that first computed it (prefill for the prompt, the decode step for each
 the next turn's prefill), the agent loop keeps them across turns, the trajectory event carries them, and the
 learner's training and π_θ0 forwards route every token to those experts (:func:`microbatch_routing`,
 :class:`replay_microbatch`). Positions no engine computed (the last token, a final tool result) and packing padding
-route to experts 0..k-1: no scored log-prob depends on them. vLLM returns routed experts only with its model runner
-V2, which needs Triton (not in the CPU build): the vLLM adapter does not record routing yet.
+route to experts 0..k-1: no scored log-prob depends on them. The vLLM adapter records them too (``record_routing``:
+vLLM's ``enable_return_routed_experts``, model runner V2, on GPU; not run yet); vLLM's CPU build cannot (V2 needs
+Triton), so the adapter refuses there.
 
 EP rank ``q`` of size ``ep`` holds the global experts ``e = q · E/ep + e_l`` (megatron's contiguous split); the expert
 tensor-parallel size equals TP. Supported HF configs: ``decoder_sparse_step`` 1 and no ``mlp_only_layers`` (every
