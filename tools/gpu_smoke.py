@@ -23,7 +23,8 @@ Transformer Engine or vLLM's CUDA build is skipped, and the script still exits 0
    ``IPCTrainerWeightTransferEngine``): greedy samples and log-probs after the IPC update equal those after the same
    weights loaded by ``update_weights`` (bit-identical), and differ from before; ``policy_version`` moves. Never run.
 9. ``vllm-native-nccl``: the same with backend ``nccl`` (vLLM's ``NCCLTrainerWeightTransferEngine``, packed, trainer
-   on cuda:0, vLLM on cuda:1: the cross-node path on one node). Needs 2 GPUs. Never run yet.
+   on cuda:0, vLLM on cuda:1: the cross-node path on one node). Needs 2 GPUs. Never run yet. ``vllm-native-sparse``:
+   backend ``sparse_nccl`` with only the changed entries (``vllm_weight_sync.sparse_patches``, 10% of them).
 10. ``vllm-routing``: a tiny Qwen3-MoE in vLLM with ``record_routing=True`` (``enable_return_routed_experts``, Model
    Runner V2): ``Completion.routing`` has the embedded engine's (P, L, k) shape and the same expert sets as megatron's
    own router (``model.moe.record_routing``) on the same tokens, float32 (pass: ≥ 99% of (position, layer) sets
@@ -344,9 +345,11 @@ def _native_transfer(hf_dir, backend):
 
     _, state = load_hf_dir(hf_dir)
     gen = torch.Generator().manual_seed(1)
-    new = {k: (v + 0.05 * torch.randn(v.shape, generator=gen)).to("cuda:0", torch.bfloat16) for k, v in state.items()}
+    old = {k: v.to("cuda:0", torch.bfloat16) for k, v in state.items()}  # what the bf16 engine loads from the folder
+    new = {k: torch.where(torch.rand(v.shape, generator=gen) < 0.1, v + 0.05 * torch.randn(v.shape, generator=gen),
+                          v).to("cuda:0", torch.bfloat16) for k, v in state.items()}  # 10% of the entries move
     env = dict(os.environ)
-    if backend == "nccl":
+    if backend != "ipc":
         os.environ["CUDA_VISIBLE_DEVICES"] = "1"  # the engine core (a child process) on GPU 1; this process keeps 0
     try:
         eng = VLLMEngine(hf_dir, dtype="bfloat16", seed=0, in_process=False, weight_transfer=backend,
@@ -371,14 +374,25 @@ def _native_transfer(hf_dir, backend):
             import socket
 
             from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
+            from vllm.distributed.weight_transfer.sparse_nccl_engine import SparseNCCLTrainerInitInfo
 
             with socket.socket() as sk:
                 sk.bind(("127.0.0.1", 0))
                 port = sk.getsockname()[1]
-            info = NCCLTrainerInitInfo(rank=0, master_address="127.0.0.1", master_port=port, world_size=2)
-        trainer = WeightTransferTrainerFactory.trainer_init(info, client=client, source=_native_source(new))
+            cls = NCCLTrainerInitInfo if backend == "nccl" else SparseNCCLTrainerInitInfo
+            info = cls(rank=0, master_address="127.0.0.1", master_port=port, world_size=2)
+        sparse = backend == "sparse_nccl"
+        trainer = WeightTransferTrainerFactory.trainer_init(info, client=client,
+                                                            source=None if sparse else _native_source(new))
         t = time.perf_counter()
-        trainer.send_weights()
+        if sparse:
+            from vllm.distributed.weight_transfer.sparse_nccl_engine import SparseWeightPatch
+
+            from megatron_tsync.rollout.vllm_weight_sync import sparse_patches
+
+            trainer.send_weights([SparseWeightPatch(*p) for p in sparse_patches(old, new)])
+        else:
+            trainer.send_weights()
         dt = time.perf_counter() - t
         by_native, version = sample(), eng.policy_version
         eng.update_weights({k: v.cpu() for k, v in new.items()}, 2)
@@ -390,7 +404,8 @@ def _native_transfer(hf_dir, backend):
         return "fail", f"after the {backend} update: version {version}, samples unchanged: {by_native == before}"
     if by_native != by_dict:
         return "fail", f"{backend} update differs from update_weights of the same weights"
-    return "pass", f"{backend}: samples/log-probs equal update_weights', {dt:.2f}s for {sum(v.numel() for v in new.values())} params"
+    n = sum(v.numel() for v in new.values())
+    return "pass", f"{backend}: samples/log-probs equal update_weights', {dt:.2f}s for {n} params"
 
 
 @check("vllm-native-ipc")
@@ -401,8 +416,7 @@ def vllm_native_ipc(hf_dir):
     return _native_transfer(hf_dir or _tiny_hf(), "ipc")
 
 
-@check("vllm-native-nccl")
-def vllm_native_nccl(hf_dir):
+def _two_gpu_native(hf_dir, backend):
     why = _vllm_native_skip()
     if why:
         return "skip", why
@@ -410,7 +424,17 @@ def vllm_native_nccl(hf_dir):
 
     if torch.cuda.device_count() < 2:
         return "skip", "needs 2 GPUs (NCCL refuses two ranks on one device); vLLM's ipc backend is the one-GPU path"
-    return _native_transfer(hf_dir or _tiny_hf(), "nccl")
+    return _native_transfer(hf_dir or _tiny_hf(), backend)
+
+
+@check("vllm-native-nccl")
+def vllm_native_nccl(hf_dir):
+    return _two_gpu_native(hf_dir, "nccl")
+
+
+@check("vllm-native-sparse")
+def vllm_native_sparse(hf_dir):
+    return _two_gpu_native(hf_dir, "sparse_nccl")
 
 
 def _vllm_native_skip():
@@ -501,6 +525,7 @@ def main(argv=None):
     nccl_sync()
     vllm_native_ipc(a.hf_model)
     vllm_native_nccl(a.hf_model)
+    vllm_native_sparse(a.hf_model)
     vllm_routing()
     import torch
 

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["WeightSyncExtension", "EXTENSION"]
+__all__ = ["WeightSyncExtension", "EXTENSION", "sparse_patches", "tsync_transfer_engine_class"]
 
 EXTENSION = "megatron_tsync.rollout.vllm_weight_sync.WeightSyncExtension"
 
@@ -88,6 +88,30 @@ class WeightSyncExtension:
         """The native backend's stats of its last receive (``{}`` before the first)."""
         eng = getattr(self, "weight_transfer_engine", None)
         return dict(getattr(eng, "last_stats", {}) or {})
+
+
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def sparse_patches(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]
+                   ) -> list[tuple[str, torch.Tensor, torch.Tensor, tuple[int, ...]]]:
+    """The delta of ``new`` against ``old`` (what the engine holds) for vLLM's ``sparse_nccl`` backend: per tensor
+    whose bits changed, ``(name, indices, values, full_shape)`` — vLLM's ``SparseWeightPatch`` fields: flat int32
+    indices of the changed entries (ascending) and their new values. Bitwise: a NaN that stays NaN, or -0.0 → -0.0,
+    is unchanged; 0.0 → -0.0 is a change. Same names, shapes and dtypes on both sides."""
+    out = []
+    for name, b in new.items():
+        a = old[name]
+        if a.shape != b.shape or a.dtype != b.dtype:
+            raise ValueError(f"{name}: {tuple(a.shape)} {a.dtype} in the engine, {tuple(b.shape)} {b.dtype} new")
+        if b.numel() >= 2**31:
+            raise ValueError(f"{name}: {b.numel()} entries do not fit vLLM's int32 patch indices")
+        fa, fb = a.reshape(-1), b.reshape(-1)
+        it = _INT_OF_SIZE[fb.element_size()]
+        idx = (fa.view(it) != fb.view(it)).nonzero().squeeze(1)  # (n,)
+        if idx.numel():
+            out.append((name, idx.to(torch.int32), fb[idx], tuple(b.shape)))
+    return out
 
 
 _ENGINE_CLASS = None

@@ -339,3 +339,31 @@ def test_engine_contract(engine, trainer):
     )
     print("\ncontract:", {k: f"{v:.2e}" for k, v in report.items()})
     engine.update_weights(state, engine.policy_version + 1)
+
+
+def test_sparse_patches_rebuild_the_new_weights_bitwise():
+    """The delta for vLLM's ``sparse_nccl`` backend: scattering the patches into the old tensors gives the new ones
+    bit for bit (bf16, float32, bool, a NaN kept, 0.0 → -0.0 counted), unchanged tensors send nothing."""
+    from megatron_tsync.rollout.vllm_weight_sync import sparse_patches
+
+    g = torch.Generator().manual_seed(0)
+    old = {"w": torch.randn(64, 32, generator=g).bfloat16(), "f": torch.randn(100, generator=g),
+           "m": torch.rand(10, generator=g) > 0.5, "same": torch.randn(7, generator=g)}
+    old["f"][3] = float("nan")
+    new = {k: v.clone() for k, v in old.items()}
+    mask = torch.rand(64, 32, generator=g) < 0.1
+    new["w"][mask] += 1.0
+    new["f"][5], new["f"][6] = 2.5, -0.0
+    old["f"][6] = 0.0
+    new["m"][0] = not bool(old["m"][0])
+    patches = sparse_patches(old, new)
+    assert [p[0] for p in patches] == ["w", "f", "m"]
+    assert patches[1][1].tolist() == [5, 6] and all(p[1].dtype == torch.int32 for p in patches)
+    for name, idx, vals, shape in patches:
+        rebuilt = old[name].clone().reshape(-1)
+        rebuilt[idx.long()] = vals
+        assert torch.equal(rebuilt.reshape(shape).view(torch.uint8) if name == "m" else
+                           rebuilt.reshape(shape).view(torch.int16 if name == "w" else torch.int32),
+                           new[name].view(torch.uint8) if name == "m" else
+                           new[name].view(torch.int16 if name == "w" else torch.int32))
+    assert int(patches[0][1].numel()) == int(mask.sum())  # control: exactly the perturbed entries
