@@ -367,3 +367,22 @@ def test_sparse_patches_rebuild_the_new_weights_bitwise():
                            new[name].view(torch.uint8) if name == "m" else
                            new[name].view(torch.int16 if name == "w" else torch.int32))
     assert int(patches[0][1].numel()) == int(mask.sum())  # control: exactly the perturbed entries
+
+
+def test_why_no_builtin_vllm_backend_runs_on_cpu():
+    """The reason written in ``model/compat/vllm.py``, pinned to vLLM's source: the NCCL backends take the
+    accelerator's device index, IPC rebuilds CUDA tensors, and the base class's ``update_weights`` synchronizes the
+    accelerator — each ``torch.accelerator`` call raises on CPU torch. When this fails, re-check: a vLLM backend may
+    run on CPU now (then test it here)."""
+    import inspect
+
+    from vllm.distributed.weight_transfer import base, ipc_engine, nccl_common
+
+    from megatron_tsync.model.compat import vllm as cv
+
+    assert cv.native_weight_transfer_available()
+    assert "torch.accelerator.synchronize()" in inspect.getsource(base.WeightTransferEngine.update_weights)
+    assert "torch.accelerator.current_device_index()" in inspect.getsource(nccl_common.worker_init_process_group)
+    assert "rebuild_cuda_tensor(" in inspect.getsource(ipc_engine.IPCWeightTransferEngine)
+    with pytest.raises(RuntimeError, match="accelerator"):
+        torch.accelerator.current_device_index()

