@@ -362,9 +362,9 @@ class VLLMEngine:
     def weight_sync_client(self) -> "NativeWeightSyncClient":
         """vLLM's ``VLLMWeightSyncClient`` protocol over this engine, for vLLM's trainer-side engines (``nccl``,
         ``ipc``, ``sparse_nccl``: ``WeightTransferTrainerFactory.trainer_init(init_info, client=...)``). Needs an
-        engine built with that ``weight_transfer`` backend; each update runs inside the version barrier and sets
-        ``policy_version`` to the ``weight_version`` given to ``finish_weight_update``."""
-        if self.weight_transfer in (None, TSYNC):
+        engine built with that ``weight_transfer`` backend (``tsync_broadcast`` works too: the CPU tests drive the
+        client with it); each update runs inside the version barrier and sets ``policy_version`` (see the class)."""
+        if self.weight_transfer is None:
             raise ValueError(f"weight_sync_client needs VLLMEngine(weight_transfer=<a vLLM backend>), this engine "
                              f"uses {self.weight_transfer or 'the worker extension'}")
         return NativeWeightSyncClient(self)
@@ -512,9 +512,16 @@ class NativeWeightSyncClient:
         from megatron_tsync.model.compat import vllm as compat
 
         self.engine._lock.acquire()
-        self._paused = compat.pause_generation(self.engine.llm)
-        self.engine.llm.collective_rpc("tsync_prepare_moe_reload")
-        self.engine.llm.start_weight_update()
+        self._paused = False
+        try:
+            self._paused = compat.pause_generation(self.engine.llm)
+            self.engine.llm.collective_rpc("tsync_prepare_moe_reload")
+            self.engine.llm.start_weight_update()
+        except BaseException:
+            if self._paused:
+                compat.resume_generation(self.engine.llm)
+            self.engine._lock.release()
+            raise
 
     def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
         self.engine.llm.update_weights({"update_info": update_info})
