@@ -209,15 +209,7 @@ class VLLMEngine:
         if self.weight_transfer is not None:
             llm_kwargs.setdefault("weight_transfer_config", compat.weight_transfer_config(self.weight_transfer))
         self.record_routing = bool(record_routing)
-        self._moe_layers = _moe_layers(cfg) if self.record_routing else None
-        if self.record_routing:
-            if not self._moe_layers:
-                raise ValueError(f"{self.model_dir}: record_routing needs a MoE model (this one has no experts)")
-            reason = compat.routed_experts_refusal()
-            if reason:
-                raise NotImplementedError(f"VLLMEngine(record_routing=True) (model.moe_router_replay): {reason}; use "
-                                          "rollout.engine embedded for router replay here")
-            llm_kwargs.update(compat.routing_engine_kwargs())
+        self._moe_layers = _routing_setup(self.model_dir, cfg, compat, llm_kwargs) if self.record_routing else None
         if self.rescore_truncated:
             llm_kwargs.setdefault("max_logprobs", -1)  # full-vocabulary prompt log-probs for T != 1 re-scoring
         self.llm = LLM(
@@ -469,6 +461,20 @@ def _pick_transfer(choice: str, compat) -> str | None:
     if not compat.native_weight_transfer_available():
         raise ValueError(f"weight_transfer={choice!r}: this vLLM has no native weight-transfer API (use 'auto')")
     return choice
+
+
+def _routing_setup(model_dir: str, cfg: dict[str, Any], compat, llm_kwargs: dict[str, Any]) -> list[int]:
+    """``record_routing=True``: the MoE layers to keep, after refusing where vLLM cannot return routed experts; adds
+    the ``LLM`` keyword arguments that turn the capture on."""
+    layers = _moe_layers(cfg)
+    if not layers:
+        raise ValueError(f"{model_dir}: record_routing needs a MoE model (this one has no experts)")
+    reason = compat.routed_experts_refusal()
+    if reason:
+        raise NotImplementedError(f"VLLMEngine(record_routing=True) (model.moe_router_replay): {reason}; use "
+                                  "rollout.engine embedded for router replay here")
+    llm_kwargs.update(compat.routing_engine_kwargs())
+    return layers
 
 
 def _moe_layers(cfg: dict[str, Any]) -> list[int]:
