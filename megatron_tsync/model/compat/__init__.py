@@ -28,8 +28,6 @@ The package, one module per concern (every name re-exported here: ``from megatro
 - :mod:`.versions`: concern 2, the version differences and the fixes of megatron-core bugs (layer specs, configs,
   MoE without TE, float64 routing, RoPE, distributed-optimizer loads);
 - :mod:`.attention`: ``SDPAttention``, the local layer spec's core attention by torch SDPA (the CPU path).
-- :mod:`.vllm`: the vLLM side (not re-exported: it imports vLLM lazily and lives in the rollout processes): capability
-  checks of the native weight-transfer API and routed-experts return, the scheduler pause, the CPU MoE reload fix.
 
 Nothing outside this package may patch megatron or test ``megatron.core.__version__``. Its modules import one
 another by their own path, never this ``__init__``.

