@@ -23,6 +23,12 @@ Two ways in, picked by capability (:func:`megatron_tsync.rollout.vllm_compat.nat
   is_checkpoint_format=True)``: ``model.load_weights`` between vLLM's layer-wise restore and re-processing of kernel
   formats; a bare ``model.load_weights`` would skip that re-processing, which vLLM's CPU backend needs for its packed
   linear weights). Whatever the loader leaves unconsumed is drained, so the group stays in step.
+- ``tsync_reload(weights_iterator | weights_path)``: every in-place reload of ``VLLMEngine.update_weights`` goes
+  through it: :func:`~megatron_tsync.rollout.vllm_compat.prepare_moe_reload` (the CPU MoE fix), then vLLM's reload.
+
+:func:`sparse_patches` is the delta (changed entries only) for vLLM's own ``sparse_nccl`` backend. The native path in
+multiprocess mode (engine core and worker in child processes: registration by import, the pause through
+``call_utility``) was checked by hand on the CPU build (~90 s, not in CI).
 
 Devices: with ``backend="gloo"`` buckets are CPU tensors (vLLM's CPU build; tested in tests/rollout/test_vllm_engine.py
 in-process). With ``backend="nccl"`` they are allocated on the worker's CUDA device and loaded from there (no
