@@ -18,6 +18,18 @@ Transformer Engine or vLLM's CUDA build is skipped, and the script still exits 0
 7. ``nccl-weight-sync``: trainer → engine weight broadcast over NCCL (``transport.weight_broadcast``, the code the
    CPU tests run with gloo): 1 GiB of bf16 from cuda:0 to a receiver process on cuda:1, bit-identical (sha256 per
    tensor), GB/s. Needs 2 GPUs (NCCL refuses two ranks on one device): skipped with one. Never run yet.
+8. ``vllm-native-ipc``: vLLM's native weight transfer, backend ``ipc`` (CUDA IPC, colocated: this process's cuda:0
+   tensors into a vLLM engine core on the same GPU, ``VLLMEngine.weight_sync_client`` + vLLM's
+   ``IPCTrainerWeightTransferEngine``): greedy samples and log-probs after the IPC update equal those after the same
+   weights loaded by ``update_weights`` (bit-identical), and differ from before; ``policy_version`` moves. Never run.
+9. ``vllm-native-nccl``: the same with backend ``nccl`` (vLLM's ``NCCLTrainerWeightTransferEngine``, packed, trainer
+   on cuda:0, vLLM on cuda:1: the cross-node path on one node). Needs 2 GPUs. Never run yet. ``vllm-native-sparse``:
+   backend ``sparse_nccl`` with only the changed entries (``vllm_weight_sync.sparse_patches``, 10% of them).
+10. ``vllm-routing``: a tiny Qwen3-MoE in vLLM with ``record_routing=True`` (``enable_return_routed_experts``, Model
+   Runner V2): ``Completion.routing`` has the embedded engine's (P, L, k) shape and the same expert sets as megatron's
+   own router (``model.moe.record_routing``) on the same tokens, float32 (pass: ≥ 99% of (position, layer) sets
+   equal; near-ties may flip), and reloading identical weights leaves samples and log-probs bit-identical (the
+   MoE reload bug that vLLM's CPU build has; ``rollout/vllm_compat.py``). Never run yet.
 """
 
 from __future__ import annotations
@@ -309,6 +321,198 @@ def nccl_sync():
                    f"({(1 << 30) / secs / 1e9:.1f} GB/s)"
 
 
+def _native_source(state):
+    """vLLM's ``WeightSource`` over a dict of CUDA tensors (HF names)."""
+    from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
+
+    class DictSource(WeightSource):
+        def metadata(self):
+            return [ParamMeta(k, v.dtype, tuple(v.shape)) for k, v in state.items()]
+
+        def __iter__(self):
+            return iter(state.items())
+
+    return DictSource()
+
+
+def _native_transfer(hf_dir, backend):
+    """Greedy (tokens, logprobs) after a vLLM-backend update vs after ``update_weights`` of the same weights."""
+    import torch
+    from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
+
+    from megatron_tsync.model.hf_conversion import load_hf_dir
+    from megatron_tsync.rollout.engine import SamplingConfig
+    from megatron_tsync.rollout.vllm_engine import VLLMEngine
+
+    _, state = load_hf_dir(hf_dir)
+    gen = torch.Generator().manual_seed(1)
+    old = {k: v.to("cuda:0", torch.bfloat16) for k, v in state.items()}  # what the bf16 engine loads from the folder
+    new = {k: torch.where(torch.rand(v.shape, generator=gen) < 0.1, v + 0.05 * torch.randn(v.shape, generator=gen),
+                          v).to("cuda:0", torch.bfloat16) for k, v in state.items()}  # 10% of the entries move
+    env = dict(os.environ)
+    if backend != "ipc":
+        os.environ["CUDA_VISIBLE_DEVICES"] = "1"  # the engine core (a child process) on GPU 1; this process keeps 0
+    try:
+        eng = VLLMEngine(hf_dir, dtype="bfloat16", seed=0, in_process=False, weight_transfer=backend,
+                         enforce_eager=True, gpu_memory_utilization=0.3)
+    finally:
+        os.environ.clear()
+        os.environ.update(env)
+    try:
+        cfg, prompts = SamplingConfig(max_new_tokens=16, seed=0, top_k=1), [[0, 5, 6, 7], [9, 10, 11]]
+
+        def sample():
+            return [(c.token_ids, c.logprobs) for cs in eng.generate(prompts, cfg) for c in cs]
+
+        before = sample()
+        client = eng.weight_sync_client()
+        client.next_version = 1
+        if backend == "ipc":
+            from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
+
+            info = IPCTrainerInitInfo(rank=0, packed=True)
+        else:
+            import socket
+
+            from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
+            from vllm.distributed.weight_transfer.sparse_nccl_engine import SparseNCCLTrainerInitInfo
+
+            with socket.socket() as sk:
+                sk.bind(("127.0.0.1", 0))
+                port = sk.getsockname()[1]
+            cls = NCCLTrainerInitInfo if backend == "nccl" else SparseNCCLTrainerInitInfo
+            info = cls(rank=0, master_address="127.0.0.1", master_port=port, world_size=2)
+        sparse = backend == "sparse_nccl"
+        trainer = WeightTransferTrainerFactory.trainer_init(info, client=client,
+                                                            source=None if sparse else _native_source(new))
+        t = time.perf_counter()
+        if sparse:
+            from vllm.distributed.weight_transfer.sparse_nccl_engine import SparseWeightPatch
+
+            from megatron_tsync.rollout.vllm_weight_sync import sparse_patches
+
+            trainer.send_weights([SparseWeightPatch(*p) for p in sparse_patches(old, new)])
+        else:
+            trainer.send_weights()
+        dt = time.perf_counter() - t
+        by_native, version = sample(), eng.policy_version
+        eng.update_weights({k: v.cpu() for k, v in new.items()}, 2)
+        by_dict = sample()
+        trainer.shutdown()
+    finally:
+        eng.close()
+    if version != 1 or by_native == before:
+        return "fail", f"after the {backend} update: version {version}, samples unchanged: {by_native == before}"
+    if by_native != by_dict:
+        return "fail", f"{backend} update differs from update_weights of the same weights"
+    n = sum(v.numel() for v in new.values())
+    return "pass", f"{backend}: samples/log-probs equal update_weights', {dt:.2f}s for {n} params"
+
+
+@check("vllm-native-ipc")
+def vllm_native_ipc(hf_dir):
+    why = _vllm_native_skip()
+    if why:
+        return "skip", why
+    return _native_transfer(hf_dir or _tiny_hf(), "ipc")
+
+
+def _two_gpu_native(hf_dir, backend):
+    why = _vllm_native_skip()
+    if why:
+        return "skip", why
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        return "skip", "needs 2 GPUs (NCCL refuses two ranks on one device); vLLM's ipc backend is the one-GPU path"
+    return _native_transfer(hf_dir or _tiny_hf(), backend)
+
+
+@check("vllm-native-nccl")
+def vllm_native_nccl(hf_dir):
+    return _two_gpu_native(hf_dir, "nccl")
+
+
+@check("vllm-native-sparse")
+def vllm_native_sparse(hf_dir):
+    return _two_gpu_native(hf_dir, "sparse_nccl")
+
+
+def _vllm_native_skip():
+    if not _cuda():
+        return "no CUDA device"
+    try:
+        from megatron_tsync.rollout.vllm_compat import native_weight_transfer_available
+    except Exception as e:  # noqa: BLE001
+        return f"vllm not importable ({e})"
+    try:
+        import vllm  # noqa: F401
+    except Exception:
+        return "vllm not importable"
+    if not native_weight_transfer_available():
+        return "this vLLM has no native weight-transfer API"
+    return None
+
+
+def _tiny_hf():
+    from megatron_tsync.model.tiny_model import make_tiny_model
+
+    return make_tiny_model("/tmp/tsync_gpu_smoke_model", seed=0)
+
+
+@check("vllm-routing")
+def vllm_routing():
+    if not _cuda():
+        return "skip", "no CUDA device"
+    try:
+        from megatron_tsync.rollout.vllm_compat import routed_experts_refusal
+    except Exception as e:  # noqa: BLE001
+        return "skip", f"vllm not importable ({e})"
+    why = routed_experts_refusal()
+    if why:
+        return "skip", why
+    import torch
+
+    from megatron_tsync.model.builder import build_model
+    from megatron_tsync.model.hf_conversion import load_hf_dir, load_hf_into_model
+    from megatron_tsync.model.logprobs import token_logprobs
+    from megatron_tsync.model.moe import record_routing
+    from megatron_tsync.model.tiny_model import make_tiny_model
+    from megatron_tsync.rollout.engine import SamplingConfig
+    from megatron_tsync.rollout.vllm_engine import VLLMEngine
+
+    d = make_tiny_model("/tmp/tsync_gpu_smoke_moe", family="qwen3_moe", seed=0, experts=8, topk=2)
+    eng = VLLMEngine(d, dtype="float32", seed=0, in_process=False, record_routing=True, enforce_eager=True,
+                     gpu_memory_utilization=0.3)
+    arch, state = load_hf_dir(d)
+    try:
+        prompts = [[10, 20, 30, 40, 50], [7, 8, 9]]
+        cfg = SamplingConfig(max_new_tokens=12, seed=3)
+        outs = [c for cs in eng.generate(prompts, cfg, n=2) for c in cs]
+        eng.update_weights(state, 1)  # identical weights: a MoE reload that skips kernel processing shows here
+        again = [c for cs in eng.generate(prompts, cfg, n=2) for c in cs]
+    finally:
+        eng.close()
+    if [(c.token_ids, c.logprobs) for c in again] != [(c.token_ids, c.logprobs) for c in outs]:
+        return "fail", "reloading identical MoE weights changed the samples/log-probs (vLLM's MoE reload)"
+    model = build_model(arch, seed=0, moe_enable_routing_replay=True)
+    load_hf_into_model(model, state)
+    model.eval()
+    same = total = 0
+    for i, c in enumerate(outs):
+        ids = prompts[i // 2] + c.token_ids[:-1]
+        if c.routing is None or c.routing.shape != (len(ids), arch.num_layers, 2):
+            return "fail", f"routing shape {getattr(c.routing, 'shape', None)} for {len(ids)} positions"
+        with torch.no_grad(), record_routing(model) as rec:
+            token_logprobs(model, torch.tensor([ids], device="cuda"))
+        ref = torch.stack(rec.indices, 1).sort(-1).values.cpu().numpy()  # (P, L, k)
+        got = torch.as_tensor(c.routing.astype("int64")).sort(-1).values.numpy()
+        same += int((ref == got).all(-1).sum())
+        total += ref.shape[0] * ref.shape[1]
+    frac = same / total
+    return ("pass" if frac >= 0.99 else "fail"), f"{frac:.2%} of {total} (position, layer) expert sets equal megatron's"
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", default=None)
@@ -325,6 +529,10 @@ def main(argv=None):
     mfu()
     vllm_cuda(a.hf_model)
     nccl_sync()
+    vllm_native_ipc(a.hf_model)
+    vllm_native_nccl(a.hf_model)
+    vllm_native_sparse(a.hf_model)
+    vllm_routing()
     import torch
 
     dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU only"

@@ -189,10 +189,6 @@ class TrainConfig:
                "reference: only the GRPO and OPD learners' forwards (and the warm start's, one per rank and step) "
                "keep the expert-parallel ranks in lockstep (each MoE all-to-all is a collective over them)",
                "parallel.expert_model_parallel_size", "rl.algorithm")
-        _check(not self.model.moe_router_replay or self.rollout.engine == "embedded",
-               "model.moe_router_replay is wired for rollout.engine embedded (the vLLM "
-               "adapter does not return routed experts yet)",
-               "model.moe_router_replay", "rollout.engine")
         declared = declared_reward_spec(self.rollout.verifier)
         conflict = None if declared is None else reward_spec_conflict(
             lr.reward_spec, declared, f"rollout.verifier {self.rollout.verifier}")

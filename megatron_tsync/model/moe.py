@@ -94,8 +94,8 @@ continuation its own trajectory's; the engine prefills every member's prompt, an
 otherwise (float rounding of a differently composed batch can flip a near-tie: measured with a bf16 engine, 7 of 960
 (position, layer) pairs when the same prompt was prefilled beside others) is kept out of that prefix
 (``training.packing.plan_shared_prefix``; counted as ``shared_prefix_routing_split``) and runs unshared with its own
-routing. vLLM returns routed experts only with its model runner
-V2, which needs Triton (not in the CPU build): the vLLM adapter does not record routing yet.
+routing. The vLLM adapter records routing too (``record_routing``: vLLM's ``enable_return_routed_experts``, model
+runner V2, on GPU; not run yet); vLLM's CPU build cannot (V2 needs Triton), so the adapter refuses there.
 
 EP rank ``q`` of size ``ep`` holds the global experts ``e = q · E/ep + e_l`` (megatron's contiguous split); the expert
 tensor-parallel size equals TP. Supported HF configs: ``decoder_sparse_step`` 1 and no ``mlp_only_layers`` (every

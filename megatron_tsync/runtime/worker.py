@@ -118,7 +118,7 @@ def _make_engine(spec: WorkerSpec):
         tp = spec.rollout.engine_tensor_parallel_size
         extra = {} if tp == 1 else {"tensor_parallel_size": tp, "in_process": False}
         return VLLMEngine.from_hf_dir(spec.model_dir, seed=spec.rl.seed, dtype=spec.engine_dtype,
-                                      max_model_len=spec.rl.seq_length, **extra)
+                                      max_model_len=spec.rl.seq_length, record_routing=spec.record_routing, **extra)
     from megatron_tsync.rollout.embedded_engine import EmbeddedEngine
     from megatron_tsync.model.parallel import initialize_parallel
 

