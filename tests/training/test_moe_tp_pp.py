@@ -46,12 +46,23 @@ def single(megatron_single, tmp_path_factory):
     worker = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(worker)
     model = make_tiny_model(str(tmp_path_factory.mktemp("moe_tp_pp") / "moe"), family="qwen3_moe", seed=3)
-    cases = ["plain", "replay", "prompts"] + (["prompts-replay"] if SHARED_REPLAY else [])
+    cases = ["plain", "replay", "prompts", "pack", "pack-replay"] + (["prompts-replay"] if SHARED_REPLAY else [])
     one = worker.run_layout(model, megatron_single, cases, modes=worker.MODES[:1])
     r = _rel(one["grads"]["replay"]["sync"], one["grads"]["plain"]["sync"])
     print(f"one process: replayed routing vs the router's own, gradient {r:.2g} relative")
     assert r > 0.1 and one["agree"]["replay"][0] > 0 and one["agree"]["replay"][1] == 0
     return model, one
+
+
+@pytest.mark.slow
+def test_one_process_packing_with_and_without_replay(single):
+    """One process (the reference itself): packed microbatches (some of odd length) equal unpacked ones, with and
+    without replay."""
+    _, one = single
+    for case in ("pack", "pack-replay"):
+        r = _rel(one["grads"][case]["sync"], one["grads"][REFERENCE[case]]["sync"])
+        print(f"qwen3_moe one process {case}: vs unpacked {r:.2g}")
+        assert r < TOL and one["packed"][case] > 0, (case, r)
 
 
 @pytest.mark.slow
