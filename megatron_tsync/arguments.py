@@ -61,7 +61,7 @@ _FLAGS: tuple[_Flag, ...] = (
     _f("--context-parallel-size", "parallel.context_parallel_size", _G_PAR, type=int, metavar="CP",
        help="context-parallel ranks per model replica"),
     _f("--expert-model-parallel-size", "parallel.expert_model_parallel_size", _G_PAR, type=int, metavar="EP",
-       help="MoE: ranks the experts are split over (only 1 trains yet: the learner cannot keep EP ranks in lockstep)"),
+       help="MoE: ranks the experts are split over (taken from the data-parallel ranks; GRPO only)"),
     _f("--use-distributed-optimizer", ("parallel.use_distributed_optimizer", "optim.use_distributed_optimizer"),
        _G_PAR, **_SWITCH, help="shard optimizer state across data-parallel ranks"),
     _f("--trainer-cpus", "parallel.trainer_cpus", _G_PAR, metavar="LIST",

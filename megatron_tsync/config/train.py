@@ -184,11 +184,10 @@ class TrainConfig:
                "rollout.weight_sync broadcast is a collective every worker joins for every version, so workers cannot "
                "run ahead: use rollout.weight_sync file with learner.mode async", "rollout.weight_sync", "learner.mode")
         ep = self.parallel.expert_model_parallel_size
-        _check(ep == 1 or (self.rl.algorithm == "grpo" and not self.learner.deterministic
-                           and self.learner.loss.kl_mode == "none"),
-               f"parallel.expert_model_parallel_size {ep} trains GRPO without learner.deterministic or a KL "
-               "reference: only the GRPO learner's forwards (and the warm start's, one per rank and step) keep the "
-               "expert-parallel ranks in lockstep (each MoE all-to-all is a collective over them)",
+        _check(ep == 1 or self.rl.algorithm == "grpo",
+               f"parallel.expert_model_parallel_size {ep} trains GRPO only: the GRPO learner's forwards (policy, "
+               "π_θ0, the KL reference; and the warm start's, one per rank and step) keep the expert-parallel ranks "
+               "in lockstep (each MoE all-to-all is a collective over them), the OPD learner's do not",
                "parallel.expert_model_parallel_size", "rl.algorithm")
         _check(not (self.model.moe_router_replay and self.learner.shared_prefix),
                "model.moe_router_replay with learner.shared_prefix is not wired (a shared prompt's routing would be "

@@ -178,7 +178,10 @@ class ExpertLockstep:
     in the same order (and so reach the same schedule points) but train different trajectories, so at each point
     they agree on the most microbatches any of them runs (:meth:`count`), and a rank with fewer runs idle ones
     (2 tokens, zero loss: they join the all-to-alls and add exact zeros to the gradient). At EP = 1 it is off and
-    costs nothing."""
+    costs nothing.
+
+    ``dp_ranks``: the data-parallel ranks of this expert-parallel group (the trajectories whose tokens can reach this
+    rank's experts; the deterministic mode keeps a canonical vector for each of them, ``training.stream_fb``)."""
 
     def __init__(self, model_config=None):
         from megatron.core import parallel_state as ps
@@ -187,6 +190,11 @@ class ExpertLockstep:
         self.group = ps.get_expert_model_parallel_group() if moe and ps.get_expert_model_parallel_world_size() > 1 \
             else None
         self.idle = 0  # idle microbatches run so far
+        self.dp_ranks: frozenset[int] = frozenset()
+        if self.group is not None:
+            gathered: list = [None] * dist.get_world_size(self.group)
+            dist.all_gather_object(gathered, ps.get_data_parallel_rank(), group=self.group)
+            self.dp_ranks = frozenset(gathered)
 
     @property
     def on(self) -> bool:
@@ -210,6 +218,15 @@ class ExpertLockstep:
         slots = [k for k, n in most.items() for _ in range(n)]  # dicts keep first-seen order
         self.idle += len(slots) - len(keys)
         return slots
+
+    def any(self, flag: bool) -> bool:
+        """Whether ``flag`` is true on some rank of the group (collective over it); ``flag`` when off."""
+        if self.group is None:
+            return flag
+        t = torch.tensor([int(flag)], dtype=torch.int64,
+                         device=device() if dist.get_backend(self.group) == "nccl" else "cpu")
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(t.item())
 
     def count(self, n: int) -> int:
         """The largest ``n`` over the expert-parallel group (collective over it); ``n`` when off."""

@@ -63,7 +63,8 @@ class RunContext:
         self.cfg, self.stop = cfg, stop
         p = cfg.parallel
         self.dims: ParallelDims = initialize_parallel(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
-                                                      p.context_parallel_size, seed=cfg.rl.seed)
+                                                      p.context_parallel_size, ep=p.expert_model_parallel_size,
+                                                      seed=cfg.rl.seed)
         # --save: one trainer per folder (lock), stale .tmp folders of a killed save removed, stop record cleared
         self.run_lock = run_dir.claim(cfg, self.dims.rank, self.dims.world_size)
         if cfg.checkpoint.save:
