@@ -181,7 +181,13 @@ class ExpertLockstep:
     costs nothing.
 
     ``dp_ranks``: the data-parallel ranks of this expert-parallel group (the trajectories whose tokens can reach this
-    rank's experts; the deterministic mode keeps a canonical vector for each of them, ``training.stream_fb``)."""
+    rank's experts; the deterministic mode keeps a canonical vector for each of them, ``training.stream_fb``).
+
+    ``one_per_slot`` (the deterministic mode): forward-only passes (:meth:`pad`) hold one real microbatch per slot over
+    the group, rank by rank, instead of one per rank: an expert's GEMM over the tokens of two ranks' trajectories
+    rounds each row differently depending on its partner (float32 CPU GEMMs are not batch-invariant: π_ref of a live
+    run at EP = 2 differed in the 9th digit between arrival orders), so a trajectory's bits must not depend on which
+    trajectory another rank ran beside it."""
 
     def __init__(self, model_config=None):
         from megatron.core import parallel_state as ps
@@ -190,6 +196,7 @@ class ExpertLockstep:
         self.group = ps.get_expert_model_parallel_group() if moe and ps.get_expert_model_parallel_world_size() > 1 \
             else None
         self.idle = 0  # idle microbatches run so far
+        self.one_per_slot = False
         self.dp_ranks: frozenset[int] = frozenset()
         if self.group is not None:
             gathered: list = [None] * dist.get_world_size(self.group)
@@ -218,6 +225,21 @@ class ExpertLockstep:
         slots = [k for k, n in most.items() for _ in range(n)]  # dicts keep first-seen order
         self.idle += len(slots) - len(keys)
         return slots
+
+    def pad(self, items: list) -> list:
+        """The microbatches of one forward-only pass: ``items`` and None for each idle forward, so that every rank of
+        the group runs as many (:meth:`count`), or with ``one_per_slot`` every other rank's items run beside idle
+        forwards here (rank by rank; collective over the group). ``items`` when off."""
+        if self.group is None:
+            return list(items)
+        if not self.one_per_slot:
+            return list(items) + [None] * (self.count(len(items)) - len(items))
+        counts: list = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(counts, len(items), group=self.group)
+        q = dist.get_rank(self.group)
+        before, after = sum(counts[:q]), sum(counts[q + 1:])
+        self.idle += before + after
+        return [None] * before + list(items) + [None] * after
 
     def any(self, flag: bool) -> bool:
         """Whether ``flag`` is true on some rank of the group (collective over it); ``flag`` when off."""

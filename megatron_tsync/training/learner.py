@@ -142,6 +142,8 @@ class Learner:
                                    mix_groups=cfg.pack_across_groups, full_microbatches=cfg.full_microbatches)
         self.theta0 = Theta0Logprobs(ddp_model, cfg.loss.temperature)
         self.reference = reference
+        for ls in [self.theta0.lockstep] + ([reference.lockstep] if reference is not None else []):
+            ls.one_per_slot = cfg.deterministic  # EP > 1: a forward's bits must not depend on its partners
         lc = cfg.loss
         self.kl_active = lc.kl_mode != "none" and lc.kl_coef != 0.0
         self.kl_reward = self.kl_active and lc.kl_mode == "reward"

@@ -118,14 +118,13 @@ class ReferenceModel:
         Collective over this replica's TP/PP group, and at EP > 1 over the expert-parallel group (module docstring)."""
         real = [s for s in samples  # rank-consistent: meta and recorded ref_logp are the same on every rank
                 if s.meta.get(REF_MODEL) != self.tag and (s.ref_logp is None or REF_MODEL in s.meta)]
-        n = self.lockstep.count(len(real))
-        if n == 0:
+        todo: list[Sample | None] = self.lockstep.pad(real)  # None: an idle forward
+        if not todo:
             return
-        todo: list[Sample | None] = real + [None] * (n - len(real))  # None: an idle forward
         t0 = time.perf_counter()
         with torch.no_grad():
             self.fb(forward_step_func=self._forward_step, data_iterator=iter(todo), model=[self.model],
-                    num_microbatches=n, seq_length=max([s.token_ids.shape[0] for s in real] or [2]),
+                    num_microbatches=len(todo), seq_length=max([s.token_ids.shape[0] for s in real] or [2]),
                     micro_batch_size=1, forward_only=True)
         for s in real:
             s.meta[REF_MODEL] = self.tag
