@@ -11,7 +11,8 @@ run their part of the pipeline only. It is a collective over the TP/PP group of 
 replica passes the same samples in the same order (the learner scores each trajectory on the replica that trains it).
 At EP > 1 a MoE reference's all-to-alls also span the expert-parallel ranks, which score different trajectories: they
 agree on the most forwards any of them runs and the others run idle ones (``model.parallel.ExpertLockstep``, as
-``training.old_logprobs`` does), so every rank of the group calls :meth:`ReferenceModel.score` at the same points.
+``training.old_logprobs`` does; ``--deterministic``: one real forward per slot over the group, ``one_per_slot``),
+so every rank of the group calls :meth:`ReferenceModel.score` at the same points.
 
 :func:`shape_rewards` implements ``--kl-mode reward`` exactly: the shaped reward of trajectory i is
 
