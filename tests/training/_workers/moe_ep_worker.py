@@ -8,7 +8,8 @@ parallelism, which megatron's MoE layer needs at TP > 1; trajectories padded to 
 For each case, float64, the same HF weights (router × 25: decisive routing) and the same rollouts: the gradient after
 the barrier in sync, stream-trajectory (two arrival orders) and stream-group, under HF names (experts gathered over
 EP), and the weights after one Adam step per mode (float32). Rank 0 writes ``--out`` (torch.save):
-{"grads": {case: {mode: {hf name: tensor}}}, "weights": {mode: {...}}, "idle": {case: idle microbatches}}.
+{"grads": {case: {mode: {hf name: tensor}}}, "weights": {mode: {...}}, "idle": {case: idle microbatches},
+"deferred": {case: items the planner or the executor deferred}}.
 
 ``single`` and ``ep2`` also run ``EP_CASES``: ``--deterministic`` (groups assigned to DP ranks by group, as
 ``DataParallelAssigner(group_order=...)``; the clipped engine-π_old case defers items in stream-trajectory, whose
