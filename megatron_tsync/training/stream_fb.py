@@ -262,6 +262,7 @@ class StreamExecutor:
         first become accumulator items with their advantage (``StepPlanner.redirect``): exact, no bucket work for
         them, and the bucket folds now."""
         t0 = time.perf_counter()
+        closes = list(closes) + self._peer_bucket_closes(closes)
         closing = {op.group_id for op in closes}
         if self.waiting and closing:
             self.waiting = [new for it in self.waiting for new in
@@ -271,6 +272,16 @@ class StreamExecutor:
             self.buckets.close(op.group_id, op.alpha, op.q_coefficient)
         if closes:
             self.busy.append((t0, time.perf_counter()))
+
+    def _peer_bucket_closes(self, closes) -> list:
+        """EP > 1: an idle slot enters its bucket on every rank (``_lockstep_slots``), so this rank may hold the bucket
+        of a group whose bucket items all ran on other ranks (its planner opened none): it closes with the group, by the
+        same op (every rank's planner knows every reward)."""
+        if not self.lockstep.on or self.planner is None:
+            return []
+        have = {op.group_id for op in closes}
+        return [self.planner.close_op(gid) for gid in list(self.buckets.buckets)
+                if gid not in have and self.planner.groups[gid].closed]
 
     def _forward_step(self, data_iterator, model):
         pack: list[WorkItem] = next(data_iterator)

@@ -14,7 +14,8 @@ EP), and the weights after one Adam step per mode (float32). Rank 0 writes ``--o
 ``single`` and ``ep2`` also run ``EP_CASES``: ``--deterministic`` (groups assigned to DP ranks by group, as
 ``DataParallelAssigner(group_order=...)``; the clipped engine-π_old case defers items in stream-trajectory, whose
 deferral the EP ranks agree on before the backward) and a KL reference model (``--ref-model``, another tiny
-Qwen3-MoE: its forwards in lockstep too), loss and reward.
+Qwen3-MoE: its forwards in lockstep too), loss and reward. ``by_group``: every trajectory of a group on one rank
+without --deterministic, so the other rank's idle slots fill a bucket of a group its planner never opened.
 """
 
 import argparse
@@ -50,8 +51,8 @@ EP_CASES = {  # single (sync only: the reference) and ep2; "modes": which of MOD
                                    loss={"old_logprobs": "engine", "policy": PolicyLossConfig(dual_clip=3.0)}),
     "det-grpo-kl-loss": dict(estimator="grpo", reward="bounded", det=True, ref=True, modes=(1, 2),
                              loss={"kl_mode": "loss", "kl_coef": 0.1, "entropy_coef": 0.01}),
-    "kl-loss-grpo": dict(estimator="grpo", reward="bounded", ref=True, modes=(1,), loss={"kl_mode": "loss",
-                                                                                      "kl_coef": 0.1}),
+    "kl-loss-grpo-by-group": dict(estimator="grpo", reward="bounded", ref=True, modes=(1,), by_group=True,
+                                  loss={"kl_mode": "loss", "kl_coef": 0.1}),
     "kl-reward-grpo": dict(estimator="grpo", reward="bounded", ref=True, modes=(1,),
                            loss={"kl_mode": "reward", "kl_coef": 0.1}),
 }
@@ -83,7 +84,7 @@ def run_case(model_dir, dims, case, mode, order_seed, dtype=torch.float64, oc=No
     samples = make_samples(41, num_groups=3, reward_kind=case["reward"], vocab=arch.vocab_size)  # 3-5 per group
     order = samples if order_seed is None else arrival_order(samples, order_seed)
     for i, s in enumerate(order):  # as DataParallelAssigner: arrival order, or by group (--deterministic)
-        s.dp_rank = int(s.group_id[1:]) % dims.dp if det else i % dims.dp
+        s.dp_rank = int(s.group_id[1:]) % dims.dp if det or case.get("by_group") else i % dims.dp
         if ref is not None:
             s.ref_logp = None  # scored by the reference model
     got = {}
