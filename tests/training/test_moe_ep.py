@@ -15,7 +15,9 @@ At EP = 2 also (``EP_CASES`` of the worker): ``--deterministic`` — one traject
 each rank's backward of it into that trajectory's canonical vector — sync and stream-trajectory in two arrival
 orders bitwise equal to each other and ≤ 1e-12 from one process, including a clipped case whose stream-trajectory
 items defer; and a KL reference model (``--ref-model``, its forwards in lockstep) with ``--kl-mode loss`` (with and
-without ``--deterministic``) and ``reward``. Control: the default mode's two arrival orders differ in their bits.
+without ``--deterministic``, there with each group on one rank: the other rank's idle slots fill a bucket its planner
+never opened, which must close with the group — 2 buckets were left open at the barrier before that fix) and
+``reward``. Control: the default mode's two arrival orders differ in their bits.
 The live EP = 2 run is tests/runtime/test_deterministic_live.py's EP pair.
 """
 
