@@ -126,7 +126,8 @@ def test_live_runs_bitwise_equal_at_ep2_with_kl_reference(tmp_path):
     """Two trainer ranks at EP = 2 (torchrun, live rollouts, tiny Qwen3-MoE), --deterministic with a KL reference and
     an entropy bonus: the two arrival orders end with torch.equal weights and optimizer state after 2 steps. Also what
     the live EP = 2 run must do: the warm start's loss falls (a real gradient through the all-to-alls), every step
-    accounts for its 16 trajectories and has a non-zero gradient."""
+    accounts for its 8 trajectories (2 groups: one per rank, one per minibatch, so π_θ0 runs on one rank beside idle
+    forwards) and has a non-zero gradient."""
     import re
 
     from megatron_tsync.model.tiny_model import make_tiny_model
@@ -136,6 +137,7 @@ def test_live_runs_bitwise_equal_at_ep2_with_kl_reference(tmp_path):
     runs = []
     wa, wb = _pair(tmp_path, model, "ep2", 2, ["--deterministic", "--no-sequence-packing", "--expert-model-parallel-size",
                                                "2", "--sft-warmup-steps", "100", "--max-new-tokens", "24",
+                                               "--global-batch-size", "8",
                                                "--kl-mode", "loss", "--kl-coef", "0.1", "--ref-model", ref,
                                                "--entropy-coef", "0.01"], nproc=2, runs=runs, spec=EP_JITTER)
     for run in runs:
@@ -144,7 +146,7 @@ def test_live_runs_bitwise_equal_at_ep2_with_kl_reference(tmp_path):
         first, last = map(float, re.search(r"warm start: 100 steps, loss ([\d.]+) → ([\d.]+)", out).groups())
         assert last < 0.8 * first
         hist = json.loads((run / "ck" / "history.json").read_text())
-        assert [h["trajectories"] for h in hist] == [16, 16] and all(h["grad_norm"] > 0 for h in hist)
+        assert [h["trajectories"] for h in hist] == [8, 8] and all(h["grad_norm"] > 0 for h in hist)
     ha, hb = (json.loads((r / "ck" / "history.json").read_text()) for r in runs)
     assert [(h["loss"], h["grad_norm"]) for h in ha] == [(h["loss"], h["grad_norm"]) for h in hb]
     assert set(wa) == set(wb)
