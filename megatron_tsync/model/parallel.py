@@ -198,10 +198,9 @@ class ExpertLockstep:
         self.idle = 0  # idle microbatches run so far
         self.one_per_slot = False
         self.dp_ranks: frozenset[int] = frozenset()
-        if self.group is not None:
-            gathered: list = [None] * dist.get_world_size(self.group)
-            dist.all_gather_object(gathered, ps.get_data_parallel_rank(), group=self.group)
-            self.dp_ranks = frozenset(gathered)
+        if self.group is not None:  # the EP peers' positions in this rank's DP group (no collective)
+            dp = dist.get_process_group_ranks(ps.get_data_parallel_group())
+            self.dp_ranks = frozenset(dp.index(r) for r in dist.get_process_group_ranks(self.group) if r in dp)
 
     @property
     def on(self) -> bool:
