@@ -74,8 +74,8 @@ per slot the expert gradients came out 0.6-1.6 relative off in stream-trajectory
 already right: everything goes to the accumulator there). The KL reference's and π_θ0's forward-only passes run in
 lockstep too (idle forwards). ``--deterministic``: one trajectory part per slot over the EP group, each rank's
 backward of it into that trajectory's canonical vector (``training.stream_fb``), forward-only passes one real
-microbatch per slot as well (float32 expert GEMMs are not batch-invariant); bitwise for any arrival order (tested,
-float64 and a live float32 pair). Not the OPD learner yet.
+microbatch per slot as well (a GEMM's rounding of a row may depend on its neighbours); bitwise for any arrival
+order (tested, float64 and a live float32 pair). Not the OPD learner yet.
 
 **Router replay** (``--moe-router-replay``; megatron-core's ``RouterReplay``, build with
 ``moe_enable_routing_replay=True``): the embedded engine records the experts of every position it computes, in the

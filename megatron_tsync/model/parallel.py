@@ -184,10 +184,10 @@ class ExpertLockstep:
     rank's experts; the deterministic mode keeps a canonical vector for each of them, ``training.stream_fb``).
 
     ``one_per_slot`` (the deterministic mode): forward-only passes (:meth:`pad`) hold one real microbatch per slot over
-    the group, rank by rank, instead of one per rank: an expert's GEMM over the tokens of two ranks' trajectories
-    rounds each row differently depending on its partner (float32 CPU GEMMs are not batch-invariant: π_ref of a live
-    run at EP = 2 differed in the 9th digit between arrival orders), so a trajectory's bits must not depend on which
-    trajectory another rank ran beside it."""
+    the group, rank by rank, instead of one per rank, so that a trajectory's bits do not depend on which trajectory
+    another rank ran beside it (an expert's GEMM then holds the tokens of both, and a GEMM's rounding of a row may
+    depend on the rows beside it). Measured: without it a live float32 run pair at EP = 2 with a KL reference
+    differed in the 9th digit of the step's loss between arrival orders (the float64 worker test did not show it)."""
 
     def __init__(self, model_config=None):
         from megatron.core import parallel_state as ps
