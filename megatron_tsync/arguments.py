@@ -61,8 +61,8 @@ _FLAGS: tuple[_Flag, ...] = (
     _f("--context-parallel-size", "parallel.context_parallel_size", _G_PAR, type=int, metavar="CP",
        help="context-parallel ranks per model replica"),
     _f("--expert-model-parallel-size", "parallel.expert_model_parallel_size", _G_PAR, type=int, metavar="EP",
-       help="MoE: ranks the experts are split over, taken from the data-parallel ranks (GRPO and OPD learners run in "
-            "lockstep across them; not with --deterministic or a KL reference yet)"),
+       help="MoE: ranks the experts are split over, taken from the data-parallel ranks (every learner keeps them in "
+            "lockstep: GRPO, OPD, --deterministic, a KL reference)"),
     _f("--use-distributed-optimizer", ("parallel.use_distributed_optimizer", "optim.use_distributed_optimizer"),
        _G_PAR, **_SWITCH, help="shard optimizer state across data-parallel ranks"),
     _f("--trainer-cpus", "parallel.trainer_cpus", _G_PAR, metavar="LIST",

@@ -244,8 +244,6 @@ BAD = [
     (["--max-new-tokens", "0"], ["--max-new-tokens"]),
     (["--group-size", "0"], ["--group-size"]),
     (["--rl-mode", "streaming"], ["--rl-mode", "invalid choice"]),
-    (["--expert-model-parallel-size", "2", "--kl-mode", "loss", "--kl-coef", "0.1"],
-     ["--expert-model-parallel-size", "lockstep"]),
     (["--moe-aux-loss-coeff", "0.001"], ["--moe-aux-loss-coeff", "advantage"]),
     # no abbreviations: the surface is exactly the list above
     (["--tensor-model"], ["unrecognized argument --tensor-model; did you mean --tensor-model-parallel-size?"]),

@@ -183,12 +183,6 @@ class TrainConfig:
         _check(self.rollout.weight_sync != "broadcast" or lr.mode != "async",
                "rollout.weight_sync broadcast is a collective every worker joins for every version, so workers cannot "
                "run ahead: use rollout.weight_sync file with learner.mode async", "rollout.weight_sync", "learner.mode")
-        ep = self.parallel.expert_model_parallel_size
-        _check(ep == 1 or (not self.learner.deterministic and self.learner.loss.kl_mode == "none"),
-               f"parallel.expert_model_parallel_size {ep} trains GRPO and OPD without learner.deterministic or a KL "
-               "reference: only the GRPO and OPD learners' forwards (and the warm start's, one per rank and step) "
-               "keep the expert-parallel ranks in lockstep (each MoE all-to-all is a collective over them)",
-               "parallel.expert_model_parallel_size", "rl.algorithm")
         declared = declared_reward_spec(self.rollout.verifier)
         conflict = None if declared is None else reward_spec_conflict(
             lr.reward_spec, declared, f"rollout.verifier {self.rollout.verifier}")

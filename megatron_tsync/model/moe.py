@@ -76,8 +76,11 @@ expert gradients hold the tokens of *every* EP rank's microbatch of that moment.
 slots, each with one gradient destination (a group's bucket at a reward, or the accumulator), and a rank with no
 microbatch for a slot runs an idle one (2 tokens, zero loss) routed to that destination. Without one destination
 per slot the expert gradients came out 0.6-1.6 relative off in stream-trajectory mode (sync and stream-group were
-already right: everything goes to the accumulator there). Not with ``--deterministic`` nor a KL reference model
-(their forwards are not in lockstep). The OPD learner keeps them in lockstep too: idle microbatches in
+already right: everything goes to the accumulator there). The KL reference's and π_θ0's forward-only passes run in
+lockstep too (idle forwards). ``--deterministic``: one trajectory part per slot over the EP group, each rank's
+backward of it into that trajectory's canonical vector (``training.stream_fb``), forward-only passes one real
+microbatch per slot as well (a GEMM's rounding of a row may depend on its neighbours); bitwise for any arrival
+order (tested, float64 and a live float32 pair). The OPD learner keeps them in lockstep too: idle microbatches in
 ``sync`` / ``stream-trajectory``, lanes of matched turn forwards and one backward per lane in ``stream-turn``
 (``training.opd_lanes``; tested at EP=2, ``tests/training/test_moe_ep_opd.py``).
 

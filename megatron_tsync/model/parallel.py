@@ -178,7 +178,16 @@ class ExpertLockstep:
     in the same order (and so reach the same schedule points) but train different trajectories, so at each point
     they agree on the most microbatches any of them runs (:meth:`count`), and a rank with fewer runs idle ones
     (2 tokens, zero loss: they join the all-to-alls and add exact zeros to the gradient). At EP = 1 it is off and
-    costs nothing."""
+    costs nothing.
+
+    ``dp_ranks``: the data-parallel ranks of this expert-parallel group (the trajectories whose tokens can reach this
+    rank's experts; the deterministic mode keeps a canonical vector for each of them, ``training.stream_fb``).
+
+    ``one_per_slot`` (the deterministic mode): forward-only passes (:meth:`pad`) hold one real microbatch per slot over
+    the group, rank by rank, instead of one per rank, so that a trajectory's bits do not depend on which trajectory
+    another rank ran beside it (an expert's GEMM then holds the tokens of both, and a GEMM's rounding of a row may
+    depend on the rows beside it). Measured: without it a live float32 run pair at EP = 2 with a KL reference
+    differed in the 9th digit of the step's loss between arrival orders (the float64 worker test did not show it)."""
 
     def __init__(self, model_config=None):
         from megatron.core import parallel_state as ps
@@ -187,6 +196,11 @@ class ExpertLockstep:
         self.group = ps.get_expert_model_parallel_group() if moe and ps.get_expert_model_parallel_world_size() > 1 \
             else None
         self.idle = 0  # idle microbatches run so far
+        self.one_per_slot = False
+        self.dp_ranks: frozenset[int] = frozenset()
+        if self.group is not None:  # the EP peers' positions in this rank's DP group (no collective)
+            dp = dist.get_process_group_ranks(ps.get_data_parallel_group())
+            self.dp_ranks = frozenset(dp.index(r) for r in dist.get_process_group_ranks(self.group) if r in dp)
 
     @property
     def on(self) -> bool:
@@ -210,6 +224,30 @@ class ExpertLockstep:
         slots = [k for k, n in most.items() for _ in range(n)]  # dicts keep first-seen order
         self.idle += len(slots) - len(keys)
         return slots
+
+    def pad(self, items: list) -> list:
+        """The microbatches of one forward-only pass: ``items`` and None for each idle forward, so that every rank of
+        the group runs as many (:meth:`count`), or with ``one_per_slot`` every other rank's items run beside idle
+        forwards here (rank by rank; collective over the group). ``items`` when off."""
+        if self.group is None:
+            return list(items)
+        if not self.one_per_slot:
+            return list(items) + [None] * (self.count(len(items)) - len(items))
+        counts: list = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(counts, len(items), group=self.group)
+        q = dist.get_rank(self.group)
+        before, after = sum(counts[:q]), sum(counts[q + 1:])
+        self.idle += before + after
+        return [None] * before + list(items) + [None] * after
+
+    def any(self, flag: bool) -> bool:
+        """Whether ``flag`` is true on some rank of the group (collective over it); ``flag`` when off."""
+        if self.group is None:
+            return flag
+        t = torch.tensor([int(flag)], dtype=torch.int64,
+                         device=device() if dist.get_backend(self.group) == "nccl" else "cpu")
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(t.item())
 
     def count(self, n: int) -> int:
         """The largest ``n`` over the expert-parallel group (collective over it); ``n`` when off."""

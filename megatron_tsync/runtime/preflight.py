@@ -11,7 +11,8 @@ What is checked (each failure is one :class:`PreflightError`, printed as one lin
   ``config.json``;
 * the layout against ``config.json``: TP divides the attention heads, the KV heads (megatron's query groups) and the
   vocabulary (the embedding is split by rows over TP; this project does not pad the vocabulary), PP divides the
-  layers, EP the experts; with a known world size (``WORLD_SIZE`` / ``SLURM_NTASKS``) TP × PP × CP divides it;
+  layers, EP the experts; with a known world size (``WORLD_SIZE`` / ``SLURM_NTASKS``) TP × PP × CP divides it and EP
+  the ranks world / (TP × PP);
 * ``--task`` / ``--verifier``: the task exists (``module:name`` imported), accepts the verifier, scores with it (or
   brings its own environment), and its prompt source can be read (a task file that is missing or does not parse);
 * ``--trainer-cpus`` / ``--rollout-cpus``: each core exists and this process may use it (``runtime/affinity.py``'s
@@ -206,6 +207,9 @@ def _check_layout(cfg, hf: dict, world: int | None) -> None:
     if world:
         rules.append((world % (tp * pp * cp), f"the {world} processes are not a multiple of TP × PP × CP = "
                                               f"{tp} × {pp} × {cp}"))
+        rules.append(((world // (tp * pp)) % ep, f"--expert-model-parallel-size {ep} does not divide the "
+                                                 f"data-parallel × context-parallel ranks of the {world} processes "
+                                                 f"(world / (TP × PP) = {world // (tp * pp)})"))
     for bad, msg in rules:
         if bad:
             raise PreflightError(msg)

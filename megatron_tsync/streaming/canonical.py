@@ -16,7 +16,11 @@ terms), plus one per complete group waiting for an earlier one — against 2 per
 mode. ``--max-device-buckets`` keeps at most N of them on the accelerator (``streaming/offload.py``); the moves are
 exact copies. Data parallelism: the DP rank of a trajectory must not depend on arrival order either
 (``DataParallelAssigner(dp, group_order=...)``); each rank folds its own trajectories, then the one DP all-reduce
-of the barrier adds the ranks' sums in a fixed order.
+of the barrier adds the ranks' sums in a fixed order. Expert parallelism: a rank also holds and folds a vector for
+each trajectory of its EP peers (the gradient its tokens left on this rank's experts, zeros elsewhere;
+``training.stream_fb``), so the members of a group are those of every DP rank of the EP group; the barrier's dense
+all-reduce then adds one non-zero contribution per trajectory, and the experts (expert-DP = DP / EP ranks, 1 at
+DP = EP) hold every trajectory's tokens once.
 """
 
 from __future__ import annotations

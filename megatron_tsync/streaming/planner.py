@@ -377,6 +377,14 @@ class StepPlanner:
             items.extend(self._held_items(gid, g))
         return closes, items
 
+    def close_op(self, gid: str) -> CloseOp:
+        """The close op of a closed group whose bucket this rank's planner did not open (expert-parallel lockstep:
+        an idle slot of another rank's bucket item fills this rank's bucket of the group, ``training.stream_fb``)."""
+        g = self._group(gid)
+        if not g.closed:
+            raise AssertionError(f"group {gid!r} is not closed")
+        return self._close_op(gid, g)
+
     def _close_op(self, gid: str, g: _Group) -> CloseOp:
         rewards = torch.tensor(self._rewards(g), dtype=torch.float64)
         coeffs = self.est.coefficients(rewards, batch_rewards=self._batch_rewards())

@@ -12,6 +12,8 @@ zeroed grads.
 ``streaming.canonical`` in every mode, statistics use the rewards in canonical order, torch's deterministic
 algorithms are switched on, and a group's trajectories must all be on one DP rank (``DataParallelAssigner`` with
 ``group_order``), so sync, stream-group and stream-trajectory give bitwise-identical weights for any arrival order.
+At EP > 1 each rank also folds the vectors of its expert-parallel peers' trajectories (their tokens' gradients of
+this rank's experts; ``training.stream_fb``).
 """
 
 from __future__ import annotations
@@ -140,6 +142,8 @@ class Learner:
                                    mix_groups=cfg.pack_across_groups, full_microbatches=cfg.full_microbatches)
         self.theta0 = Theta0Logprobs(ddp_model, cfg.loss.temperature)
         self.reference = reference
+        for ls in [self.theta0.lockstep] + ([reference.lockstep] if reference is not None else []):
+            ls.one_per_slot = cfg.deterministic  # EP > 1: a forward's bits must not depend on its partners
         lc = cfg.loss
         self.kl_active = lc.kl_mode != "none" and lc.kl_coef != 0.0
         self.kl_reward = self.kl_active and lc.kl_mode == "reward"
@@ -391,7 +395,8 @@ class Learner:
         for gid in planner.final_groups():
             if gid not in self._planned:
                 self._planned.add(gid)
-                members = [t for t, s in self.exec.samples.items() if s.group_id == gid and s.dp_rank == self.dp_rank]
+                ranks = self.exec.lockstep.dp_ranks | {self.dp_rank}  # EP > 1: the group's trajectories (stream_fb)
+                members = [t for t, s in self.exec.samples.items() if s.group_id == gid and s.dp_rank in ranks]
                 self.canonical.plan(gid, members, planner.canonical_advantages(gid))
 
     def _fold_closed(self, planner: StepPlanner, only: str | None = None) -> None:

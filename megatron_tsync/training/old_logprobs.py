@@ -69,11 +69,9 @@ class Theta0Logprobs:
         """Store π_θ0 of tokens 1..T−1 in ``s.meta[THETA0_LOGP]`` (last PP stage; other stages run their part).
 
         Collective over the TP/PP group: every rank of this DP replica passes the same samples in the same order."""
-        todo: list[Sample | None] = list(samples)
-        n = self.lockstep.count(len(todo))  # EP > 1: idle forwards (None) keep the expert all-to-alls matched
-        if n == 0:
+        todo: list[Sample | None] = self.lockstep.pad(samples)  # EP > 1: idle forwards (None) keep the expert
+        if not todo:  # all-to-alls matched
             return
-        todo += [None] * (n - len(todo))
         t0 = time.perf_counter()
         if self.moved and self.snapshot is None:
             raise AssertionError("θ0 snapshot missing: a trajectory arrived after the first step but the learner "

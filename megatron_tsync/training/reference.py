@@ -9,6 +9,10 @@ loaded through the same conversion path as ``--model`` (:meth:`ReferenceModel.fr
 writes ``Sample.ref_logp`` (T,) float64 on the last stage (entry 0, which has no prediction, is 0); other stages
 run their part of the pipeline only. It is a collective over the TP/PP group of one DP replica: every rank of the
 replica passes the same samples in the same order (the learner scores each trajectory on the replica that trains it).
+At EP > 1 a MoE reference's all-to-alls also span the expert-parallel ranks, which score different trajectories: they
+agree on the most forwards any of them runs and the others run idle ones (``model.parallel.ExpertLockstep``, as
+``training.old_logprobs`` does; ``--deterministic``: one real forward per slot over the group, ``one_per_slot``),
+so every rank of the group calls :meth:`ReferenceModel.score` at the same points.
 
 :func:`shape_rewards` implements ``--kl-mode reward`` exactly: the shaped reward of trajectory i is
 
@@ -44,6 +48,7 @@ from megatron_tsync.algorithms.kl import sequence_kl
 from megatron_tsync.model import compat
 from megatron_tsync.model.builder import unwrap
 from megatron_tsync.model.logprobs import vocab_parallel_logprobs
+from megatron_tsync.model.parallel import ExpertLockstep
 from megatron_tsync.streaming.ready_queue import Sample
 from megatron_tsync.training.stream_fb import SHAPED_REWARD, THETA0_LOGP
 
@@ -68,6 +73,7 @@ class ReferenceModel:
         self.fb = get_forward_backward_func()
         self.forwards = 0
         self.busy: list[tuple[float, float]] = []
+        self.lockstep = ExpertLockstep(model.config)  # EP > 1: idle forwards keep the expert all-to-alls matched
         self.tag = f"{source}#{id(self):x}"  # JSON-able (Sample.meta is dumped); a sample may meet several learners
 
     @classmethod
@@ -110,24 +116,28 @@ class ReferenceModel:
     def score(self, samples: list[Sample]) -> None:
         """Set ``s.ref_logp`` (T,) float64 on the last stage for every sample this reference has not scored yet
         (recorded rollouts that carry ``ref_logp`` keep theirs; ones scored by another reference are rescored).
-        Collective over this replica's TP/PP group (module docstring)."""
-        todo = [s for s in samples  # rank-consistent: meta and recorded ref_logp are the same on every rank
+        Collective over this replica's TP/PP group, and at EP > 1 over the expert-parallel group (module docstring)."""
+        real = [s for s in samples  # rank-consistent: meta and recorded ref_logp are the same on every rank
                 if s.meta.get(REF_MODEL) != self.tag and (s.ref_logp is None or REF_MODEL in s.meta)]
+        todo: list[Sample | None] = self.lockstep.pad(real)  # None: an idle forward
         if not todo:
             return
         t0 = time.perf_counter()
         with torch.no_grad():
             self.fb(forward_step_func=self._forward_step, data_iterator=iter(todo), model=[self.model],
-                    num_microbatches=len(todo), seq_length=max(s.token_ids.shape[0] for s in todo),
+                    num_microbatches=len(todo), seq_length=max([s.token_ids.shape[0] for s in real] or [2]),
                     micro_batch_size=1, forward_only=True)
-        for s in todo:
+        for s in real:
             s.meta[REF_MODEL] = self.tag
-        self.forwards += len(todo)
+        self.forwards += len(real)
         self.busy.append((t0, time.perf_counter()))
 
     def _forward_step(self, data_iterator, model):
-        s: Sample = next(data_iterator)
+        s: Sample | None = next(data_iterator)
         dev = next(self.model.parameters()).device
+        if s is None:  # an expert-lockstep idle forward (2 tokens)
+            out = model(torch.zeros(1, 2, dtype=torch.long, device=dev), torch.arange(2, device=dev)[None], None)
+            return out, lambda logits: (logits.new_zeros(()), torch.tensor(0, dtype=torch.int), {})
         ids = s.token_ids.to(dev).unsqueeze(0)  # (1, T)
         pos = torch.arange(ids.shape[1], device=dev).unsqueeze(0)
         with compat.forward_without_cpu_mode():

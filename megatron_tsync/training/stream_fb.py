@@ -23,7 +23,12 @@ Deterministic mode (``canonical`` given, ``--deterministic``): every trajectory 
 surrogate with sign +1 when its ratios are sign-free, else the exact sign the planner gives; the advantage is applied
 when its group is folded) and, with KL/entropy terms, one aux microbatch, each backward into a fresh vector of
 ``streaming.canonical.CanonicalSum``, in every mode (sync included), so the bits of each contribution and of their
-sum do not depend on when it ran. No packing.
+sum do not depend on when it ran. No packing. Expert parallelism (``_lockstep_slots``): a slot holds ONE trajectory
+part over the whole EP group (the other ranks run idle microbatches, whose gradient is exact zeros), and every rank
+backpropagates the slot into a fresh vector under that trajectory's key — on a rank that does not train it, the
+expert gradients its tokens left on this rank's experts — so each vector, and the canonical fold over the EP group's
+trajectories (``Learner._plan_final``), has the same bits for any arrival order; whether a slot deferred (its
+ratios, known on its own rank) is agreed over the group before its backward (``ExpertLockstep.any``).
 
 Mixed microbatches (``mix_groups``, ``--pack-across-groups``): packed items need not share a destination. Such a
 microbatch's forward runs under ``model.row_split.active``; its pre-hook (:meth:`StreamExecutor._before_mixed_backward`)
@@ -126,10 +131,6 @@ class StreamExecutor:
         gpt = unwrap(ddp_model)
         self._gpt = gpt
         self.lockstep = ExpertLockstep(gpt.config)  # EP > 1: idle microbatches keep the expert all-to-alls matched
-        if canonical is not None and self.lockstep.on:
-            raise ValueError("--deterministic with expert parallelism is not supported: a rank's expert gradients "
-                             "mix the tokens of every EP rank's trajectory of a slot, which the per-trajectory "
-                             "canonical sum cannot separate")
         self._thd = bool(max_packed_tokens) and uses_varlen_attention(gpt)
         self._align = 16 if self._thd and getattr(gpt.config, "fp8", None) else 1  # FP8 GEMMs want T % 16 == 0
         # MoE at TP > 1 (sequence parallelism): a microbatch is split over the TP ranks (model/moe.py)
@@ -269,6 +270,7 @@ class StreamExecutor:
         first become accumulator items with their advantage (``StepPlanner.redirect``): exact, no bucket work for
         them, and the bucket folds now."""
         t0 = time.perf_counter()
+        closes = list(closes) + self._peer_bucket_closes(closes)
         closing = {op.group_id for op in closes}
         if self.waiting and closing:
             self.waiting = [new for it in self.waiting for new in
@@ -278,6 +280,16 @@ class StreamExecutor:
             self.buckets.close(op.group_id, op.alpha, op.q_coefficient)
         if closes:
             self.busy.append((t0, time.perf_counter()))
+
+    def _peer_bucket_closes(self, closes) -> list:
+        """EP > 1: an idle slot enters its bucket on every rank (``_lockstep_slots``), so this rank may hold the bucket
+        of a group whose bucket items all ran on other ranks (its planner opened none): it closes with the group, by the
+        same op (every rank's planner knows every reward)."""
+        if not self.lockstep.on or self.planner is None:
+            return []
+        have = {op.group_id for op in closes}
+        return [self.planner.close_op(gid) for gid in list(self.buckets.buckets)
+                if gid not in have and self.planner.groups[gid].closed]
 
     def _forward_step(self, data_iterator, model):
         pack: list[WorkItem] = next(data_iterator)
@@ -325,8 +337,10 @@ class StreamExecutor:
 
     def _slot_key(self, pack: list[WorkItem]) -> tuple:
         """Where a microbatch's gradient goes (``_before_backward``): a group's bucket at a reward, or the
-        accumulator."""
+        accumulator; deterministic mode: the trajectory part's own canonical vector (module docstring)."""
         it = pack[0]
+        if self.canonical is not None:
+            return "canon", it.traj_id, it.group_id, "policy" if it.policy else "aux", bool(it.may_defer and it.policy)
         return ("bucket", it.group_id, float(it.reward)) if it.dest is Dest.BUCKET and it.policy else ("accum",)
 
     def _lockstep_slots(self, packs: list[list[WorkItem]]) -> list[list[WorkItem]]:
@@ -339,8 +353,16 @@ class StreamExecutor:
             queues.setdefault(k, []).append(p)
         return [queues[k].pop(0) if queues.get(k) else _IdleSlot(k) for k in self.lockstep.schedule(keys)]
 
-    def _route_slot(self, key: tuple) -> None:
-        if key[0] == "bucket":
+    def _route_slot(self, key: tuple, deferred: bool = False) -> None:
+        """Route a lockstep slot's backward to its destination; ``deferred``: this rank's microbatch of the slot
+        deferred (deterministic mode: agreed over the group, a deferred part adds exact zeros to the accumulator)."""
+        if key[0] == "canon":
+            _, tid, gid, part, may_defer = key
+            if may_defer and self.lockstep.any(deferred):
+                self.canonical.route_accumulator()
+            else:
+                self.canonical.enter(tid, gid, part)
+        elif key[0] == "bucket":
             _, gid, reward = key
             self.buckets.enter(gid, reward, self.planner.alpha_known(self.planner.groups[gid].size))
         else:
@@ -367,6 +389,9 @@ class StreamExecutor:
         an accumulator pack, or bucket items of one group with one reward. A bucket pack whose items all deferred
         contributes zero and enters no bucket (as an unpacked deferred item). Deterministic mode: the trajectory's own
         vector for this part (a deferred item adds exact zeros to the accumulator)."""
+        if self.canonical is not None and self.lockstep.on:  # agreed with the slot's idle ranks (_route_slot)
+            self._route_slot(self._slot_key([item]), states[0]["deferred"])
+            return None
         if self.canonical is not None:
             if states[0]["deferred"]:
                 self.canonical.route_accumulator()

@@ -370,7 +370,7 @@ def test_quickstart_trains_tiny_qwen3(tmp_path, family, extra, replay):
     tool; 2 RL steps after a short warm start (small batches: this checks that it runs, not that it learns). With
     ``--moe-router-replay`` every trajectory of the live run arrives with the engine's routing (dumped), and with
     ``--shared-prefix`` (every arrival of a step coalesced, no zero-advantage skip) groups share their prompt. The MoE
-    quickstart without replay runs in tests/training/test_moe_ep.py::test_live_run_at_ep2 (at EP=2)."""
+    quickstart without replay runs in tests/runtime/test_deterministic_live.py's EP pair (at EP=2, --deterministic)."""
     from tests.conftest import free_port
 
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", MASTER_PORT=str(free_port()))

@@ -77,6 +77,8 @@ def test_tp_must_divide_heads_kv_heads_and_layers(models):
     msg = _error(["--model", models[0], "--tensor-model-parallel-size", "4"])  # 4 heads, 2 KV heads
     assert "does not divide the 2 key/value heads" in msg and "TP sizes that fit: 1, 2" in msg
     assert "does not divide the 2 layers" in _error(["--model", models[0], "--pipeline-model-parallel-size", "3"])
+    with pytest.raises(pf.PreflightError, match="expert-model-parallel-size 2 does not divide the data-parallel"):
+        pf.check(parse_args(["--model", models[0], "--expert-model-parallel-size", "2"]), world_size=3)
 
 
 def test_short_seq_length(models):

@@ -8,7 +8,14 @@ parallelism, which megatron's MoE layer needs at TP > 1; trajectories padded to 
 For each case, float64, the same HF weights (router × 25: decisive routing) and the same rollouts: the gradient after
 the barrier in sync, stream-trajectory (two arrival orders) and stream-group, under HF names (experts gathered over
 EP), and the weights after one Adam step per mode (float32). Rank 0 writes ``--out`` (torch.save):
-{"grads": {case: {mode: {hf name: tensor}}}, "weights": {mode: {...}}, "idle": {case: idle microbatches}}.
+{"grads": {case: {mode: {hf name: tensor}}}, "weights": {mode: {...}}, "idle": {case: idle microbatches},
+"deferred": {case: items the planner or the executor deferred}}.
+
+``single`` and ``ep2`` also run ``EP_CASES``: ``--deterministic`` (groups assigned to DP ranks by group, as
+``DataParallelAssigner(group_order=...)``; the clipped engine-π_old case defers items in stream-trajectory, whose
+deferral the EP ranks agree on before the backward) and a KL reference model (``--ref-model``, another tiny
+Qwen3-MoE: its forwards in lockstep too), loss and reward. ``by_group``: every trajectory of a group on one rank
+without --deterministic, so the other rank's idle slots fill a bucket of a group its planner never opened.
 """
 
 import argparse
@@ -29,6 +36,7 @@ from megatron_tsync.model.parallel import destroy_parallel, initialize_parallel 
 from megatron_tsync.runtime.rollout_io import grads_to_hf  # noqa: E402
 from megatron_tsync.streaming.ready_queue import ListSource  # noqa: E402
 from megatron_tsync.training.learner import Learner, LearnerConfig, shape_for  # noqa: E402
+from megatron_tsync.training.reference import ReferenceModel  # noqa: E402
 from megatron_tsync.training.optimizer import OptimConfig, build_optimizer, wrap_ddp  # noqa: E402
 from megatron_tsync.training.stream_fb import LossConfig  # noqa: E402
 
@@ -37,6 +45,16 @@ CASES = {
     "rloo-binary-engine": dict(estimator="rloo", reward="binary",
                                loss={"old_logprobs": "engine", "policy": PolicyLossConfig(dual_clip=3.0)}),
     "dr_grpo-continuous-M2E2": dict(estimator="dr_grpo", reward="continuous", loss={}, M=2, E=2),
+}
+EP_CASES = {  # single (sync only: the reference) and ep2; "modes": which of MODES at ep2
+    "det-rloo-binary-engine": dict(estimator="rloo", reward="binary", det=True, modes=(0, 1, 2),
+                                   loss={"old_logprobs": "engine", "policy": PolicyLossConfig(dual_clip=3.0)}),
+    "det-grpo-kl-loss": dict(estimator="grpo", reward="bounded", det=True, ref=True, modes=(1, 2),
+                             loss={"kl_mode": "loss", "kl_coef": 0.1, "entropy_coef": 0.01}),
+    "kl-loss-grpo-by-group": dict(estimator="grpo", reward="bounded", ref=True, modes=(1,), by_group=True,
+                                  loss={"kl_mode": "loss", "kl_coef": 0.1}),
+    "kl-reward-grpo": dict(estimator="grpo", reward="bounded", ref=True, modes=(1,),
+                           loss={"kl_mode": "reward", "kl_coef": 0.1}),
 }
 LAYOUTS = {"single": (1, 1), "ep2": (1, 2), "tp2": (2, 1)}  # (tp, ep)
 MODES = (("sync", None), ("stream-trajectory", 1), ("stream-trajectory-b", 2), ("stream-group", 3))
@@ -53,23 +71,28 @@ def build(model_dir, dtype, dims, oc):
     return arch, ddp, build_optimizer(ddp, oc)
 
 
-def run_case(model_dir, dims, case, mode, order_seed, dtype=torch.float64, oc=None):
+def run_case(model_dir, dims, case, mode, order_seed, dtype=torch.float64, oc=None, ref_dir=None):
     oc = oc or OptimConfig(optimizer="sgd", lr=0.0, clip_grad=0)
     arch, ddp, opt = build(model_dir, dtype, dims, oc)
+    det = case.get("det", False)
     cfg = LearnerConfig(mode=mode.removesuffix("-b"), estimator=case["estimator"], loss=LossConfig(**case["loss"]),
                         reward_spec=spec_for(case["reward"]), num_minibatches=case.get("M", 1),
-                        epochs=case.get("E", 1))
-    learner = Learner(ddp, opt, cfg, dp_rank=dims.dp_rank, pp_size=dims.pp)
+                        epochs=case.get("E", 1), deterministic=det)
+    ref = ReferenceModel.from_hf_dir(ref_dir, PrecisionConfig(params_dtype=dtype), policy=ddp) \
+        if case.get("ref") else None
+    learner = Learner(ddp, opt, cfg, dp_rank=dims.dp_rank, pp_size=dims.pp, reference=ref)
     samples = make_samples(41, num_groups=3, reward_kind=case["reward"], vocab=arch.vocab_size)  # 3-5 per group
     order = samples if order_seed is None else arrival_order(samples, order_seed)
-    for i, s in enumerate(order):
-        s.dp_rank = i % dims.dp  # as DataParallelAssigner: arrival order
+    for i, s in enumerate(order):  # as DataParallelAssigner: arrival order, or by group (--deterministic)
+        s.dp_rank = int(s.group_id[1:]) % dims.dp if det or case.get("by_group") else i % dims.dp
+        if ref is not None:
+            s.ref_logp = None  # scored by the reference model
     got = {}
     learner.grad_hook = lambda d: got.setdefault("g", grads_to_hf(d))
     sizes, shape = shape_for(samples)
-    learner.train_step(ListSource(order), sizes, shape)
-    idle = learner.exec.lockstep.idle + learner.theta0.lockstep.idle
-    return got["g"], megatron_to_hf(ddp), idle
+    res = learner.train_step(ListSource(order), sizes, shape)
+    idle = learner.exec.lockstep.idle + learner.theta0.lockstep.idle + (ref.lockstep.idle if ref else 0)
+    return got["g"], megatron_to_hf(ddp), idle, res.planner_stats.get("deferred", 0)
 
 
 def main():
@@ -77,19 +100,27 @@ def main():
     ap.add_argument("--model", required=True)
     ap.add_argument("--layout", choices=list(LAYOUTS), required=True)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--ref-model", help="the KL reference of EP_CASES (single and ep2)")
+    ap.add_argument("--only", nargs="*", help="run only these cases (debugging)")
     a = ap.parse_args()
     tp, ep = LAYOUTS[a.layout]
     dims = initialize_parallel(tp, 1, ep=ep)
-    out = {"grads": {}, "weights": {}, "idle": {}}
-    for name, case in CASES.items():
+    out = {"grads": {}, "weights": {}, "idle": {}, "deferred": {}}
+    cases = {k: dict(c, modes=range(len(MODES))) for k, c in CASES.items()}
+    if a.layout in ("single", "ep2"):
+        cases.update({k: dict(c, modes=(0,)) if a.layout == "single" else c for k, c in EP_CASES.items()})
+    for name, case in cases.items():
+        if a.only is not None and name not in a.only:
+            continue
         out["grads"][name], out["idle"][name] = {}, 0
-        for mode, seed in MODES:
-            g, _, idle = run_case(a.model, dims, case, mode, seed)
+        for mode, seed in (MODES[i] for i in case["modes"]):
+            g, _, idle, deferred = run_case(a.model, dims, case, mode, seed, ref_dir=a.ref_model)
             out["grads"][name][mode] = g
             out["idle"][name] += idle
+            out["deferred"][name] = out["deferred"].get(name, 0) + deferred
     adam = OptimConfig(optimizer="adam", lr=1e-3, clip_grad=1.0)
-    for mode, seed in MODES:  # float32, one Adam step on the first case
-        _, w, _ = run_case(a.model, dims, CASES["grpo-bounded-trainer"], mode, seed, torch.float32, adam)
+    for mode, seed in MODES if a.only is None else ():  # float32, one Adam step on the first case
+        _, w, _, _ = run_case(a.model, dims, CASES["grpo-bounded-trainer"], mode, seed, torch.float32, adam)
         out["weights"][mode] = w
     if dims.rank == 0:
         torch.save(out, a.out)
