@@ -1,6 +1,7 @@
 """Qwen3-MoE at TP = 2 (sequence parallelism), PP = 2 and TP = 2 × PP = 2 with sequence packing, a shared prefix and
-router replay (gloo; worker tests/training/_workers/moe_tp_pp_worker.py; 2 processes: TP=2 then PP=2; 4: TP=2 × PP=2),
-against one process.
+router replay (gloo; worker tests/training/_workers/moe_tp_pp_worker.py; 2 processes: TP=2, then PP=2, then EP=2 —
+packing with replay and a shared prefix with replay, the ranks in expert lockstep; 4: TP=2 × PP=2), against one
+process.
 
 float64: the gradient after the barrier (HF names) in sync and stream-trajectory mode equals one process's sync
 gradient to ≤ 1e-12 relative — unpacked without replay for packing and the shared prefix, unpacked with the same
@@ -26,7 +27,8 @@ TOL = 1e-12
 # the executor replays a shared prefix's routing where moe.shared_prefix_routing exists (main after this branch):
 # then TP=2 also runs --shared-prefix with replay (measured on the merge: 1.4e-14 vs one process unshared)
 SHARED_REPLAY = hasattr(moe, "shared_prefix_routing")
-LAUNCHES = {2: ["tp2=pack,replay,control,shared" + (",shared-replay" if SHARED_REPLAY else ""), "pp2=replay"],
+LAUNCHES = {2: ["tp2=pack,replay,control,shared" + (",shared-replay" if SHARED_REPLAY else ""), "pp2=replay",
+                "ep2=pack-replay,shared-replay"],
             4: ["tp2pp2=pack-replay"]}  # processes: layout=cases
 REFERENCE = {"pack": "plain", "replay": "replay", "pack-replay": "replay", "control": "replay", "shared": "prompts",
              "shared-replay": "prompts-replay"}
@@ -94,4 +96,5 @@ def _check(layout, case, got, one):
     if case in ("replay", "pack-replay"):  # every engine-computed pair of both modes, as given
         assert differ == 0 and same == 2 * one["agree"]["replay"][0]
     if case.startswith(("pack", "shared")):  # packed (shared) microbatches, some padded to a multiple of TP
-        assert got["packed"][case] > 0 and got["padded"][case] > 0, (case, got["packed"][case], got["padded"][case])
+        assert got["packed"][case] > 0 and (got["padded"][case] > 0) == ("tp2" in layout), (
+            case, got["packed"][case], got["padded"][case])

@@ -55,7 +55,7 @@ CASES = {  # (sequence packing, router replay, shared prefix: groups with one pr
     "prompts-replay": (False, True, True),  # with replay (each group's prompt routed alike, as one prefill)
     "shared-replay": (False, True, True),  # needs the executor's shared-prefix replay (main: moe.shared_prefix_routing)
 }
-LAYOUTS = {"single": (1, 1), "tp2": (2, 1), "pp2": (1, 2), "tp2pp2": (2, 2)}  # (tp, pp)
+LAYOUTS = {"single": (1, 1, 1), "tp2": (2, 1, 1), "pp2": (1, 2, 1), "tp2pp2": (2, 2, 1), "ep2": (1, 1, 2)}  # tp, pp, ep
 MODES = (("sync", None), ("stream-trajectory", 7))
 PACK_TOKENS = 45  # packs of odd length among them (padded to a multiple of TP)
 
@@ -108,6 +108,8 @@ class RoutingCapture:
             while a < ids.numel():
                 s = next((by_tokens[tuple(ids[a:a + n].tolist())] for n in lengths
                           if tuple(ids[a:a + n].tolist()) in by_tokens), None)
+                if s is None and a == 0 and dims.ep > 1 and ids.numel() == stream_fb._IDLE_TOKENS:
+                    break  # an expert-lockstep idle microbatch (EP > 1): no trajectory's routing to check
                 if s is None:  # the padding to a multiple of TP (token 0)
                     assert ids.numel() - a < dims.tp and not ids[a:].any(), "not a concatenation of trajectories"
                     break
@@ -145,6 +147,8 @@ def run(model_dir, dims, name, mode, order_seed):
     learner = Learner(ddp, opt, cfg, dp_rank=dims.dp_rank, pp_size=dims.pp)
     samples = samples_with_routing(arch, replay, prompts)
     order = samples if order_seed is None else arrival_order(samples, order_seed)
+    for i, s in enumerate(order):  # as DataParallelAssigner: arrival order (EP > 1: DP 2)
+        s.dp_rank = i % dims.dp
     got = {}
     learner.grad_hook = lambda d: got.setdefault("g", grads_to_hf(d))
     capture = RoutingCapture(ddp) if replay else None
@@ -214,7 +218,8 @@ def main():
     out = {}
     for spec in a.runs:
         layout, cases = spec.split("=")
-        dims = initialize_parallel(*LAYOUTS[layout])
+        tp, pp, ep = LAYOUTS[layout]
+        dims = initialize_parallel(tp, pp, ep=ep)
         out[layout] = run_layout(a.model, dims, [c for c in cases.split(",") if c in CASES])
         if dims.rank == 0:
             torch.save(out, a.out)
