@@ -59,6 +59,23 @@ def _bitwise(a, b):
     return set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow
+def test_one_process_deterministic_kl_offload(single):
+    """One process (the reference launch): the EP cases' streamed modes equal its sync gradient, --deterministic
+    bitwise in every mode and order, and --max-device-buckets 2 did move bucket vectors to the host."""
+    _, _, one = single
+    for case, modes in one["grads"].items():
+        if not case.startswith(EP_ONLY):
+            continue
+        for mode, g in modes.items():
+            r = _rel(g, modes["sync"])
+            print(f"qwen3_moe one process {case} {mode}: vs sync {r:.2g}")
+            assert r < TOL, (case, mode, r)
+        if case.startswith("det"):
+            assert all(_bitwise(g, modes["sync"]) for g in modes.values()), case
+    assert one["to_host"]["offload-grpo"] > 0
+
+
 EP_ONLY = ("det", "kl", "offload")  # the worker's EP_CASES: run at ep2 (and single, the reference) only
 NPROC = {"ep2": 2, "tp2": 2, "tp2ep2": 4}
 

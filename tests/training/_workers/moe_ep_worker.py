@@ -46,7 +46,7 @@ CASES = {
                                loss={"old_logprobs": "engine", "policy": PolicyLossConfig(dual_clip=3.0)}),
     "dr_grpo-continuous-M2E2": dict(estimator="dr_grpo", reward="continuous", loss={}, M=2, E=2),
 }
-EP_CASES = {  # single (sync only: the reference) and ep2; "modes": which of MODES at ep2
+EP_CASES = {  # single (sync, the reference, and the modes) and ep2; "modes": which of MODES at ep2
     "det-rloo-binary-engine": dict(estimator="rloo", reward="binary", det=True, modes=(0, 1, 2),
                                    loss={"old_logprobs": "engine", "policy": PolicyLossConfig(dual_clip=3.0)}),
     "det-grpo-kl-loss": dict(estimator="grpo", reward="bounded", det=True, ref=True, modes=(1, 2),
@@ -111,7 +111,8 @@ def main():
     if a.layout == "tp2ep2":  # 4 processes on CI's 2 cores: one case, sync and one streamed order
         cases = {"grpo-bounded-trainer": dict(CASES["grpo-bounded-trainer"], modes=(0, 1))}
     if a.layout in ("single", "ep2"):
-        cases.update({k: dict(c, modes=(0,)) if a.layout == "single" else c for k, c in EP_CASES.items()})
+        cases.update({k: dict(c, modes=sorted({0, *c["modes"]})) if a.layout == "single" else c
+                      for k, c in EP_CASES.items()})
     for name, case in cases.items():
         if a.only is not None and name not in a.only:
             continue
