@@ -57,7 +57,8 @@ EP_CASES = {  # single (sync, the reference, and the modes) and ep2; "modes": wh
                            loss={"kl_mode": "reward", "kl_coef": 0.1}),
     "offload-grpo": dict(estimator="grpo", reward="bounded", loss={}, offload=2, modes=(1, 2)),
 }
-LAYOUTS = {"single": (1, 1), "ep2": (1, 2), "tp2": (2, 1), "tp2ep2": (2, 2)}  # (tp, ep); tp2ep2: 4 processes
+LAYOUTS = {"single": (1, 1, 1), "ep2": (1, 1, 2), "tp2": (2, 1, 1), "pp2": (1, 2, 1),  # (tp, pp, ep)
+           "tp2ep2": (2, 1, 2)}  # tp2ep2: 4 processes
 MODES = (("sync", None), ("stream-trajectory", 1), ("stream-trajectory-b", 2), ("stream-group", 3))
 
 
@@ -104,13 +105,13 @@ def main():
     ap.add_argument("--ref-model", help="the KL reference of EP_CASES (single and ep2)")
     ap.add_argument("--only", nargs="*", help="run only these cases (debugging)")
     a = ap.parse_args()
-    tp, ep = LAYOUTS[a.layout]
-    dims = initialize_parallel(tp, 1, ep=ep)
+    tp, pp, ep = LAYOUTS[a.layout]
+    dims = initialize_parallel(tp, pp, ep=ep)
     out = {"grads": {}, "weights": {}, "idle": {}, "deferred": {}, "to_host": {}}
     cases = {k: dict(c, modes=range(len(MODES))) for k, c in CASES.items()}
     if a.layout == "tp2ep2":  # 4 processes on CI's 2 cores: one case, sync and one streamed order
         cases = {"grpo-bounded-trainer": dict(CASES["grpo-bounded-trainer"], modes=(0, 1))}
-    if a.layout in ("single", "ep2"):
+    if a.layout != "tp2ep2":
         cases.update({k: dict(c, modes=sorted({0, *c["modes"]})) if a.layout == "single" else c
                       for k, c in EP_CASES.items()})
     for name, case in cases.items():
