@@ -1,5 +1,6 @@
 """Qwen3-MoE at TP = 2 (sequence parallelism), PP = 2 and TP = 2 × PP = 2 with sequence packing, a shared prefix and
-router replay (gloo; worker tests/training/_workers/moe_tp_pp_worker.py; 2 processes: TP=2, then PP=2 (replay, packing, shared prefix), then EP=2 —
+router replay (gloo; worker tests/training/_workers/moe_tp_pp_worker.py; 2 processes: TP=2, then PP=2 (replay,
+packing, shared prefix), then EP=2 —
 packing with replay and a shared prefix with replay, the ranks in expert lockstep; 4: TP=2 × PP=2), against one
 process.
 
@@ -27,7 +28,8 @@ TOL = 1e-12
 # the executor replays a shared prefix's routing where moe.shared_prefix_routing exists (main after this branch):
 # then TP=2 also runs --shared-prefix with replay (measured on the merge: 1.4e-14 vs one process unshared)
 SHARED_REPLAY = hasattr(moe, "shared_prefix_routing")
-LAUNCHES = {2: ["tp2=pack,replay,control,shared" + (",shared-replay" if SHARED_REPLAY else ""), "pp2=replay,pack,shared",
+LAUNCHES = {2: ["tp2=pack,replay,control,shared" + (",shared-replay" if SHARED_REPLAY else ""),
+                "pp2=replay,pack,shared",
                 "ep2=pack-replay,shared-replay"],
             4: ["tp2pp2=pack-replay"]}  # processes: layout=cases
 REFERENCE = {"pack": "plain", "replay": "replay", "pack-replay": "replay", "control": "replay", "shared": "prompts",
