@@ -100,7 +100,7 @@ def test_engine_factory_receives_the_tensor_parallel_flag(tp, short_dir, monkeyp
     got = {}
     monkeypatch.setattr(VLLMEngine, "from_hf_dir", classmethod(lambda cls, d, **kw: got.update(kw, model_dir=d)))
     W._make_engine(spec)
-    want = dict(model_dir="/models/m", seed=5, dtype="float32", max_model_len=96)
+    want = dict(model_dir="/models/m", seed=5, dtype="float32", max_model_len=96, record_routing=False)
     if tp > 1:
         want.update(tensor_parallel_size=tp, in_process=False)
     assert got == want
