@@ -23,6 +23,15 @@ class IncrementalGPT:
     stage takes the previous stage's output for the same tokens as ``hidden`` (s, 1, h). Returns the stage's output
     before the final norm, (s, 1, h); on the last stage ``head(h)`` applies final norm + output layer:
     (s, 1, h) -> (1, s, V/tp). The p2p between stages is ``training.opd_pipeline``'s.
+
+    Sequence parallelism (a MoE model at TP > 1, ``model.moe``): ``extend`` pads the chunk at the end to a multiple
+    of TP (token 0, positions continuing; a later stage pads ``hidden`` with zeros) and runs the layers on this
+    rank's sequence shard as the full forward does (the column-parallel QKV gathers the sequence, the row-parallel
+    projection scatters it back; causal: no real token sees the padding). Only the real tokens' K/V are kept, so a
+    later chunk never attends to padding; the output is gathered and cut to the s real rows, the same on every TP
+    rank (its backward keeps each rank's own rows). ``head`` pads and shards alike and drops the padding's logits.
+    In and out, ``extend``/``head`` see full, unpadded (s, 1, h) tensors: the callers and the PP p2p are as at
+    TP = 1. Router replay: ``model.moe.replay_microbatch`` shards a chunk's (s, k) routing padded alike.
     """
 
     def __init__(self, model, *, whole: bool = True):
