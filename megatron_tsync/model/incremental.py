@@ -23,6 +23,15 @@ class IncrementalGPT:
     stage takes the previous stage's output for the same tokens as ``hidden`` (s, 1, h). Returns the stage's output
     before the final norm, (s, 1, h); on the last stage ``head(h)`` applies final norm + output layer:
     (s, 1, h) -> (1, s, V/tp). The p2p between stages is ``training.opd_pipeline``'s.
+
+    Sequence parallelism (a MoE model at TP > 1, ``model.moe``): ``extend`` pads the chunk at the end to a multiple
+    of TP (token 0, positions continuing; a later stage pads ``hidden`` with zeros) and runs the layers on this
+    rank's sequence shard as the full forward does (the column-parallel QKV gathers the sequence, the row-parallel
+    projection scatters it back; causal: no real token sees the padding). Only the real tokens' K/V are kept, so a
+    later chunk never attends to padding; the output is gathered and cut to the s real rows, the same on every TP
+    rank (its backward keeps each rank's own rows). ``head`` pads and shards alike and drops the padding's logits.
+    In and out, ``extend``/``head`` see full, unpadded (s, 1, h) tensors: the callers and the PP p2p are as at
+    TP = 1. Router replay: ``model.moe.replay_microbatch`` shards a chunk's (s, k) routing padded alike.
     """
 
     def __init__(self, model, *, whole: bool = True):
@@ -39,45 +48,78 @@ class IncrementalGPT:
             raise ValueError(f"chunk starts at {start}, but {self.length} tokens were seen")
         m, s = self.m, int(ids_new.shape[0])
         dev = next(m.parameters()).device
+        sp = self._sp()
+        n = s + (-s) % sp  # under sequence parallelism the chunk is padded at the end to a multiple of TP
         if m.pre_process:
-            ids = ids_new.to(dev).unsqueeze(0)  # (1, s)
-            pos = torch.arange(start, start + s, device=dev).unsqueeze(0)  # (1, s)
-            x = m.embedding(input_ids=ids, position_ids=pos)  # (s, 1, h)
+            ids = ids_new.to(dev).long()
+            ids = torch.cat([ids, ids.new_zeros(n - s)]).unsqueeze(0)  # (1, n): padding token 0
+            pos = torch.arange(start, start + n, device=dev).unsqueeze(0)  # (1, n)
+            x = m.embedding(input_ids=ids, position_ids=pos)  # (n/sp, 1, h): this rank's sequence shard under SP
         elif hidden is None or hidden.shape[0] != s:
             raise ValueError(f"a later pipeline stage needs the previous stage's output for the {s} new tokens")
         else:
-            x = hidden  # (s, 1, h)
-        freqs = m.rotary_pos_emb(start + s)[start:]  # (s, 1, 1, d); the model's inv_freq (llama3 scaling included)
-        qi = torch.arange(start, start + s, device=dev).unsqueeze(1)
-        masked = (torch.arange(start + s, device=dev).unsqueeze(0) > qi).view(1, s, start + s)  # (1, s, sk)
+            x = _shard(torch.cat([hidden, hidden.new_zeros(n - s, *hidden.shape[1:])]), sp)  # (n/sp, 1, h)
+        freqs = m.rotary_pos_emb(start + n)[start:]  # (n, 1, 1, d); the model's inv_freq (llama3 scaling included)
+        qi = torch.arange(start, start + n, device=dev).unsqueeze(1)
+        masked = (torch.arange(start + n, device=dev).unsqueeze(0) > qi).view(1, n, start + n)  # (1, n, sk)
         for li, layer in enumerate(m.decoder.layers):
             attn = layer.self_attention
             h = layer.input_layernorm(x)
-            # applies the per-head q/k layernorms too (Qwen3 QK-norm), before RoPE as in the full forward
-            q, k, v = attn.get_query_key_value_tensors(h)  # (s, 1, np, hn), (s, 1, ng, hn) ×2
+            # applies the per-head q/k layernorms too (Qwen3 QK-norm), before RoPE as in the full forward; under
+            # SP the column-parallel QKV all-gathers the sequence: q/k/v cover all n new tokens (local heads)
+            q, k, v = attn.get_query_key_value_tensors(h)  # (n, 1, np, hn), (n, 1, ng, hn) ×2
             cp = getattr(getattr(attn, "pg_collection", None), "cp", None)
             q = apply_rotary_pos_emb(q, freqs, config=attn.config, cp_group=cp)
             k = apply_rotary_pos_emb(k, freqs, config=attn.config, cp_group=cp)
             if li < len(self.kv):
-                k = torch.cat([self.kv[li][0], k])  # (sk, 1, ng, hn)
-                v = torch.cat([self.kv[li][1], v])
-                self.kv[li] = (k, v)
+                pk, pv = self.kv[li]
+                self.kv[li] = (torch.cat([pk, k[:s]]), torch.cat([pv, v[:s]]))  # the padding's K/V are not kept
+                k, v = torch.cat([pk, k]), torch.cat([pv, v])  # (start + n, 1, ng, hn)
             else:
-                self.kv.append((k, v))
-            ctx = _attention(q, k, v, masked, _softmax_scale(attn))  # (s, 1, np·hn)
-            out, bias = attn.linear_proj(ctx)
+                self.kv.append((k[:s], v[:s]))
+            ctx = _attention(q, k, v, masked, _softmax_scale(attn))  # (n, 1, np·hn); causal: real rows skip padding
+            out, bias = attn.linear_proj(ctx)  # under SP: reduce-scattered back to the rank's shard
             x = x + (out if bias is None else out + bias)
             out, bias = layer.mlp(layer.pre_mlp_layernorm(x))
             x = x + (out if bias is None else out + bias)
         self.length += s
-        return x
+        return _unshard(x, sp)[:s]  # (s, 1, h)
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
-        m = self.m
+        m, s = self.m, int(h.shape[0])
+        sp = self._sp()
+        n = s + (-s) % sp
+        h = _shard(torch.cat([h, h.new_zeros(n - s, *h.shape[1:])]), sp)  # (n/sp, 1, h)
         h = m.decoder.final_layernorm(h)
         w = m.shared_embedding_or_output_weight() if m.share_embeddings_and_output_weights else None
-        logits, _ = m.output_layer(h, weight=w)  # (s, 1, V/tp)
-        return logits.transpose(0, 1)  # (1, s, V/tp)
+        logits, _ = m.output_layer(h, weight=w)  # (n, 1, V/tp): under SP the output layer gathers the sequence
+        return logits[:s].transpose(0, 1)  # (1, s, V/tp)
+
+    def _sp(self) -> int:
+        """TP size under sequence parallelism (the stage's activations between layers are sequence shards), else 1."""
+        cfg = self.m.config
+        return cfg.tensor_model_parallel_size if cfg.sequence_parallel else 1
+
+
+def _shard(x: torch.Tensor, sp: int) -> torch.Tensor:
+    """Full (n, 1, h), the same on every TP rank -> this rank's sequence shard (n/sp, 1, h); the backward gathers
+    the shards' gradients (every rank gets the full gradient)."""
+    if sp == 1:
+        return x
+    from megatron.core.tensor_parallel import scatter_to_sequence_parallel_region
+
+    return scatter_to_sequence_parallel_region(x)
+
+
+def _unshard(x: torch.Tensor, sp: int) -> torch.Tensor:
+    """This rank's sequence shard (n/sp, 1, h) -> the full (n, 1, h) on every TP rank. What uses it (the head, the
+    next pipeline stage) runs alike on every TP rank, so each rank's gradient of it is already the full one: the
+    backward keeps the rank's own rows (no sum over TP)."""
+    if sp == 1:
+        return x
+    from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+    return gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=False)
 
 
 def _softmax_scale(attn) -> float:

@@ -66,7 +66,10 @@ hidden states; the last cuts the logits); a packed or shared-prefix microbatch i
 padding segment (``training.packing.layout_for``, ``PrefixLayout.pad``); router replay hands each TP rank the routing
 of its sequence shard (:func:`sequence_shard`), and each pipeline stage its own layers'. float64, tiny model, against
 one process's sync gradient (stream-trajectory and sync, ``tests/training/test_moe_tp_pp.py``): TP=2 with packing,
-with a shared prefix, with replay; PP=2 with replay; TP=2 × PP=2 with packing and replay: all ≤ 4e-14.
+with a shared prefix, with replay; PP=2 with replay; TP=2 × PP=2 with packing and replay: all ≤ 4e-14. OPD's
+KV-kept turn forward and the teacher's (``model.incremental.IncrementalGPT``) pad each chunk alike, keep only the
+real tokens' keys/values and shard a chunk's replayed routing by :func:`sequence_shard`: OPD at TP=2 (sync,
+stream-trajectory, stream-turn, with replay) and the teacher equal one process (``tests/training/test_moe_ep_opd.py``).
 
 **Expert parallelism.** Conversion, forward passes and training at EP > 1 are exact (tested at EP=2: float64
 streamed = sync = one process to ~1e-15, ``tests/training/test_moe_ep.py``). Each MoE layer's all-to-all is a

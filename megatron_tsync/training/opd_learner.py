@@ -25,7 +25,9 @@ engine recorded for it (``TurnChunk.routing``, ``model.moe.replay_microbatch``).
 MoE all-to-all is a collective over data-parallel replicas that learn different trajectories: each poll of the
 source is a schedule point of the expert-parallel group; ``sync`` / ``stream-trajectory`` pad their microbatches
 with idle ones (``model.parallel.ExpertLockstep.count``), ``stream-turn`` runs lanes of matched chunk forwards with
-one backward per lane (``training.opd_lanes``; under PP too).
+one backward per lane (``training.opd_lanes``; under PP too). At TP > 1 a MoE model runs sequence parallel: the
+incremental forward pads each chunk to a multiple of TP and hands back full, unpadded hidden states
+(``model.incremental``), the replayed routing is sharded alike; TP 2 and TP 2 × PP 2 equal one process's sync.
 
 Every gradient lands in megatron DDP's grad buffers (``main_grad``); the barrier is the one the GRPO learner uses
 (``training.barrier.barrier_step``: DP reduction, explicit divisor, grad hook, optimizer step, zeroed grads).

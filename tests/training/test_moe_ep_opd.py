@@ -8,7 +8,9 @@ forwards, one backward per lane), ``sync`` / ``stream-trajectory`` with idle mic
 (``ExpertLockstep.count``). float64: the gradient (HF names, experts gathered) of every mode at EP = 2 equals the
 one-process ``sync`` gradient to ≤ 1e-12 relative, with router replay too (the learner's experts equal the recorded
 ones for every token the engine computed); a MoE teacher scoring turn by turn at EP = 2 equals one process's.
-The same at PP 2 × EP 2 (4 processes) for the streaming modes. Controls: idle forwards ran (the ranks were out of step),
+The same at PP 2 × EP 2 (4 processes) for the streaming modes, and at TP 2 (sequence parallel: the incremental
+forward pads each chunk to a multiple of TP; sync, stream-trajectory, stream-turn, with and without replay; the teacher
+too). Controls: idle forwards ran (the ranks were out of step),
 and without replay the gradient differs.
 """
 
@@ -55,15 +57,21 @@ def reference(model, data):
     return {case: W.run(model, case, "sync", S, E)[0] for case in W.CASES}
 
 
-def _launch(model, tmp_path_factory, pp: int):
-    out = tmp_path_factory.mktemp("opd_ep2") / f"ep2pp{pp}.pt"
-    torchrun(WORKER, ["--model", model, "--out", str(out), "--pp", str(pp)], nproc=2 * pp)
+def _launch(model, tmp_path_factory, pp: int, tp: int = 1):
+    out = tmp_path_factory.mktemp("opd_ep2") / f"tp{tp}pp{pp}.pt"
+    torchrun(WORKER, ["--model", model, "--out", str(out), "--pp", str(pp), "--tp", str(tp)], nproc=2 * pp)
     return torch.load(str(out))
 
 
 @pytest.fixture(scope="module")
 def ep2(model, tmp_path_factory):
     return _launch(model, tmp_path_factory, 1)
+
+
+@pytest.fixture(scope="module")
+def tp2(model, tmp_path_factory):
+    """TP 2 (sequence parallel), one data-parallel replica: every mode of W.TP_MODES and the teacher."""
+    return _launch(model, tmp_path_factory, 1, tp=2)
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +94,7 @@ def test_router_replay_stream_turn_one_process(model, data, reference):
     assert r < TOL and control > 1e-3
 
 
-def _check_grads(got, reference, layout, samples):
+def _check_grads(got, reference, layout, samples, lockstep=True):
     for case, modes in got["grads"].items():
         ref = reference[case]
         experts = [k for k in ref if ".experts." in k]
@@ -97,7 +105,7 @@ def _check_grads(got, reference, layout, samples):
             idle = got["idle"][case][mode]
             print(f"opd {layout} {case} {mode}: vs one-process sync {r:.2g} (experts {r_moe:.2g}), idle forwards {idle}")
             assert r < TOL and r_moe < TOL, (case, mode, r, r_moe)
-            if mode.startswith("stream"):
+            if lockstep and mode.startswith("stream"):
                 assert sum(idle) > 0, (case, mode, idle)  # the ranks were out of step: the lockstep mattered
     checked, differ = got["replay"]["stream-turn"]  # router replay at EP = 2: every computed token, every layer
     assert checked == sum(s.routing.shape[0] * s.routing.shape[1] for s in samples) and differ == 0, (checked, differ)
@@ -126,4 +134,22 @@ def test_ep2_moe_teacher(ep2, model, data):
     one = W.teacher_scores(model, S, E)
     err = max(float((one[k] - ep2["teacher"][k]).abs().max()) for k in one)
     print(f"MoE teacher at EP=2 vs one process: max |Δ log-prob| {err:.2g}")
+    assert err < 1e-12
+
+
+@pytest.mark.slow
+def test_tp2_opd_and_teacher_equal_one_process(tp2, reference, model, data):
+    """TP 2 with sequence parallelism (a MoE model at TP > 1 is built with it): the stream-turn forwards and the
+    teacher go through ``IncrementalGPT``, which pads each chunk to a multiple of TP (its padding's K/V are not
+    kept, its logits dropped) and shards the chunk's replayed routing alike; sync / stream-trajectory go through the
+    builder's padded full forward. Every mode equals one process's sync gradient, with router replay too (every
+    computed token's experts, over both TP ranks' sequence shards, are the recorded ones); the teacher's scores too."""
+    assert {c: set(m) for c, m in tp2["grads"].items()} == {c: set(m) for c, m in W.TP_MODES.items()}
+    _check_grads(tp2, reference, "tp2", data[0], lockstep=False)
+    S, E = data
+    sizes = {(c.end - c.start) % 2 for c in W.all_chunks(S, E, 11)}
+    assert sizes == {0, 1}, sizes  # some chunks were padded to a multiple of TP, some not
+    one = W.teacher_scores(model, S, E)
+    err = max(float((one[k] - tp2["teacher"][k]).abs().max()) for k in one)
+    print(f"MoE teacher at TP=2 vs one process: max |Δ log-prob| {err:.2g}")
     assert err < 1e-12

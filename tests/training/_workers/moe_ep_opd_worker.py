@@ -4,7 +4,8 @@ one-process reference imports these functions).
 ``python -m torch.distributed.run --nproc_per_node=2 moe_ep_opd_worker.py --model DIR --out R.pt``: TP 1, PP 1,
 DP 2, EP 2 (each rank holds half the experts; every MoE all-to-all spans both ranks, which learn different
 trajectories); ``--nproc_per_node=4 ... --pp 2``: PP 2 × EP 2 (the streaming modes only). Each rank gets every chunk (multi-turn trajectories, tool output between turns) but in its OWN
-interleaving of the trajectories' turns; trajectory i is learned by rank i mod 2. float64, router weights × 25
+interleaving of the trajectories' turns; trajectory i is learned by rank i mod 2. ``--tp 2``: TP 2 (sequence
+parallel, one data-parallel replica, no EP): every mode of ``TP_MODES``, and the teacher at TP 2. float64, router weights × 25
 (decisive routing). Rank 0 writes {"grads": {case: {mode: {hf name: tensor}}}, "idle": {case: {mode: idle
 forwards, both ranks}}, "replay": {mode: [tokens checked, tokens whose experts differ from the recorded ones]},
 "teacher": {traj_id: teacher log-probs}} (torch.save).
@@ -42,6 +43,8 @@ CASES = {  # name: (config kwargs, modes, router replay)
                             ("sync", "stream-turn"), False),
     "replay": (dict(loss=LossConfig(policy=PolicyLossConfig(kind="none"))), ("sync", "stream-turn"), True),
 }
+TP_MODES = {"token-mean": ("sync", "stream-trajectory", "stream-turn"),
+            "replay": ("sync", "stream-trajectory", "stream-turn")}  # --tp 2
 
 
 def build(model_dir: str, replay: bool):
@@ -118,6 +121,13 @@ def _watch_routing(L: OPDLearner, counter: list):
         _, routing_map = out  # (s, E) bool
         layer = router.layer_number - 1
         rec = c.routing[c.start : c.end, layer].long()  # (≤ s, k)
+        cfg = router.config
+        if cfg.sequence_parallel:  # the router sees its rank's block of the chunk padded to a multiple of TP
+            from megatron.core import parallel_state as ps
+
+            s, tp = c.end - c.start, cfg.tensor_model_parallel_size
+            b = (s + (-s) % tp) // tp
+            rec = rec[b * ps.get_tensor_model_parallel_rank() :][:b]
         chosen = routing_map[: rec.shape[0]]
         want = torch.zeros_like(chosen)
         want.scatter_(1, rec.to(chosen.device), True)
@@ -143,18 +153,24 @@ def main():
     ap.add_argument("--model", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--tp", type=int, default=1)
     a = ap.parse_args()
     from megatron_tsync.model.parallel import destroy_parallel, initialize_parallel
 
     torch.set_num_threads(1)
-    dims = initialize_parallel(1, a.pp, ep=2)
-    assert dims.ep == 2 and dims.dp == 2 and dims.pp == a.pp, dims
+    ep = 2 if a.tp == 1 else 1
+    dims = initialize_parallel(a.tp, a.pp, ep=ep)
+    assert dims.ep == ep and dims.dp == 2 // a.tp and dims.pp == a.pp and dims.tp == a.tp, dims
     pp_group = dims.pp_group() if a.pp > 1 else None
     arch, _ = load_hf_dir(a.model)
     S, E = trajectories(arch)
     out = {"grads": {}, "idle": {}, "replay": {}}
     seed = 11 + 7 * dims.dp_rank  # each rank its own arrival order
     for case, (_, modes, replay) in CASES.items():
+        if a.tp > 1:
+            if case not in TP_MODES:
+                continue
+            modes = TP_MODES[case]
         out["grads"][case], out["idle"][case] = {}, {}
         for mode in modes if a.pp == 1 else [m for m in modes if m != "sync"]:
             check = [0, 0] if replay and mode == "stream-turn" else None
