@@ -31,6 +31,7 @@ Imports neither megatron nor transformers (``tokenizers`` only, for the token co
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import sys
@@ -81,6 +82,7 @@ def check(cfg, *, world_size: int | None = None) -> list[str]:
     hf = _check_model(cfg)
     if hf is not None:
         _check_layout(cfg, hf, world_size if world_size is not None else launcher_env()[1])
+        _check_router_replay(cfg, hf)
     task = _check_task(cfg)
     _check_eval(cfg, task)
     if not cfg.logging.replay_rollouts:  # a replay reads no prompts
@@ -213,6 +215,24 @@ def _check_layout(cfg, hf: dict, world: int | None) -> None:
     for bad, msg in rules:
         if bad:
             raise PreflightError(msg)
+
+
+def _check_router_replay(cfg, hf: dict) -> None:
+    """--moe-router-replay: a MoE model, and an engine that records routing here (the vLLM adapter's own refusal,
+    asked now rather than when the rollout workers build their engines; skipped when vLLM is not installed in the
+    trainer's environment, i.e. on external rollout nodes)."""
+    if not cfg.model.moe_router_replay:
+        return
+    if not (hf.get("num_experts") or hf.get("num_local_experts")):
+        raise PreflightError(f"--moe-router-replay needs a MoE model; --model {cfg.model.path} (config.json) has no "
+                             "experts")
+    if cfg.rollout.engine == "vllm" and importlib.util.find_spec("vllm") is not None:
+        from megatron_tsync.rollout import vllm_compat
+
+        reason = vllm_compat.routed_experts_refusal()
+        if reason:
+            raise PreflightError(f"--moe-router-replay with --rollout-engine vllm: {reason}; use --rollout-engine "
+                                 "embedded for router replay here")
 
 
 # ------------------------------------------------------------------------------------------------------ task

@@ -178,6 +178,16 @@ def test_record_routing_is_refused_on_the_cpu_build(moe):
         VLLMEngine(d, dtype="float32", record_routing=True)
 
 
+def test_preflight_refuses_vllm_router_replay_here(moe):
+    """The same refusal at start-up (pre-flight, before any worker starts), as one line."""
+    from megatron_tsync.arguments import parse_args
+    from megatron_tsync.runtime import preflight
+
+    _, d = moe
+    with pytest.raises(preflight.PreflightError, match="--moe-router-replay with --rollout-engine vllm: .*Model Runner"):
+        preflight.check(parse_args(["--model", d, "--rollout-engine", "vllm", "--moe-router-replay"]), world_size=1)
+
+
 def test_routing_format_keeps_the_moe_layers():
     """vLLM's (P, num_hidden_layers, k) → the embedded engine's (P, L_moe, k): dense layers (``mlp_only_layers``,
     ``decoder_sparse_step``) dropped, uint8 kept, uint16 (> 256 experts) as int16."""

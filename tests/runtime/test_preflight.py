@@ -81,6 +81,10 @@ def test_tp_must_divide_heads_kv_heads_and_layers(models):
         pf.check(parse_args(["--model", models[0], "--expert-model-parallel-size", "2"]), world_size=3)
 
 
+def test_router_replay_needs_a_moe_model(models):
+    assert "--moe-router-replay needs a MoE model" in _error(["--model", models[0], "--moe-router-replay"])
+
+
 def test_short_seq_length(models):
     msg = _error(["--model", models[0], "--seq-length", "24", "--max-new-tokens", "8"])
     assert "--seq-length 24 is too short for a correct answer" in msg
