@@ -21,6 +21,7 @@ never opened, which must close with the group — 2 buckets were left open at th
 mode's two arrival orders differ in their bits.
 
 TP = 2 and PP = 2 run the EP cases too (deterministic bitwise across modes and orders, KL loss/reward, offload).
+EP = 2 × PP = 2 (4 processes, the Qwen3-30B-A3B recipe's kind of layout): one case, sync and stream-trajectory.
 EP = 2 × TP = 2 (4 processes; expert TP = 2, so megatron's dispatcher gathers the tokens of this rank's experts over
 TP with uneven sizes, which gloo takes through ``compat``'s padded collectives): one case, sync and stream-trajectory,
 ≤ 1e-12 from one process (measured ~1e-14).
@@ -77,8 +78,8 @@ def test_one_process_deterministic_kl_offload(single):
     assert one["to_host"]["offload-grpo"] > 0
 
 
-EP_ONLY = ("det", "kl", "offload")  # the worker's EP_CASES (every layout but tp2ep2)
-NPROC = {"ep2": 2, "tp2": 2, "pp2": 2, "tp2ep2": 4}
+EP_ONLY = ("det", "kl", "offload")  # the worker's EP_CASES (every 2-process layout)
+NPROC = {"ep2": 2, "tp2": 2, "pp2": 2, "tp2ep2": 4, "pp2ep2": 4}
 
 
 @pytest.mark.slow
@@ -91,7 +92,7 @@ def test_layout_streaming_equals_one_process(single, tmp_path, layout):
     torchrun(WORKER, ["--model", model, "--ref-model", ref_model, "--layout", layout, "--out",
                       str(tmp_path / "got.pt")], nproc=NPROC[layout])
     ep = torch.load(str(tmp_path / "got.pt"))
-    expect = {"grpo-bounded-trainer"} if layout == "tp2ep2" else set(one["grads"])  # tp2ep2: 4 processes, 1 case
+    expect = {"grpo-bounded-trainer"} if NPROC[layout] == 4 else set(one["grads"])  # 4 processes: 1 case
     assert set(ep["grads"]) == expect
     for case, modes in ep["grads"].items():
         ref = one["grads"][case]["sync"]
@@ -106,7 +107,7 @@ def test_layout_streaming_equals_one_process(single, tmp_path, layout):
             first = next(iter(modes.values()))
             assert all(_bitwise(g, first) for g in modes.values()), case
         assert (ep["idle"][case] > 0) == ("ep2" in layout) and one["idle"][case] == 0  # lockstep only at EP > 1
-    if layout != "tp2ep2":
+    if NPROC[layout] == 2:
         assert ep["to_host"]["offload-grpo"] > 0  # --max-device-buckets 2 did move bucket vectors to the host
     if layout == "ep2":
         # the deterministic stream-trajectory runs did defer items (ratios out of the clip band): the path where the

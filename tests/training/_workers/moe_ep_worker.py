@@ -58,7 +58,8 @@ EP_CASES = {  # single (sync, the reference, and the modes) and ep2; "modes": wh
     "offload-grpo": dict(estimator="grpo", reward="bounded", loss={}, offload=2, modes=(1, 2)),
 }
 LAYOUTS = {"single": (1, 1, 1), "ep2": (1, 1, 2), "tp2": (2, 1, 1), "pp2": (1, 2, 1),  # (tp, pp, ep)
-           "tp2ep2": (2, 1, 2)}  # tp2ep2: 4 processes
+           "tp2ep2": (2, 1, 2), "pp2ep2": (1, 2, 2)}  # tp2ep2, pp2ep2: 4 processes
+FOUR = ("tp2ep2", "pp2ep2")
 MODES = (("sync", None), ("stream-trajectory", 1), ("stream-trajectory-b", 2), ("stream-group", 3))
 
 
@@ -109,9 +110,9 @@ def main():
     dims = initialize_parallel(tp, pp, ep=ep)
     out = {"grads": {}, "weights": {}, "idle": {}, "deferred": {}, "to_host": {}}
     cases = {k: dict(c, modes=range(len(MODES))) for k, c in CASES.items()}
-    if a.layout == "tp2ep2":  # 4 processes on CI's 2 cores: one case, sync and one streamed order
+    if a.layout in FOUR:  # 4 processes on CI's 2 cores: one case, sync and one streamed order
         cases = {"grpo-bounded-trainer": dict(CASES["grpo-bounded-trainer"], modes=(0, 1))}
-    if a.layout != "tp2ep2":
+    if a.layout not in FOUR:
         cases.update({k: dict(c, modes=sorted({0, *c["modes"]})) if a.layout == "single" else c
                       for k, c in EP_CASES.items()})
     for name, case in cases.items():
@@ -125,7 +126,7 @@ def main():
             out["deferred"][name] = out["deferred"].get(name, 0) + deferred
             out["to_host"][name] = out["to_host"].get(name, 0) + off.get("to_host", 0)
     adam = OptimConfig(optimizer="adam", lr=1e-3, clip_grad=1.0)
-    for mode, seed in MODES if a.only is None and a.layout != "tp2ep2" else ():  # float32, one Adam step, 1st case
+    for mode, seed in MODES if a.only is None and a.layout not in FOUR else ():  # float32, one Adam step, 1st case
         _, w, _, _, _ = run_case(a.model, dims, CASES["grpo-bounded-trainer"], mode, seed, torch.float32, adam)
         out["weights"][mode] = w
     if dims.rank == 0:
