@@ -157,7 +157,8 @@ class ParallelConfig:
     """MoE experts split over this many ranks (EP, taken from the data-parallel ranks). Every MoE layer's token
     all-to-all spans the EP ranks, which stream different trajectories: the learner keeps them in lockstep, one
     gradient destination per slot, idle microbatches where a rank has nothing (``model.parallel.ExpertLockstep``,
-    ``training.stream_fb``; with ``--deterministic`` one trajectory per slot over the EP group). GRPO only."""
+    ``training.stream_fb``; with ``--deterministic`` one trajectory per slot over the EP group; the OPD learner's
+    turn forwards in lanes, ``training.opd_lanes``). Every learner feature: docs/moe_matrix.md."""
     trainer_cpus: str | None = None
     """CPU cores the trainer ranks of a node run on (a CPU list, ``"0-3,8"``): every thread of the rank is pinned to
     them (``os.sched_setaffinity``) and torch's intra-op threads set to their number; several ranks on a node
