@@ -52,13 +52,13 @@ class IncrementalGPT:
         n = s + (-s) % sp  # under sequence parallelism the chunk is padded at the end to a multiple of TP
         if m.pre_process:
             ids = ids_new.to(dev).long()
-            ids = torch.cat([ids, ids.new_zeros(n - s)]).unsqueeze(0)  # (1, n): padding token 0
+            ids = (ids if n == s else torch.cat([ids, ids.new_zeros(n - s)])).unsqueeze(0)  # (1, n): padding token 0
             pos = torch.arange(start, start + n, device=dev).unsqueeze(0)  # (1, n)
             x = m.embedding(input_ids=ids, position_ids=pos)  # (n/sp, 1, h): this rank's sequence shard under SP
         elif hidden is None or hidden.shape[0] != s:
             raise ValueError(f"a later pipeline stage needs the previous stage's output for the {s} new tokens")
         else:
-            x = _shard(torch.cat([hidden, hidden.new_zeros(n - s, *hidden.shape[1:])]), sp)  # (n/sp, 1, h)
+            x = _shard(_pad_rows(hidden, n), sp)  # (n/sp, 1, h)
         freqs = m.rotary_pos_emb(start + n)[start:]  # (n, 1, 1, d); the model's inv_freq (llama3 scaling included)
         qi = torch.arange(start, start + n, device=dev).unsqueeze(1)
         masked = (torch.arange(start + n, device=dev).unsqueeze(0) > qi).view(1, n, start + n)  # (1, n, sk)
@@ -72,9 +72,8 @@ class IncrementalGPT:
             q = apply_rotary_pos_emb(q, freqs, config=attn.config, cp_group=cp)
             k = apply_rotary_pos_emb(k, freqs, config=attn.config, cp_group=cp)
             if li < len(self.kv):
-                pk, pv = self.kv[li]
-                self.kv[li] = (torch.cat([pk, k[:s]]), torch.cat([pv, v[:s]]))  # the padding's K/V are not kept
-                k, v = torch.cat([pk, k]), torch.cat([pv, v])  # (start + n, 1, ng, hn)
+                k, v = torch.cat([self.kv[li][0], k]), torch.cat([self.kv[li][1], v])  # (start + n, 1, ng, hn)
+                self.kv[li] = (k[:start + s], v[:start + s])  # views: the padding's K/V are not kept
             else:
                 self.kv.append((k[:s], v[:s]))
             ctx = _attention(q, k, v, masked, _softmax_scale(attn))  # (n, 1, np·hn); causal: real rows skip padding
@@ -89,7 +88,7 @@ class IncrementalGPT:
         m, s = self.m, int(h.shape[0])
         sp = self._sp()
         n = s + (-s) % sp
-        h = _shard(torch.cat([h, h.new_zeros(n - s, *h.shape[1:])]), sp)  # (n/sp, 1, h)
+        h = _shard(_pad_rows(h, n), sp)  # (n/sp, 1, h)
         h = m.decoder.final_layernorm(h)
         w = m.shared_embedding_or_output_weight() if m.share_embeddings_and_output_weights else None
         logits, _ = m.output_layer(h, weight=w)  # (n, 1, V/tp): under SP the output layer gathers the sequence
@@ -99,6 +98,11 @@ class IncrementalGPT:
         """TP size under sequence parallelism (the stage's activations between layers are sequence shards), else 1."""
         cfg = self.m.config
         return cfg.tensor_model_parallel_size if cfg.sequence_parallel else 1
+
+
+def _pad_rows(x: torch.Tensor, n: int) -> torch.Tensor:
+    """(s, 1, h) -> (n, 1, h) with zero rows at the end; ``x`` itself when s == n (no copy: TP = 1)."""
+    return x if x.shape[0] == n else torch.cat([x, x.new_zeros(n - x.shape[0], *x.shape[1:])])
 
 
 def _shard(x: torch.Tensor, sp: int) -> torch.Tensor:
