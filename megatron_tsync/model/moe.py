@@ -394,7 +394,13 @@ def prompt_routing(routing, length: int, prefix: int) -> torch.Tensor | None:
     sorted: the replay scatters them into a routing map, their order is immaterial. None without routing."""
     if routing is None:
         return None
-    return torch.stack([r[:prefix] for r in microbatch_routing([routing], [length])], 1).sort(-1).values
+    return _prompt_sets(microbatch_routing([routing], [length]), prefix)
+
+
+def _prompt_sets(per_layer: list[torch.Tensor], prefix: int) -> torch.Tensor:
+    """(prefix, L, k) of a trajectory's per-layer (T, k) replay routing: its first ``prefix`` positions, each
+    position's experts sorted."""
+    return torch.stack([r[:prefix] for r in per_layer], 1).sort(-1).values
 
 
 def shared_prefix_routing(routings, lengths, prefix: int, pad: int = 0) -> list[torch.Tensor] | None:
@@ -410,9 +416,9 @@ def shared_prefix_routing(routings, lengths, prefix: int, pad: int = 0) -> list[
         return None
     if any(p is None for p in per_traj):
         raise ValueError("router replay: some trajectories of a microbatch carry no routing")
-    head = prompt_routing(routings[0], lengths[0], prefix)
-    for r, n in zip(routings[1:], lengths[1:]):
-        if not torch.equal(prompt_routing(r, n, prefix), head):
+    head = _prompt_sets(per_traj[0], prefix)
+    for p in per_traj[1:]:
+        if not torch.equal(_prompt_sets(p, prefix), head):
             raise ValueError(f"router replay: the trajectories of a shared-prefix microbatch route their first "
                              f"{prefix} prompt positions differently (the planner must keep them apart)")
     topk = int(head.shape[-1])
