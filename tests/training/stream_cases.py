@@ -79,3 +79,10 @@ def prompt_groups(seed: int, groups: int = 3, G: int = 4, prompt: int = 14, voca
             out.append(Sample(traj_id=f"g{k}t{i}", group_id=f"g{k}", group_size=G, token_ids=ids, loss_mask=mask,
                               reward=r, behaviour_logp=beh, ref_logp=ref))
     return out
+
+
+def rel_error(a: dict, b: dict, keys=None) -> float:
+    """‖a − b‖ / ‖b‖ over the named tensors of two gradient dicts (``keys``: a subset, e.g. the experts), in float64."""
+    keys = list(b) if keys is None else keys
+    num = sum(float((a[k].double() - b[k].double()).pow(2).sum()) for k in keys) ** 0.5
+    return num / sum(float(b[k].double().pow(2).sum()) for k in keys) ** 0.5

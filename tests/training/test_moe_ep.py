@@ -34,15 +34,12 @@ import pytest
 import torch
 
 from ._launch import torchrun
+from .stream_cases import rel_error
 
 WORKER = os.path.join(os.path.dirname(__file__), "_workers", "moe_ep_worker.py")
 TOL = 1e-12
 
 
-def _rel(a, b, keys=None):
-    keys = keys or list(b)
-    num = sum(float((a[k].double() - b[k].double()).pow(2).sum()) for k in keys) ** 0.5
-    return num / sum(float(b[k].double().pow(2).sum()) for k in keys) ** 0.5
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +67,7 @@ def test_one_process_deterministic_kl_offload(single):
         if not case.startswith(EP_ONLY):
             continue
         for mode, g in modes.items():
-            r = _rel(g, modes["sync"])
+            r = rel_error(g, modes["sync"])
             print(f"qwen3_moe one process {case} {mode}: vs sync {r:.2g}")
             assert r < TOL, (case, mode, r)
         if case.startswith("det"):
@@ -100,7 +97,7 @@ def test_layout_streaming_equals_one_process(single, tmp_path, layout):
         assert experts and all(ref[k].abs().max() > 0 for k in experts)  # every expert is trained
         for mode, g in modes.items():
             assert set(g) == set(ref)
-            r, r_moe = _rel(g, ref), _rel(g, ref, experts)
+            r, r_moe = rel_error(g, ref), rel_error(g, ref, experts)
             print(f"qwen3_moe {layout} {case} {mode}: vs one process {r:.2g} (experts {r_moe:.2g})")
             assert r < TOL and r_moe < TOL, (case, mode, r, r_moe)
         if case.startswith("det"):  # bitwise: every mode and arrival order
@@ -117,6 +114,6 @@ def test_layout_streaming_equals_one_process(single, tmp_path, layout):
         st = ep["grads"]["rloo-binary-engine"]
         assert not _bitwise(st["stream-trajectory"], st["stream-trajectory-b"])
     for mode, w in ep["weights"].items():
-        r = _rel(w, one["weights"][mode])
+        r = rel_error(w, one["weights"][mode])
         print(f"qwen3_moe {layout} float32 Adam step, {mode}: weights vs one process {r:.2g}")
         assert r < 1e-5

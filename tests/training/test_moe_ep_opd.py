@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from ._launch import torchrun
+from .stream_cases import rel_error
 
 WORKER = os.path.join(os.path.dirname(__file__), "_workers", "moe_ep_opd_worker.py")
 sys.path.insert(0, os.path.dirname(WORKER))
@@ -29,10 +30,6 @@ import moe_ep_opd_worker as W  # noqa: E402
 TOL = 1e-12
 
 
-def _rel(a, b, keys=None):
-    keys = keys or list(b)
-    num = sum(float((a[k].double() - b[k].double()).pow(2).sum()) for k in keys) ** 0.5
-    return num / sum(float(b[k].double().pow(2).sum()) for k in keys) ** 0.5
 
 
 @pytest.fixture(scope="module")
@@ -88,8 +85,8 @@ def test_router_replay_stream_turn_one_process(model, data, reference):
     g, _ = W.run(model, "replay", "stream-turn", S, E, check=check)
     ref = reference["replay"]
     assert check[0] == sum(s.routing.shape[0] * s.routing.shape[1] for s in S) and check[1] == 0, check
-    r = _rel(g, ref)
-    control = _rel(W.run(model, "replay", "stream-turn", S, E, replay=False)[0], ref)
+    r = rel_error(g, ref)
+    control = rel_error(W.run(model, "replay", "stream-turn", S, E, replay=False)[0], ref)
     print(f"router replay stream-turn vs sync {r:.2g}; without replay {control:.2g}")
     assert r < TOL and control > 1e-3
 
@@ -101,7 +98,7 @@ def _check_grads(got, reference, layout, samples, lockstep=True):
         assert experts and all(ref[k].abs().max() > 0 for k in experts)  # every expert is trained
         for mode, g in modes.items():
             assert set(g) == set(ref)
-            r, r_moe = _rel(g, ref), _rel(g, ref, experts)
+            r, r_moe = rel_error(g, ref), rel_error(g, ref, experts)
             idle = got["idle"][case][mode]
             print(f"opd {layout} {case} {mode}: vs one-process sync {r:.2g} (experts {r_moe:.2g}), idle forwards {idle}")
             assert r < TOL and r_moe < TOL, (case, mode, r, r_moe)

@@ -22,6 +22,7 @@ import torch
 from megatron_tsync.model import moe
 
 from ._launch import torchrun
+from .stream_cases import rel_error
 
 WORKER = os.path.join(os.path.dirname(__file__), "_workers", "moe_tp_pp_worker.py")
 TOL = 1e-12
@@ -36,9 +37,6 @@ REFERENCE = {"pack": "plain", "replay": "replay", "pack-replay": "replay", "cont
              "shared-replay": "prompts-replay"}
 
 
-def _rel(a, b):
-    num = sum(float((a[k].double() - b[k].double()).pow(2).sum()) for k in b) ** 0.5
-    return num / sum(float(b[k].double().pow(2).sum()) for k in b) ** 0.5
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +50,7 @@ def single(megatron_single, tmp_path_factory):
     model = make_tiny_model(str(tmp_path_factory.mktemp("moe_tp_pp") / "moe"), family="qwen3_moe", seed=3)
     cases = ["plain", "replay", "prompts", "pack", "pack-replay"] + (["prompts-replay"] if SHARED_REPLAY else [])
     one = worker.run_layout(model, megatron_single, cases, modes=worker.MODES[:1])
-    r = _rel(one["grads"]["replay"]["sync"], one["grads"]["plain"]["sync"])
+    r = rel_error(one["grads"]["replay"]["sync"], one["grads"]["plain"]["sync"])
     print(f"one process: replayed routing vs the router's own, gradient {r:.2g} relative")
     assert r > 0.1 and one["agree"]["replay"][0] > 0 and one["agree"]["replay"][1] == 0
     return model, one
@@ -64,7 +62,7 @@ def test_one_process_packing_with_and_without_replay(single):
     without replay."""
     _, one = single
     for case in ("pack", "pack-replay"):
-        r = _rel(one["grads"][case]["sync"], one["grads"][REFERENCE[case]]["sync"])
+        r = rel_error(one["grads"][case]["sync"], one["grads"][REFERENCE[case]]["sync"])
         print(f"qwen3_moe one process {case}: vs unpacked {r:.2g}")
         assert r < TOL and one["packed"][case] > 0, (case, r)
 
@@ -88,7 +86,7 @@ def _check(layout, case, got, one):
     same, differ = got["agree"][case]
     for mode, g in got["grads"][case].items():
         assert set(g) == set(ref)
-        r, r_sync = _rel(g, ref), _rel(g, got["grads"][case]["sync"])
+        r, r_sync = rel_error(g, ref), rel_error(g, got["grads"][case]["sync"])
         print(f"qwen3_moe {layout} {case} {mode}: vs one process {r:.2g}, vs {layout} sync {r_sync:.2g}; routing "
               f"{same} (position, layer) as given, {differ} not")
         if case == "control":
