@@ -378,6 +378,7 @@ class Sandbox(CallRunner):
         return {
             "argv": list(argv), "source": source, "env": base_env, "ns": ns, "ro_root": caps["ro_root"], "ro_strict": True,
             "masks": caps["masks"], "hide_sockets": bool(caps["masks"]), "mounts": extra,
+            "rootfs": caps.get("rootfs"),
             "uid": uid, "gid": uid, "delay_s": max(0.0, float(delay_s)),
             "rlimits": {
                 "RLIMIT_AS": [cfg.memory_bytes, cfg.memory_bytes],
