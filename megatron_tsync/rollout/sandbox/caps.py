@@ -143,7 +143,7 @@ def _probe(root: str) -> dict[str, Any]:
     python = _sandbox_python()
     masks, mask_notes = mask_dirs(root, python)
     caps: dict[str, Any] = {"root": is_root, "python": python, "ns": {}, "ro_root": False, "uid_drop": False,
-                            "masks": [], "rootfs": None, "notes": list(mask_notes)}
+                            "masks": [], "rootfs": None, "python_host": python, "notes": list(mask_notes)}
     caps["tmpfs"], caps["tmpfs_note"] = sandbox_fs.can_mount_tmpfs(root)
     base = {"argv": ["/bin/true"], "env": {}, "rlimits": {}, "uid": None, "gid": None}
     tried = ["user"] if not is_root else []
