@@ -106,6 +106,12 @@ def decoys():
         shutil.rmtree(d, ignore_errors=True)
 
 
+def require_allow_list(sb: Sandbox) -> None:
+    """Skip where the machine cannot build the allow-list root (no mount namespace), as ``enforcement()`` says."""
+    require(sb, "filesystem")
+    require(sb, "host_files")
+
+
 def walk(sb: Sandbox, search: list[str], decoy_names: list[str], budget_s: float) -> dict:
     """The walk from a workspace tool call (with the mounts the workspace tools pass)."""
     with sb.workspace(files={"repo/a.py": "x = 1\n"}) as ws:
@@ -116,20 +122,25 @@ def walk(sb: Sandbox, search: list[str], decoy_names: list[str], budget_s: float
 
 
 def test_no_checkout_git_or_decoy_is_visible_from_a_tool_call(sb, decoys):
-    require(sb, "filesystem")
+    require_allow_list(sb)
     name, made = decoys
     out = walk(sb, [], [name], budget_s=200)
     found = out["found"]
     assert found["decoy"] == [] and found["git"] == [] and found["named"] == [], found
     assert out["complete"] and out["files"] > 1000, out  # the walk saw the whole (allowed) tree: /usr at least
-    for d in made:
-        assert d.is_dir()  # the decoys were there, on the host, all along
+    # control: the read-only host root (the old deny-list, still the fallback) shows the decoy beside the package
+    open_sb = Sandbox(sb.config)
+    open_sb._caps = {**open_sb._caps, "rootfs": None}
+    assert not open_sb.enforcement()["host_files"]["enforced"]
+    r = open_sb.run(["/bin/sh", "-c", 'for d in "$@"; do test -e "$d/.git/HEAD" && echo "$d"; done', "sh",
+                     *map(str, made)], mounts=hidden_mounts(open_sb))
+    assert str(REPO / name) in r.stdout.split(), r
 
 
 @pytest.mark.slow
 def test_no_file_anywhere_holds_the_generators_source(sb, decoys):
     """Every readable text/.py/.pyc file of the call's view (~2 GB here) searched for the generator's docstring."""
-    require(sb, "filesystem")
+    require_allow_list(sb)
     name, _ = decoys
     out = walk(sb, needles(), [name], budget_s=250)
     assert out["complete"], out
@@ -152,7 +163,7 @@ print(json.dumps(out))
 def test_the_interpreter_and_its_site_packages_work_but_not_the_project(sb):
     """pytest (the verifier), reasoning_gym (scoring moved into the sandbox) import with ``python -I``; the project,
     installed editable here, does not: its .pth / finder / dist-info are hidden and the checkout is not there."""
-    require(sb, "filesystem")
+    require_allow_list(sb)
     wanted = [m for m in ("pytest", "reasoning_gym") if importlib.util.find_spec(m) is not None]
     r = sb.run([sb.python, "-I", "-c", CHECK_IMPORTS, *wanted, "megatron_tsync"])
     assert r.ok and r.stderr == "", r  # a hidden .pth adds nothing and prints no error either
@@ -170,7 +181,7 @@ def test_a_copy_installed_inside_site_packages_is_hidden(sb, tmp_path):
     entries of the same dir stay readable."""
     from megatron_tsync.rollout.sandbox import rootfs
 
-    require(sb, "filesystem")
+    require_allow_list(sb)
     site, checkout = tmp_path / "site-packages", tmp_path / "checkout"
     (site / "megatron_tsync" / "rollout" / "envs").mkdir(parents=True)
     shutil.copy(templates.__file__, site / "megatron_tsync" / "rollout" / "envs" / "swe_lite_templates.py")
