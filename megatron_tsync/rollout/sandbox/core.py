@@ -62,8 +62,10 @@ How a call is isolated (each mechanism is probed once per process; :meth:`Sandbo
 - files: a call sees the allow-list root above (:mod:`.rootfs`), so the generators' source, other checkouts and
   their ``.git`` do not exist for it; ``Sandbox.python`` is this process's own interpreter (a venv: its
   site-packages, so ``python -I -c "import pytest, reasoning_gym"`` works inside, ``import megatron_tsync`` not).
-  Per call this costs a few dozen bind mounts: /bin/true median 31.6 vs 30.1 ms with the read-only host root
-  (interleaved, same process, fork server, 2 cores at load ~8; ``tools/bench_tool_calls.py`` for the calculator).
+  Per call this costs ~35 bind mounts and a pivot_root: ``/bin/true`` on the fork server, CPU of the whole tree per
+  call (median of 150, alternating call by call in one process, 2 cores shared at load 20-30): 11.6 ms with the
+  read-only host root (before), 12.5 ms with the allow-list root and the same system python, 13.2 ms with the
+  allow-list root and the venv's python (now the default); wall medians 89 / 93 / 92 ms, within that load's noise.
 - disk: as root each area is its own tmpfs: ``disk_bytes`` and ``max_files`` (inodes, directories included) give
   ENOSPC inside the call, nothing reaches the host disk; RLIMIT_FSIZE caps one file. Writes outside the area fail with
   EROFS (read-only mounts) and EACCES (unprivileged uid).

@@ -166,7 +166,7 @@ def test_the_interpreter_and_its_site_packages_work_but_not_the_project(sb):
     require_allow_list(sb)
     wanted = [m for m in ("pytest", "reasoning_gym") if importlib.util.find_spec(m) is not None]
     r = sb.run([sb.python, "-I", "-c", CHECK_IMPORTS, *wanted, "megatron_tsync"])
-    assert r.ok and r.stderr == "", r  # a hidden .pth adds nothing and prints no error either
+    assert r.ok and "Error processing" not in r.stderr and ".pth" not in r.stderr, r  # a hidden .pth: no error
     got = json.loads(r.stdout)
     assert all(got[m] == "ok" for m in wanted), got
     assert got["megatron_tsync"].startswith("ModuleNotFoundError"), got
