@@ -313,7 +313,9 @@ class Sandbox(CallRunner):
         self._cgroups, self._cgroup_note = sandbox_cgroup.detect(disabled=not self.config.use_cgroups)
         self._max_workers = max_workers
         self.python: str = self._caps["python"] or sys.executable
-        """Interpreter to use for Python code inside the sandbox (executable by the sandbox uid)."""
+        """Interpreter to use for Python code inside the sandbox (executable by the sandbox uid): this process's own
+        (a venv's path, so ``python -I`` imports its site-packages; ``-S`` and ``run_source`` see the stdlib only)
+        where the allow-list root holds, else a system one."""
         if self.config.launcher not in LAUNCHERS:
             raise ValueError(f"SandboxConfig.launcher must be one of {LAUNCHERS}, got {self.config.launcher!r}")
         self._server: ForkServer | None = None
