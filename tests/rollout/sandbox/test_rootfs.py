@@ -109,7 +109,9 @@ def decoys():
 def require_allow_list(sb: Sandbox) -> None:
     """Skip where the machine cannot build the allow-list root (no mount namespace), as ``enforcement()`` says."""
     require(sb, "filesystem")
-    require(sb, "host_files")
+    e = sb.enforcement().get("host_files")  # (absent before the allow-list: nothing to skip, the checks must fail)
+    if e is not None and not e["enforced"]:
+        pytest.skip(f"host files not hidden on this machine: {e['how']}")
 
 
 def walk(sb: Sandbox, search: list[str], decoy_names: list[str], budget_s: float) -> dict:
@@ -160,15 +162,18 @@ print(json.dumps(out))
 '''
 
 
-def test_the_interpreter_and_its_site_packages_work_but_not_the_project(sb):
-    """pytest (the verifier), reasoning_gym (scoring moved into the sandbox) import with ``python -I``; the project,
-    installed editable here, does not: its .pth / finder / dist-info are hidden and the checkout is not there."""
+@pytest.mark.parametrize("module", ["pytest", pytest.param("reasoning_gym", marks=pytest.mark.slow)])
+def test_the_interpreter_and_its_site_packages_work_but_not_the_project(sb, module):
+    """pytest (the verifier's), reasoning_gym (its scoring moves into the sandbox; ~10 s to import here, so slow)
+    import with ``python -I``; the project, installed editable here, does not: its .pth / finder / dist-info are
+    hidden and the checkout is not there."""
     require_allow_list(sb)
-    wanted = [m for m in ("pytest", "reasoning_gym") if importlib.util.find_spec(m) is not None]
-    r = sb.run([sb.python, "-I", "-c", CHECK_IMPORTS, *wanted, "megatron_tsync"])
+    if importlib.util.find_spec(module) is None:
+        pytest.skip(f"{module} is not installed in this interpreter")
+    r = sb.run([sb.python, "-I", "-c", CHECK_IMPORTS, module, "megatron_tsync"])
     assert r.ok and "Error processing" not in r.stderr and ".pth" not in r.stderr, r  # a hidden .pth: no error
     got = json.loads(r.stdout)
-    assert all(got[m] == "ok" for m in wanted), got
+    assert got[module] == "ok", got
     assert got["megatron_tsync"].startswith("ModuleNotFoundError"), got
     r = sb.run(["/bin/sh", "-c", 'test -e "$0" && echo VISIBLE; test -e "$1" && echo VISIBLE; echo done',
                 os.path.dirname(templates.__file__), str(REPO)])
