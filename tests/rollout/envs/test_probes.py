@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from megatron_tsync.rollout.envs.probe_values import Budget, canon, decode, encode
 from megatron_tsync.rollout.envs.probes import (NOPIN, PROBE, PROBE_RUNTIME, Expect, expectations_from_reference,
                                                 judge, parse_records, rewrite_asserts)
 
@@ -41,9 +42,9 @@ def test_rewrite_strips_literal_operands_and_probes_the_rest():
     assert sites == {"t.py#0": ("==", 50), "t.py#1": ("==", 70), "t.py#2": (">", 3), "t.py#3": (None, None),
                      "t.py#4": ("exposed", None), "t.py#5": ("exposed", None), "t.py#6": (None, None)}
     recs = run_child(child, f=lambda x: x * 10, g=lambda x: x + 1)
-    assert [(s, v) for _, s, _, v in recs] == [("t.py#0", "10"), ("t.py#1", "20"), ("t.py#2", "30"),
-                                               ("t.py#3", "40"), ("t.py#4", "50"), ("t.py#5", "6"),
-                                               ("t.py#6", "60")]
+    assert [(s, decode(v, Budget(9))) for _, s, _, v in recs] == [("t.py#0", 10), ("t.py#1", 20), ("t.py#2", 30),
+                                                                  ("t.py#3", 40), ("t.py#4", 50), ("t.py#5", 6),
+                                                                  ("t.py#6", 60)]
     with pytest.raises(ValueError, match="not valid Python"):
         rewrite_asserts("def f(:\n", "bad.py")
 
@@ -60,17 +61,19 @@ def test_only_plain_data_leaves_the_child():
     values = [Any("x"), Obj(), [1, (2, {"k": {3}})], True, 2.5, b"by", {1: Obj()}, "x" * (2 << 20)]
     recs = run_child(child, VALUES=values)
     assert [k for _, _, k, _ in recs] == ["u", "u", "v", "v", "v", "v", "u", "u"]
-    assert recs[0][3] == "Any (TypeError)" and recs[2][3] == "[1, (2, {'k': {3}})]"
+    assert recs[0][3] == "Any (TypeError)" and recs[2][3] == '["l","i1",["t","i2",["d","sk",["s","i3"]]]]'
+    assert decode(recs[2][3], Budget(9)) == canon([1, (2, {"k": {3}})])
 
 
 def test_parse_records_takes_only_data():
-    good = json.dumps([["t::a", "s", "v", "[1, 'x']"], ["t::a", "s2", "v", "__import__('os')"],
+    good = json.dumps([["t::a", "s", "v", encode([1, "x"])], ["t::a", "s2", "v", "__import__('os')"],
                        ["t::b", "s", "u", "Obj"]])
-    recs = parse_records(good)
+    recs = parse_records(good, {"t::a": (Expect("s"), Expect("s2")), "t::b": (Expect("s"),)})
     assert recs == {"t::a": [("s", "v", [1, "x"]), ("s2", "u", "unparsable value")], "t::b": [("s", "u", "Obj")]}
-    for bad in ("not json", "{}", '[["a", "b", "c"]]', '[["a", "b", "c", 4]]', "[" * 100000):
+    for bad in ("not json", "{}", '[["a", "b", "c"]]', '[["a", "b", "c", 4]]', "[" * 100000, "[[1e999]]",
+                '[["a", "b", "c", "d"]] x'):
         with pytest.raises(ValueError):
-            parse_records(bad)
+            parse_records(bad, {})
 
 
 def test_judge_wants_exactly_the_expected_probes():
