@@ -59,6 +59,9 @@ MAX_FILES = 5000
 MAX_COPY_BYTES = 64 << 20
 BUNDLE_MOUNT = "/run/tsync_pytest_bundle"
 """Where the pytest bundle is bind-mounted (read-only) inside the verifier's sandbox (/run is masked there)."""
+DEFAULT_CONFIG = SandboxConfig(wall_timeout_s=60.0, cpu_seconds=60, memory_bytes=2 << 30, max_output_bytes=4 << 20,
+                               max_processes=64)
+"""The verifier's sandbox by default: the solution's own time limit (60 s of CPU, 60 s wall) per verification."""
 _BUNDLE_PACKAGES = ("pytest", "_pytest", "pluggy", "iniconfig", "packaging", "pygments", "py")
 _OPTIONAL_PACKAGES = ("py", "pygments")
 
@@ -216,8 +219,7 @@ class HiddenTestVerifier:
     """Runs a :class:`TestSpec` on a final workspace (see the module docstring)."""
 
     def __init__(self, sandbox: Sandbox | None = None, config: SandboxConfig | None = None):
-        self.sandbox = sandbox or Sandbox(config or SandboxConfig(
-            wall_timeout_s=60.0, cpu_seconds=60, memory_bytes=2 << 30, max_output_bytes=4 << 20, max_processes=64))
+        self.sandbox = sandbox or Sandbox(config or DEFAULT_CONFIG)
 
     def verify(self, workspace_dir: str, spec: TestSpec) -> Verdict:
         """Verdict of `spec` on the final workspace `workspace_dir` (read, never written). Never raises for anything

