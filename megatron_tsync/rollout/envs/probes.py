@@ -4,15 +4,18 @@ A hidden check ``assert EXPR == EXPECTED`` is never run as such where the soluti
 
     untrusted child (imports the solution)            trusted verifier (the rollout worker; never imports it)
     ──────────────────────────────────────            ─────────────────────────────────────────────────────────
-    __tsync_probe__("site", EXPR)  ── value ──►        plain data only (``ast.literal_eval`` of a size-capped
-      (expected values stripped:                       repr); compared with the expected value it alone holds
-       the child never sees them)                      (a literal of the test, a generator's value, or the
+    __tsync_probe__("site", EXPR)  ── value ──►        plain data only (a tagged JSON encoding, size-capped,
+      (expected values stripped:                       decoded in linear time: ``probe_values``); compared with
+       the child never sees them)                      the expected value it alone holds
+                                                       (a literal of the test, a generator's value, or the
                                                        task's reference solution's value on the same check)
 
 Whatever the solution does inside the child (patch pytest, the probe, ``builtins``, ``json``; print; write files;
 exit early) it can only change *which values are claimed*: to claim the right ones it must know them, i.e. compute
-them — solve the task. Objects with a forged ``__eq__`` never reach a comparison: only a repr of plain data leaves
-the child, and the trusted side parses it back into built-in types.
+them — solve the task. Objects with a forged ``__eq__`` never reach a comparison: only an encoding of plain data
+leaves the child, and the trusted side decodes it into built-in types. Nor can a report buy the worker's CPU: only
+the values of the probes the trusted side expects are decoded (:func:`parse_records`), the records are counted
+against caps, and decoding never hashes a value the child chose (``probe_values``).
 
 :func:`rewrite_asserts` turns the ``assert`` statements of a pytest file into probes (AST rewrite): for
 ``assert L op R`` with one literal operand the literal is stripped from the child's source and kept as the site's
