@@ -176,8 +176,9 @@ class HarnessRunner:
                 raise TypeError(f"--harness-fn {ro.harness_fn}: not an async function")
         self.timeout_s = float(ro.harness_timeout_s)
         self.failures: dict[str, int] = dict.fromkeys(HARNESS_REASONS, 0)
+        # command episodes run, processes they left running when they ended, processes killed (cumulative)
         self.reaped = {"episodes": 0, "left": 0, "killed": 0}
-        """Command episodes run, processes they left running when they ended, processes killed (cumulative)."""
+        self._warned_subreaper = False
 
     def close(self) -> None:
         self.server.close()
@@ -344,7 +345,7 @@ class HarnessRunner:
             log.warning("harness episode %s: no report from the process reaper (killed?): processes the harness "
                         "started may be left running", eid)
             return {}
-        if not report.get("subreaper") and not getattr(self, "_warned_subreaper", False):
+        if not report.get("subreaper") and not self._warned_subreaper:
             self._warned_subreaper = True
             log.warning("harness: prctl(PR_SET_CHILD_SUBREAPER) unavailable: only processes still linked to the "
                         "harness command are killed at the end of an episode (a double-forked one escapes)")

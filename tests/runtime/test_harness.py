@@ -218,7 +218,7 @@ def test_no_process_a_command_harness_started_outlives_its_episode(case):
     runner = HarnessRunner.__new__(HarnessRunner)  # only the harness-calling part: no worker, no endpoint
     runner.timeout_s, runner.server = 1.5, types.SimpleNamespace(url="http://127.0.0.1:1/v1", model_name="m")
     runner.w = types.SimpleNamespace(spec=types.SimpleNamespace(rollout=types.SimpleNamespace(harness_cmd=cmd)))
-    runner.reaped = {"episodes": 0, "left": 0, "killed": 0}
+    runner.reaped, runner._warned_subreaper = {"episodes": 0, "left": 0, "killed": 0}, False
     try:
         try:
             got = asyncio.run(asyncio.wait_for(runner._run_cmd("s0g0t0", {"prompt": "p"}), 15))
