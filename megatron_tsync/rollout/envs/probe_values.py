@@ -115,6 +115,10 @@ def _key_parts(v: Any, out: list[str]) -> None:
         out.append(f"t{len(v)}:")
         for x in v:
             _key_parts(x, out)
+    elif t is frozenset:  # (a set looked up in a set is looked up as one)
+        texts = sorted(key(x) for x in v)
+        out.append(f"S{len(texts)}:")
+        out.extend(texts)
     else:
         raise TypeError(f"unhashable type: '{t.__name__}'")
 

@@ -75,7 +75,9 @@ _EVAL = {"==": operator.eq, "!=": operator.ne, "<": operator.lt, "<=": operator.
 
 def _contains(container: Any, x: Any) -> bool:
     """``x in container`` where a set / dict is in :func:`probe_values.canon` form (it holds key texts)."""
-    if type(container) in (set, frozenset, dict):
+    if type(container) in (set, frozenset):
+        return key(frozenset(x) if type(x) is set else x) in container  # as Python's set does with a set
+    if type(container) is dict:
         return key(x) in container
     return x in container
 

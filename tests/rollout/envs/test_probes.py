@@ -247,6 +247,7 @@ def test_values_compare_as_python_values():
     assert not Expect("s", pinned={"a": [1, {2}]}).holds(dec({"a": [1, {3}]}))
     assert Expect("s", op="in", literal={3, 4}).holds(dec(3)) and not Expect("s", op="in", literal={3}).holds(dec([3]))
     assert Expect("s", op="<", literal={1, 2}).holds(dec({1})) and Expect("s", op="in", literal=[{1}]).holds(dec({1}))
+    assert Expect("s", op="not in", literal={1, 2}).holds(dec({2})) and not Expect("s", op="not in", literal={1: 2}).holds(dec({1}))
     assert Expect("s", op="in", literal={"k": 1}).holds(dec("k")) and Expect("s", op="is", literal=None).holds(dec(None))
     assert Expect("s", op="approx", literal=([0.3, 1.0], None, None)).holds(dec([0.1 + 0.2, 1]))
     assert Expect("s", pinned=(1, [2.5, "x"])).holds(dec((1, [2.5, "x"]))) and dec(-0.0) == 0 and dec(b"\x00") == b"\x00"
