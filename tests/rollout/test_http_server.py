@@ -95,7 +95,8 @@ def _exchange(server, *data: bytes, timeout: float = 60.0) -> tuple[int, dict, d
 def test_burst_of_500_clients_all_answered(parts):
     """500 clients connect at once, then all send a completion: each gets 200 or a 503 with Retry-After (over the
     connection cap, or over the in-flight cap), none is reset or left without an answer."""
-    limits = HttpLimits(max_connections=300, max_inflight=48, max_body_bytes=1 << 20)
+    limits = HttpLimits(max_connections=300, max_inflight=48, max_body_bytes=1 << 20,
+                        max_connections_per_peer=300)  # one client address here; the per-peer cap: below
 
     async def burst(address):
         conns = await asyncio.gather(*[asyncio.open_connection(*address) for _ in range(500)])
