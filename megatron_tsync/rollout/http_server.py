@@ -28,7 +28,7 @@ an unauthenticated client cannot hold a slot with a slow body.
 Every error answer is an OpenAI-style JSON body (``{"error": {"message", "type", "param", "code"}}``). A connection
 that is closed with request bytes still unread is drained first (a "lingering close", at most 2 s), so the client
 reads the answer instead of a TCP reset; a closing connection no longer holds a slot, and at most
-``max_connections`` linger at once (beyond that they are closed at once). The application sees the client's address
+``max_connections + 1024`` linger at once (beyond that they are closed at once). The application sees the client's address
 as the ``:peer`` header (a name no HTTP/1.1 client can send).
 """
 
@@ -57,6 +57,8 @@ _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permi
 PEER_HEADER = ":peer"
 """The header under which the application gets the client's address key (see :func:`peer_key`)."""
 _LINGER_S = 2.0
+_EXTRA_CLOSING = 1024
+"""Connections that may be closing (answered, lingering) at once beyond ``max_connections``."""
 
 App = Callable[[str, str, dict, bytes], tuple]
 """``app(method, path, headers, body) -> (status, json_body, extra_headers)``; runs on a worker thread."""
@@ -149,9 +151,10 @@ class HttpServer:
     def __init__(self, app: App, host: str = "127.0.0.1", port: int = 0, limits: HttpLimits | None = None,
                  check_head: CheckHead | None = None):
         self.app, self.check_head, self.limits = app, check_head, limits or HttpLimits()
-        fd_room = _raise_nofile(2 * self.limits.max_connections + 256)  # slots + as many closing connections
+        fd_room = _raise_nofile(2 * self.limits.max_connections + _EXTRA_CLOSING + 256)  # slots + closing ones
         if fd_room != resource.RLIM_INFINITY and (fd_room - 128) // 2 < self.limits.max_connections:
             self.limits = dataclasses.replace(self.limits, max_connections=max(1, (fd_room - 128) // 2))
+        self.max_closing = self.limits.max_connections + _EXTRA_CLOSING
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.sock = socket.socket(family, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -249,9 +252,9 @@ class HttpServer:
             del self.peers[peer]
 
     async def _unslotted(self, writer: asyncio.StreamWriter, answer) -> None:
-        """Run ``answer`` (a refusal and its lingering close) outside the slots; at most ``max_connections`` at once,
+        """Run ``answer`` (a refusal and its lingering close) outside the slots; at most ``max_closing`` at once,
         beyond that the connection is closed at once."""
-        if self.closing >= self.limits.max_connections:
+        if self.closing >= self.max_closing:
             answer.close()
             writer.transport.abort()
             return
