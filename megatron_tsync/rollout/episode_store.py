@@ -2,10 +2,11 @@
 time, so that clients who open episodes and never finish them cannot grow the server without bound (an episode
 holds its tokens, log-probs and conversation: ~0.7 MB at a 4,096-token context).
 
-- ``max_episodes``: at the cap, opening one more evicts an idle episode (none with a request in flight): the least
-  recently used one of the client address (``:peer``) holding the most open episodes, so one client flooding the
-  server with episodes evicts its own, not the others'. If every episode has a request in flight, the new one is
-  refused (503 ``too_many_episodes``).
+- ``max_episodes``: once a new episode's first completion is recorded beyond the cap, an idle episode (none with a
+  request in flight) is evicted: the least recently used one of the client address (``:peer``) holding the most open
+  episodes, so one client flooding the server with episodes evicts its own, never the others'. A refused request
+  evicts nothing; episodes with a request in flight are never evicted (if all of that client's are in flight, none
+  is), so the count can exceed the cap by at most the requests in flight (the transport's ``max_inflight``).
 - ``idle_s``: an episode without a request for this long is dropped (checked on every request, so an idle server
   frees them at its next request).
 
@@ -79,13 +80,11 @@ class EpisodeStore:
 
     # ------------------------------------------------------------------ changes
     def open(self, episode_id: str, make: Callable[[], Any], peer: str, continues: bool):
-        """A new episode ``make()`` under ``episode_id`` (not open), evicting one at the cap. ``continues``: the
-        request carries earlier assistant turns, so an evicted or expired ``episode_id`` is refused (410)."""
+        """A new episode ``make()`` under ``episode_id`` (not open). ``continues``: the request carries earlier
+        assistant turns, so an evicted or expired ``episode_id`` is refused (410)."""
         if continues:
             self.check_gone(episode_id)
         self._gone.pop(episode_id, None)
-        if self.max_episodes is not None and len(self.episodes) >= self.max_episodes:
-            self._evict()
         ep = make()
         ep.peer, ep.t_used, ep.approx_bytes = peer, self.clock(), 0
         self.episodes[episode_id] = ep
@@ -94,13 +93,16 @@ class EpisodeStore:
         return ep
 
     def touch(self, ep, nbytes: int | None = None) -> None:
-        """``ep`` was just used (now the most recently used); ``nbytes``: its approximate memory now."""
+        """``ep`` was just used (now the most recently used); ``nbytes``: its approximate memory now, after a
+        completion was recorded (then episodes beyond the cap are evicted)."""
         ep.t_used = self.clock()
         if self.episodes.get(ep.id) is ep:
             self.episodes.move_to_end(ep.id)
             if nbytes is not None:
                 self.bytes += nbytes - ep.approx_bytes
                 ep.approx_bytes = nbytes
+                while self.max_episodes is not None and len(self.episodes) > self.max_episodes and self._evict():
+                    pass
 
     def drop(self, episode_id: str, why: str | None = None, message: str = ""):
         """Remove ``episode_id`` (None if not open). ``why``: ``finished``/``deleted``/``evicted``/``expired``
@@ -137,19 +139,18 @@ class EpisodeStore:
                                       f"server's episode idle timeout); its tokens are gone: start a new episode")
         return len(stale)
 
-    def _evict(self) -> None:
-        """Make room for one episode: the least recently used idle episode of the peer with the most episodes, else
-        the least recently used idle one; 503 if every episode has a request in flight."""
-        top = max(self.per_peer, key=self.per_peer.get)
-        victim = next((eid for eid, ep in self.episodes.items() if ep.peer == top and not ep.lock.locked()), None)
+    def _evict(self) -> bool:
+        """Evict one episode: the least recently used idle episode of the peers with the most episodes; False if each
+        of theirs has a request in flight."""
+        top = max(self.per_peer.values())
+        peers = {peer for peer, n in self.per_peer.items() if n == top}
+        victim = next((eid for eid, ep in self.episodes.items() if ep.peer in peers and not ep.lock.locked()), None)
         if victim is None:
-            victim = next((eid for eid, ep in self.episodes.items() if not ep.lock.locked()), None)
-        if victim is None:
-            raise ApiError(503, f"the server holds {len(self.episodes)} open episodes (max_episodes), each with a "
-                                f"request in flight; retry", None, "too_many_episodes")
+            return False
         self.drop(victim, "evicted", f"episode {victim!r} was evicted: the server holds at most {self.max_episodes} "
                                      f"open episodes (max_episodes) and evicts the least recently used one of the "
                                      f"client holding the most; its tokens are gone: start a new episode")
+        return True
 
     # ------------------------------------------------------------------ metrics
     def stats(self) -> dict:

@@ -313,6 +313,8 @@ class HttpServer:
     async def _drain(self, writer: asyncio.StreamWriter) -> None:
         """Wait until the answer is written; one the client does not take within ``write_timeout_s`` aborts the
         connection (a client that pipelines requests and never reads frees its slot)."""
+        if not writer.transport.get_write_buffer_size():  # all handed to the kernel: nothing to wait for
+            return
         try:
             await asyncio.wait_for(writer.drain(), self.limits.write_timeout_s)
         except TimeoutError:

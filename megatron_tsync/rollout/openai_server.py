@@ -783,9 +783,7 @@ def _server_limits(a) -> dict:
                 max_episodes=a.max_episodes or None, episode_idle_s=a.episode_idle_timeout or None)
 
 
-def main(argv=None) -> int:
-    """``serve``: a Hugging Face folder on the embedded engine (CPU); ``trace-to-profile``: a JSONL latency trace to a
-    ``--latency-profile`` JSON file."""
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m megatron_tsync.rollout.openai_server", description=main.__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("serve", help="serve --model on the embedded engine until SIGINT/SIGTERM")
@@ -816,7 +814,13 @@ def main(argv=None) -> int:
     t.add_argument("trace", nargs="+", help="JSONL trace files (this server's --trace, rollout workers' traces)")
     t.add_argument("--out", required=True, help="the profile JSON to write")
     t.add_argument("--no-verify", action="store_true", help="leave the verification seconds out of the replay")
-    a = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    """``serve``: a Hugging Face folder on the embedded engine (CPU); ``trace-to-profile``: a JSONL latency trace to a
+    ``--latency-profile`` JSON file."""
+    a = _parser().parse_args(argv)
     if a.cmd == "serve":
         a.api_key = a.api_key or None
         if a.api_key is None and not is_loopback(a.host):

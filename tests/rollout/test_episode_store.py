@@ -24,8 +24,10 @@ def _make(eid):
 
 
 def _open(store, eid, peer, nbytes=100):
+    """Open ``eid`` and record its first completion (as the server does: with its request in flight)."""
     ep = store.open(eid, _make(eid), peer, continues=False)
-    store.touch(ep, nbytes)
+    with ep.lock:
+        store.touch(ep, nbytes)
     return ep
 
 
@@ -51,12 +53,29 @@ def test_in_flight_episodes_are_never_evicted():
     store = EpisodeStore(max_episodes=2, idle_s=None, clock=_Clock())
     for eid in ("x", "y"):
         _open(store, eid, "p").lock.acquire()  # both have a request in flight
-    with pytest.raises(ApiError) as e:
-        store.open("z", _make("z"), "q", continues=False)
-    assert e.value.status == 503 and e.value.code == "too_many_episodes" and list(store.episodes) == ["x", "y"]
+    _open(store, "z", "q")  # over the cap by the requests in flight: nothing evictable
+    assert list(store.episodes) == ["x", "y", "z"] and store.counts["episodes_evicted"] == 0
     store.get("y").lock.release()
-    _open(store, "z", "q")
-    assert list(store.episodes) == ["x", "z"]  # the idle one went, though "x" is older
+    _open(store, "w", "q")
+    assert list(store.episodes) == ["x", "w"]  # y (idle; p and q tie) and then z (q's) went, though x is older
+    assert store.counts["episodes_evicted"] == 2
+
+
+def test_another_peers_episode_is_not_evicted_when_the_flooders_are_all_in_flight():
+    store = EpisodeStore(max_episodes=2, idle_s=None, clock=_Clock())
+    _open(store, "mine", "valid")
+    for k in range(3):
+        _open(store, f"f{k}", "flooder").lock.acquire()
+    assert list(store.episodes) == ["mine", "f0", "f1", "f2"]  # over the cap by the flooder's requests in flight
+
+
+def test_a_refused_first_request_evicts_nothing():
+    store = EpisodeStore(max_episodes=1, idle_s=None, clock=_Clock())
+    _open(store, "kept", "p")
+    ep = store.open("refused", _make("refused"), "q", continues=False)
+    assert len(store.episodes) == 2  # opened, not yet recorded: nobody evicted
+    store.drop(ep.id)  # the server drops a new episode whose first request was refused
+    assert list(store.episodes) == ["kept"] and store.counts["episodes_evicted"] == 0
 
 
 def test_idle_episodes_expire():
