@@ -28,8 +28,8 @@ an unauthenticated client cannot hold a slot with a slow body.
 Every error answer is an OpenAI-style JSON body (``{"error": {"message", "type", "param", "code"}}``). A connection
 that is closed with request bytes still unread is drained first (a "lingering close", at most 2 s), so the client
 reads the answer instead of a TCP reset; a closing connection no longer holds a slot, and at most
-``max_connections + 1024`` linger at once (beyond that they are closed at once). The application sees the client's address
-as the ``:peer`` header (a name no HTTP/1.1 client can send).
+``max_connections + 1024`` linger at once (beyond that they are closed at once). The application sees the client's
+address key (:func:`peer_key`) as the ``:peer`` header (a name no HTTP/1.1 client can send).
 """
 
 from __future__ import annotations

@@ -59,7 +59,6 @@ or expired episode gets 410.
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import dataclasses
 import hashlib
 import hmac
@@ -76,6 +75,7 @@ import zlib
 from typing import Any
 
 from megatron_tsync.rollout.agent_loop import ToolCallRecord, Trajectory
+from megatron_tsync.rollout.chat_batcher import EngineBatcher
 from megatron_tsync.rollout.engine import RolloutEngine, SamplingConfig, derive_seed
 from megatron_tsync.rollout.episode_store import EPISODE_IDLE_S, MAX_EPISODES, EpisodeStore, approx_bytes
 from megatron_tsync.rollout.http_server import PEER_HEADER, HttpLimits, HttpServer
@@ -239,7 +239,7 @@ class ChatServer:
         self.episodes: dict[str, Episode] = self.store.episodes  # least recently used first
         self._lock = self.store.lock
         self._count = 0
-        self._batcher = _EngineBatcher(engine, batch_wait_s)
+        self._batcher = EngineBatcher(engine, batch_wait_s)
         try:
             self.http = HttpServer(self.respond, host, port, limits, check_head=self._check_head)
         except BaseException:
@@ -635,73 +635,6 @@ class ChatServer:
             "tsync": {"episode_id": ep.id, "turn": turn, "policy_version": comp.policy_version,
                       "completion_token_ids": list(comp.token_ids), "context_tokens": len(ep.token_ids)},
         }
-
-
-# ------------------------------------------------------------------------------------------------ batching
-
-
-class _EngineBatcher:
-    """One engine thread serving every request; waiting requests with equal sampling go into one ``generate``."""
-
-    def __init__(self, engine: RolloutEngine, wait_s: float):
-        self.engine, self.wait_s = engine, float(wait_s)
-        self.pending: list[tuple[list[int], SamplingConfig, int | None, concurrent.futures.Future]] = []
-        self.cond = threading.Condition()
-        self.closed = False
-        self.batches: list[int] = []  # batch sizes, for tests and metrics
-        self.thread = threading.Thread(target=self._loop, name="chat-engine", daemon=True)
-        self.thread.start()
-
-    def generate(self, prompt: list[int], sampling: SamplingConfig, seed: int | None):
-        fut: concurrent.futures.Future = concurrent.futures.Future()
-        with self.cond:
-            if self.closed:
-                raise RuntimeError("the server is closed")
-            self.pending.append((prompt, sampling, seed, fut))
-            self.cond.notify()
-        return fut.result()
-
-    def close(self) -> None:
-        with self.cond:
-            self.closed = True
-            self.cond.notify()
-        self.thread.join()
-
-    def _loop(self) -> None:
-        while True:
-            with self.cond:
-                while not self.pending and not self.closed:
-                    self.cond.wait()
-                if self.closed and not self.pending:
-                    return
-            time.sleep(self.wait_s)  # let concurrent requests join this batch
-            with self.cond:
-                jobs, self.pending = self.pending, []
-            groups: dict[tuple, list] = {}
-            for job in jobs:  # same sampling except the cap; seeded and unseeded requests apart
-                key = (dataclasses.replace(job[1], max_new_tokens=1), job[2] is None)
-                groups.setdefault(key, []).append(job)
-            for (cfg, unseeded), group in groups.items():
-                self._run(cfg, unseeded, group)
-
-    def _run(self, cfg: SamplingConfig, unseeded: bool, group: list) -> None:
-        from megatron_tsync.rollout.agent_loop import _truncate
-
-        cap = max(job[1].max_new_tokens for job in group)
-        self.batches.append(len(group))
-        try:
-            outs = self.engine.generate([job[0] for job in group], dataclasses.replace(cfg, max_new_tokens=cap), 1,
-                                        seeds=None if unseeded else [job[2] for job in group])
-        except Exception as e:
-            if len(group) > 1 and isinstance(e, ValueError):  # one bad request: find it, serve the others
-                for job in group:
-                    self._run(cfg, unseeded, [job])
-                return
-            for job in group:
-                job[3].set_exception(e)
-            return
-        for job, out in zip(group, outs):
-            job[3].set_result(_truncate(out[0], job[1].max_new_tokens))
 
 
 # ------------------------------------------------------------------------------------------------ HTTP
