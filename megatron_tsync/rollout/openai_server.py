@@ -711,7 +711,8 @@ def _serve_main(a) -> int:
 def _server_limits(a) -> dict:
     """The ``serve`` flags' limits as :class:`ChatServer` keyword arguments (0 turns a cap off)."""
     return dict(limits=chat_limits(a.max_context_tokens, max_connections=a.max_connections,
-                                   max_connections_per_peer=a.max_connections_per_peer or None,
+                                   max_connections_per_peer=(a.max_connections if a.max_connections_per_peer == 0
+                                                             else a.max_connections_per_peer),
                                    write_timeout_s=a.write_timeout),
                 max_episodes=a.max_episodes or None, episode_idle_s=a.episode_idle_timeout or None)
 
@@ -728,7 +729,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="open connections served at once; more are answered 503 + Retry-After")
     s.add_argument("--max-connections-per-peer", type=int, default=None,
                    help="open connections one client address (an IPv6 client: its /64) may hold; more are answered "
-                        "429 + Retry-After at once (default: half of --max-connections)")
+                        "429 + Retry-After at once (default: half of --max-connections; 0: no per-address cap)")
     s.add_argument("--write-timeout", type=float, default=HttpLimits.write_timeout_s,
                    help="seconds to write an answer; a client that does not read it in time is disconnected")
     s.add_argument("--max-episodes", type=int, default=MAX_EPISODES,

@@ -683,5 +683,5 @@ def test_serve_limit_flags_reach_the_server():
            "--episode-idle-timeout", "9")
     assert d["limits"].peer_cap == 3 and d["limits"].write_timeout_s == 0.25
     assert (d["max_episodes"], d["episode_idle_s"]) == (7, 9)
-    d = kw("--max-episodes", "0", "--episode-idle-timeout", "0")
-    assert d["max_episodes"] is None and d["episode_idle_s"] is None
+    d = kw("--max-episodes", "0", "--episode-idle-timeout", "0", "--max-connections-per-peer", "0")
+    assert d["max_episodes"] is None and d["episode_idle_s"] is None and d["limits"].peer_cap == 64
