@@ -1,6 +1,6 @@
 """The open episodes of the OpenAI-compatible endpoint (``rollout/openai_server.py``), bounded in number and in idle
 time, so that clients who open episodes and never finish them cannot grow the server without bound (an episode
-holds its tokens, log-probs and conversation: ~0.7 MB at a 4,096-token context).
+holds its tokens, log-probs and conversation: 0.3-0.7 MB at a 4,096-token context).
 
 - ``max_episodes``: once a new episode's first completion is recorded beyond the cap, an idle episode (none with a
   request in flight) is evicted: the least recently used one of the client address (``:peer``) holding the most open
@@ -33,12 +33,14 @@ from megatron_tsync.rollout.openai_chat import ApiError
 __all__ = ["EpisodeStore", "BYTES_PER_TOKEN", "EPISODE_IDLE_S", "MAX_EPISODES", "approx_bytes"]
 
 MAX_EPISODES = 1024
-"""Default cap on open episodes (~0.7 GB at a 4,096-token context)."""
+"""Default cap on open episodes (0.3-0.7 GB at a 4,096-token context)."""
 EPISODE_IDLE_S = 600.0
 """Default idle expiry, seconds (twice the harness' default episode timeout)."""
 
 BYTES_PER_TOKEN = 80
-"""Python memory per context token of an episode: an id (pointer + int), a mask entry, a log-prob (pointer + float)."""
+"""Python memory per context token of an episode: an id (pointer + int), a mask entry, a log-prob (pointer + float).
+An upper bound: ids below 257 and the prompt's 0.0 log-probs are shared objects (tracemalloc: 40 bytes a token for
+the tiny test model's small vocabulary, ~70 expected for a real one)."""
 
 
 def approx_bytes(n_tokens: int, text_chars: int, n_messages: int) -> int:

@@ -494,6 +494,6 @@ def test_all_four_attacks_at_the_issues_sizes(parts):
           f"flood: {stats['episodes']} open (~{stats['episode_bytes'] / 2**20:.1f} MiB), "
           f"{stats['episodes_evicted']} evicted; transport {stats['http']}; RSS +{rss:.0f} MiB")
     assert set(flood) == {200} and len(log) >= 10 and {st for st, _ in log} == {200}
-    assert p99 < 2 and worst < 10  # the issue's bound is 2 s; the slowest one waits behind the 3,000 connects
+    assert p99 < 2 and worst < 10  # the issue's bound is 2 s; the slowest come during the burst of 3,000 connects
     assert stats["episodes"] <= MAX_EPISODES and stats["http"]["head_refused"] == 1000
     assert stats["http"]["peer_429"] >= 900 and rss < 500
