@@ -241,7 +241,8 @@ class ChatServer:
         self._count = 0
         self._batcher = EngineBatcher(engine, batch_wait_s)
         try:
-            self.http = HttpServer(self.respond, host, port, limits, check_head=self._check_head)
+            self.http = HttpServer(self.respond, host, port, limits,
+                                   check_head=None if api_key is None else self._check_head)
         except BaseException:
             self._batcher.close()
             raise

@@ -527,14 +527,14 @@ def test_concurrent_episodes_are_batched_exactly(base):
 def test_batcher_serves_the_others_when_one_request_is_bad(base):
     from concurrent.futures import ThreadPoolExecutor
 
-    from megatron_tsync.rollout.openai_server import _EngineBatcher
+    from megatron_tsync.rollout.chat_batcher import EngineBatcher
 
     engine = base["engine"]
     engine.update_weights(base["state"], 0)
     cfg = SamplingConfig(max_new_tokens=8, seed=1)
     jobs = [([5, 6, 7], 11), ([9] * 4094, 12), ([8, 9], 13)]  # the middle one exceeds the model's 4096 positions
     alone = [engine.generate([p], cfg, 1, seeds=[sd])[0][0].token_ids for p, sd in (jobs[0], jobs[2])]
-    batcher = _EngineBatcher(engine, 0.5)
+    batcher = EngineBatcher(engine, 0.5)
     try:
         def submit(job):
             try:
