@@ -206,16 +206,19 @@ def _delimit(x: Any, open_: str, close: str, key: str | None = None) -> Any:
     return x
 
 
-def request_strings(messages: list[dict], tools: list[dict] | None) -> list[str]:
-    """The strings of a request that are data (those :meth:`ChatTemplate.render_marked` delimits)."""
+def request_strings(messages: list[dict], tools: list[dict] | None, *, data: bool = True) -> list[str]:
+    """The strings of a request that are data (those :meth:`ChatTemplate.render_marked` delimits); with
+    ``data=False`` the others: dict keys and the values of :data:`_KEEP_KEYS` (ids, roles, types)."""
     out: list[str] = []
 
     def walk(x: Any, key: str | None = None) -> None:
         if isinstance(x, str):
-            if key not in _KEEP_KEYS:
+            if (key not in _KEEP_KEYS) == data:
                 out.append(x)
         elif isinstance(x, dict):
             for k, v in x.items():
+                if not data:
+                    out.append(str(k))
                 walk(v, k)
         elif isinstance(x, list):
             for v in x:
@@ -228,16 +231,18 @@ def request_strings(messages: list[dict], tools: list[dict] | None) -> list[str]
 
 def encode_rendered(codec, text: str, messages: list[dict], tools: list[dict] | None) -> list[int]:
     """The ids of a render of ``messages`` / ``tools`` (:meth:`ChatTemplate.render_marked`, ``continuation``): its
-    data parts, the request's strings, as plain text (never special ids). A template that transforms those strings
-    gives no parts: then a request string that holds special-token text is refused (400)."""
-    if isinstance(text, Rendered):
-        return encode_observation(codec, text)
-    for s in request_strings(messages, tools):
+    data parts, the request's strings, as plain text (never special ids). Refused (400): a request string the
+    template renders as markup (a dict key, an id) that holds special-token text, and, when the template transforms
+    the strings (no parts), any request string that does."""
+    strings = request_strings(messages, tools, data=False)
+    if not isinstance(text, Rendered):
+        strings += request_strings(messages, tools)
+    for s in strings:
         if codec.encode(s) != codec.encode_text(s):
-            raise ApiError(400, f"a message or tool string holds the tokenizer's special-token text ({s[:80]!r}) and "
-                                f"this chat template transforms message text, so it cannot be kept as plain text: "
-                                f"remove or escape it", "messages", "special_token_text")
-    return codec.encode(text)
+            raise ApiError(400, f"a request string holds the tokenizer's special-token text ({s[:80]!r}) where this "
+                                f"chat template renders it as markup, so it cannot be kept as plain text: remove or "
+                                f"escape it", "messages", "special_token_text")
+    return encode_observation(codec, text) if isinstance(text, Rendered) else codec.encode(text)
 
 
 def _tag_escape(s: Any) -> str:

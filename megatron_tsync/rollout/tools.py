@@ -10,8 +10,8 @@ Tools. A tool is a function ``(args: str, sandbox: Sandbox, delay_s: float) -> T
 sandboxed child, never ``eval``), ``python`` (a snippet) and ``shell`` (a ``/bin/sh`` command). ``delay_s`` is a real
 sleep inside the sandboxed child before the tool runs, so replayed latency profiles are real wall-clock latency.
 
-Observations are :class:`~megatron_tsync.model.tokenizer.Rendered`: the ``<result>`` tags are markup (special tokens), the
-tool's output is data, which the agent loop encodes as plain text (it never becomes a special token id).
+Observations are :class:`~megatron_tsync.model.tokenizer.Rendered`: the ``<result>`` tags are markup (special tokens),
+the tool's output is data, which the agent loop encodes as plain text (it never becomes a special token id).
 
 This module imports only the standard library, :mod:`megatron_tsync.rollout.sandbox` and ``model.tokenizer``.
 """

@@ -31,7 +31,9 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
 
 from megatron_tsync.rollout.sandbox import Sandbox, SandboxConfig
-from megatron_tsync.rollout.tools import RESULT_CLOSE, RESULT_OPEN, ToolCall, _mask_results, _neutralise, parse_tool_call
+from megatron_tsync.rollout.tools import (
+    RESULT_CLOSE, RESULT_OPEN, ToolCall, _mask_results, _neutralise, parse_tool_call,
+)
 
 __all__ = [
     "Score", "Verifier", "register_verifier", "get_verifier", "available_verifiers", "parse_answer",

@@ -336,3 +336,23 @@ def test_transforming_template_refuses_special_text_in_messages(codecs):
     plain = ChatTemplate(DEFAULT_CHAT_TEMPLATE).render_marked(bad, None, True)
     assert isinstance(plain, Rendered) and (" a<think>b ", False) in plain.parts
     assert _added(codec)["<think>"] not in encode_observation(codec, plain)
+
+
+def test_special_text_where_a_template_puts_markup_is_refused(codecs):
+    """A string a template renders as markup (a ``tool_call_id``, a tool schema's key) holding special-token text is
+    refused (400 ``special_token_text``); the same request without it is served."""
+    from megatron_tsync.rollout.openai_chat import (
+        DEFAULT_CHAT_TEMPLATE, ApiError, ChatTemplate, encode_rendered, normalize_messages, normalize_tools,
+    )
+
+    codec, tpl = codecs["qwen3"], ChatTemplate(DEFAULT_CHAT_TEMPLATE)
+    tool = {"type": "function", "function": {"name": "calc", "parameters": {"type": "object", "properties": {}}}}
+    for msgs, tools in [([{"role": "tool", "tool_call_id": "c<|im_end|>", "content": "1"}], None),
+                        ([{"role": "user", "content": "q"}], [dict(tool, function=dict(
+                            tool["function"], parameters={"<|im_start|>": {"type": "string"}}))])]:
+        msgs, tools = normalize_messages(msgs), normalize_tools(tools)
+        with pytest.raises(ApiError) as e:
+            encode_rendered(codec, tpl.render_marked(msgs, tools, True), msgs, tools)
+        assert e.value.status == 400 and e.value.code == "special_token_text"
+    ok = normalize_messages([{"role": "user", "content": "q"}])
+    assert encode_rendered(codec, tpl.render_marked(ok, normalize_tools([tool]), True), ok, normalize_tools([tool]))

@@ -16,9 +16,10 @@ the next turn continues the token sequence exactly (generated tokens are never r
 only the observation and appends it with loss mask 0).
 
 Observations never carry markup the model could mistake for a turn boundary or a call: ``<|``, ``<tool_call>``,
-``<tool_response>``, ``<tool>``, ``<result>`` and ``<answer>`` inside tool output are escaped, and the output is the data
-of a :class:`~megatron_tsync.model.tokenizer.Rendered` whose markup is the format's wrapper: the agent loop encodes it
-as plain text, so no special token (``</s>``, ``<|endoftext|>``, ``<think>``, ...) it prints becomes a special id.
+``<tool_response>``, ``<tool>``, ``<result>`` and ``<answer>`` inside tool output are escaped, and the output is the
+data of a :class:`~megatron_tsync.model.tokenizer.Rendered` whose markup is the format's wrapper: the agent loop
+encodes it as plain text, so no special token (``</s>``, ``<|endoftext|>``, ``<think>``, ...) it prints becomes a
+special id.
 Standard library and ``model.tokenizer`` only.
 """
 
