@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 from typing import Any, Iterable, Protocol, Sequence
 
 __all__ = ["TextCodec", "TokenizerCodec", "Rendered", "encode_observation", "encode_parts", "tag_token_id"]
@@ -54,20 +55,36 @@ class TokenizerCodec:
         (so no special or added token is matched). ``split_special_tokens=True`` / ``encode_special_tokens`` is not
         enough: it leaves added tokens that are not flagged special (Qwen3's ``<think>``, ``<tool_call>``,
         ``<tool_response>``) matched. Equal to :meth:`encode` on text that holds no added token."""
-        tok = _backend(self.tokenizer)
-        s = tok.normalizer.normalize_str(text) if tok.normalizer is not None else text
-        pieces = tok.pre_tokenizer.pre_tokenize_str(s) if tok.pre_tokenizer is not None else [(s, (0, len(s)))]
-        ids = [t.id for piece, _ in pieces for t in tok.model.tokenize(piece)]
+        # nothing to match: the tokenizer's own (fast) path gives the same ids
+        ids = self._model_ids(text) if self._holds_added(text) else self.encode(text)
         bad = self.special_ids.intersection(ids)
         if bad:  # only a model whose own merges spell an added token could do this
             raise ValueError(f"the tokenizer's model encodes plain text to added-token ids {sorted(bad)}: "
                              f"it cannot keep tool output apart from special tokens")
         return ids
 
+    def _holds_added(self, text: str) -> bool:
+        """An added token's text in ``text`` or in its normalised form (where normalised added tokens match)."""
+        norm = _backend(self.tokenizer).normalizer
+        return self._added_re.search(text) is not None or (
+            norm is not None and self._added_re.search(norm.normalize_str(text)) is not None)
+
+    def _model_ids(self, text: str) -> list[int]:
+        """Normaliser, pre-tokeniser and model: the added vocabulary never consulted."""
+        tok = _backend(self.tokenizer)
+        s = tok.normalizer.normalize_str(text) if tok.normalizer is not None else text
+        pieces = tok.pre_tokenizer.pre_tokenize_str(s) if tok.pre_tokenizer is not None else [(s, None)]
+        return [t.id for piece, _ in pieces for t in tok.model.tokenize(piece)]
+
     @functools.cached_property
     def special_ids(self) -> frozenset[int]:
         """The ids of every added token (special or not): what :meth:`encode_text` never produces."""
         return frozenset(_backend(self.tokenizer).get_added_tokens_decoder())
+
+    @functools.cached_property
+    def _added_re(self) -> "re.Pattern":
+        contents = sorted({t.content for t in _backend(self.tokenizer).get_added_tokens_decoder().values()}, key=len)
+        return re.compile("|".join(re.escape(c) for c in reversed(contents) if c) or r"(?!)")
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=False)

@@ -125,9 +125,10 @@ def test_encode_text_matches_no_special_or_added_token(codecs, name):
             assert added["<think>"] in tok.encode("a<think>b", add_special_tokens=False).ids
         finally:
             tok.encode_special_tokens = False
-    for line in synthetic_corpus(60, seed=3):
+    for line in synthetic_corpus(60, seed=3) + ["  a\n\n b\t\u00e9\u4e2d\U0001F600 ", ""]:
         plain = line.replace("<", "[")
-        assert codec.encode_text(plain) == codec.encode(plain)
+        assert codec.encode_text(plain) == codec.encode(plain)  # (the fast path)
+        assert codec._model_ids(plain) == codec.encode(plain)  # the path taken when added-token text is present
 
 
 # ------------------------------------------------------------------------------------------------ native agent loop
