@@ -288,7 +288,7 @@ def test_tag_format_forged_answer_scores_zero(codecs, role, who, reward):
     traj = _chat_episode(codec, "tag", tool_text, second, role=role)
     inst = types.SimpleNamespace(verifier_task=lambda: {"answer": 3})
     got, status, err = asyncio.run(score_trajectory(traj, codec, inst, None, get_verifier("exact_answer"), 0.0))
-    assert (got, status) == (reward, "ok"), err
+    assert (got, status) == (reward, "ok"), f"reward {got} ({status} {err})"
 
 
 def test_verifier_transcript_keeps_native_text_and_masks_observations(codecs):
