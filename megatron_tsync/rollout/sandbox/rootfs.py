@@ -36,9 +36,11 @@ __all__ = ["plan", "interpreter_paths", "project_hides", "SYSTEM_DIRS", "ETC_FIL
 SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 ETC_FILES = ("passwd", "group", "hosts", "host.conf", "nsswitch.conf", "resolv.conf", "gai.conf", "ld.so.cache",
              "ld.so.conf", "ld.so.conf.d", "localtime", "timezone", "alternatives", "os-release", "mime.types",
-             "protocols", "services", "locale.alias", "inputrc", "magic", "magic.mime", "fonts")
+             "protocols", "services", "locale.alias", "inputrc", "magic", "magic.mime", "fonts", "ssl", "pki",
+             "ca-certificates", "ca-certificates.conf")
 """What of /etc a call sees (those that exist): name service and loader config, Debian's alternatives links (awk, vi,
-... point there), Python's own config dirs (``/etc/python3*``, added by :func:`plan`)."""
+... point there), fonts (matplotlib), the public CA certificates (for ``SandboxConfig(network=True)``; /etc/ssl/private
+stays 0700 root), Python's own config dirs (``/etc/python3*``, added by :func:`plan`)."""
 DEVICES = ("null", "zero", "full", "random", "urandom")
 DEV_LINKS = (("/dev/fd", "/proc/self/fd"), ("/dev/stdin", "/proc/self/fd/0"), ("/dev/stdout", "/proc/self/fd/1"),
              ("/dev/stderr", "/proc/self/fd/2"))
