@@ -11,13 +11,15 @@ A verifier scores the full trajectory text of one rollout against its task::
 
 Tasks are mappings (or objects with attributes). Keys used by the built-ins:
 - ``exact_answer`` / ``answer_with_format``: ``answer`` (int).
-- ``reasoning_gym``: ``entry`` (a reasoning-gym entry; the dataset's own ``score_answer`` gives the reward).
+- ``reasoning_gym``: ``entry`` (a reasoning-gym entry; the dataset's own ``score_answer`` gives the reward, run in
+  the sandbox: ``rollout/reasoning_gym_scorer.py``).
 - ``unit_tests``: ``tests`` (list of Python snippets whose ``assert EXPR op LITERAL`` checks are judged here, never
   in the sandbox: :class:`UnitTests`); optional ``files`` (path -> content written to the sandbox first) and
   ``solution_path`` (default ``solution.py``) where the LAST fenced code block of the final text is written.
 
 Answers and code are read only outside ``<result>`` blocks, so tool output cannot forge an answer.
 This module imports only the standard library and the rollout sandbox/tools modules (and reasoning-gym, on use).
+Model text reaches no third-party parser in this process: reasoning-gym's scorer runs in the sandbox.
 """
 
 from __future__ import annotations
@@ -198,31 +200,35 @@ class ReasoningGymScore(_Base):
     """reasoning-gym's own score (``runtime/reasoning_gym_task.py``): the dataset's ``score_answer(answer, entry)``
     on the text of the last ``<answer>…</answer>`` outside ``<result>`` blocks (None when there is none), with the
     task's ``entry``; the dataset is ``dataset`` (with ``config``), else the entry's ``metadata.source_dataset``.
-    Bounded in [0, 1] (partial credit for some datasets); never clamped: a score outside it is the worker's counted
-    error, not a silent 0 or 1."""
+
+    ``score_answer`` runs in the sandbox (``rollout/reasoning_gym_scorer.py``: some datasets ``eval`` the answer);
+    this process only checks that a finite float in [0, 1] came back. A scorer that raises, runs past its limits or
+    gives anything else raises :class:`~megatron_tsync.rollout.reasoning_gym_scorer.ScorerFailed` (the worker's
+    "error" trajectory, counted under the reason code its error text starts with); never clamped. Partial credit
+    for some datasets. ``sandbox``/``limits`` (a ``ScorerLimits``): the scorer's own (default: a sandbox of its own,
+    started at the first answer, whose fork server has reasoning_gym imported)."""
 
     name = "reasoning_gym"
     reward_range = (0.0, 1.0)
     binary = False
 
-    def __init__(self, dataset: str = "", config: dict | None = None):
-        self.dataset, self.config = dataset, dict(config or {})  # score_answer may read the dataset's config
-        self._scorers: dict[str, Callable] = {}
-        if dataset:
-            self._scorer(dataset)  # fails now, not at the first trajectory: unknown dataset, bad config
+    def __init__(self, dataset: str = "", config: dict | None = None, sandbox: Sandbox | None = None,
+                 limits: Any = None):
+        from megatron_tsync.rollout.reasoning_gym_scorer import ReasoningGymScorer
 
-    def _scorer(self, name: str) -> Callable:
-        """The dataset's ``score_answer``: the task's dataset with its config, or (no dataset given) the entry's
-        ``source_dataset`` with its default config."""
-        if name not in self._scorers:
-            try:
-                import reasoning_gym
-            except ImportError as e:
-                raise ValueError(f"reasoning-gym is not installed ({e}): "
-                                 "pip install 'megatron_tsync[reasoning-gym]'") from None
-            config = self.config if name == self.dataset else {}
-            self._scorers[name] = reasoning_gym.create_dataset(name, seed=0, size=1, **config).score_answer
-        return self._scorers[name]
+        self.dataset, self.config = dataset, dict(config or {})  # score_answer may read the dataset's config
+        if dataset:
+            self._check_dataset(dataset)  # fails now, not at the first trajectory: unknown dataset, bad config
+        self.scorer = ReasoningGymScorer(limits, sandbox, self.reward_range)
+
+    def _check_dataset(self, name: str) -> None:
+        """The dataset exists and takes the config (built here once: trusted code, no model text)."""
+        try:
+            import reasoning_gym
+        except ImportError as e:
+            raise ValueError(f"reasoning-gym is not installed ({e}): "
+                             "pip install 'megatron_tsync[reasoning-gym]'") from None
+        reasoning_gym.create_dataset(name, seed=0, size=1, **self.config)
 
     async def evaluate(self, trajectory_text: str, task: Any) -> Score:
         entry = _task_get(task, "entry")
@@ -234,9 +240,14 @@ class ReasoningGymScore(_Base):
         name = self.dataset or (entry.get("metadata") or {}).get("source_dataset", "")
         if not name:
             return Score(0.0, "reasoning-gym entry names no source_dataset (and the verifier no dataset)")
-        reward = float(self._scorer(name)(answer, dict(entry)))
+        config = self.config if name == self.dataset else {}
+        reward = await self.scorer.score(name, config, answer, dict(entry))
         oracle = str(entry.get("answer"))[:40]
         return Score(reward, f"{name}.score_answer({str(answer)[:40]!r}) = {reward:g} (oracle {oracle!r})")
+
+    def close(self) -> None:
+        """Stop the scorer's sandbox (its fork server)."""
+        self.scorer.close()
 
 
 # ------------------------------------------------------------------------------------------------------- unit tests
