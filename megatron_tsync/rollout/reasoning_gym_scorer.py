@@ -114,7 +114,7 @@ def child(ds, answer, entry, wr):
             msg = "memory"
         except BaseException as e:
             msg = "raised %s: %s" % (type(e).__name__, str(e)[:200])
-        os.write(3, msg.encode("utf-8", "replace")[:1024])
+        os.write(3, msg.replace("\n", " ").encode("utf-8", "replace")[:1023] + b"\n")
     finally:
         os._exit(0)
 def strays():
@@ -134,7 +134,7 @@ def one(ds, answer, entry):
     except OSError:
         pass
     buf, deadline, timed_out = b"", time.monotonic() + job["wall_s"], False
-    while len(buf) < 1024:
+    while len(buf) < 1024 and b"\n" not in buf:  # one line; not EOF (a process it left may hold the pipe open)
         left = deadline - time.monotonic()
         if left <= 0 or not select.select([rd], [], [], left)[0]:
             timed_out = True
@@ -155,7 +155,7 @@ def one(ds, answer, entry):
         return ["scorer_cpu_limit", "killed at %ds of CPU" % job["cpu_s"]]
     if os.WIFSIGNALED(st) and not buf:
         return ["scorer_failed", "killed by signal %d" % os.WTERMSIG(st)]
-    text = buf.decode("utf-8", "replace")
+    text = buf.split(b"\n")[0].decode("utf-8", "replace")
     if text == "memory":
         return ["scorer_memory_limit", "MemoryError"]
     if text.startswith("raised "):
