@@ -49,6 +49,24 @@ def test_answer_spans_are_the_regexs(text):
     assert answer_spans(text) == [(m.start(1), m.end(1)) for m in regex.finditer(text)]
 
 
+def _used_tool_by_prefixes(text):  # the quadratic original: the reference on short texts
+    from megatron_tsync.rollout.tools import ToolCall, parse_tool_call
+
+    return any(isinstance(parse_tool_call(text[:m.start() + len("</tool>")]), ToolCall)
+               for m in re.finditer(r"</tool>\s*<result>", text))
+
+
+@pytest.mark.parametrize("text", [
+    "<tool>calculator: 1+1</tool> <result>2</result>", "<tool>calculator: 1+1</tool>", "<tool>bad</tool><result>x",
+    "<result><tool>calculator: 1</tool><result>x</result>", "<tool>a <tool>calculator: 2</tool>\n<result>2</result>",
+    "<tool>calculator: 1</tool>x<result>1</result><tool>python: 2</tool><result>", "</tool><result>",
+    "<result>y</result><tool>shell: ls</tool><result>a</result>"])
+def test_used_tool_is_the_prefix_scans(text):
+    from megatron_tsync.rollout.verifiers import _used_tool
+
+    assert _used_tool(text) == _used_tool_by_prefixes(text)
+
+
 def test_answer_and_tool_call_scans_are_linear():
     from megatron_tsync.rollout.openai_chat import parse_tool_calls
     from megatron_tsync.rollout.verifiers import get_verifier, parse_answer
@@ -59,6 +77,8 @@ def test_answer_and_tool_call_scans_are_linear():
     assert parse_tool_calls("<tool_call>" * (n // 11), "c")[1] == []
     text = "<answer>7</answer>" + "<answer>" * (n // 8)  # right, not well formed
     assert asyncio.run(get_verifier("answer_with_format").evaluate(text, {"answer": 7})).reward == pytest.approx(0.6)
+    shaped = get_verifier("answer_with_format").evaluate("<tool>bad</tool><result>" * (n // 24), {"answer": 7})
+    assert asyncio.run(shaped).reward == 0.0  # the used-tool check parsed every prefix: 23 s on half of this
     assert time.perf_counter() - t0 < 10.0  # the regexes took ~50 s each here
     calls = parse_tool_calls('a <tool_call> {"name": "f", "arguments": {"x": 1}} </tool_call> b '
                              '<tool_call>bad</tool_call> <tool_call>{"name": "g"}</tool_call>', "c")
