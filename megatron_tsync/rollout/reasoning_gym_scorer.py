@@ -16,6 +16,9 @@ the scorer so that every later wrong answer scored 1.0, and ``9**9**9**9`` hung 
                                                             parent: waits answer_wall_s at most (then SIGKILL), kills
                                                                     the child's group, checks that nothing of it is
                                                                     left (else stops: the rest are re-queued)
+                                                            an INERT answer (<= 64 of "0-9+-., ", or None: no name,
+                                                            call, power or subscript, so no code under any eval) is
+                                                            scored by the parent itself under a CPU timer, no fork
       <- one JSON line on stdout: a verdict per answer --
       validates each: a finite float in [lo, hi], else ScorerFailed(reason)
 
@@ -34,7 +37,8 @@ Failures are counted, never silent: :class:`ScorerFailed` carries a reason code 
 ``scorer_cpu_limit``, ``scorer_memory_limit``, ``scorer_raised``, ``scorer_bad_score``, ``scorer_failed``); the worker
 turns it into an "error" trajectory whose error text starts with that code (``runtime/worker.py: score_trajectory``).
 
-Cost (measured, see docs/threat_model.md): one fork of the warm parent per answer plus one sandbox call per batch.
+Cost (measured, see docs/threat_model.md): one sandbox call per batch, plus one fork of the warm parent per answer
+that is not inert (~6 ms of CPU: the parent holds reasoning-gym's ~120 MB).
 """
 
 from __future__ import annotations
@@ -86,7 +90,7 @@ class ScorerLimits:
 # Trusted source run by the call's target (Sandbox.run_source) in the fork server's warm interpreter; its only input is
 # batch.pkl, written by the trusted side.
 SCORER_SRC = r'''
-import ctypes, json, os, pickle, resource, select, signal, sys, time
+import ctypes, json, os, pickle, re, resource, select, signal, sys, time
 ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0: no child may open /proc/<us>/fd or /proc/<us>/mem
 t_start = time.monotonic()
 with open("batch.pkl", "rb") as f:
@@ -163,6 +167,24 @@ def one(ds, answer, entry):
     if text.startswith("ok "):
         return ["ok", text[3:40]]
     return ["scorer_bad_score", "unreadable report %r" % text[:60]]
+INERT = re.compile(r"[0-9+\-., ]{0,64}\Z")  # no name, call, power or subscript: no code, whatever evals it
+class Budget(BaseException):  # not an Exception: a dataset's "except Exception" must not swallow it
+    pass
+def over_budget(signum, frame):
+    raise Budget()
+signal.signal(signal.SIGPROF, over_budget)
+def inline(ds, answer, entry):  # an inert answer, scored here (no fork) under a CPU timer
+    signal.setitimer(signal.ITIMER_PROF, job["cpu_s"])
+    try:
+        return ["ok", repr(float(ds.score_answer(answer, entry)))[:40]]
+    except Budget:
+        return ["scorer_cpu_limit", "stopped at %ds of CPU" % job["cpu_s"]]
+    except MemoryError:
+        return ["scorer_memory_limit", "MemoryError"]
+    except Exception as e:
+        return ["scorer_raised", "%s: %s" % (type(e).__name__, str(e)[:200])]
+    finally:
+        signal.setitimer(signal.ITIMER_PROF, 0)
 for i, req in enumerate(job["requests"]):
     if time.monotonic() - t_start > job["batch_s"]:
         break
@@ -171,7 +193,13 @@ for i, req in enumerate(job["requests"]):
     except BaseException as e:
         out.append(["scorer_raised", "create_dataset: %s: %s" % (type(e).__name__, str(e)[:200])])
         continue
-    out.append(one(ds, req["answer"], req["entry"]))
+    answer = req["answer"]
+    if answer is None or (type(answer) is str and INERT.match(answer)):
+        out.append(inline(ds, answer, req["entry"]))
+        if out[-1][0] == "scorer_cpu_limit":  # interrupted mid-way: the dataset's state is not trusted further
+            break
+        continue
+    out.append(one(ds, answer, req["entry"]))
     if strays():  # something of that answer outlived its group: the rest go to a fresh call
         break
 sys.stdout.write("\n%s%s\n" % (MARK, json.dumps(out)))
@@ -196,7 +224,8 @@ class ReasoningGymScorer:
         self.reward_range = reward_range
         self._lock = threading.Lock()
         self._queue: list[tuple[dict, Any, asyncio.AbstractEventLoop]] = []
-        self._inflight = 0
+        self._inflight = 0  # drain threads alive
+        self._starting = 0  # of which not yet taken their first batch
         self.calls = 0
         """Sandbox calls made so far (for the overhead figures)."""
 
@@ -214,11 +243,7 @@ class ReasoningGymScorer:
         req = {"dataset": dataset, "config": dict(config), "answer": answer, "entry": dict(entry)}
         with self._lock:
             self._queue.append((req, fut, loop))
-            start = self._inflight < self.limits.max_inflight
-            if start:
-                self._inflight += 1
-        if start:
-            threading.Thread(target=self._drain, daemon=True, name="rg-scorer").start()
+        loop.call_soon(self._kick)  # after the other answers ready in this turn of the loop have queued too
         verdict, value = await fut
         return self._check(verdict, value, dataset)
 
@@ -234,10 +259,22 @@ class ReasoningGymScorer:
             raise ScorerFailed("scorer_bad_score", f"{dataset}.score_answer gave {reward!r}, outside [{lo}, {hi}]")
         return reward
 
+    def _kick(self) -> None:
+        """Start a drain thread unless one is about to take the queue or ``max_inflight`` calls are running."""
+        with self._lock:
+            if not self._queue or self._starting or self._inflight >= self.limits.max_inflight:
+                return
+            self._inflight += 1
+            self._starting += 1
+        threading.Thread(target=self._drain, daemon=True, name="rg-scorer").start()
+
     def _drain(self) -> None:
         """One worker thread: runs batches while answers are queued, then retires."""
+        first = True
         while True:
             with self._lock:
+                if first:
+                    self._starting, first = self._starting - 1, False
                 batch, self._queue = self._queue[:self.limits.max_batch], self._queue[self.limits.max_batch:]
                 if not batch:
                     self._inflight -= 1
