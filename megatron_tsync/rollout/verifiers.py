@@ -374,11 +374,12 @@ class UnitTests(_Base):
         if res.error and (res.exit_code is None or res.exit_code < 0):
             return Score(0.0, f"test run failed: {res.error}")
         lines = [ln for ln in res.stdout.splitlines() if ln.startswith(_MARK)]
+        expected = {f"t{i}": exp for i, (_, exp) in enumerate(plans)}
         try:
-            records = parse_records(lines[-1][len(_MARK):]) if lines else None
+            records = parse_records(lines[-1][len(_MARK):], expected) if lines else None
         except ValueError as e:
             return Score(0.0, f"unreadable test report: {e}")
         if records is None:
             return Score(0.0, f"no test report in the output ({res.error or f'exit {res.exit_code}'})")
-        passed, _ = judge(records, {f"t{i}": exp for i, (_, exp) in enumerate(plans)})
+        passed, _ = judge(records, expected)
         return self._clamp(Score(len(passed) / len(plans), f"{len(passed)}/{len(plans)} tests passed"))
