@@ -13,7 +13,9 @@ Endpoints (HTTP/1.1 on ``rollout/http_server.py``: asyncio + h11; bind port 0 fo
 Episode identity: the ``X-Episode-Id`` header, else the request's ``user`` field (one is required). The first
 completion of an episode renders its messages with the chat template; every later request must repeat the
 conversation so far (the server's replies included) and may only add tool / user / system messages, which are
-appended as tokens with loss mask 0 after the exact sampled tokens (``rollout/openai_chat.py`` explains how).
+appended as tokens with loss mask 0 after the exact sampled tokens (``rollout/openai_chat.py`` explains how). The
+request's strings are encoded as plain text: a message that prints ``</s>`` or ``<|im_end|>`` never becomes a special
+token id (``openai_chat``'s module docstring).
 
 Policy versions: every completion is stamped with the engine's ``policy_version`` (response field
 ``tsync.policy_version``). ``model`` may pin a version as ``NAME@vN`` (or the ``X-Policy-Version`` header): another
@@ -81,7 +83,8 @@ from megatron_tsync.rollout.episode_store import EPISODE_IDLE_S, MAX_EPISODES, E
 from megatron_tsync.rollout.http_server import PEER_HEADER, HttpLimits, HttpServer
 from megatron_tsync.rollout.latency_trace import LatencyTrace, latency_profile_from_trace
 from megatron_tsync.rollout.openai_chat import (
-    ApiError, ChatTemplate, first_difference, normalize_messages, normalize_tools, parse_json_body, parse_tool_calls,
+    ApiError, ChatTemplate, encode_rendered, first_difference, normalize_messages, normalize_tools, parse_json_body,
+    parse_tool_calls,
 )
 
 __all__ = ["ChatServer", "Episode", "HttpLimits", "chat_limits", "trajectory_to_json", "trajectory_event",
@@ -542,7 +545,7 @@ class ChatServer:
             if messages[-1]["role"] == "assistant":
                 raise ApiError(400, "the last message is an assistant message: nothing for the model to answer",
                                "messages")
-            return self.codec.encode(self.template.render(messages, tools, True)), []
+            return encode_rendered(self.codec, self.template.render_marked(messages, tools, True), messages, tools), []
         if tools != ep.tools:
             raise ApiError(409, "'tools' differ from the episode's first request (they are part of its prompt)",
                            "tools")
@@ -554,7 +557,8 @@ class ChatServer:
             if m["role"] == "assistant":
                 raise ApiError(409, f"messages[{len(ep.messages) + k}] is an assistant message this server did not "
                                     f"generate: an episode's assistant turns must be its completions", "messages")
-        obs = self.codec.encode(self.template.continuation(messages[:len(ep.messages)], messages, tools, ep.closed))
+        obs = encode_rendered(self.codec, self.template.continuation(messages[:len(ep.messages)], messages, tools,
+                                                                      ep.closed), added, None)
         return list(ep.token_ids) + obs, obs
 
     def _generate(self, ep, new, messages, tools, sampling, seed, pinned, t_arrive):

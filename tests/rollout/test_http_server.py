@@ -63,6 +63,10 @@ class _CountingCodec:
         self.encoded.append(len(text))
         return self.codec.encode(text)
 
+    def encode_text(self, text):
+        self.encoded.append(len(text))
+        return self.codec.encode_text(text)
+
     def decode(self, ids):
         return self.codec.decode(ids)
 

@@ -114,7 +114,9 @@ def test_a_process_left_behind_costs_only_its_own_answer(verifier, countdown):
     """An answer that forks a process into its own session (out of reach of the group kill): the batch stops after
     it and the answers behind it are scored in a fresh call, correctly."""
     _, insts = countdown
-    stray = "(__import__('os').fork() == 0 and __import__('os').setsid() and __import__('time').sleep(600)) or 1"
+    # the child answers only once its child has its own session (else the group kill may come first)
+    stray = ("__import__('builtins').exec('import os, time\\np = os.fork()\\nif p == 0:\\n os.setsid()\\n "
+             "time.sleep(600)\\nwhile os.getsid(p) != p:\\n time.sleep(0.01)')")
     answers = [(stray, insts[0]), (insts[0].answer, insts[0]), ("1 + 2", insts[0]), (insts[1].answer, insts[1])]
     wrong = _score(verifier, "1 + 2", insts[0])  # also warms the scorer: the four below queue together
 
@@ -138,7 +140,8 @@ def test_a_scorer_failure_is_an_error_trajectory_with_its_reason(verifier, count
 
     def traj(answer):
         text = f"<answer>{answer}</answer>"
-        return SimpleNamespace(error=None, token_ids=[0] + [ord(c) for c in text], prompt_len=1)
+        ids = [0] + [ord(c) for c in text]
+        return SimpleNamespace(error=None, token_ids=ids, loss_mask=[0] + [1] * (len(ids) - 1), prompt_len=1)
 
     spec = task.reward_spec
     ok = asyncio.run(score_trajectory(traj(insts[0].answer), codec, insts[0], None, verifier, 0.0, spec))
