@@ -487,8 +487,9 @@ async def score_trajectory(traj, codec, inst, episode, verifier, floor: float,
             score = await episode.finish(text)
         else:
             score = await verifier.evaluate(text, inst.verifier_task())
-    except Exception as e:
-        return floor, "error", f"verifier failed: {type(e).__name__}: {e}"[:1000]
+    except Exception as e:  # a reason code first where the verifier gives one (ScorerFailed: "scorer_timeout: ...")
+        why = f"{e.reason}: {e.detail}" if isinstance(getattr(e, "reason", None), str) else f"{type(e).__name__}: {e}"
+        return floor, "error", f"verifier failed: {why}"[:1000]
     reward = float(score.reward)
     if not math.isfinite(reward):
         return floor, "error", f"verifier returned a non-finite reward {score.reward!r}"

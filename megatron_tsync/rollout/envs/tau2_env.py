@@ -326,6 +326,21 @@ class _BadCall(ValueError):
     pass
 
 
+CALCULATE_MAX_CHARS = 1000
+
+
+def _check_calculate(name: str, args: dict) -> None:
+    """τ²'s airline and retail ``calculate`` tool ``eval``s its expression in this process. τ² allows only digits,
+    ``+ - * / ( ) .`` and spaces, so no code runs, but ``**`` is two allowed characters: ``9**9**9**9`` (ten
+    characters) never finishes, in the episode's step and again when τ²'s evaluator replays the actions. A power
+    (τ²'s tool documents ``+ - * /`` only) or an expression over CALCULATE_MAX_CHARS is refused here: an error
+    observation and no τ² message."""
+    expr = args.get("expression") if name == "calculate" else None
+    if isinstance(expr, str) and ("**" in expr or len(expr) > CALCULATE_MAX_CHARS):
+        raise _BadCall(f"calculate: powers ('**') and expressions over {CALCULATE_MAX_CHARS} characters are not "
+                       "supported (operators + - * / only)")
+
+
 class Tau2Episode:
     def __init__(self, env: Tau2Env, task: Tau2Task, *, opening_only: bool = False):
         ns = env.ns
@@ -388,6 +403,7 @@ class Tau2Episode:
                 o.done, o.termination_reason = True, TR.TOO_MANY_ERRORS
 
     def _message(self, name: str, args: dict):
+        _check_calculate(name, args)
         m = self.ns.message
         if name == RESPOND and not self.env.solo:
             content = args.get("content")
