@@ -178,9 +178,9 @@ class SkipCounter:
         return {"update_skipped": skipped_updates, "skipped_steps": self.total}
 
     def message(self, k: int) -> str:
-        limit = f"{self.limit} in a row" if self.limit else "never stops: --max-consecutive-skipped-steps 0"
+        limit = f"the run stops at {self.limit}" if self.limit else "never stops"
         return (f"step {k}: optimizer update skipped (non-finite loss or gradient), weights unchanged; "
-                f"{self.streak} in a row ({limit})")
+                f"{self.streak} in a row (--max-consecutive-skipped-steps {self.limit}: {limit})")
 
     def check(self, k: int) -> None:
         """Raises :class:`NonFiniteStop` once ``limit`` steps in a row (ending at step ``k``) skipped their update."""
