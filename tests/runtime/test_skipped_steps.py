@@ -30,7 +30,7 @@ from megatron_tsync.runtime import loop
 from megatron_tsync.runtime.context import grad_norm_text, skipped_text
 from megatron_tsync.runtime.spec import StepOutcome
 from megatron_tsync.runtime.stop import STOP_FILE, NonFiniteStop, SkipCounter, StopFlag
-from tests.runtime.test_train_e2e import _synthetic_dump, tiny_model  # noqa: F401 - fixture used by name
+from tests.runtime.test_train_e2e import tiny_model  # noqa: F401 - fixture used by name
 
 
 class _Ctx:

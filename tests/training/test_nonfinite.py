@@ -21,7 +21,6 @@ import time
 import types
 
 import msgpack
-import numpy as np
 import pytest
 import torch
 
