@@ -180,3 +180,17 @@ def test_opd_a_non_finite_loss_skips_the_update(megatron_single, monkeypatch, mo
             assert len(calls) > 2 and all(float(b.abs().sum()) == 0.0 for b in grad_buffers(ddp))
     assert torch.equal(weights[True], theta0)
     assert torch.isfinite(weights[False]).all() and not torch.equal(weights[False], theta0)  # control
+
+
+@pytest.mark.slow
+def test_data_parallel_ranks_agree_to_skip(tmp_path):
+    """DP = 2: a non-finite loss on one rank only, or a NaN in one rank's local gradient, skips the update on both
+    (the verdict is all-reduced); control: a clean step updates both, identically finite."""
+    from ._launch import torchrun
+
+    out = str(tmp_path / "r.json")
+    rep = torchrun(os.path.join(os.path.dirname(__file__), "_workers", "skip_worker.py"), ["--out", out], nproc=2,
+                   out_json=out)
+    assert rep["clean"] == [{"skipped": False, "moved": True, "finite": True}] * 2, rep
+    for name in ("loss", "grad"):
+        assert rep[name] == [{"skipped": True, "moved": False, "finite": True}] * 2, (name, rep)
