@@ -14,8 +14,10 @@ own engine, at the policy version of the step. The contract (docs/harness.md):
   ``POST {OPENAI_BASE_URL}/episodes/{TSYNC_EPISODE_ID}/finish``: with ``{"metadata": {"reward": R}}`` the harness's
   reward R is the trajectory's (checked against the task's reward spec), without it the task's verifier scores the
   final transcript (the same verifier as the native agent loop);
-- the harness gets ``--harness-timeout`` seconds per episode; then the command's process group is killed (the
-  coroutine cancelled).
+- the harness gets ``--harness-timeout`` seconds per episode; then the command is killed (the coroutine
+  cancelled). A command runs under ``harness_reaper.py`` (a subreaper in its own session): when its episode ends
+  (clean exit, error or timeout) every process it started is killed and reaped, ``setsid`` / double-forked ones
+  included; how many were left is counted in ``HarnessRunner.reaped``, logged per episode and in the step's line.
 
 Each finished episode is sent to the learner at once as a signed ``TrajectoryEvent`` (exact sampled ids, loss mask,
 engine log-probs, turn spans, policy version): streamed like a native trajectory. An episode that went wrong is sent
@@ -45,6 +47,7 @@ import logging
 import math
 import os
 import signal
+import sys
 import time
 
 import numpy as np
@@ -61,6 +64,10 @@ FAIL_KEY = "harness_fail"
 """The event ``meta`` key naming a failed episode's reason."""
 HARNESS_TB_NAMES = {r: f"rollout/{r}" for r in HARNESS_REASONS}
 STDERR_TAIL = 600
+REAPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "harness_reaper.py")
+"""Runs each ``--harness-cmd`` episode (a subreaper: nothing the episode started outlives it)."""
+REAPER_GRACE_S = 15.0
+"""After SIGTERM at the timeout, how long the reaper has to kill the command's processes and report."""
 
 
 def harness_row(samples, on: bool) -> dict:
@@ -159,8 +166,14 @@ class HarnessRunner:
         sampling = dataclasses.replace(sampling, seed=rl.seed)  # + crc32(episode id) and turn, per completion
         self.bos = tok.bos_token if isinstance(getattr(tok, "bos_token", None), str) else ""
         self.engine = _CountingEngine(worker.engine)
+        from megatron_tsync.rollout.openai_server import HttpLimits, chat_limits
+
+        # the endpoint is the worker's own, on loopback, for its one harness: no per-address share, and the runner
+        # owns episode lifetimes (every episode is finished or taken at the end of its step), so no cap or expiry
+        limits = chat_limits(rl.seq_length, max_connections_per_peer=HttpLimits.max_connections)
         self.server = _server_class()(self.engine, worker.codec, template, sampling=sampling,
-                                      max_context_tokens=rl.seq_length, tool_parser=parser).start()
+                                      max_context_tokens=rl.seq_length, tool_parser=parser, limits=limits,
+                                      max_episodes=None, episode_idle_s=None).start()
         self.fn = None
         if ro.harness_fn:
             module, _, name = ro.harness_fn.partition(":")
@@ -169,6 +182,9 @@ class HarnessRunner:
                 raise TypeError(f"--harness-fn {ro.harness_fn}: not an async function")
         self.timeout_s = float(ro.harness_timeout_s)
         self.failures: dict[str, int] = dict.fromkeys(HARNESS_REASONS, 0)
+        # command episodes run, processes they left running when they ended, processes killed (cumulative)
+        self.reaped = {"episodes": 0, "left": 0, "killed": 0}
+        self._warned_subreaper = False
 
     def close(self) -> None:
         self.server.close()
@@ -181,17 +197,19 @@ class HarnessRunner:
         insts = self.w.task.sample_prompts(step, spec.rl.groups_per_step, spec.rl.seed)
         gids = group_ids(step, spec.rl.groups_per_step)
         t0 = time.perf_counter()
-        calls0, failed0 = len(self.engine.batches), dict(self.failures)
+        calls0, failed0, left0 = len(self.engine.batches), dict(self.failures), self.reaped["left"]
         await asyncio.gather(*(self._episode(step, g, i, insts[g], gids[g], extra, t0) for g, i in items))
         for eid in list(self.server.episodes):  # episodes under ids the runner never gave out
             self.server.take(eid)
         self.server.refused.clear()
         batches = self.engine.batches[calls0:]
         failed = {k: v - failed0[k] for k, v in self.failures.items() if v > failed0[k]}
-        if step == self.w.spec.start_step or failed:  # the first step, and any step with failed episodes
+        left = self.reaped["left"] - left0
+        if step == self.w.spec.start_step or failed or left:  # the first step, any step with failed episodes or leftovers
             print(f"[worker {self.w.spec.worker_id}] harness step {step}: {len(items)} episodes, {sum(batches)} "
                   f"completions in {len(batches)} engine calls (mean batch {sum(batches) / max(len(batches), 1):.1f}), "
-                  f"{time.perf_counter() - t0:.1f}s; failed: {failed or 'none'}", flush=True)
+                  f"{time.perf_counter() - t0:.1f}s; failed: {failed or 'none'}; processes left running at the end "
+                  f"of an episode (killed): {left}", flush=True)
 
     def task_json(self, inst, eid: str, step: int, g: int, i: int) -> dict:
         rl = self.w.spec.rl
@@ -278,29 +296,71 @@ class HarnessRunner:
         return {"base_url": self.server.url, "episode_id": eid, "task": task, "model": self.server.model_name}
 
     async def _run_cmd(self, eid: str, task: dict) -> tuple[str | None, str]:
+        """Runs the command under ``harness_reaper.py`` (its own session, a subreaper that kills and reaps every
+        process the episode left when it ends: exit, error or timeout) and counts what was left."""
         a = self._inputs(eid, task)
         env = dict(os.environ, OPENAI_BASE_URL=a["base_url"], OPENAI_API_KEY=os.environ.get("OPENAI_API_KEY", "tsync"),
                    TSYNC_EPISODE_ID=eid, TSYNC_MODEL=a["model"], TSYNC_TASK=json.dumps(task))
         try:
-            proc = await asyncio.create_subprocess_shell(
-                self.w.spec.rollout.harness_cmd, env=env, stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE, start_new_session=True)
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-I", REAPER, self.w.spec.rollout.harness_cmd, env=env,
+                stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+                start_new_session=True)
         except OSError as e:
             return "harness_crash", f"cannot start the harness command: {e}"
+        timed_out = False
         try:
-            _, err = await asyncio.wait_for(proc.communicate(), self.timeout_s)
+            out, err = await asyncio.wait_for(proc.communicate(), self.timeout_s)
         except asyncio.TimeoutError:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)  # the shell and everything it started
-            except ProcessLookupError:
-                pass
-            await proc.wait()
+            timed_out, err, out = True, b"", await self._stop_reaper(eid, proc)
+        report = self._reaped(eid, out)
+        if timed_out:
             return "harness_timeout", f"still running after {self.timeout_s:g}s (--harness-timeout): killed"
-        if proc.returncode != 0:
+        rc = report.get("rc", proc.returncode)
+        if rc != 0:
             tail = err.decode(errors="replace").strip()
             last = tail.splitlines()[-1] if tail else "(no stderr)"  # the exception, first: logs cut messages short
-            return "harness_crash", f"exit {proc.returncode}: {last[:200]} | stderr tail: {tail[-STDERR_TAIL:]}"
+            return "harness_crash", f"exit {rc}: {last[:200]} | stderr tail: {tail[-STDERR_TAIL:]}"
         return None, ""
+
+    @staticmethod
+    async def _stop_reaper(eid: str, proc) -> bytes:
+        """SIGTERM to the reaper at the timeout: it kills the command and everything it started, and reports."""
+        out = b""
+        try:
+            proc.send_signal(signal.SIGTERM)
+            out = await asyncio.wait_for(proc.stdout.read(), REAPER_GRACE_S)
+            await asyncio.wait_for(proc.wait(), REAPER_GRACE_S)
+        except ProcessLookupError:
+            pass
+        except asyncio.TimeoutError:  # the reaper is gone or stuck; a process still holds its stderr
+            log.error("harness episode %s: the process reaper did not end %gs after SIGTERM: killed; processes the "
+                      "harness started may be left running", eid, REAPER_GRACE_S)
+            try:
+                proc.kill()
+            except ProcessLookupError:
+                pass
+        return out
+
+    def _reaped(self, eid: str, out: bytes) -> dict:
+        """The reaper's report (its last stdout line), counted in ``self.reaped``; {} (logged) without one."""
+        try:
+            report = json.loads(out.decode().strip().splitlines()[-1])
+            left, killed = int(report["left"]), int(report["killed"])
+        except (ValueError, IndexError, KeyError, TypeError):
+            log.warning("harness episode %s: no report from the process reaper (killed?): processes the harness "
+                        "started may be left running", eid)
+            return {}
+        if not report.get("subreaper") and not self._warned_subreaper:
+            self._warned_subreaper = True
+            log.warning("harness: prctl(PR_SET_CHILD_SUBREAPER) unavailable: only processes still linked to the "
+                        "harness command are killed at the end of an episode (a double-forked one escapes)")
+        self.reaped["episodes"] += 1
+        self.reaped["left"] += left
+        self.reaped["killed"] += killed
+        if left:
+            log.warning("harness episode %s left %d process(es) running; %d killed", eid, left, killed)
+        return report
 
     async def _run_fn(self, eid: str, task: dict) -> tuple[str | None, str]:
         t = time.monotonic()

@@ -175,3 +175,58 @@ def test_example_config_is_the_quickstart_driven_by_the_harness():
                     "rollout.harness_fn", "rollout.harness_timeout_s", "rollout.latency_profile",
                     "rollout.latency_scale"], diff
     assert ours.rollout.harness_fn == "examples.openai_harness.agent:run_episode"
+
+
+def _marked(marks: set[str]) -> list[int]:
+    """Pids of live processes whose argv is ``sleep MARK`` for a mark of `marks` (from /proc)."""
+    out = []
+    for pid in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if len(argv) >= 2 and argv[0].endswith(b"sleep") and argv[1].decode(errors="replace") in marks \
+                and state not in "ZX":
+            out.append(int(pid))
+    return out
+
+
+_MARK = 900_000 + os.getpid() % 90_000 * 10  # unique `sleep` durations: what the test looks for in /proc
+LEFTOVER_CASES = {  # name -> (harness command, outcome, processes left when the episode ended)
+    "clean exit, background children": (f"sleep {_MARK} & sleep {_MARK + 1} >/dev/null 2>&1 & exit 0", (None, ""), 2),
+    "setsid child, hang past the timeout": (f"setsid sleep {_MARK + 2} & sleep 3600", ("harness_timeout",), 3),
+    "double fork": (f"( setsid sleep {_MARK + 3} >/dev/null 2>&1 & ) ; exit 0", (None, ""), 1)}
+
+
+@pytest.mark.parametrize("case", list(LEFTOVER_CASES))
+def test_no_process_a_command_harness_started_outlives_its_episode(case):
+    """--harness-cmd: a background child after a clean exit (stderr kept, or redirected), a `setsid` child of a
+    command hanging past the timeout, and a double-forked `setsid` orphan are killed and reaped when the episode ends
+    (checked by their argv in /proc); a clean episode stays clean (a child holding stderr made it wait for the
+    timeout) and the processes left are counted."""
+    import asyncio
+    import signal
+    import types
+
+    from megatron_tsync.runtime.harness import HarnessRunner
+
+    cmd, want, left = LEFTOVER_CASES[case]
+    marks = {str(_MARK + i) for i in range(4)}
+    runner = HarnessRunner.__new__(HarnessRunner)  # only the harness-calling part: no worker, no endpoint
+    runner.timeout_s, runner.server = 1.5, types.SimpleNamespace(url="http://127.0.0.1:1/v1", model_name="m")
+    runner.w = types.SimpleNamespace(spec=types.SimpleNamespace(rollout=types.SimpleNamespace(harness_cmd=cmd)))
+    runner.reaped, runner._warned_subreaper = {"episodes": 0, "left": 0, "killed": 0}, False
+    try:
+        try:
+            got = asyncio.run(asyncio.wait_for(runner._run_cmd("s0g0t0", {"prompt": "p"}), 15))
+        except asyncio.TimeoutError:
+            got = ("the episode did not end",)  # a child holding the stderr pipe kept it waiting
+        assert got[:len(want)] == want, got
+        assert _marked(marks) == [], "a process of the episode is still running"
+        assert runner.reaped == {"episodes": 1, "left": left, "killed": left}
+    finally:
+        for pid in _marked(marks):  # the old code's survivors
+            os.kill(pid, signal.SIGKILL)

@@ -4,15 +4,18 @@ A hidden check ``assert EXPR == EXPECTED`` is never run as such where the soluti
 
     untrusted child (imports the solution)            trusted verifier (the rollout worker; never imports it)
     ──────────────────────────────────────            ─────────────────────────────────────────────────────────
-    __tsync_probe__("site", EXPR)  ── value ──►        plain data only (``ast.literal_eval`` of a size-capped
-      (expected values stripped:                       repr); compared with the expected value it alone holds
-       the child never sees them)                      (a literal of the test, a generator's value, or the
+    __tsync_probe__("site", EXPR)  ── value ──►        plain data only (a tagged JSON encoding, size-capped,
+      (expected values stripped:                       decoded in linear time: ``probe_values``); compared with
+       the child never sees them)                      the expected value it alone holds
+                                                       (a literal of the test, a generator's value, or the
                                                        task's reference solution's value on the same check)
 
 Whatever the solution does inside the child (patch pytest, the probe, ``builtins``, ``json``; print; write files;
 exit early) it can only change *which values are claimed*: to claim the right ones it must know them, i.e. compute
-them — solve the task. Objects with a forged ``__eq__`` never reach a comparison: only a repr of plain data leaves
-the child, and the trusted side parses it back into built-in types.
+them — solve the task. Objects with a forged ``__eq__`` never reach a comparison: only an encoding of plain data
+leaves the child, and the trusted side decodes it into built-in types. Nor can a report buy the worker's CPU: only
+the values of the probes the trusted side expects are decoded (:func:`parse_records`), the records are counted
+against caps, and decoding never hashes a value the child chose (``probe_values``).
 
 :func:`rewrite_asserts` turns the ``assert`` statements of a pytest file into probes (AST rewrite): for
 ``assert L op R`` with one literal operand the literal is stripped from the child's source and kept as the site's
@@ -28,16 +31,33 @@ import copy
 import json
 import operator
 import os
+import re
 import stat
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Collection, Mapping, Sequence
+
+from megatron_tsync.rollout.envs.probe_values import ENCODER_SRC, Budget, canon, decode, key
 
 __all__ = ["Expect", "EXPOSED", "NOPIN", "PROBE_RUNTIME", "rewrite_asserts", "parse_records", "judge", "is_strong",
            "expectations_from_reference", "MAX_RESULTS_BYTES"]
 
 MAX_VALUE_CHARS = 1 << 20
 MAX_RESULTS_BYTES = 32 << 20
+MAX_RECORDS = 100_000
+"""Probe records in one report (more: the report is refused, the trajectory scores 0 with the reason)."""
+MAX_RECORDS_PER_SITE = 10_000
+"""Records of one probe site in one report (an assert in a loop fires once per iteration)."""
+MAX_ELEMENTS = 1 << 20
+"""Values and container items decoded from one report, all records together (past it: "unparsable value")."""
 PROBE = "__tsync_probe__"
+_WS = re.compile(r"[ \t\n\r]*")
+
+
+def _no_number(s: str) -> Any:
+    raise ValueError("probe results are not valid: a number where a record has strings")
+
+
+_ROW = json.JSONDecoder(parse_int=_no_number, parse_float=_no_number, parse_constant=_no_number)
 
 OPS = {ast.Eq: "==", ast.NotEq: "!=", ast.Lt: "<", ast.LtE: "<=", ast.Gt: ">", ast.GtE: ">=", ast.In: "in",
        ast.NotIn: "not in", ast.Is: "is", ast.IsNot: "is not"}
@@ -48,9 +68,18 @@ pinned to the reference run's value but never *strong* (a loaded task needs a st
 test: one whose expected value the child never holds)."""
 _FLIP = {"==": "==", "!=": "!=", "<": ">", "<=": ">=", ">": "<", ">=": "<="}  # literal on the left: swap sides
 _EVAL = {"==": operator.eq, "!=": operator.ne, "<": operator.lt, "<=": operator.le, ">": operator.gt,
-         ">=": operator.ge, "in": lambda a, b: a in b, "not in": lambda a, b: a not in b,
+         ">=": operator.ge, "in": lambda a, b: _contains(b, a), "not in": lambda a, b: not _contains(b, a),
          "is": lambda a, b: a is b, "is not": lambda a, b: a is not b,
          "approx": lambda a, b: _approx(a, *b), EXPOSED: lambda a, b: True}
+
+
+def _contains(container: Any, x: Any) -> bool:
+    """``x in container`` where a set / dict is in :func:`probe_values.canon` form (it holds key texts)."""
+    if type(container) in (set, frozenset):
+        return key(frozenset(x) if type(x) is set else x) in container  # as Python's set does with a set
+    if type(container) is dict:
+        return key(x) in container
+    return x in container
 
 
 def _approx(value: Any, expected: Any, rel: float | None, abs_: float | None) -> bool:
@@ -69,31 +98,15 @@ def _approx(value: Any, expected: Any, rel: float | None, abs_: float | None) ->
 # The child's side: imported by the verifier's boot script / the unit-test runner from the read-only bundle. The
 # solution can replace any of it; it then only changes the values claimed (see the module docstring).
 PROBE_RUNTIME = r'''
-import builtins, os
-_PLAIN = (int, float, str, bool, type(None), bytes)
+import builtins, json, os
 records = []
 current = [None]
-
-
-def _plain(v, depth=0):
-    if depth > 30:
-        raise ValueError("too deep")
-    t = type(v)
-    if t in _PLAIN:
-        return v
-    if t in (list, tuple):
-        return t(_plain(x, depth + 1) for x in v)
-    if t is dict:
-        return {_plain(k, depth + 1): _plain(x, depth + 1) for k, x in v.items()}
-    if t is set:
-        return {_plain(x, depth + 1) for x in v}
-    raise TypeError(t.__name__)
-
+%(encoder)s
 
 def probe(site, value):
     test = current[0] or os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0]
     try:
-        text, kind = repr(_plain(value)), "v"
+        text, kind = _encode(value), "v"
         if len(text) > %(cap)d:
             text, kind = "too large", "u"
     except Exception as e:
@@ -102,7 +115,7 @@ def probe(site, value):
 
 
 builtins.%(probe)s = probe
-''' % {"cap": MAX_VALUE_CHARS, "probe": PROBE}
+''' % {"cap": MAX_VALUE_CHARS, "probe": PROBE, "encoder": ENCODER_SRC}
 
 
 class _NoPin:
@@ -138,10 +151,13 @@ class Expect:
         return self.op in ("==", "approx") and not isinstance(lit, (bool, type(None)))
 
     def holds(self, value: Any) -> bool:
+        """Whether `value` (a decoded probe value, or plain data) passes; both sides are compared in
+        :func:`probe_values.canon` form (sets and dict keys as key texts), with Python's semantics."""
         try:
-            if self.pinned is not NOPIN and not _equal(value, self.pinned):
+            value = canon(value)
+            if self.pinned is not NOPIN and not _equal(value, canon(self.pinned)):
                 return False
-            return self.op is None or bool(_EVAL[self.op](value, self.literal))
+            return self.op is None or bool(_EVAL[self.op](value, canon(self.literal)))
         except Exception:  # noqa: BLE001 - e.g. '<' between a str and an int: the check fails
             return False
 
@@ -307,30 +323,68 @@ def read_capped(path: str, cap: int = MAX_RESULTS_BYTES) -> bytes:
         os.close(fd)
 
 
-def parse_records(data: bytes | str) -> dict[str, list[tuple[str, str, Any]]]:
-    """test id -> [(site, kind, value)] from the child's JSON records (kind "v": plain data parsed here with
-    ``ast.literal_eval``; anything else: "u" with the text). ValueError for a malformed document."""
+def _rows(data: bytes | str) -> list:
+    """The rows of the results document (a JSON list), at most :data:`MAX_RECORDS` of them: parsed one at a time,
+    so a document of millions of tiny rows is refused before they are all built. JSON numbers are refused."""
     try:
-        rows = json.loads(data)
-    except (ValueError, RecursionError) as e:
+        text = data.decode() if isinstance(data, bytes) else data
+        i = _WS.match(text, 0).end()
+        if text[i:i + 1] != "[":
+            raise ValueError("probe results are not a list")
+        rows, i = [], _WS.match(text, i + 1).end()
+        while text[i:i + 1] != "]":
+            if rows:
+                if text[i:i + 1] != ",":
+                    raise ValueError("probe results are not valid JSON")
+                i = _WS.match(text, i + 1).end()
+            row, i = _ROW.raw_decode(text, i)
+            rows.append(row)
+            if len(rows) > MAX_RECORDS:
+                raise ValueError(f"more than {MAX_RECORDS} probe records")
+            i = _WS.match(text, i).end()
+        if _WS.match(text, i + 1).end() != len(text):
+            raise ValueError("probe results are not valid JSON")
+        return rows
+    except RecursionError:
+        raise ValueError("probe results are not valid JSON (nested too deep)") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"probe results are not valid JSON ({str(e)[:80]})") from None
-    if not isinstance(rows, list):
-        raise ValueError("probe results are not a list")
+
+
+def parse_records(data: bytes | str, expected: Mapping[str, Sequence[Expect]], sites: Collection[str] = ()
+                  ) -> dict[str, list[tuple[str, str, Any]]]:
+    """test id -> [(site, kind, value)] from the child's JSON records. Only the values the trusted side looks at are
+    decoded (``probe_values.decode``: linear, bounded by :data:`MAX_ELEMENTS` for the whole report): a record at
+    position i of a test of `expected` whose site is that test's i-th expected site, or any record of a site in
+    `sites` (a reference run, whose expected values are not known yet). Any other value record keeps kind "x" and
+    is never decoded: the judge fails its test (a site or a count it did not expect), as it always has. A value
+    that does not decode becomes "u" ("unparsable value"); "u" records keep the child's text. ValueError for a
+    malformed document, more than :data:`MAX_RECORDS` records, or more than :data:`MAX_RECORDS_PER_SITE` of one
+    site."""
+    rows = _rows(data)
     out: dict[str, list[tuple[str, str, Any]]] = {}
+    per_site: dict[str, int] = {}
+    budget = Budget(MAX_ELEMENTS)
     for row in rows:
-        if not (isinstance(row, list) and len(row) == 4 and all(isinstance(x, str) for x in row)):
+        if not (isinstance(row, list) and len(row) == 4 and all(type(x) is str for x in row)):
             raise ValueError("malformed probe record")
         test, site, kind, text = row
+        per_site[site] = per_site.get(site, 0) + 1
+        if per_site[site] > MAX_RECORDS_PER_SITE:
+            raise ValueError(f"more than {MAX_RECORDS_PER_SITE} probe records of site {site[:80]!r}")
+        got = out.setdefault(test, [])
+        want = expected.get(test, ())
         value: Any = text
-        if kind == "v":
-            ok = len(text) <= MAX_VALUE_CHARS
+        if kind == "v" and not (len(got) < len(want) and want[len(got)].site == site or site in sites):
+            kind, value = "x", "value not read (a probe the verifier did not expect here)"
+        elif kind == "v":
             try:
-                value = ast.literal_eval(text) if ok else None
-            except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
-                ok = False
-            if not ok:
+                if len(text) > MAX_VALUE_CHARS:
+                    raise ValueError("too large")
+                value = decode(text, budget)
+            except ValueError:
                 kind, value = "u", "unparsable value"
-        out.setdefault(test, []).append((site, kind, value))
+        got.append((site, kind, value))
     return out
 
 

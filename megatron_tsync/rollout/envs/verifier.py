@@ -13,7 +13,8 @@ After the episode (the agent's processes are all dead: every sandboxed call kill
               and the test files; at the end the probe records are written to V/.tsync_<nonce>.json
         env: PYTEST_DISABLE_PLUGIN_AUTOLOAD=1, PYTHONNOUSERSITE=1; wall / cpu / memory limits of the sandbox
     verdict (trusted process, never the child's): the records file (O_NOFOLLOW, regular, size-capped) is parsed as
-        data; every expected test must report exactly its expected probes and each value must hold (the expected
+        data, bounded (only the expected probes' values are decoded; record counts capped; linear-time decoding:
+        ``probes.parse_records``); every expected test must report exactly its expected probes and each value must hold (the expected
         values live only in this process). pytest's own outcomes, exit status and output are ignored.
 
 The child runs the solution's code, so everything it reports is a claim: it can patch pytest or the probe, print,
@@ -43,7 +44,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import Collection, Mapping, Sequence
 
 from megatron_tsync.rollout.envs.probes import PROBE_RUNTIME, Expect, judge, parse_records, read_capped
 from megatron_tsync.rollout.envs.workspace_tools import hidden_mounts
@@ -58,6 +59,9 @@ MAX_FILES = 5000
 MAX_COPY_BYTES = 64 << 20
 BUNDLE_MOUNT = "/run/tsync_pytest_bundle"
 """Where the pytest bundle is bind-mounted (read-only) inside the verifier's sandbox (/run is masked there)."""
+DEFAULT_CONFIG = SandboxConfig(wall_timeout_s=60.0, cpu_seconds=60, memory_bytes=2 << 30, max_output_bytes=4 << 20,
+                               max_processes=64)
+"""The verifier's sandbox by default: the solution's own time limit (60 s of CPU, 60 s wall) per verification."""
 _BUNDLE_PACKAGES = ("pytest", "_pytest", "pluggy", "iniconfig", "packaging", "pygments", "py")
 _OPTIONAL_PACKAGES = ("py", "pygments")
 
@@ -100,6 +104,10 @@ class TestSpec:
     """Copy every allowed regular file of the workspace (False: only ``*.py``)."""
     targets: Sequence[str] = ()
     """Test files to run (default: the files of ``expected``'s test ids)."""
+    sites: Collection[str] = ()
+    """Probe sites whose every value is decoded besides ``expected``'s (a reference run, whose expected values are
+    being computed, names all sites of its rewrite); any other site's values are never parsed
+    (``probes.parse_records``)."""
     __test__ = False  # not a pytest test class
 
 
@@ -211,8 +219,7 @@ class HiddenTestVerifier:
     """Runs a :class:`TestSpec` on a final workspace (see the module docstring)."""
 
     def __init__(self, sandbox: Sandbox | None = None, config: SandboxConfig | None = None):
-        self.sandbox = sandbox or Sandbox(config or SandboxConfig(
-            wall_timeout_s=60.0, cpu_seconds=60, memory_bytes=2 << 30, max_output_bytes=4 << 20, max_processes=64))
+        self.sandbox = sandbox or Sandbox(config or DEFAULT_CONFIG)
 
     def verify(self, workspace_dir: str, spec: TestSpec) -> Verdict:
         """Verdict of `spec` on the final workspace `workspace_dir` (read, never written). Never raises for anything
@@ -274,7 +281,7 @@ class HiddenTestVerifier:
             if res.exit_code is None or res.exit_code < 0:
                 return None, f"test run failed: {res.error}", res.exit_code
             try:
-                return parse_records(read_capped(results)), "", res.exit_code
+                return parse_records(read_capped(results), spec.expected, spec.sites), "", res.exit_code
             except ValueError as e:
                 return None, f"{e} (exit {res.exit_code})", res.exit_code
         finally:

@@ -248,7 +248,8 @@ class WorkspaceEnv:
                              "solution.sh) to pin the expected values; unverifiable")
         files, sites = rewrite_test_files(task.test_files)
         targets = tuple(sorted({m.partition("::")[0] for m in task.must_pass}))
-        ref_spec = TestSpec(files, {}, protected=tuple(task.protected), noconftest=task.noconftest, targets=targets)
+        ref_spec = TestSpec(files, {}, protected=tuple(task.protected), noconftest=task.noconftest, targets=targets,
+                            sites=frozenset(sites))
         runs = [self._reference_run(task, ref_spec) for _ in range(2)]
         expected = select_expected(task, expectations_from_reference(runs, sites))
         return TestSpec(files, expected, protected=tuple(task.protected), noconftest=task.noconftest,

@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import builtins
 import json
+import time
 
 import pytest
 
-from megatron_tsync.rollout.envs.probes import (NOPIN, PROBE, PROBE_RUNTIME, Expect, expectations_from_reference,
-                                                judge, parse_records, rewrite_asserts)
+from megatron_tsync.rollout.envs.probe_values import Budget, canon, decode, encode
+from megatron_tsync.rollout.envs.probes import (MAX_RECORDS_PER_SITE, MAX_RESULTS_BYTES, MAX_VALUE_CHARS, NOPIN, PROBE,
+                                                PROBE_RUNTIME, Expect, expectations_from_reference, judge,
+                                                parse_records, rewrite_asserts)
+from megatron_tsync.rollout.envs.verifier import DEFAULT_CONFIG
 
 SRC = '''
 def test_a():
@@ -41,9 +45,9 @@ def test_rewrite_strips_literal_operands_and_probes_the_rest():
     assert sites == {"t.py#0": ("==", 50), "t.py#1": ("==", 70), "t.py#2": (">", 3), "t.py#3": (None, None),
                      "t.py#4": ("exposed", None), "t.py#5": ("exposed", None), "t.py#6": (None, None)}
     recs = run_child(child, f=lambda x: x * 10, g=lambda x: x + 1)
-    assert [(s, v) for _, s, _, v in recs] == [("t.py#0", "10"), ("t.py#1", "20"), ("t.py#2", "30"),
-                                               ("t.py#3", "40"), ("t.py#4", "50"), ("t.py#5", "6"),
-                                               ("t.py#6", "60")]
+    assert [(s, decode(v, Budget(9))) for _, s, _, v in recs] == [("t.py#0", 10), ("t.py#1", 20), ("t.py#2", 30),
+                                                                  ("t.py#3", 40), ("t.py#4", 50), ("t.py#5", 6),
+                                                                  ("t.py#6", 60)]
     with pytest.raises(ValueError, match="not valid Python"):
         rewrite_asserts("def f(:\n", "bad.py")
 
@@ -60,17 +64,19 @@ def test_only_plain_data_leaves_the_child():
     values = [Any("x"), Obj(), [1, (2, {"k": {3}})], True, 2.5, b"by", {1: Obj()}, "x" * (2 << 20)]
     recs = run_child(child, VALUES=values)
     assert [k for _, _, k, _ in recs] == ["u", "u", "v", "v", "v", "v", "u", "u"]
-    assert recs[0][3] == "Any (TypeError)" and recs[2][3] == "[1, (2, {'k': {3}})]"
+    assert recs[0][3] == "Any (TypeError)" and recs[2][3] == '["l","i1",["t","i2",["d","sk",["s","i3"]]]]'
+    assert decode(recs[2][3], Budget(9)) == canon([1, (2, {"k": {3}})])
 
 
 def test_parse_records_takes_only_data():
-    good = json.dumps([["t::a", "s", "v", "[1, 'x']"], ["t::a", "s2", "v", "__import__('os')"],
+    good = json.dumps([["t::a", "s", "v", encode([1, "x"])], ["t::a", "s2", "v", "__import__('os')"],
                        ["t::b", "s", "u", "Obj"]])
-    recs = parse_records(good)
+    recs = parse_records(good, {"t::a": (Expect("s"), Expect("s2")), "t::b": (Expect("s"),)})
     assert recs == {"t::a": [("s", "v", [1, "x"]), ("s2", "u", "unparsable value")], "t::b": [("s", "u", "Obj")]}
-    for bad in ("not json", "{}", '[["a", "b", "c"]]', '[["a", "b", "c", 4]]', "[" * 100000):
+    for bad in ("not json", "{}", '[["a", "b", "c"]]', '[["a", "b", "c", 4]]', "[" * 100000, "[[1e999]]",
+                '[["a", "b", "c", "d"]] x'):
         with pytest.raises(ValueError):
-            parse_records(bad)
+            parse_records(bad, {})
 
 
 def test_judge_wants_exactly_the_expected_probes():
@@ -148,3 +154,104 @@ def test_constants_bound_in_the_test_are_stripped_and_two_sided_comparisons_are_
                      "t.py#3": ("==", {"a": 1}), "t.py#4": ("exposed", None), "t.py#5": ("exposed", None)}
     assert not Expect("t.py#4", pinned=[1, 3], op="exposed").strong and Expect("t.py#4", pinned=[1, 3]).strong
     assert Expect("t.py#4", pinned=[1, 3], op="exposed").holds([1, 3])
+
+
+# ------------------------------------------------------------------------------------------ adversarial reports
+def _child_encoder():
+    rt: dict = {}
+    exec(PROBE_RUNTIME, rt)
+    del builtins.__tsync_probe__
+
+    def text(value) -> str:
+        rt["probe"]("s", value)
+        return rt["records"].pop()[3]
+    return text
+
+
+child_text = _child_encoder()
+"""The child runtime's encoding of a value (what its probe records)."""
+
+
+def one_mib(kind: str) -> str:
+    """The largest record the child may write (MAX_VALUE_CHARS) holding a set / a dict (int keys) of ints equal mod
+    2**61 - 1 (one int hash), or lists nested that deep: written directly, in the child's own format, as a forger
+    would (building the real set in a process is the quadratic work the attack wants the verifier to do)."""
+    el = child_text(7)
+    if kind == "nested":
+        pre, suf = child_text([7]).split(el)
+        n = (MAX_VALUE_CHARS - len(el)) // (len(pre) + len(suf))
+        return pre * n + el + suf * n
+    sep = child_text([7, 7]).split(el)[1]
+    pre, *mid, suf = child_text({7} if kind == "set" else {7: 7}).split(el)
+    parts, size, k = [], len(pre) + len(suf), 1
+    while True:  # the child's text of 7 with the digits swapped: its text of the int (both formats write decimal)
+        part = el.replace("7", str(k * (2**61 - 1))) + (mid[0] + el if mid else "")
+        if size + len(part) + len(sep) > MAX_VALUE_CHARS:
+            return pre + sep.join(parts) + suf
+        parts.append(part)
+        size, k = size + len(part) + len(sep), k + 1
+
+
+def report(rows: list[list[str]]) -> str:
+    """A results document with the rows, plus a well-behaved test ("t::ok", its one value 5) that must still pass."""
+    return json.dumps([["t::ok", "ok", "v", child_text(5)], *rows])
+
+
+def test_adversarial_reports_cost_the_trusted_side_little_cpu():
+    """Forged reports: the largest record of hash-colliding ints in a set / a dict (every int a multiple of
+    2**61 - 1: one hash), 1 MiB of nested lists, as many colliding records as fit in one report (MAX_RESULTS_BYTES)
+    at sites the verifier expects and at sites it does not, a flood of tiny records. Each report's parse + judge (the
+    worker's CPU, time.process_time) stays under a tenth of the solution's own CPU limit (the verifier's sandbox,
+    60 s); ast.literal_eval of the first record alone took ~28 s. The well-behaved test beside them still passes; the
+    forged ones fail, and a report over the record caps is refused."""
+    bound = DEFAULT_CONFIG.cpu_seconds / 10
+    ok = {"t::ok": (Expect("ok", pinned=5),)}
+    big_set = one_mib("set")
+    fit = MAX_RESULTS_BYTES // len(json.dumps(["t::x", "x#00", "v", big_set]))
+    cases = {  # name -> (rows, the test's expected probes or None if the report must be refused)
+        "1 MiB set of colliding ints": ([["t::x", "x#0", "v", big_set]], (Expect("x#0", pinned={1, 2}),)),
+        "1 MiB dict of colliding int keys": ([["t::x", "x#0", "v", one_mib("dict")]], (Expect("x#0", pinned={1: 7}),)),
+        "1 MiB of nested lists": ([["t::x", "x#0", "v", one_mib("nested")]], (Expect("x#0", pinned=[[]]),)),
+        f"{fit} such sets, expected sites": ([["t::x", f"x#{i}", "v", big_set] for i in range(fit)],
+                                             tuple(Expect(f"x#{i}", pinned={1, 2}) for i in range(fit))),
+        f"{fit} such sets, sites nobody expects": ([["t::y", f"y#{i}", "v", big_set] for i in range(fit)],
+                                                   (Expect("x#0", pinned=1),)),
+        "a flood of tiny records": ([["t::x", "x#0", "v", "true"]] * (MAX_RESULTS_BYTES // 40), None),
+        "one site, too many records": ([["t::x", "x#0", "v", "true"]] * (MAX_RECORDS_PER_SITE + 1), None),
+    }
+    for name, (rows, want) in cases.items():
+        data = report(rows)
+        assert len(data) <= MAX_RESULTS_BYTES, name
+        t0 = time.process_time()
+        try:
+            passed, bad = judge(parse_records(data, {**ok, "t::x": want or ()}), {**ok, "t::x": want or ()})
+        except ValueError as e:
+            passed, bad = None, str(e)
+        spent = time.process_time() - t0
+        assert spent < bound, f"{name}: {spent:.1f} s of the worker's CPU (bound {bound:g} s)"
+        if want is None:
+            assert passed is None and "more than" in bad, (name, bad)
+        else:
+            assert passed == ["t::ok"] and len(bad) == 1 and bad[0].startswith("t::x"), (name, bad)
+
+
+def test_values_compare_as_python_values():
+    """The decoded forms compare exactly as the values did: a bool is no int at the top level but is one inside a set
+    or as a dict key (Python's ==), 1 == 1.0, nested containers, set membership / subset ops, approx, and what the
+    child refuses (non-finite floats, objects) stays "not plain data"."""
+    def dec(v):
+        return decode(encode(v), Budget(1000))
+    assert Expect("s", pinned={1, (2, "a")}).holds(dec({1.0, (2, "a")})) and Expect("s", pinned={True}).holds(dec({1}))
+    assert not Expect("s", pinned={1, 2}).holds(dec({1, 3})) and not Expect("s", pinned=1).holds(dec(True))
+    assert Expect("s", pinned={"a": [1, {2}], 1: b"x"}).holds(dec({True: b"x", "a": [1.0, {2}]}))
+    assert not Expect("s", pinned={"a": [1, {2}]}).holds(dec({"a": [1, {3}]}))
+    assert Expect("s", op="in", literal={3, 4}).holds(dec(3)) and not Expect("s", op="in", literal={3}).holds(dec([3]))
+    assert Expect("s", op="<", literal={1, 2}).holds(dec({1})) and Expect("s", op="in", literal=[{1}]).holds(dec({1}))
+    assert Expect("s", op="not in", literal={1, 2}).holds(dec({2})) and not Expect("s", op="not in", literal={1: 2}).holds(dec({1}))
+    assert Expect("s", op="in", literal={"k": 1}).holds(dec("k")) and Expect("s", op="is", literal=None).holds(dec(None))
+    assert Expect("s", op="approx", literal=([0.3, 1.0], None, None)).holds(dec([0.1 + 0.2, 1]))
+    assert Expect("s", pinned=(1, [2.5, "x"])).holds(dec((1, [2.5, "x"]))) and dec(-0.0) == 0 and dec(b"\x00") == b"\x00"
+    for text in (child_text(float("inf")), child_text(float("nan")), '["s",["l"]]', '"i1_0e5"', '["q"]', '"f1e999"'):
+        with pytest.raises(ValueError):
+            decode(text, Budget(100))
+    assert child_text(frozenset({1})) == "frozenset (TypeError)" and child_text(10**5000).endswith("(ValueError)")

@@ -18,6 +18,7 @@ import time
 import pytest
 
 from megatron_tsync.rollout.envs.loaders import load_swebench_jsonl, load_terminal_bench_dir
+from megatron_tsync.rollout.envs.probe_values import encode
 from megatron_tsync.rollout.envs.probes import PROBE
 from megatron_tsync.rollout.envs.swe_lite import generate_task
 from megatron_tsync.rollout.envs.terminal_lite import generate_task as generate_terminal_task
@@ -167,7 +168,7 @@ def _forge(claims):
                 m = _re.match(r"\s*def (test_\w+)", line)
                 test = m.group(1) if m else test
                 for site in _re.findall(r"__tsync_probe__\('([^']+)'", line):
-                    out.append([rel + "::" + test, site, "v", claims.get(site, "True")])
+                    out.append([rel + "::" + test, site, "v", claims.get(site, "true")])  # True, encoded
     argv = open("/proc/self/cmdline").read().split("\0")  # the boot's own argv names the results file
     results = [a for a in argv if a.endswith(".json") and ".tsync_" in a]
     if results:
@@ -236,7 +237,7 @@ def test_control_the_record_forger_with_the_right_values_scores_1(cases):
     """The forger above owns the report channel completely: given the expected values (which only the trusted
     process holds) it scores 1. What it lacks is exactly the answer."""
     c = cases["swe-lite"]
-    claims = {e.site: repr(e.pinned) for exp in c.task.test_spec().expected.values() for e in exp}
+    claims = {e.site: encode(e.pinned) for exp in c.task.test_spec().expected.values() for e in exp}
     v, _ = c.play([c.write(c.host, FORGE_RECORDS.replace("CLAIMS", repr(claims)), append=True)])
     assert v.reward == 1.0, v
 
@@ -337,7 +338,8 @@ def test_the_child_sees_neither_the_expected_values_nor_the_trusted_process(case
         pytest.skip("no pid namespace on this machine")
     look = {"tests/test_look.py": f"import os\n\n\ndef test_look():\n    {PROBE}('s', sorted(int(p) for p in "
                                   "os.listdir('/proc') if p.isdigit()))\n"}
-    records, why, _ = hidden_verifier.probe(tempfile.mkdtemp(), TestSpec(look, {"tests/test_look.py::test_look": ()}))
+    records, why, _ = hidden_verifier.probe(tempfile.mkdtemp(), TestSpec(look, {"tests/test_look.py::test_look": ()},
+                                                                         sites={"s"}))
     (_, kind, pids), = records["tests/test_look.py::test_look"]
     assert kind == "v" and os.getpid() not in pids and max(pids) < 100, pids
 
