@@ -90,6 +90,9 @@ _FLAGS: tuple[_Flag, ...] = (
     _f("--adam-eps", "optim.adam_eps", _G_OPT, type=float, help="Adam ε"),
     _f("--sgd-momentum", "optim.sgd_momentum", _G_OPT, type=float, help="SGD momentum"),
     _f("--clip-grad", "optim.clip_grad", _G_OPT, type=float, help="global gradient-norm clip (0 = off)"),
+    _f("--max-consecutive-skipped-steps", "rl.max_consecutive_skipped_steps", _G_OPT, type=int, metavar="N",
+       help="a step with a NaN/inf loss or gradient skips its update (weights unchanged, counted in skipped_steps); "
+            "N such steps in a row stop the run with exit code 3 and no checkpoint (0 = never stop)"),
     # ---- precision
     _f("--bf16", "precision.bf16", _G_PREC, **_SWITCH, help="bfloat16 parameters and compute"),
     _f("--params-dtype", "precision.params_dtype", _G_PREC, choices=C.PARAMS_DTYPES,

@@ -219,6 +219,9 @@ class RLConfig(_Section):
     trainer the policy that generated a trajectory may be. 0 otherwise."""
     seed: int = 1234
     """Seed of prompt sampling, rollout sampling and model initialisation."""
+    max_consecutive_skipped_steps: int = 3
+    """Stop the run (exit code 3, no checkpoint) after this many steps in a row whose optimizer update was skipped for
+    a non-finite loss or gradient (``training/barrier.py``, ``runtime/stop.py``); 0: never stop."""
 
     @property
     def max_action_tokens(self) -> int:
@@ -238,6 +241,9 @@ class RLConfig(_Section):
         _check_sampling(self, "rl")
         _check(self.max_staleness >= 0, f"rl.max_staleness must be >= 0, got {self.max_staleness}",
                "rl.max_staleness")
+        _check(self.max_consecutive_skipped_steps >= 0,
+               f"rl.max_consecutive_skipped_steps must be >= 0, got {self.max_consecutive_skipped_steps}",
+               "rl.max_consecutive_skipped_steps")
         _check(self.max_new_tokens <= self.seq_length,
                f"rl.max_new_tokens ({self.max_new_tokens}) exceeds rl.seq_length ({self.seq_length})",
                "rl.max_new_tokens", "rl.seq_length")

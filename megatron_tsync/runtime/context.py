@@ -238,3 +238,13 @@ class RunContext:
 def progress_bar(done: int, total: int, width: int = 20) -> str:
     fill = int(width * done / max(total, 1))
     return f"[{'#' * fill}{'.' * (width - fill)}] {done}/{total}"
+
+
+def grad_norm_text(row: dict) -> str:
+    """The progress line's grad-norm: ``skipped`` when the step's update was skipped (non-finite; ``runtime/stop.py``)."""
+    return "skipped" if row.get("update_skipped") else f"{row['grad_norm'] or 0:.3f}"
+
+
+def skipped_text(row: dict) -> str:
+    """`` skipped N``: the run's skipped updates so far, once there is one."""
+    return f" skipped {row['skipped_steps']}" if row.get("skipped_steps") else ""

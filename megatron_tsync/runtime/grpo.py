@@ -16,7 +16,7 @@ import random
 import torch.distributed as dist
 
 from megatron_tsync.config import reward_spec_conflict
-from megatron_tsync.runtime.context import RunContext, progress_bar
+from megatron_tsync.runtime.context import RunContext, grad_norm_text, progress_bar, skipped_text
 from megatron_tsync.runtime.harness import HARNESS_TB_NAMES, harness_row
 from megatron_tsync.runtime.fleet import LEDGER_TB_NAMES, RolloutFleet, TransportSource, ledger_row
 from megatron_tsync.runtime.rollout_io import dump_grads, load_rollouts
@@ -155,8 +155,8 @@ class GRPO:
     def line(self, row: dict, done: int, total: int, eta_s: float) -> str:
         bar = progress_bar(done, total) if self.ctx.cfg.logging.progress else f"step {done}"
         return (f"[tsync] {bar} reward {row['reward']:.3f} success {row['success_rate']:.2f} "
-                f"step {row['step_time_s']:5.2f}s idle {row['idle_frac']:4.0%} grad-norm {row['grad_norm'] or 0:.3f} "
-                f"rejected {row['events_rejected']} ETA {eta_s:5.0f}s")
+                f"step {row['step_time_s']:5.2f}s idle {row['idle_frac']:4.0%} grad-norm {grad_norm_text(row)} "
+                f"rejected {row['events_rejected']}{skipped_text(row)} ETA {eta_s:5.0f}s")
 
     def summary(self, h: list[dict]) -> str:
         n = max(1, min(10, len(h) // 3))  # first / last third (≤ 10 steps): one step's batch is noisy

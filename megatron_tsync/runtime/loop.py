@@ -4,7 +4,9 @@ What differs between algorithms is the learner, the event source of a step and t
 Everything else is the loop's, and so the same for all: start-up (``RunContext``), the weight hand-off before every
 step, ``--dump-rollouts``, logging, ``--save-interval``, the save at the end (or on an agreed stop: a signal or
 ``--exit-duration-in-mins``; SIGTERM on one trainer rank aborts the step in flight, otherwise it finishes first),
-the stop record ``SAVE/tsync_stop.json`` (``runtime/stop.py``), closing the rollout plane.
+the stop record ``SAVE/tsync_stop.json`` (``runtime/stop.py``), closing the rollout plane, and the count of steps
+whose update the barrier skipped for a non-finite loss or gradient (``--max-consecutive-skipped-steps`` in a row stop
+the run with exit code 3 and no checkpoint: ``runtime/stop.py``).
 
     for k in steps:   publish θ_k → algorithm.step(k) (consume events as they land, barrier, optimizer step)
                       → dump → log → save every N
@@ -27,7 +29,8 @@ from megatron_tsync.runtime.grpo import GRPO_SPEC
 from megatron_tsync.runtime.opd import OPD_SPEC
 from megatron_tsync.runtime.rollout_io import dump_rollouts
 from megatron_tsync.runtime.spec import Algorithm, TrainSpec
-from megatron_tsync.runtime.stop import StopAgreement, StopFlag, StopRequested, write_stop_file
+from megatron_tsync.runtime.stop import (NonFiniteStop, SkipCounter, StopAgreement, StopFlag, StopRequested,
+                                         write_stop_file)
 
 
 def train(ctx: RunContext, algo: Algorithm) -> list[dict]:
@@ -54,6 +57,10 @@ def train(ctx: RunContext, algo: Algorithm) -> list[dict]:
             ctx.publish(fleet, ctx.step)
         _evaluate(ctx, heldout)
         _finish(ctx, _steps(ctx, algo, fleet, agreement, heldout))
+    except NonFiniteStop:  # no checkpoint, no stop record; the rows so far are still written
+        if ctx.history and ctx.dims.is_logging_rank:
+            ctx.save_history(heldout.records if heldout is not None else None)
+        raise
     finally:
         if fleet is not None:
             fleet.close()
@@ -84,6 +91,7 @@ def _steps(ctx: RunContext, algo: Algorithm, fleet, agreement: StopAgreement, he
     live = not cfg.logging.replay_rollouts  # every rank publishes (a collective over TP/PP); rank 0 owns the fleet
     t_run = time.perf_counter()
     first = ctx.saved = ctx.step
+    skips = SkipCounter(cfg.rl.max_consecutive_skipped_steps)
     while ctx.step < cfg.rl.train_iters:
         k = ctx.step
         reason = agreement.decide(ctx.stop)  # the same on every rank: all stop before the same step
@@ -109,8 +117,12 @@ def _steps(ctx: RunContext, algo: Algorithm, fleet, agreement: StopAgreement, he
             dump_rollouts(cfg.logging.dump_rollouts, k, out.samples, out.group_order)
         if live and ctx.step < cfg.rl.train_iters:
             ctx.publish(fleet, ctx.step)
-        row = {**algo.row(k, out, fleet), **perf_row(out, t_step, cpu_step)}
+        skipped = int(getattr(out.result, "skipped_updates", 0))
+        row = {**algo.row(k, out, fleet), **perf_row(out, t_step, cpu_step), **skips.record(k, skipped)}
+        if skipped and ctx.dims.rank == 0:
+            print(f"[tsync] {skips.message(k)}", flush=True)
         _log(ctx, algo, k, row, time.perf_counter() - t_run, ctx.step - first)
+        skips.check(k)  # the same on every rank (the barrier's verdict is all-reduced): all stop here
         _evaluate(ctx, heldout)  # θ_{k+1}, while the workers roll out step k + 1
         si = cfg.checkpoint.save_interval
         if si and ctx.step % si == 0:
@@ -137,6 +149,8 @@ def _finish(ctx: RunContext, reason: str) -> None:
 PERF_TB_NAMES = {"learner_busy_s": "perf/learner_busy_s", "wall_step_s": "perf/wall_step_s",
                  "trainer_cpu_s": "perf/trainer_cpu_s"}
 """TensorBoard tags of :func:`perf_row`'s keys."""
+SKIP_TB_NAMES = {"skipped_steps": "train/skipped_steps", "update_skipped": "train/update_skipped"}
+"""TensorBoard tags of ``SkipCounter.record``'s keys."""
 
 
 def perf_row(out, t_step: float, cpu_step: float) -> dict:
@@ -150,7 +164,7 @@ def perf_row(out, t_step: float, cpu_step: float) -> dict:
 
 def _log(ctx: RunContext, algo: Algorithm, k: int, row: dict, elapsed: float, done: int) -> None:
     ctx.history.append(row)
-    ctx.write_scalars(row, algo.tb_names | PERF_TB_NAMES, k)
+    ctx.write_scalars(row, algo.tb_names | PERF_TB_NAMES | SKIP_TB_NAMES, k)
     if ctx.dims.is_logging_rank and k % max(ctx.cfg.logging.log_interval, 1) == 0:
         total = ctx.cfg.rl.train_iters
         eta = elapsed / max(done, 1) * (total - ctx.step)
@@ -192,5 +206,7 @@ def run(cfg: TrainConfig) -> list[dict]:
     env_report.print_report(cfg, ctx.dims)
     try:
         return train(ctx, spec.build(ctx))
+    except NonFiniteStop as e:  # every rank, after the same step: one line (rank 0), exit code 3
+        preflight.fail(e, code=3)
     finally:
         destroy_parallel()

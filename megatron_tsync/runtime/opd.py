@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_tsync.runtime.context import RunContext, progress_bar
+from megatron_tsync.runtime.context import RunContext, grad_norm_text, progress_bar, skipped_text
 from megatron_tsync.runtime.fleet import LEDGER_TB_NAMES, RolloutFleet, TransportSource, _event_routing, ledger_row
 from megatron_tsync.runtime.rollout_io import load_rollouts
 from megatron_tsync.runtime.spec import StepOutcome, TrainSpec
@@ -226,7 +226,8 @@ class OPD:
         bar = progress_bar(done, total) if self.ctx.cfg.logging.progress else f"step {done}"
         return (f"[tsync] {bar} reverse-KL {row['reverse_kl']:.4f} reward {row['reward']:.3f} "
                 f"step {row['step_time_s']:5.2f}s tail {row['tail_after_last_arrival_s']:5.2f}s "
-                f"teacher {row['teacher_s']:4.2f}s grad-norm {row['grad_norm'] or 0:.3f} ETA {eta_s:5.0f}s")
+                f"teacher {row['teacher_s']:4.2f}s grad-norm {grad_norm_text(row)}{skipped_text(row)} "
+                f"ETA {eta_s:5.0f}s")
 
     def summary(self, h: list[dict]) -> str:
         n = max(1, min(3, len(h) // 2))

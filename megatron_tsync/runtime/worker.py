@@ -399,12 +399,17 @@ class RolloutWorker:
             start, end = traj.turn_spans[turn]
             mask = np.asarray(traj.loss_mask[:end], dtype=np.uint8)
             mask[:start] = 0
-            self.sender.send(TurnEvent(
+            ev = TurnEvent(
                 traj_id=traj_id(m["group_id"], m["index"]), group_id=m["group_id"],
                 policy_version=traj.policy_version if traj.policy_version >= 0 else step, turn=turn, start=start,
                 end=end, token_ids=np.asarray(traj.token_ids[:end], dtype=np.int32), loss_mask=mask,
                 logprobs=np.asarray(traj.logprobs[:end], dtype=np.float32) * mask,
-                **_routing_fields(traj, end)), timeout_s=600)
+                **_routing_fields(traj, end))
+            why = bad_logprobs(ev)
+            if why is None:
+                self.sender.send(ev, timeout_s=600)
+            else:  # not streamed: the trajectory's final event reports it failed (``reported``)
+                log.warning("%s turn %d not sent: %s", ev.traj_id, turn, why)
 
         from megatron_tsync.rollout.envs.base import EnvTools
 
@@ -452,6 +457,7 @@ class RolloutWorker:
                   **(self.drafter.meta(m.get("spec_key")) if self.drafter is not None else {})},
             **_routing_fields(traj),
         )
+        ev = reported(ev, float(spec.lo))
         if self.pace_s > 0:
             async with self._pace_lock:
                 await asyncio.sleep(self.pace_s)
@@ -465,6 +471,31 @@ class RolloutWorker:
             log.warning("latency trace %s not written: %s", self.trace.path, e)
         self.sent += 1
         self.status.update(sent=self.sent, step_sent=self.status.get("step_sent", 0) + 1)
+
+
+def bad_logprobs(ev) -> str | None:
+    """Why the schema refuses the log-probs of an event built from this worker's engine output (``bad_logprob``: NaN,
+    > 0, a behaviour log-prob below ``schema.LOGPROB_FLOOR`` — an engine bug the receiver would reject anyway), or
+    None. Other schema errors are raised as before."""
+    from megatron_tsync.transport import BadLogprobError
+
+    try:
+        ev.validate()
+    except BadLogprobError as e:
+        return str(e)
+    return None
+
+
+def reported(ev, lowest: float):
+    """The trajectory event to send: ``ev``, or when :func:`bad_logprobs` refuses it the same trajectory reported
+    failed (the task's ``lowest`` reward, log-probs zeroed), so it is accounted in its group instead of killing this
+    worker on the sender's schema check."""
+    why = bad_logprobs(ev)
+    if why is None:
+        return ev
+    log.warning("trajectory %s: the engine's log-probs are invalid (%s): reported as failed", ev.traj_id, why)
+    return dataclasses.replace(ev, logprobs=np.zeros_like(ev.logprobs), reward=lowest, status="error",
+                               error=f"bad_logprob: {why}"[:1000])
 
 
 async def score_trajectory(traj, codec, inst, episode, verifier, floor: float,
