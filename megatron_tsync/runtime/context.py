@@ -42,8 +42,9 @@ def model_dir(cfg: TrainConfig, rank: int) -> str:
     if not os.path.exists(os.path.join(path, "config.json")):
         if not cfg.model.init_tiny_model:
             raise FileNotFoundError(f"--model {path}: no config.json (pass --init-tiny-model to create a tiny one)")
-        if rank == 0:
-            log.info("creating a tiny %s model at %s", cfg.model.tiny_model_family, path)
+        if rank == 0:  # one line: a random model is trained only where the user asked for it (--init-tiny-model)
+            print(f"[tsync] --model {path} does not exist: creating a tiny random {cfg.model.tiny_model_family} model "
+                  "there (--init-tiny-model)", flush=True)
             make_tiny_model(path, family=cfg.model.tiny_model_family, seed=cfg.rl.seed)
     if dist.is_initialized():
         dist.barrier()

@@ -26,6 +26,7 @@ from megatron_tsync.runtime.fleet import WorkerDied
 from megatron_tsync.runtime.grpo import GRPO_SPEC
 from megatron_tsync.runtime.opd import OPD_SPEC
 from megatron_tsync.runtime.rollout_io import dump_rollouts
+from megatron_tsync.runtime.signal_health import HEALTH_TB_NAMES, NoLearningSignal, SignalHealth
 from megatron_tsync.runtime.spec import Algorithm, TrainSpec
 from megatron_tsync.runtime.stop import StopAgreement, StopFlag, StopRequested, write_stop_file
 
@@ -47,6 +48,8 @@ def train(ctx: RunContext, algo: Algorithm) -> list[dict]:
     ctx.stop.abortable = ctx.dims.world_size == 1  # SIGTERM aborts the step in flight (several ranks: finish it)
     fleet = ctx.open_fleet() if live else None
     heldout = ctx.heldout_eval()  # --eval-interval: trainer rank 0, else None
+    health = ctx.health = SignalHealth(cfg.rl.algorithm, cfg.logging.stop_on_no_signal or 0)
+    stopped = None
     try:
         if fleet is not None:
             fleet.abort_check = ctx.stop.check_abort  # after every poll of a step's source
@@ -54,6 +57,8 @@ def train(ctx: RunContext, algo: Algorithm) -> list[dict]:
             ctx.publish(fleet, ctx.step)
         _evaluate(ctx, heldout)
         _finish(ctx, _steps(ctx, algo, fleet, agreement, heldout))
+    except NoLearningSignal as e:  # --stop-on-no-signal: no checkpoint, no stop record (a scheduler must not requeue)
+        stopped = e
     finally:
         if fleet is not None:
             fleet.close()
@@ -62,8 +67,10 @@ def train(ctx: RunContext, algo: Algorithm) -> list[dict]:
         ctx.close()
     if ctx.history and ctx.dims.is_logging_rank:
         held = heldout.summary() if heldout is not None else ""
-        print(algo.summary(ctx.history) + (f", {held}" if held else ""), flush=True)
+        print(algo.summary(ctx.history) + (f", {held}" if held else "") + f", {health.summary()}", flush=True)
         ctx.save_history(heldout.records if heldout is not None else None)
+    if stopped is not None:
+        raise SystemExit(f"error: {stopped}")
     return ctx.history
 
 
@@ -110,7 +117,12 @@ def _steps(ctx: RunContext, algo: Algorithm, fleet, agreement: StopAgreement, he
         if live and ctx.step < cfg.rl.train_iters:
             ctx.publish(fleet, ctx.step)
         row = {**algo.row(k, out, fleet), **perf_row(out, t_step, cpu_step)}
+        row.update(_health(ctx, k, out, row))
         _log(ctx, algo, k, row, time.perf_counter() - t_run, ctx.step - first)
+        if ctx.health.stop:  # --stop-on-no-signal: the same on every rank (samples are broadcast)
+            if ctx.dims.rank == 0:
+                print(f"[tsync] stopping after step {k}: {ctx.health.stop}", flush=True)
+            raise NoLearningSignal(ctx.health.stop)
         _evaluate(ctx, heldout)  # θ_{k+1}, while the workers roll out step k + 1
         si = cfg.checkpoint.save_interval
         if si and ctx.step % si == 0:
@@ -150,11 +162,19 @@ def perf_row(out, t_step: float, cpu_step: float) -> dict:
 
 def _log(ctx: RunContext, algo: Algorithm, k: int, row: dict, elapsed: float, done: int) -> None:
     ctx.history.append(row)
-    ctx.write_scalars(row, algo.tb_names | PERF_TB_NAMES, k)
-    if ctx.dims.is_logging_rank and k % max(ctx.cfg.logging.log_interval, 1) == 0:
+    ctx.write_scalars(row, algo.tb_names | PERF_TB_NAMES | HEALTH_TB_NAMES, k)
+    if ctx.dims.is_logging_rank and (k % max(ctx.cfg.logging.log_interval, 1) == 0:
         total = ctx.cfg.rl.train_iters
         eta = elapsed / max(done, 1) * (total - ctx.step)
-        print(algo.line(row, ctx.step, total, eta), flush=True)
+        print(algo.line(row, ctx.step, total, eta) + ctx.health.line(row), flush=True)
+
+
+def _health(ctx: RunContext, k: int, out, row: dict) -> dict:
+    """The step's learning-signal entries (``runtime/signal_health.py``) and its one-time warning."""
+    entries, why, warning = ctx.health.observe(k, out.samples, row.get("grad_norm"))
+    if warning and ctx.dims.is_logging_rank:
+        print(warning, flush=True)
+    return {**entries, "no_signal_why": why} if why else entries
 
 
 def train_spec(name: str) -> TrainSpec:
