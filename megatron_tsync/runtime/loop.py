@@ -163,7 +163,7 @@ def perf_row(out, t_step: float, cpu_step: float) -> dict:
 def _log(ctx: RunContext, algo: Algorithm, k: int, row: dict, elapsed: float, done: int) -> None:
     ctx.history.append(row)
     ctx.write_scalars(row, algo.tb_names | PERF_TB_NAMES | HEALTH_TB_NAMES, k)
-    if ctx.dims.is_logging_rank and (k % max(ctx.cfg.logging.log_interval, 1) == 0:
+    if ctx.dims.is_logging_rank and k % max(ctx.cfg.logging.log_interval, 1) == 0:
         total = ctx.cfg.rl.train_iters
         eta = elapsed / max(done, 1) * (total - ctx.step)
         print(algo.line(row, ctx.step, total, eta) + ctx.health.line(row), flush=True)

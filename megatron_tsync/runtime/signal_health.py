@@ -153,7 +153,7 @@ class SignalHealth:
 
     def line(self, row: dict) -> str:
         """What the progress line adds for a step without signal."""
-        return X if row.get("no_signal") else ""
+        return f" NO SIGNAL ({row.get('no_signal_why', '')})" if row.get("no_signal") else ""
 
     def summary(self) -> str:
         """The end-of-run summary's part: steps without signal, failures by kind."""
