@@ -284,3 +284,34 @@ def test_ipc_endpoint_short_for_a_long_run_directory(tmp_path):
             bad.bind(f"ipc://{long_dir}/events.sock")
     finally:
         ctx.destroy(linger=0)
+
+
+def test_failed_trajectories_are_named_by_kind_and_logged_once_per_kind(plane, caplog) -> None:
+    """A failed trajectory's kind lands in ``meta["fail_kind"]`` (signal health counts them); the log has one line per
+    kind per step, not one per trajectory; a worker cannot mark an ok trajectory failed."""
+    import logging
+
+    _, fleet = _fleet(plane, "--group-size", "3")
+    try:
+        fleet.begin_step(0)
+        src = fleet.source(0, max_seq_len=64)
+        evs = [_traj(f"s0g{g}t{i}", 0, status="error") for g in (0, 1) for i in range(3)]
+        for ev in evs[:2]:
+            ev.meta = {"harness_fail": "harness_crash"}
+        evs[2].error = "verifier failed: ValueError: x"
+        ok = _traj("s0g1t0", 0)
+        ok.meta = {"fail_kind": "harness_crash"}  # an ok trajectory whose worker claims a failure kind
+        evs[3] = ok
+        for ev in evs:
+            ev.group_size = 3
+        with caplog.at_level(logging.WARNING, logger="megatron_tsync"), _sender(fleet) as tx:
+            for ev in evs:
+                tx.send(ev, timeout_s=5)
+            got = _drain(src, tx)
+        kinds = {s.traj_id: s.meta.get("fail_kind") for s in got}
+        assert kinds == {"s0g0t0": "harness_crash", "s0g0t1": "harness_crash", "s0g0t2": "verifier_error",
+                         "s0g1t0": None, "s0g1t1": "rollout_error", "s0g1t2": "rollout_error"}
+        lines = [r.getMessage() for r in caplog.records if "failed (" in r.getMessage()]
+        assert len(lines) == 3 and all("counted, not logged" in ln for ln in lines), lines
+    finally:
+        fleet.close()
