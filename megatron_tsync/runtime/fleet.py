@@ -31,6 +31,7 @@ trainer process): a stale worker of an earlier run is rejected and counted (``wr
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -279,6 +280,7 @@ def open_fleet(cfg, *, model_dir: str, start_step: int, reward_floor: float) -> 
         # NCCL only between GPUs: the trainer on CUDA and vLLM engines (the embedded engine receives CPU tensors)
         weight_sync_backend="nccl" if cfg.rollout.engine == "vllm" and torch.cuda.is_available() else "gloo",
         record_routing=cfg.model.moe_router_replay,
+        reward_spec=dataclasses.asdict(cfg.learner.reward_spec),
     )
     fleet = RolloutFleet(spec, run_dir, launch=cfg.rollout.launch == "local")
     if cfg.rollout.launch == "external":

@@ -62,7 +62,7 @@ def _drain(source, tx, timeout_s=10.0):
 
 
 def test_specs_carry_the_config_sections(plane) -> None:
-    cfg, fleet = _fleet(plane, "--max-turns", "3", "--max-new-tokens", "8", "--seq-length", "64", "--top-p", "0.5",
+    cfg, fleet = _fleet(plane, "--reward-kind", "bounded", "--reward-range", "0", "1", "--max-turns", "3", "--max-new-tokens", "8", "--seq-length", "64", "--top-p", "0.5",
                         "--temperature", "0.8", "--latency-profile", "uniform", start_step=3)
     try:
         specs = [WorkerSpec.from_json(os.path.join(plane, f"worker{w}.json")) for w in (0, 1)]
@@ -73,6 +73,7 @@ def test_specs_carry_the_config_sections(plane) -> None:
         assert s.rl == cfg.rl and s.rollout == cfg.rollout  # the config itself: nothing copied by hand, nothing drifts
         assert (s.start_step, s.model_dir, s.engine_dtype, s.stream_turns) == (3, "/models/m", "float32", False)
         assert s.endpoint == f"ipc://{plane}/events.sock" and os.path.isdir(s.weights_dir)
+        assert s.run_reward_spec() == cfg.learner.reward_spec  # a harness's own reward is checked against it
 
 
 def test_the_fleet_owns_the_version_window(plane) -> None:

@@ -162,6 +162,28 @@ def test_function_harness_outcomes():
     assert outcomes["hang"][0] == "harness_timeout"
 
 
+def test_a_harness_reward_is_checked_against_the_runs_reward_spec():
+    """``--reward-kind bounded --reward-range 0 1`` over a binary verifier: a harness's own reward 0.1 is the
+    trajectory's (it was refused as "binary reward must be 0.0 or 1.0"); 1.5 is still off the run's spec."""
+    import asyncio
+    import types
+
+    from megatron_tsync.algorithms.streamability import RewardSpec
+    from megatron_tsync.runtime.harness import HarnessRunner
+    from megatron_tsync.runtime.worker import WorkerSpec
+
+    runner = HarnessRunner.__new__(HarnessRunner)  # only the scoring part: no worker, no endpoint
+    runner.score_trajectory = None  # the verifier: not used when the harness gives its reward
+    spec = types.SimpleNamespace(reward_spec={"kind": "bounded", "lo": 0.0, "hi": 1.0})
+    spec.run_reward_spec = types.MethodType(WorkerSpec.run_reward_spec, spec)
+    runner.w = types.SimpleNamespace(task=types.SimpleNamespace(reward_spec=RewardSpec.binary()), spec=spec)
+    traj = types.SimpleNamespace(metadata={"reward": 0.1})
+    assert asyncio.run(runner._score(traj, None, None, None, "")) == (0.1, "ok", "")
+    traj.metadata["reward"] = 1.5
+    reward, status, err = asyncio.run(runner._score(traj, None, None, None, ""))
+    assert (reward, status) == (0.0, "error") and err.startswith("harness_bad_reward: ") and "1.5" in err
+
+
 def test_example_config_is_the_quickstart_driven_by_the_harness():
     """examples/openai_harness/config.yaml = the quickstart's (same model, warm start, task, RL and evaluation) but
     for the harness keys, its folders, its step count and the native tools' latency profile (no native tools)."""
