@@ -23,6 +23,7 @@ from megatron_tsync.model.tokenizer import TokenizerCodec
 from megatron_tsync.runtime import run_dir, wandb_log
 from megatron_tsync.runtime.fleet import RolloutFleet, open_fleet
 from megatron_tsync.runtime.stop import StopFlag
+from megatron_tsync.runtime.phase import announce
 from megatron_tsync.runtime.tasks import get_task
 from megatron_tsync.runtime.validation import check_tokenizer_fits
 from megatron_tsync.training.checkpointing import load_checkpoint, save_checkpoint, shield_checkpoint_writer
@@ -161,10 +162,13 @@ class RunContext:
         t0 = time.perf_counter()
         codec = TokenizerCodec(AutoTokenizer.from_pretrained(self.model_dir))
         sft_opt, clip = build_sft_optimizer(self.ddp)  # float64: clips in float64 itself (megatron: float32 only)
-        losses = sft_warmup(self.ddp, sft_opt, codec, self.task, self.cfg.model.sft_warmup_steps, batch_size=16,
-                            seed=self.cfg.rl.seed + 1,  # not the RL prompts
-                            lr=self.cfg.model.sft_warmup_lr,
-                            dp_group=self.dims.dp_group() if self.dims.dp > 1 else None, clip_grad=clip)
+        steps, last = self.cfg.model.sft_warmup_steps, {}
+        with announce("supervised warm start", enabled=self.dims.rank == 0,
+                      status=lambda: f"step {last['k'] + 1}/{steps}, loss {last['loss']:.3f}" if last else "step 0"):
+            losses = sft_warmup(self.ddp, sft_opt, codec, self.task, steps, batch_size=16,
+                                seed=self.cfg.rl.seed + 1,  # not the RL prompts
+                                lr=self.cfg.model.sft_warmup_lr, log=lambda k, loss: last.update(k=k, loss=loss),
+                                dp_group=self.dims.dp_group() if self.dims.dp > 1 else None, clip_grad=clip)
         # the RL optimizer's fp32 master copies (if any) must see the new weights
         if hasattr(self.opt, "reload_model_params"):
             self.opt.reload_model_params()

@@ -25,6 +25,7 @@ from megatron_tsync.runtime.context import RunContext
 from megatron_tsync.runtime.fleet import WorkerDied
 from megatron_tsync.runtime.grpo import GRPO_SPEC
 from megatron_tsync.runtime.opd import OPD_SPEC
+from megatron_tsync.runtime.phase import announce
 from megatron_tsync.runtime.rollout_io import dump_rollouts
 from megatron_tsync.runtime.signal_health import HEALTH_TB_NAMES, NoLearningSignal, SignalHealth
 from megatron_tsync.runtime.spec import Algorithm, TrainSpec
@@ -80,7 +81,8 @@ def _evaluate(ctx: RunContext, heldout) -> None:
         return
     from megatron_tsync.runtime.evaluation import EVAL_TB_NAMES
 
-    rec = heldout.run(ctx.step)
+    with announce(f"held-out evaluation v{ctx.step}"):
+        rec = heldout.run(ctx.step)
     print(heldout.line(rec), flush=True)
     ctx.write_scalars(rec, EVAL_TB_NAMES, ctx.step)
 
