@@ -3,7 +3,8 @@
 One trajectory::
 
     prompt ─► engine turn (until </tool>, EOS, </answer>, or a length cap)
-                 └─ </tool>: parse + run the tool (sandbox), append <result>…</result> tokens (loss_mask 0)
+                 └─ </tool>: parse + run the tool (sandbox), append <result>…</result> tokens (loss_mask 0; the
+                    tool's output encoded as plain text: it never becomes a special token id)
                     ─► next engine turn on prompt + everything so far … until stop / limits
 
 Concurrency: every trajectory is an ``asyncio`` task. Tasks that need tokens enqueue a request with the
@@ -37,7 +38,7 @@ from typing import Any, Awaitable, Callable, Sequence
 
 import numpy as np
 
-from megatron_tsync.model.tokenizer import TextCodec
+from megatron_tsync.model.tokenizer import TextCodec, encode_parts
 from megatron_tsync.rollout.engine import Completion, RolloutEngine, SamplingConfig, derive_seed
 
 # ------------------------------------------------------------------------------------------------ records
@@ -48,7 +49,10 @@ class ToolStep:
     """The outcome of one tool call as the agent sees it."""
 
     result_text: str
-    """Text appended to the context, normally ``<result>…</result>``."""
+    """Text appended to the context, normally ``<result>…</result>``: a
+    :class:`~megatron_tsync.model.tokenizer.Rendered` (``tools.format_tool_result``, a tool format's ``render_result``)
+    whose markup is encoded with special tokens and the rest as plain text; a plain ``str`` is all plain text, so
+    nothing a tool prints becomes a special token id."""
     ok: bool
     name: str | None = None
     args: str | None = None
@@ -118,6 +122,20 @@ def _format(result) -> str:
     from megatron_tsync.rollout.tools import format_tool_result
 
     return format_tool_result(result)
+
+
+def _observation_ids(codec: TextCodec, text: str, cap: int) -> list[int]:
+    """The tokens of an observation (``encode_observation``), at most ``cap``: when longer, the text before its
+    closing markup (the trailing markup parts, e.g. ``</result>``) is cut so that the closing markup is kept."""
+    parts = encode_parts(codec, text)
+    ids = [i for p, _ in parts for i in p]
+    if len(ids) <= cap:
+        return ids
+    k = len(parts)
+    while k > 0 and parts[k - 1][1]:
+        k -= 1
+    tail = [i for p, _ in parts[k:] for i in p]
+    return ids[: max(0, cap - len(tail))] + tail
 
 
 #: (trajectory, turn index) of the tool call being executed; set by the agent loop in each trajectory's task so
@@ -450,10 +468,7 @@ class AgentLoop:
         except Exception as e:  # an executor bug must not kill the rollout: the agent sees an error result
             msg = f"tool executor failed: {type(e).__name__}: {e}"
             step = ToolStep(_format(f"error: {msg}"), False, error=msg, wall_s=time.perf_counter() - t0)
-        ids = self.codec.encode(step.result_text)
-        if len(ids) > cfg.max_result_tokens:
-            tail = self.codec.encode("</result>")
-            ids = ids[: max(0, cfg.max_result_tokens - len(tail))] + tail
+        ids = _observation_ids(self.codec, step.result_text, cfg.max_result_tokens)
         room = cfg.max_total_tokens - len(traj.token_ids)
         if len(ids) >= room:  # no room left for another turn after the result
             ids = ids[: max(room, 0)]

@@ -5,20 +5,31 @@ threads for the application, so idle or slow clients cost a file descriptor and 
 What it guarantees (each a field of :class:`HttpLimits`):
 
 - ``backlog``: the listen queue (clamped by the kernel's ``somaxconn``), so bursts of connects queue, not reset;
-- ``max_connections``: open connections; one beyond it still gets an answer (``503`` with ``Retry-After``, then the
-  connection is closed; it has 1 s to send its head), never a silent drop. The process' open-file limit is raised
-  to fit it when allowed;
+- ``max_connections``: open connections (slots); one beyond it still gets an answer (``503`` with ``Retry-After``,
+  then the connection is closed; it has 1 s to send its head), never a silent drop. The process' open-file limit is
+  raised to fit it when allowed;
+- ``max_connections_per_peer``: slots one client address holds at once (an IPv6 client: its /64); one more from it is
+  answered ``429`` + ``Retry-After`` at once and closed, without waiting for its request or taking a slot, so one
+  client re-opening connections cannot keep the others at ``503``. Default: half of ``max_connections``;
 - ``max_inflight``: requests handed to the application at once (the worker threads); more get ``503`` +
   ``Retry-After``;
 - ``header_timeout_s``: a request head (request line + headers) must be complete this long after the connection
   opened or answered its previous request; half-sent heads get ``408`` and idle keep-alive connections are closed, so
   slow or idle clients free their slot. ``body_timeout_s``: the same for the body, after the head;
 - ``max_body_bytes``: a larger ``Content-Length`` (or chunked body) is answered ``413`` before the body is read;
-- ``max_header_bytes``: a larger request head is ``431``; a head that is not HTTP/1.1 is ``400`` (``h11`` decides).
+- ``max_header_bytes``: a larger request head is ``431``; a head that is not HTTP/1.1 is ``400`` (``h11`` decides);
+- ``write_timeout_s``: an answer the client does not take (a client that pipelines requests and never reads) must be
+  written within this long, else the connection is aborted and its slot freed.
+
+``check_head(method, path, headers)`` (the application's, e.g. the API key) runs on each request head before its
+body is read (before ``100 Continue``): a refusal is answered and the connection closed without reading the body, so
+an unauthenticated client cannot hold a slot with a slow body.
 
 Every error answer is an OpenAI-style JSON body (``{"error": {"message", "type", "param", "code"}}``). A connection
-that is closed with request bytes still unread is drained first (a "lingering close"), so the client reads the
-answer instead of a TCP reset.
+that is closed with request bytes still unread is drained first (a "lingering close", at most 2 s), so the client
+reads the answer instead of a TCP reset; a closing connection no longer holds a slot, and at most
+``max_connections + 1024`` linger at once (beyond that they are closed at once). The application sees the client's
+address key (:func:`peer_key`) as the ``:peer`` header (a name no HTTP/1.1 client can send).
 """
 
 from __future__ import annotations
@@ -26,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import ipaddress
 import json
 import resource
 import socket
@@ -34,17 +46,25 @@ from collections.abc import Callable
 
 import h11
 
-__all__ = ["HttpLimits", "HttpServer", "error_body"]
+__all__ = ["HttpLimits", "HttpServer", "PEER_HEADER", "error_body", "peer_key"]
 
 _REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 403: "Forbidden", 404: "Not Found",
-            408: "Request Timeout", 409: "Conflict", 413: "Content Too Large", 431: "Request Header Fields Too Large",
-            500: "Internal Server Error", 503: "Service Unavailable"}
+            408: "Request Timeout", 409: "Conflict", 410: "Gone", 413: "Content Too Large", 429: "Too Many Requests",
+            431: "Request Header Fields Too Large", 500: "Internal Server Error", 503: "Service Unavailable"}
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-          404: "not_found_error", 408: "invalid_request_error", 409: "conflict_error", 413: "invalid_request_error",
-          431: "invalid_request_error", 503: "server_busy"}
+          404: "not_found_error", 408: "invalid_request_error", 409: "conflict_error", 410: "not_found_error",
+          413: "invalid_request_error", 429: "rate_limit_error", 431: "invalid_request_error", 503: "server_busy"}
+PEER_HEADER = ":peer"
+"""The header under which the application gets the client's address key (see :func:`peer_key`)."""
+_LINGER_S = 2.0
+_EXTRA_CLOSING = 1024
+"""Connections that may be closing (answered, lingering) at once beyond ``max_connections``."""
 
 App = Callable[[str, str, dict, bytes], tuple]
 """``app(method, path, headers, body) -> (status, json_body, extra_headers)``; runs on a worker thread."""
+CheckHead = Callable[[str, str, dict], "tuple | None"]
+"""``check_head(method, path, headers) -> None | (status, json_body, extra_headers)``: a refusal of the request from
+its head alone, answered without reading the body; runs on the event-loop thread, so it must be cheap."""
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
@@ -63,23 +83,51 @@ class HttpLimits:
     max_body_bytes: int = 8 << 20
     max_header_bytes: int = 64 << 10
     retry_after_s: int = 1
+    max_connections_per_peer: int | None = None
+    """None: half of ``max_connections`` (at least 1)."""
+    write_timeout_s: float = 30.0
 
     def __post_init__(self):
         for name in ("backlog", "max_connections", "max_inflight", "max_body_bytes", "max_header_bytes",
-                     "retry_after_s"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise ValueError(f"HttpLimits.{name} must be an integer >= 1, got {getattr(self, name)!r}")
-        for name in ("header_timeout_s", "body_timeout_s"):
+                     "retry_after_s", "max_connections_per_peer"):
+            value = getattr(self, name)
+            if (value is not None or name != "max_connections_per_peer") and (
+                    not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"HttpLimits.{name} must be an integer >= 1, got {value!r}")
+        for name in ("header_timeout_s", "body_timeout_s", "write_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"HttpLimits.{name} must be > 0 seconds, got {getattr(self, name)!r}")
+
+
+    @property
+    def peer_cap(self) -> int:
+        """Slots one client address may hold (``max_connections_per_peer``, at most ``max_connections``)."""
+        cap = self.max_connections_per_peer or max(1, self.max_connections // 2)
+        return min(cap, self.max_connections)
 
 
 class _Refuse(Exception):
     """Answer this error and close the connection."""
 
-    def __init__(self, status: int, message: str, headers: dict | None = None):
+    def __init__(self, status: int, message: str, headers: dict | None = None, body: dict | None = None):
         super().__init__(message)
         self.status, self.message, self.headers = status, message, dict(headers or {})
+        self.body = body or error_body(status, message)
+
+
+def peer_key(peername) -> str:
+    """The key a client's connections are counted under: its IPv4 address, an IPv6 client's /64 (one host usually
+    has a whole /64), an IPv4-mapped IPv6 address as IPv4."""
+    host = peername[0] if isinstance(peername, tuple) and peername else str(peername or "")
+    try:
+        ip = ipaddress.ip_address(host.split("%", 1)[0])
+    except ValueError:
+        return host
+    if ip.version == 6:
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        return str(ipaddress.ip_network(f"{ip}/64", strict=False))
+    return str(ip)
 
 
 def _raise_nofile(want: int) -> int:
@@ -97,13 +145,16 @@ def _raise_nofile(want: int) -> int:
 
 class HttpServer:
     """Serves ``app`` on ``host:port`` (port 0: a free one). The socket is bound and listening on construction;
-    :meth:`start` runs the event loop on a daemon thread, :meth:`close` stops it."""
+    :meth:`start` runs the event loop on a daemon thread, :meth:`close` stops it. ``check_head``: see the module
+    docstring."""
 
-    def __init__(self, app: App, host: str = "127.0.0.1", port: int = 0, limits: HttpLimits | None = None):
-        self.app, self.limits = app, limits or HttpLimits()
-        fd_room = _raise_nofile(self.limits.max_connections + 256)
-        if fd_room != resource.RLIM_INFINITY and fd_room - 128 < self.limits.max_connections:
-            self.limits = dataclasses.replace(self.limits, max_connections=max(1, fd_room - 128))
+    def __init__(self, app: App, host: str = "127.0.0.1", port: int = 0, limits: HttpLimits | None = None,
+                 check_head: CheckHead | None = None):
+        self.app, self.check_head, self.limits = app, check_head, limits or HttpLimits()
+        fd_room = _raise_nofile(2 * self.limits.max_connections + _EXTRA_CLOSING + 256)  # slots + closing ones
+        if fd_room != resource.RLIM_INFINITY and (fd_room - 128) // 2 < self.limits.max_connections:
+            self.limits = dataclasses.replace(self.limits, max_connections=max(1, (fd_room - 128) // 2))
+        self.max_closing = self.limits.max_connections + _EXTRA_CLOSING
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.sock = socket.socket(family, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -116,8 +167,12 @@ class HttpServer:
         self.sock.setblocking(False)
         self.address = self.sock.getsockname()[:2]
         self.stats = {"connections": 0, "requests": 0, "busy_503": 0, "timeouts_408": 0, "too_large_413": 0,
-                      "bad_400": 0}
+                      "bad_400": 0, "peer_429": 0, "head_refused": 0, "write_timeouts": 0}
         self.open_connections = 0
+        """Connections holding a slot (being served); closing ones are counted in ``closing``."""
+        self.closing = 0
+        self.peers: dict[str, int] = {}
+        """Slots held per client address key (:func:`peer_key`)."""
         self.inflight = 0
         self._pool = concurrent.futures.ThreadPoolExecutor(self.limits.max_inflight, thread_name_prefix="chat-http")
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -164,35 +219,108 @@ class HttpServer:
 
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.stats["connections"] += 1
-        over_cap = self.open_connections >= self.limits.max_connections
-        self.open_connections += 1
-        conn = h11.Connection(h11.SERVER, max_incomplete_event_size=self.limits.max_header_bytes)
-        try:
-            while True:
-                try:
-                    request = await self._read_head(  # an over-cap client gets 1 s to say what it wants
-                        conn, reader, min(1.0, self.limits.header_timeout_s) if over_cap else None)
-                    if request is None:  # closed or idle keep-alive timed out before a new request began
-                        return
-                    if over_cap:
-                        raise _Refuse(503, f"too many open connections (max_connections "
-                                           f"{self.limits.max_connections}); retry", self._retry())
-                    body = await self._read_body(conn, reader, writer, request)
-                except _Refuse as e:
-                    await self._refuse(writer, reader, e)
-                    return
-                await self._answer(conn, writer, request, body)
-                if conn.our_state is h11.MUST_CLOSE or conn.their_state is not h11.DONE:
-                    return
-                conn.start_next_cycle()
-        except (ConnectionError, OSError, h11.LocalProtocolError):
+        peer = peer_key(writer.get_extra_info("peername"))
+        if self.open_connections >= self.limits.max_connections:
+            await self._unslotted(writer, self._over_cap(reader, writer))
             return
+        if self.peers.get(peer, 0) >= self.limits.peer_cap:  # answered at once: no slot, no wait for the request
+            self.stats["peer_429"] += 1
+            await self._unslotted(writer, self._refuse(writer, reader, _Refuse(
+                429, f"too many connections from your address ({self.limits.peer_cap} open, "
+                     f"max_connections_per_peer); close one or retry", self._retry())))
+            return
+        self.open_connections += 1
+        self.peers[peer] = self.peers.get(peer, 0) + 1
+        refusal = None
+        try:
+            refusal = await self._serve(conn_peer=peer, reader=reader, writer=writer)
+        except (ConnectionError, OSError, h11.LocalProtocolError):
+            pass
         finally:
-            self.open_connections -= 1
+            self._release(peer)
+            if refusal is None:
+                writer.close()
+        if refusal is not None:  # the lingering close holds no slot
+            await self._unslotted(writer, self._refuse(writer, reader, refusal))
+
+    def _release(self, peer: str) -> None:
+        self.open_connections -= 1
+        left = self.peers[peer] - 1
+        if left:
+            self.peers[peer] = left
+        else:
+            del self.peers[peer]
+
+    async def _unslotted(self, writer: asyncio.StreamWriter, answer) -> None:
+        """Run ``answer`` (a refusal and its lingering close) outside the slots; at most ``max_closing`` at once,
+        beyond that the connection is closed at once."""
+        if self.closing >= self.max_closing:
+            answer.close()
+            writer.transport.abort()
+            return
+        self.closing += 1
+        try:
+            await answer
+        except (ConnectionError, OSError):
+            pass
+        finally:
+            self.closing -= 1
             writer.close()
+
+    async def _serve(self, conn_peer: str, reader: asyncio.StreamReader,
+                     writer: asyncio.StreamWriter) -> _Refuse | None:
+        """Serve requests until the connection ends; the refusal to answer (and close with) if one ends it."""
+        conn = h11.Connection(h11.SERVER, max_incomplete_event_size=self.limits.max_header_bytes)
+        while True:
+            try:
+                request = await self._read_head(conn, reader)
+                if request is None:  # closed or idle keep-alive timed out before a new request began
+                    return None
+                headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in request.headers}
+                headers[PEER_HEADER] = conn_peer
+                self._check_head(request, headers)
+                body = await self._read_body(conn, reader, writer, request)
+            except _Refuse as e:
+                return e
+            await self._answer(conn, writer, request, headers, body)
+            if conn.our_state is h11.MUST_CLOSE or conn.their_state is not h11.DONE:
+                return None
+            conn.start_next_cycle()
+
+    async def _over_cap(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """503 to a connection beyond ``max_connections``, after its request head (1 s at most)."""
+        conn = h11.Connection(h11.SERVER, max_incomplete_event_size=self.limits.max_header_bytes)
+        refusal = _Refuse(503, f"too many open connections (max_connections {self.limits.max_connections}); retry",
+                          self._retry())
+        try:
+            await self._read_head(conn, reader, min(1.0, self.limits.header_timeout_s))
+        except _Refuse:
+            pass
+        await self._refuse(writer, reader, refusal)
+
+    def _check_head(self, request: h11.Request, headers: dict) -> None:
+        if self.check_head is None:
+            return
+        out = self.check_head(request.method.decode("latin-1"), request.target.decode("latin-1"), headers)
+        if out is not None:
+            self.stats["head_refused"] += 1
+            status, body, extra = out
+            raise _Refuse(status, body.get("error", {}).get("message", ""), extra, body)
 
     def _retry(self) -> dict:
         return {"Retry-After": str(self.limits.retry_after_s)}
+
+    async def _drain(self, writer: asyncio.StreamWriter) -> None:
+        """Wait until the answer is written; one the client does not take within ``write_timeout_s`` aborts the
+        connection (a client that pipelines requests and never reads frees its slot)."""
+        if not writer.transport.get_write_buffer_size():  # all handed to the kernel: nothing to wait for
+            return
+        try:
+            await asyncio.wait_for(writer.drain(), self.limits.write_timeout_s)
+        except TimeoutError:
+            self.stats["write_timeouts"] += 1
+            writer.transport.abort()
+            raise ConnectionAbortedError(f"the answer was not taken within {self.limits.write_timeout_s} s") from None
 
     async def _receive(self, conn: h11.Connection, reader: asyncio.StreamReader, deadline: float):
         """The next h11 event, reading from the socket until ``deadline`` (loop time)."""
@@ -262,14 +390,13 @@ class HttpServer:
                 raise ConnectionResetError("the client closed the connection mid-body")
 
     async def _answer(self, conn: h11.Connection, writer: asyncio.StreamWriter, request: h11.Request,
-                      body: bytes) -> None:
+                      headers: dict, body: bytes) -> None:
         self.stats["requests"] += 1
         if self.inflight >= self.limits.max_inflight:
             self.stats["busy_503"] += 1
             status, out, extra = 503, error_body(503, f"the server is busy ({self.limits.max_inflight} requests in "
                                                       f"flight); retry", code="server_busy"), self._retry()
         else:
-            headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in request.headers}
             self.inflight += 1
             try:
                 status, out, extra = await asyncio.get_running_loop().run_in_executor(
@@ -285,7 +412,7 @@ class HttpServer:
         if request.method != b"HEAD":  # h11 frames a HEAD answer without a body
             writer.write(conn.send(h11.Data(data=data)))
         writer.write(conn.send(h11.EndOfMessage()))
-        await writer.drain()
+        await self._drain(writer)
 
     async def _refuse(self, writer: asyncio.StreamWriter, reader: asyncio.StreamReader, e: _Refuse) -> None:
         """Answer ``e`` with ``Connection: close``, then drain what the client still sends (bounded) and close."""
@@ -293,15 +420,15 @@ class HttpServer:
             self.stats["bad_400"] += 1
         if e.status == 503:
             self.stats["busy_503"] += 1
-        data = json.dumps(error_body(e.status, e.message)).encode()
+        data = json.dumps(e.body).encode()
         head = [f"HTTP/1.1 {e.status} {_REASONS.get(e.status, '')}", "Content-Type: application/json",
                 f"Content-Length: {len(data)}", "Connection: close", *(f"{k}: {v}" for k, v in e.headers.items())]
         writer.write("\r\n".join(head).encode() + b"\r\n\r\n" + data)
         try:
-            await writer.drain()
+            await self._drain(writer)
             writer.write_eof()
             loop = asyncio.get_running_loop()
-            deadline, drained = loop.time() + 2.0, 0
+            deadline, drained = loop.time() + _LINGER_S, 0
             while drained < (256 << 20) and (left := deadline - loop.time()) > 0:
                 chunk = await asyncio.wait_for(reader.read(1 << 20), left)
                 if not chunk:

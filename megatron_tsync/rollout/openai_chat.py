@@ -13,6 +13,14 @@ How a multi-turn conversation becomes ONE token sequence without re-tokenising g
   is added when the completion did not generate it, e.g. it stopped on EOS or on the length cap). Templates that
   re-render earlier turns differently once more messages follow are refused with an error, never silently re-tokenised.
 
+Text from the request is data, the template's own text is markup: :meth:`ChatTemplate.render_marked` and
+``continuation`` return a :class:`~megatron_tsync.model.tokenizer.Rendered` whose data parts are the request's
+strings (message contents and names, tool-call arguments, tool schemas), found by rendering once more with each such
+string between delimiters made of a per-call random nonce. The server encodes the data as plain text, so a message
+that prints ``</s>`` or ``<|im_end|>`` never becomes a special token id. A template that inspects or transforms
+those strings (``| trim``, ``content.split(...)``) does not reproduce its real render with the delimiters; then the
+render is a plain ``str`` and the server refuses (400) a request whose strings hold special-token text.
+
 Deviation from the OpenAI API: content parts other than text (images, audio) are refused; ``n`` must be 1.
 """
 
@@ -21,10 +29,13 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
 from typing import Any
 
+from megatron_tsync.model.tokenizer import Rendered, encode_observation
+
 __all__ = ["ApiError", "ChatTemplate", "DEFAULT_CHAT_TEMPLATE", "normalize_messages", "normalize_tools",
-           "first_difference", "parse_json_body", "parse_tool_calls"]
+           "first_difference", "parse_json_body", "parse_tool_calls", "request_strings", "encode_rendered"]
 
 MAX_JSON_DEPTH = 64
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -94,6 +105,7 @@ class ChatTemplate:
         env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(x, indent=indent,
                                                                                      ensure_ascii=ensure_ascii)
         env.globals["raise_exception"] = raise_exception
+        env.filters["tag_escape"] = _tag_escape
         try:
             self._template = env.from_string(source)
         except jinja2.TemplateSyntaxError as e:
@@ -140,10 +152,32 @@ class ChatTemplate:
         except Exception as e:  # a template error on a user's messages is the request's fault, with the reason
             raise ApiError(400, f"chat template failed on these messages: {type(e).__name__}: {e}") from None
 
+    def render_marked(self, messages: list[dict], tools: list[dict] | None, add_generation_prompt: bool) -> str:
+        """:meth:`render` as a :class:`Rendered` whose data parts are the request's strings (see the module
+        docstring); a plain ``str`` when the template inspects or transforms them."""
+        text = self.render(messages, tools, add_generation_prompt)
+        nonce = secrets.token_hex(8)
+        open_, close = f"\ue000{nonce}\ue001", f"\ue002{nonce}\ue003"
+        try:
+            marked = self.render(_delimit(messages, open_, close), _delimit(tools, open_, close),
+                                 add_generation_prompt)
+        except ApiError:
+            return text
+        parts, pos = [], 0
+        for m in re.finditer(re.escape(open_) + "(.*?)" + re.escape(close), marked, re.DOTALL):
+            parts += [(marked[pos:m.start()], True), (m.group(1), False)]
+            pos = m.end()
+        parts.append((marked[pos:], True))
+        out = Rendered(parts)
+        if out != text or nonce in out:  # control flow or text depended on the strings, or delimiters left over
+            return text
+        return out
+
     def continuation(self, seen: list[dict], messages: list[dict], tools: list[dict] | None, closed: bool) -> str:
         """The text to append after an episode whose conversation is ``seen`` (ending with the server's assistant
         reply) so that the context becomes ``messages`` + generation prompt. ``closed``: the completion already
-        ended with :attr:`end_of_turn` (else the marker is part of the continuation)."""
+        ended with :attr:`end_of_turn` (else the marker is part of the continuation). A :class:`Rendered` (the new
+        messages' strings are its data) when :meth:`render_marked` finds them, else a plain ``str``."""
         before = self.render(seen[:-1], tools, True)
         prefix = self.render(seen, tools, False)
         full = self.render(messages, tools, True)
@@ -153,7 +187,69 @@ class ChatTemplate:
         eot = prefix.rfind(self.end_of_turn)
         if eot < len(before):
             raise ApiError(409, f"the chat template does not close the assistant message with {self.end_of_turn!r}")
-        return full[eot + (len(self.end_of_turn) if closed else 0):]
+        start = eot + (len(self.end_of_turn) if closed else 0)
+        marked = self.render_marked(messages, tools, True)
+        return marked.tail(start) if isinstance(marked, Rendered) else full[start:]
+
+
+_KEEP_KEYS = frozenset({"role", "type", "id", "tool_call_id"})  # what templates compare: never delimited
+
+
+def _delimit(x: Any, open_: str, close: str, key: str | None = None) -> Any:
+    """``x`` with every string (dict keys and :data:`_KEEP_KEYS` values aside) between the delimiters."""
+    if isinstance(x, str):
+        return x if key in _KEEP_KEYS else f"{open_}{x}{close}"
+    if isinstance(x, dict):
+        return {k: _delimit(v, open_, close, k) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_delimit(v, open_, close) for v in x]
+    return x
+
+
+def request_strings(messages: list[dict], tools: list[dict] | None, *, data: bool = True) -> list[str]:
+    """The strings of a request that are data (those :meth:`ChatTemplate.render_marked` delimits); with
+    ``data=False`` the others: dict keys and the values of :data:`_KEEP_KEYS` (ids, roles, types)."""
+    out: list[str] = []
+
+    def walk(x: Any, key: str | None = None) -> None:
+        if isinstance(x, str):
+            if (key not in _KEEP_KEYS) == data:
+                out.append(x)
+        elif isinstance(x, dict):
+            for k, v in x.items():
+                if not data:
+                    out.append(str(k))
+                walk(v, k)
+        elif isinstance(x, list):
+            for v in x:
+                walk(v)
+
+    walk(messages)
+    walk(tools)
+    return out
+
+
+def encode_rendered(codec, text: str, messages: list[dict], tools: list[dict] | None) -> list[int]:
+    """The ids of a render of ``messages`` / ``tools`` (:meth:`ChatTemplate.render_marked`, ``continuation``): its
+    data parts, the request's strings, as plain text (never special ids). Refused (400): a request string the
+    template renders as markup (a dict key, an id) that holds special-token text, and, when the template transforms
+    the strings (no parts), any request string that does."""
+    strings = request_strings(messages, tools, data=False)
+    if not isinstance(text, Rendered):
+        strings += request_strings(messages, tools)
+    for s in strings:
+        if codec.encode(s) != codec.encode_text(s):
+            raise ApiError(400, f"a request string holds the tokenizer's special-token text ({s[:80]!r}) where this "
+                                f"chat template renders it as markup, so it cannot be kept as plain text: remove or "
+                                f"escape it", "messages", "special_token_text")
+    return encode_observation(codec, text) if isinstance(text, Rendered) else codec.encode(text)
+
+
+def _tag_escape(s: Any) -> str:
+    """The ``tag_escape`` filter: the agent loop's escaping of tool output (``rollout/tools.py``)."""
+    from megatron_tsync.rollout.tools import _neutralise
+
+    return _neutralise("" if s is None else str(s))
 
 
 # ------------------------------------------------------------------------------------------------ validation

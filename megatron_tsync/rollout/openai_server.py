@@ -7,11 +7,15 @@ Endpoints (HTTP/1.1 on ``rollout/http_server.py``: asyncio + h11; bind port 0 fo
     POST /v1/chat/completions               one completion of an episode (OpenAI request/response format)
     POST /v1/episodes/{id}/finish           end the episode, get its trajectory (body: {"verify_s", "metadata"})
     DELETE /v1/episodes/{id}                drop an episode
+    GET  /v1/tsync/stats                    the server's metrics: open episodes and their approximate memory,
+                                            evictions and expiries, the transport's counters
 
 Episode identity: the ``X-Episode-Id`` header, else the request's ``user`` field (one is required). The first
 completion of an episode renders its messages with the chat template; every later request must repeat the
 conversation so far (the server's replies included) and may only add tool / user / system messages, which are
-appended as tokens with loss mask 0 after the exact sampled tokens (``rollout/openai_chat.py`` explains how).
+appended as tokens with loss mask 0 after the exact sampled tokens (``rollout/openai_chat.py`` explains how). The
+request's strings are encoded as plain text: a message that prints ``</s>`` or ``<|im_end|>`` never becomes a special
+token id (``openai_chat``'s module docstring).
 
 Policy versions: every completion is stamped with the engine's ``policy_version`` (response field
 ``tsync.policy_version``). ``model`` may pin a version as ``NAME@vN`` (or the ``X-Policy-Version`` header): another
@@ -33,7 +37,8 @@ sample the smaller cap gives), so batched results equal one-at-a-time ones. An e
 one JSON line (rollout, generation, harness/tool and verification seconds; ``rollout/latency_trace.py``), which
 ``trace-to-profile`` turns into a ``--latency-profile`` file.
 
-Access: with ``api_key`` every request must send ``Authorization: Bearer API_KEY`` (401 otherwise); a non-loopback
+Access: with ``api_key`` every request must send ``Authorization: Bearer API_KEY`` (401 otherwise, answered from
+the request head before its body is read, and the connection closed); a non-loopback
 ``host`` without a key is refused at construction (the CLI prints one line and exits 2). Episode ownership: an
 episode is bound to the credential of the request that opened it -- its ``X-Episode-Secret`` header if it sent one,
 else its bearer token (an ``openai`` client's ``api_key``), else a secret the server generates and returns as the
@@ -48,13 +53,14 @@ head/body read deadlines 408, a body cap 413 checked on ``Content-Length`` befor
 max_prompt_chars + 1 MiB``), then ``max_prompt_chars`` (default ``CHARS_PER_TOKEN_CAP * max_context_tokens``) on the
 request's text before anything is tokenised (400 ``context_length_exceeded``), then ``max_context_tokens`` on the
 tokens. Bodies that are not JSON objects of Unicode text (invalid UTF-8, lone surrogates, NaN, nesting deeper than
-``MAX_JSON_DEPTH``) and wrongly typed fields are 400.
+``MAX_JSON_DEPTH``) and wrongly typed fields are 400. Open episodes are bounded by ``max_episodes`` (LRU eviction,
+fair between client addresses) and ``episode_idle_s`` (``rollout/episode_store.py``); a request continuing an evicted
+or expired episode gets 410.
 """
 
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import dataclasses
 import hashlib
 import hmac
@@ -71,19 +77,29 @@ import zlib
 from typing import Any
 
 from megatron_tsync.rollout.agent_loop import ToolCallRecord, Trajectory
+from megatron_tsync.rollout.chat_batcher import EngineBatcher
 from megatron_tsync.rollout.engine import RolloutEngine, SamplingConfig, derive_seed
-from megatron_tsync.rollout.http_server import HttpLimits, HttpServer
+from megatron_tsync.rollout.episode_store import EPISODE_IDLE_S, MAX_EPISODES, EpisodeStore, approx_bytes
+from megatron_tsync.rollout.http_server import PEER_HEADER, HttpLimits, HttpServer
 from megatron_tsync.rollout.latency_trace import LatencyTrace, latency_profile_from_trace
 from megatron_tsync.rollout.openai_chat import (
-    ApiError, ChatTemplate, first_difference, normalize_messages, normalize_tools, parse_json_body, parse_tool_calls,
+    ApiError, ChatTemplate, encode_rendered, first_difference, normalize_messages, normalize_tools, parse_json_body,
+    parse_tool_calls,
 )
 
-__all__ = ["ChatServer", "Episode", "HttpLimits", "trajectory_to_json", "trajectory_event",
+__all__ = ["ChatServer", "Episode", "HttpLimits", "chat_limits", "trajectory_to_json", "trajectory_event",
            "latency_profile_from_trace", "is_loopback"]
 
 CHARS_PER_TOKEN_CAP = 32
 """``max_prompt_chars`` defaults to this many characters per context token (no tokenizer's prompts average more)."""
 _REFUSED_FIELDS = ("presence_penalty", "frequency_penalty", "logit_bias")
+
+
+def chat_limits(max_context_tokens: int, max_prompt_chars: int | None = None, **overrides) -> HttpLimits:
+    """The endpoint's default transport limits: :class:`HttpLimits` with ``max_body_bytes`` = 8 bytes per prompt
+    character + 1 MiB (JSON escapes take up to 6 bytes a character); ``overrides``: other fields."""
+    chars = int(max_prompt_chars or CHARS_PER_TOKEN_CAP * max_context_tokens)
+    return HttpLimits(**{"max_body_bytes": 8 * chars + (1 << 20), **overrides})
 
 
 @dataclasses.dataclass
@@ -113,6 +129,11 @@ class Episode:
     t_reply: float = 0.0
     generate_s: list[float] = dataclasses.field(default_factory=list)
     temperatures: list[float] = dataclasses.field(default_factory=list)
+    peer: str = ""
+    """The client address key of the request that opened it ("" in-process); ``rollout/episode_store.py``."""
+    t_used: float = 0.0
+    """``time.monotonic()`` of its last request."""
+    approx_bytes: int = 0
 
     def trajectory(self, metadata: dict | None = None) -> Trajectory:
         return Trajectory(
@@ -182,13 +203,17 @@ class ChatServer:
         tool_parser: ``(text, id_prefix) -> (content, tool_calls)`` of a completion's text (default
             :func:`parse_tool_calls`, Qwen-style ``<tool_call>`` JSON; ``rollout/tag_chat.py`` has the agent loop's
             ``<tool>NAME: ARGS</tool>`` format).
+        max_episodes: open episodes at most (at the cap one is evicted, see ``rollout/episode_store.py``); None:
+            no cap.
+        episode_idle_s: an episode without a request for this long is dropped; None: never.
     """
 
     def __init__(self, engine: RolloutEngine, codec, template: ChatTemplate, *, sampling: SamplingConfig,
                  model_name: str = "tsync-policy", max_context_tokens: int = 4096, fixed_sampling: bool = True,
                  trace_path: str | None = None, batch_wait_s: float = 0.002, host: str = "127.0.0.1",
                  port: int = 0, api_key: str | None = None, max_prompt_chars: int | None = None,
-                 limits: HttpLimits | None = None, tool_parser=None):
+                 limits: HttpLimits | None = None, tool_parser=None, max_episodes: int | None = MAX_EPISODES,
+                 episode_idle_s: float | None = EPISODE_IDLE_S):
         if api_key is not None and (not isinstance(api_key, str) or not api_key.strip()):
             raise ValueError("api_key must be a non-empty string (or None for no key)")
         if api_key is None and not is_loopback(host):
@@ -200,7 +225,7 @@ class ChatServer:
         self.max_context_tokens = int(max_context_tokens)
         self.max_prompt_chars = int(max_prompt_chars or CHARS_PER_TOKEN_CAP * self.max_context_tokens)
         if limits is None:
-            limits = HttpLimits(max_body_bytes=8 * self.max_prompt_chars + (1 << 20))
+            limits = chat_limits(self.max_context_tokens, self.max_prompt_chars)
         self.fixed_sampling = bool(fixed_sampling)
         self.trace = None if trace_path is None else LatencyTrace(trace_path)
         eot = codec.encode(template.end_of_turn)
@@ -213,12 +238,14 @@ class ChatServer:
             stops = tuple(sampling.stop_strings) + (template.end_of_turn,)
             sampling = dataclasses.replace(sampling, stop_strings=stops)
         self.sampling = sampling
-        self.episodes: dict[str, Episode] = {}
-        self._lock = threading.Lock()
+        self.store = EpisodeStore(max_episodes, episode_idle_s)
+        self.episodes: dict[str, Episode] = self.store.episodes  # least recently used first
+        self._lock = self.store.lock
         self._count = 0
-        self._batcher = _EngineBatcher(engine, batch_wait_s)
+        self._batcher = EngineBatcher(engine, batch_wait_s)
         try:
-            self.http = HttpServer(self.respond, host, port, limits)
+            self.http = HttpServer(self.respond, host, port, limits,
+                                   check_head=None if api_key is None else self._check_head)
         except BaseException:
             self._batcher.close()
             raise
@@ -277,6 +304,8 @@ class ChatServer:
             headers = {k.lower(): v for k, v in headers.items()}
             if not trusted:
                 self._authorize(headers)
+            with self._lock:
+                self.store.expire()
             out = self._route(method, path.split("?", 1)[0].rstrip("/"), headers, body, trusted)
             secret = out.get("tsync", {}).get("episode_secret")
             return 200, out, ({"X-Episode-Secret": secret} if secret else {})
@@ -284,6 +313,22 @@ class ChatServer:
             return e.status, e.body(), ({"WWW-Authenticate": "Bearer"} if e.status == 401 else {})
         except Exception as e:  # a server bug answers 500 with its reason; the server keeps serving
             return 500, ApiError(500, f"internal error: {type(e).__name__}: {e}").body(), {}
+
+    def _check_head(self, method: str, path: str, headers: dict[str, str]) -> tuple | None:
+        """The transport's check of a request head, before its body is read: the API key."""
+        try:
+            self._authorize({k.lower(): v for k, v in headers.items()})
+        except ApiError as e:
+            return e.status, e.body(), {"WWW-Authenticate": "Bearer"}
+        return None
+
+    def stats(self) -> dict:
+        """The server's metrics (``GET /v1/tsync/stats``): open episodes, their approximate memory (bytes), episodes
+        evicted / expired / finished / deleted, and the transport's counters and open connections."""
+        http = self.http
+        return {**self.store.stats(), "http": {**http.stats, "open_connections": http.open_connections,
+                                               "closing": http.closing, "inflight": http.inflight,
+                                               "peers": len(http.peers)}}
 
     def _authorize(self, headers: dict[str, str]) -> None:
         if self.api_key is None:
@@ -296,6 +341,8 @@ class ChatServer:
     def _route(self, method: str, path: str, headers: dict[str, str], body: bytes, trusted: bool) -> dict:
         if method == "GET" and path == "/v1/models":
             return self.models()
+        if method == "GET" and path == "/v1/tsync/stats":
+            return self.stats()
         if method == "POST" and path == "/v1/chat/completions":
             req, chars = parse_json_body(body)
             if chars > self.max_prompt_chars:  # before any tokenising: a huge prompt costs no more than its bytes
@@ -321,7 +368,7 @@ class ChatServer:
             self.abort(m.group(1))
             return {"deleted": m.group(1)}
         raise ApiError(404, f"no endpoint {method} {path}; see GET /v1/models, POST /v1/chat/completions, "
-                            f"POST /v1/episodes/ID/finish, DELETE /v1/episodes/ID")
+                            f"POST /v1/episodes/ID/finish, DELETE /v1/episodes/ID, GET /v1/tsync/stats")
 
     def _check_owner(self, episode_id: str, headers: dict[str, str]) -> None:
         """403 unless the request presents the credential that opened the episode (a missing one is 404 later)."""
@@ -345,10 +392,11 @@ class ChatServer:
         with self._lock:
             ep = self.episodes.get(episode_id)
             if ep is None:
+                self.store.check_gone(episode_id)
                 raise ApiError(404, f"no episode {episode_id!r} (never completed, finished, or deleted)")
             if not ep.lock.acquire(blocking=False):
                 raise ApiError(409, f"episode {episode_id!r} has a request in flight; finish it afterwards")
-            del self.episodes[episode_id]
+            self.store.drop(episode_id, "finished")
         try:
             traj = ep.trajectory(metadata)
         finally:
@@ -367,17 +415,21 @@ class ChatServer:
 
     def abort(self, episode_id: str) -> None:
         with self._lock:
-            if self.episodes.pop(episode_id, None) is None:
+            if self.store.drop(episode_id, "deleted") is None:
+                self.store.check_gone(episode_id)
                 raise ApiError(404, f"no episode {episode_id!r}")
 
-    def _episode(self, episode_id: str, headers: dict[str, str], trusted: bool) -> tuple[Episode, bool, str | None]:
+    def _episode(self, episode_id: str, headers: dict[str, str], trusted: bool,
+                 continues: bool) -> tuple[Episode, bool, str | None]:
         """(the episode, whether this request opens it, the secret generated for it when the opener sent no
-        credential). An existing episode is only served to the credential that opened it."""
+        credential). An existing episode is only served to the credential that opened it. ``continues``: the request
+        carries assistant turns (a gone episode's continuation is refused, 410)."""
         creds, secret = _credentials(headers), None
         with self._lock:
             ep = self.episodes.get(episode_id)
             if ep is None:
-                ep = self.episodes[episode_id] = Episode(episode_id, self._count)
+                ep = self.store.open(episode_id, lambda: Episode(episode_id, self._count), headers.get(PEER_HEADER, ""),
+                                     continues)
                 self._count += 1
                 if not creds:
                     creds = [secret := secrets.token_urlsafe(24)]
@@ -388,6 +440,7 @@ class ChatServer:
                                "episode_not_owned")
             if not ep.lock.acquire(blocking=False):
                 raise ApiError(409, f"episode {episode_id!r} already has a request in flight (one at a time)")
+            self.store.touch(ep)
             return ep, not ep.turn_spans, secret
 
     # ------------------------------------------------------------------ chat completions
@@ -416,15 +469,19 @@ class ChatServer:
         if pinned is not None and pinned != self.engine.policy_version:
             raise ApiError(409, f"policy version v{pinned} requested, the engine serves v{self.engine.policy_version}",
                            "model", "policy_version_mismatch")
-        ep, new, secret = self._episode(episode_id, headers, trusted)
+        ep, new, secret = self._episode(episode_id, headers, trusted, any(m["role"] == "assistant" for m in messages))
         try:
             comp, prompt, obs = self._generate(ep, new, messages, tools, sampling, seed, pinned, t_arrive)
             reply = self._record(ep, new, messages, tools, comp, prompt, obs, t_arrive)
             ep.temperatures.append(sampling.temperature)
         finally:
-            if new and not ep.turn_spans:  # a refused first request leaves no episode behind
-                with self._lock:
-                    self.episodes.pop(episode_id, None)
+            with self._lock:
+                if new and not ep.turn_spans:  # a refused first request leaves no episode behind
+                    if self.episodes.get(episode_id) is ep:
+                        self.store.drop(episode_id)
+                else:
+                    self.store.touch(ep, approx_bytes(len(ep.token_ids), len(json.dumps(ep.messages)),
+                                                      len(ep.messages)))
             ep.lock.release()
         out = self._response(ep, comp, reply, len(prompt), want_logprobs)
         if secret is not None:
@@ -488,7 +545,7 @@ class ChatServer:
             if messages[-1]["role"] == "assistant":
                 raise ApiError(400, "the last message is an assistant message: nothing for the model to answer",
                                "messages")
-            return self.codec.encode(self.template.render(messages, tools, True)), []
+            return encode_rendered(self.codec, self.template.render_marked(messages, tools, True), messages, tools), []
         if tools != ep.tools:
             raise ApiError(409, "'tools' differ from the episode's first request (they are part of its prompt)",
                            "tools")
@@ -500,7 +557,8 @@ class ChatServer:
             if m["role"] == "assistant":
                 raise ApiError(409, f"messages[{len(ep.messages) + k}] is an assistant message this server did not "
                                     f"generate: an episode's assistant turns must be its completions", "messages")
-        obs = self.codec.encode(self.template.continuation(messages[:len(ep.messages)], messages, tools, ep.closed))
+        obs = encode_rendered(self.codec, self.template.continuation(messages[:len(ep.messages)], messages, tools,
+                                                                      ep.closed), added, None)
         return list(ep.token_ids) + obs, obs
 
     def _generate(self, ep, new, messages, tools, sampling, seed, pinned, t_arrive):
@@ -584,73 +642,6 @@ class ChatServer:
         }
 
 
-# ------------------------------------------------------------------------------------------------ batching
-
-
-class _EngineBatcher:
-    """One engine thread serving every request; waiting requests with equal sampling go into one ``generate``."""
-
-    def __init__(self, engine: RolloutEngine, wait_s: float):
-        self.engine, self.wait_s = engine, float(wait_s)
-        self.pending: list[tuple[list[int], SamplingConfig, int | None, concurrent.futures.Future]] = []
-        self.cond = threading.Condition()
-        self.closed = False
-        self.batches: list[int] = []  # batch sizes, for tests and metrics
-        self.thread = threading.Thread(target=self._loop, name="chat-engine", daemon=True)
-        self.thread.start()
-
-    def generate(self, prompt: list[int], sampling: SamplingConfig, seed: int | None):
-        fut: concurrent.futures.Future = concurrent.futures.Future()
-        with self.cond:
-            if self.closed:
-                raise RuntimeError("the server is closed")
-            self.pending.append((prompt, sampling, seed, fut))
-            self.cond.notify()
-        return fut.result()
-
-    def close(self) -> None:
-        with self.cond:
-            self.closed = True
-            self.cond.notify()
-        self.thread.join()
-
-    def _loop(self) -> None:
-        while True:
-            with self.cond:
-                while not self.pending and not self.closed:
-                    self.cond.wait()
-                if self.closed and not self.pending:
-                    return
-            time.sleep(self.wait_s)  # let concurrent requests join this batch
-            with self.cond:
-                jobs, self.pending = self.pending, []
-            groups: dict[tuple, list] = {}
-            for job in jobs:  # same sampling except the cap; seeded and unseeded requests apart
-                key = (dataclasses.replace(job[1], max_new_tokens=1), job[2] is None)
-                groups.setdefault(key, []).append(job)
-            for (cfg, unseeded), group in groups.items():
-                self._run(cfg, unseeded, group)
-
-    def _run(self, cfg: SamplingConfig, unseeded: bool, group: list) -> None:
-        from megatron_tsync.rollout.agent_loop import _truncate
-
-        cap = max(job[1].max_new_tokens for job in group)
-        self.batches.append(len(group))
-        try:
-            outs = self.engine.generate([job[0] for job in group], dataclasses.replace(cfg, max_new_tokens=cap), 1,
-                                        seeds=None if unseeded else [job[2] for job in group])
-        except Exception as e:
-            if len(group) > 1 and isinstance(e, ValueError):  # one bad request: find it, serve the others
-                for job in group:
-                    self._run(cfg, unseeded, [job])
-                return
-            for job in group:
-                job[3].set_exception(e)
-            return
-        for job, out in zip(group, outs):
-            job[3].set_result(_truncate(out[0], job[1].max_new_tokens))
-
-
 # ------------------------------------------------------------------------------------------------ HTTP
 
 
@@ -707,11 +698,9 @@ def _serve_main(a) -> int:
     engine = EmbeddedEngine.from_hf_dir(a.model, detokenize=codec.decode)
     sampling = SamplingConfig(temperature=a.temperature, top_k=a.top_k, max_new_tokens=a.max_new_tokens,
                               stop_token_ids=() if tok.eos_token_id is None else (tok.eos_token_id,))
-    limits = HttpLimits(max_connections=a.max_connections,
-                        max_body_bytes=8 * CHARS_PER_TOKEN_CAP * a.max_context_tokens + (1 << 20))
     server = ChatServer(engine, codec, ChatTemplate.from_hf_dir(a.model), sampling=sampling, model_name=a.model_name,
                         max_context_tokens=a.max_context_tokens, trace_path=a.trace, host=a.host, port=a.port,
-                        api_key=a.api_key, limits=limits)
+                        api_key=a.api_key, **_server_limits(a))
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -724,9 +713,16 @@ def _serve_main(a) -> int:
     return 0
 
 
-def main(argv=None) -> int:
-    """``serve``: a Hugging Face folder on the embedded engine (CPU); ``trace-to-profile``: a JSONL latency trace to a
-    ``--latency-profile`` JSON file."""
+def _server_limits(a) -> dict:
+    """The ``serve`` flags' limits as :class:`ChatServer` keyword arguments (0 turns a cap off)."""
+    return dict(limits=chat_limits(a.max_context_tokens, max_connections=a.max_connections,
+                                   max_connections_per_peer=(a.max_connections if a.max_connections_per_peer == 0
+                                                             else a.max_connections_per_peer),
+                                   write_timeout_s=a.write_timeout),
+                max_episodes=a.max_episodes or None, episode_idle_s=a.episode_idle_timeout or None)
+
+
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m megatron_tsync.rollout.openai_server", description=main.__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("serve", help="serve --model on the embedded engine until SIGINT/SIGTERM")
@@ -736,6 +732,16 @@ def main(argv=None) -> int:
                    help="require 'Authorization: Bearer KEY' on every request (default: $TSYNC_API_KEY)")
     s.add_argument("--max-connections", type=int, default=HttpLimits.max_connections,
                    help="open connections served at once; more are answered 503 + Retry-After")
+    s.add_argument("--max-connections-per-peer", type=int, default=None,
+                   help="open connections one client address (an IPv6 client: its /64) may hold; more are answered "
+                        "429 + Retry-After at once (default: half of --max-connections; 0: no per-address cap)")
+    s.add_argument("--write-timeout", type=float, default=HttpLimits.write_timeout_s,
+                   help="seconds to write an answer; a client that does not read it in time is disconnected")
+    s.add_argument("--max-episodes", type=int, default=MAX_EPISODES,
+                   help="open episodes at most; at the cap the least recently used idle episode of the client "
+                        "holding the most is evicted (0: no cap)")
+    s.add_argument("--episode-idle-timeout", type=float, default=EPISODE_IDLE_S,
+                   help="seconds an episode may go without a request before it is dropped (0: never)")
     s.add_argument("--port", type=int, default=8000, help="0: a free port (printed)")
     s.add_argument("--model-name", default="tsync-policy", help="the name clients put in 'model'")
     s.add_argument("--temperature", type=float, default=1.0)
@@ -747,7 +753,13 @@ def main(argv=None) -> int:
     t.add_argument("trace", nargs="+", help="JSONL trace files (this server's --trace, rollout workers' traces)")
     t.add_argument("--out", required=True, help="the profile JSON to write")
     t.add_argument("--no-verify", action="store_true", help="leave the verification seconds out of the replay")
-    a = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    """``serve``: a Hugging Face folder on the embedded engine (CPU); ``trace-to-profile``: a JSONL latency trace to a
+    ``--latency-profile`` JSON file."""
+    a = _parser().parse_args(argv)
     if a.cmd == "serve":
         a.api_key = a.api_key or None
         if a.api_key is None and not is_loopback(a.host):

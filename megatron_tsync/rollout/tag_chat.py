@@ -9,7 +9,9 @@ the native agent loop would (tested: ``tests/rollout/test_tag_chat.py``):
 - an assistant message: its content, then each tool call as ``<tool>NAME: INPUT</tool>`` (a tool takes one string
   argument, ``input``); ``</tool>`` closes every assistant message (the end-of-turn marker, a stop token), so the
   model's turn ends where the native loop runs the tool;
-- a tool message: ``<result>CONTENT</result>``.
+- a tool message: ``<result>CONTENT</result>``, the tags ``<tool>``, ``<result>``, ``<answer>`` (and their closing
+  forms) inside CONTENT escaped as the native loop escapes tool output (``&lt;answer&gt;``), so a tool message can
+  neither close its block nor carry an answer or a call. The server encodes CONTENT as plain text (no special ids).
 
 :func:`parse_tag_tool_calls` turns the last ``<tool>NAME: INPUT`` of a completion (the server strips the closing
 ``</tool>``) into an OpenAI tool call ``{"name": NAME, "arguments": "{\\"input\\": INPUT}"}``, with the native
@@ -35,7 +37,7 @@ TAG_CHAT_TEMPLATE = """
         {%- endfor %}
         {{- '</tool>' }}
     {%- elif m.role == 'tool' %}
-        {{- '<result>' + m.content + '</result>' }}
+        {{- '<result>' + (m.content | tag_escape) + '</result>' }}
     {%- else %}
         {%- if loop.first %}{{- bos_token }}{%- endif %}
         {{- m.content }}

@@ -10,7 +10,10 @@ Tools. A tool is a function ``(args: str, sandbox: Sandbox, delay_s: float) -> T
 sandboxed child, never ``eval``), ``python`` (a snippet) and ``shell`` (a ``/bin/sh`` command). ``delay_s`` is a real
 sleep inside the sandboxed child before the tool runs, so replayed latency profiles are real wall-clock latency.
 
-This module imports only the standard library and :mod:`megatron_tsync.rollout.sandbox`.
+Observations are :class:`~megatron_tsync.model.tokenizer.Rendered`: the ``<result>`` tags are markup (special tokens),
+the tool's output is data, which the agent loop encodes as plain text (it never becomes a special token id).
+
+This module imports only the standard library, :mod:`megatron_tsync.rollout.sandbox` and ``model.tokenizer``.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import re
 from dataclasses import dataclass
 from typing import Callable, Union
 
+from megatron_tsync.model.tokenizer import Rendered
 from megatron_tsync.rollout.sandbox import Sandbox, ToolResult
 
 __all__ = [
@@ -122,10 +126,11 @@ def _neutralise(s: str) -> str:
     return _TAG_RE.sub(lambda m: f"&lt;{m.group(1)}{m.group(2)}&gt;", s)
 
 
-def format_tool_result(result: Union[ToolResult, ToolCallError, str], max_chars: int = 2000) -> str:
+def format_tool_result(result: Union[ToolResult, ToolCallError, str], max_chars: int = 2000) -> Rendered:
     """``<result>...</result>`` for the agent: stdout when ok, else ``error: ...`` plus the stderr tail.
 
-    Tags inside the output are escaped; text beyond `max_chars` is elided (head kept) with a note.
+    Tags inside the output are escaped; text beyond `max_chars` is elided (head kept) with a note. The tags are the
+    markup of the returned :class:`Rendered`, the output its data.
     """
     if isinstance(result, ToolCallError):
         body = f"error: {result.message}"
@@ -144,7 +149,7 @@ def format_tool_result(result: Union[ToolResult, ToolCallError, str], max_chars:
             body += "\n" + tail
     if len(body) > max_chars:
         body = body[:max_chars] + f"\n...[{len(body) - max_chars} more characters elided]"
-    return f"{RESULT_OPEN}{_neutralise(body)}{RESULT_CLOSE}"
+    return Rendered.wrap(RESULT_OPEN, _neutralise(body), RESULT_CLOSE)
 
 
 # -------------------------------------------------------------------------------------------------------- dispatch

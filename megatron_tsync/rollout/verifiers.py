@@ -16,7 +16,10 @@ Tasks are mappings (or objects with attributes). Keys used by the built-ins:
   in the sandbox: :class:`UnitTests`); optional ``files`` (path -> content written to the sandbox first) and
   ``solution_path`` (default ``solution.py``) where the LAST fenced code block of the final text is written.
 
-Answers and code are read only outside ``<result>`` blocks, so tool output cannot forge an answer.
+Answers and code are read only outside ``<result>`` blocks, so tool output cannot forge an answer; and the text a
+verifier gets is :func:`verifier_transcript`: the model's generated tokens as they decode, everything else after the
+prompt (tool results, a harness's messages, markers the server added) as one ``<result>`` block each with its tags
+escaped, so only text the model generated can carry an answer, a tool call or a code block.
 This module imports only the standard library and the rollout sandbox/tools modules (and reasoning-gym, on use).
 """
 
@@ -25,14 +28,16 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Protocol, runtime_checkable
+from typing import Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
 
 from megatron_tsync.rollout.sandbox import Sandbox, SandboxConfig
-from megatron_tsync.rollout.tools import ToolCall, _mask_results, parse_tool_call
+from megatron_tsync.rollout.tools import (
+    RESULT_CLOSE, RESULT_OPEN, ToolCall, _mask_results, _neutralise, parse_tool_call,
+)
 
 __all__ = [
     "Score", "Verifier", "register_verifier", "get_verifier", "available_verifiers", "parse_answer",
-    "ExactAnswer", "AnswerWithFormat", "UnitTests", "ReasoningGymScore", "plan_snippet",
+    "ExactAnswer", "AnswerWithFormat", "UnitTests", "ReasoningGymScore", "plan_snippet", "verifier_transcript",
 ]
 
 
@@ -103,6 +108,30 @@ class _Base:
     def _clamp(self, s: Score) -> Score:
         lo, hi = self.reward_range
         return Score(min(hi, max(lo, float(s.reward))), s.reason)
+
+
+def verifier_transcript(token_ids: Sequence[int], loss_mask: Sequence[int], prompt_len: int,
+                        decode: Callable[[Sequence[int]], str]) -> str:
+    """The text verifiers read of a trajectory (see the module docstring): after the prompt, each run of generated
+    tokens (``loss_mask`` 1) decoded as is; each other run (an observation) decoded, one enclosing ``<result>`` ...
+    ``</result>`` taken off, its ``<tool>`` / ``<result>`` / ``<answer>`` tags escaped, and put in one ``<result>``
+    block. For the native agent loop this is the decoded text unchanged (its results are such blocks already)."""
+    out, start, n = [], int(prompt_len), len(token_ids)
+    while start < n:
+        gen = bool(loss_mask[start])
+        end = start
+        while end < n and bool(loss_mask[end]) == gen:
+            end += 1
+        text = decode(list(token_ids[start:end]))
+        if not gen:
+            if text.startswith(RESULT_OPEN) and text.endswith(RESULT_CLOSE):
+                text = text[len(RESULT_OPEN):len(text) - len(RESULT_CLOSE)]
+            elif text.startswith(RESULT_OPEN):  # a result cut at the context's end
+                text = text[len(RESULT_OPEN):]
+            text = RESULT_OPEN + _neutralise(text) + RESULT_CLOSE
+        out.append(text)
+        start = end
+    return "".join(out)
 
 
 # ------------------------------------------------------------------------------------------------------- answers

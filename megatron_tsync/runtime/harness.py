@@ -167,8 +167,14 @@ class HarnessRunner:
         sampling = dataclasses.replace(sampling, seed=rl.seed)  # + crc32(episode id) and turn, per completion
         self.bos = tok.bos_token if isinstance(getattr(tok, "bos_token", None), str) else ""
         self.engine = _CountingEngine(worker.engine)
+        from megatron_tsync.rollout.openai_server import HttpLimits, chat_limits
+
+        # the endpoint is the worker's own, on loopback, for its one harness: no per-address share, and the runner
+        # owns episode lifetimes (every episode is finished or taken at the end of its step), so no cap or expiry
+        limits = chat_limits(rl.seq_length, max_connections_per_peer=HttpLimits.max_connections)
         self.server = _server_class()(self.engine, worker.codec, template, sampling=sampling,
-                                      max_context_tokens=rl.seq_length, tool_parser=parser).start()
+                                      max_context_tokens=rl.seq_length, tool_parser=parser, limits=limits,
+                                      max_episodes=None, episode_idle_s=None).start()
         self.fn = None
         if ro.harness_fn:
             module, _, name = ro.harness_fn.partition(":")

@@ -479,14 +479,18 @@ class RolloutWorker:
 async def score_trajectory(traj, codec, inst, episode, verifier, floor: float,
                            spec=None) -> tuple[float, str, str]:
     """(reward, status, error) of a finished trajectory: the environment's verdict on its episode (which it closes),
-    else ``verifier`` on the decoded completion against ``inst``. A failed rollout, a failing verifier, a
-    non-finite score or one the task's declared ``spec`` (``RewardSpec``) does not admit is status "error" with
-    reward ``floor`` (the task's lowest): never lost, never a crash (the learner's edge checks it again)."""
+    else ``verifier`` on the completion against ``inst``; both read ``verifiers.verifier_transcript`` (an answer
+    counts only in generated text, never in a tool result or a harness's message). A failed rollout, a failing
+    verifier, a non-finite score or one the task's declared ``spec`` (``RewardSpec``) does not admit is status
+    "error" with reward ``floor`` (the task's lowest): never lost, never a crash (the learner's edge checks it
+    again)."""
     if traj.error:
         if episode is not None:
             episode.close()
         return floor, "error", traj.error[:1000]
-    text = codec.decode(traj.token_ids[traj.prompt_len :])
+    from megatron_tsync.rollout.verifiers import verifier_transcript
+
+    text = verifier_transcript(traj.token_ids, traj.loss_mask, traj.prompt_len, codec.decode)  # answers: generated only
     try:
         if episode is not None:
             score = await episode.finish(text)

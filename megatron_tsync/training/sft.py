@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from megatron_tsync.model.builder import unwrap
 from megatron_tsync.model.logprobs import token_logprobs
-from megatron_tsync.model.tokenizer import TokenizerCodec
+from megatron_tsync.model.tokenizer import Rendered, TokenizerCodec, encode_observation
 from megatron_tsync.training.optimizer import OptimConfig, build_optimizer, finalize_and_scale
 
 __all__ = ["demonstration_tokens", "collate", "sft_warmup", "as_codec", "WARM_START_OPTIM", "build_sft_optimizer"]
@@ -58,14 +58,15 @@ def as_codec(tokenizer_or_codec: Any):
 def demonstration_tokens(codec, segments: Sequence[tuple[str, bool]]) -> tuple[list[int], list[int]]:
     """(token_ids, loss_mask) of a transcript given as ``(text, is_action)`` segments.
 
-    Each segment is encoded on its own, as the agent loop does (prompt, generated turn, tool result, ...), so the
-    ids and the mask equal those of a :class:`~megatron_tsync.rollout.agent_loop.Trajectory` that generated the
-    same actions: mask 1 on action tokens, 0 on prompt and tool output.
+    Each segment is encoded on its own, as the agent loop does (prompt, generated turn, tool result, ...; a tool
+    result that is a :class:`~megatron_tsync.model.tokenizer.Rendered` with its output as plain text), so the ids
+    and the mask equal those of a :class:`~megatron_tsync.rollout.agent_loop.Trajectory` that generated the same
+    actions: mask 1 on action tokens, 0 on prompt and tool output.
     """
     ids: list[int] = []
     mask: list[int] = []
     for text, is_action in segments:
-        seg = codec.encode(text)
+        seg = encode_observation(codec, text) if isinstance(text, Rendered) else codec.encode(text)
         ids += seg
         mask += [int(is_action)] * len(seg)
     return ids, mask

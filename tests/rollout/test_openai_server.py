@@ -527,14 +527,14 @@ def test_concurrent_episodes_are_batched_exactly(base):
 def test_batcher_serves_the_others_when_one_request_is_bad(base):
     from concurrent.futures import ThreadPoolExecutor
 
-    from megatron_tsync.rollout.openai_server import _EngineBatcher
+    from megatron_tsync.rollout.chat_batcher import EngineBatcher
 
     engine = base["engine"]
     engine.update_weights(base["state"], 0)
     cfg = SamplingConfig(max_new_tokens=8, seed=1)
     jobs = [([5, 6, 7], 11), ([9] * 4094, 12), ([8, 9], 13)]  # the middle one exceeds the model's 4096 positions
     alone = [engine.generate([p], cfg, 1, seeds=[sd])[0][0].token_ids for p, sd in (jobs[0], jobs[2])]
-    batcher = _EngineBatcher(engine, 0.5)
+    batcher = EngineBatcher(engine, 0.5)
     try:
         def submit(job):
             try:
@@ -584,11 +584,13 @@ def test_command_line_serve(tiny_dir, tmp_path):
     import socket
     import subprocess
     import sys
+    import threading
     import types
 
     trace = tmp_path / "trace.jsonl"
     cmd = [sys.executable, "-m", "megatron_tsync.rollout.openai_server", "serve", "--model", tiny_dir, "--port", "0",
-           "--host", "0.0.0.0", "--max-connections", "1",
+           "--host", "0.0.0.0", "--max-connections", "4", "--max-connections-per-peer", "1", "--write-timeout", "0.5",
+           "--max-episodes", "2", "--episode-idle-timeout", "5",
            "--model-name", "cli", "--temperature", "0.5", "--top-k", "1", "--max-new-tokens", "8",
            "--max-context-tokens", "200", "--trace", str(trace)]
     # the key the test helpers send: a non-loopback bind is served with it (and refused without one, see
@@ -603,9 +605,23 @@ def test_command_line_serve(tiny_dir, tmp_path):
         srv = types.SimpleNamespace(url=line.split()[1])
         assert [m["id"] for m in _http(srv, "GET", "/models")[1]["data"]] == ["cli", "cli@v0"]
         assert _http(srv, "GET", "/models", None, {"Authorization": "Bearer other"})[0] == 401
-        with socket.create_connection(("127.0.0.1", int(srv.url.split(":")[2].split("/")[0]))):  # held open
+        address = ("127.0.0.1", int(srv.url.split(":")[2].split("/")[0]))
+        with socket.create_connection(address):  # held open: this address' one connection (per peer)
             st, out = _http(srv, "GET", "/models")
-            assert st == 503 and "max_connections 1" in out["error"]["message"]
+            assert st == 429 and "max_connections_per_peer" in out["error"]["message"]
+            with socket.create_connection(address, source_address=("127.0.0.2", 0)) as other:  # another address
+                other.sendall(b"GET /v1/models HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer unused\r\n"
+                              b"Connection: close\r\n\r\n")
+                assert other.recv(4096).startswith(b"HTTP/1.1 200 ")
+        reader = socket.socket()  # --write-timeout: a client that pipelines and never reads is disconnected
+        reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        reader.bind(("127.0.0.3", 0))
+        reader.connect(address)
+        threading.Thread(target=_send_quietly, args=(reader, (b"GET /" + b"x" * 4000 + b" HTTP/1.1\r\nHost: t\r\n"
+                                                              b"Authorization: Bearer unused\r\n\r\n") * 2000),
+                         daemon=True).start()
+        assert _until(lambda: _http(srv, "GET", "/tsync/stats")[1]["http"]["write_timeouts"] == 1, 60)
+        reader.close()
         body = {"model": "cli", "messages": [{"role": "user", "content": "2+2?"}]}
         st, out = _http(srv, "POST", "/chat/completions", {**body, "temperature": 0.7}, {"X-Episode-Id": "a"})
         assert st == 400 and "temperature=0.5" in out["error"]["message"]
@@ -617,6 +633,13 @@ def test_command_line_serve(tiny_dir, tmp_path):
         st, out = _http(srv, "POST", "/chat/completions", long, {"X-Episode-Id": "c"})
         assert st == 400 and "max_context_tokens 200" in out["error"]["message"]
         assert _http(srv, "POST", "/episodes/a/finish", {"verify_s": 1.5})[0] == 200
+        for ep in ("d", "e"):  # --max-episodes 2: b, d, e opened, b evicted
+            assert _http(srv, "POST", "/chat/completions", body, {"X-Episode-Id": ep})[0] == 200
+        stats = _http(srv, "GET", "/tsync/stats")[1]
+        assert stats["episodes"] == 2 and stats["episodes_evicted"] == 1 and stats["max_episodes"] == 2
+        st, out = _http(srv, "POST", "/episodes/b/finish")
+        assert st == 410 and out["error"]["code"] == "episode_evicted"
+        assert _until(lambda: _http(srv, "GET", "/tsync/stats")[1]["episodes_expired"] == 2, 60)  # idle 5 s
         proc.terminate()
         assert proc.wait(timeout=30) == 0, (tmp_path / "serve.err").read_text()[-3000:]
     finally:
@@ -625,3 +648,40 @@ def test_command_line_serve(tiny_dir, tmp_path):
         err.close()
     (rec,) = [json.loads(x) for x in open(trace)]
     assert rec["turns"] == 1 and rec["verify_s"] == 1.5
+
+
+def _send_quietly(sock, data: bytes) -> None:
+    try:
+        sock.sendall(data)
+    except OSError:  # the server aborted the connection (or the test closed it)
+        pass
+
+
+def _until(cond, timeout_s: float) -> bool:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def test_serve_limit_flags_reach_the_server():
+    """The ``serve`` limit flags become the server's limits (their effects: test_command_line_serve and
+    tests/rollout/test_http_server.py); 0 turns a cap off; the defaults are the library's."""
+    from megatron_tsync.rollout.openai_server import _parser, _server_limits
+
+    def kw(*flags):
+        return _server_limits(_parser().parse_args(["serve", "--model", "m", "--max-connections", "64", *flags]))
+
+    d = kw()
+    assert d["limits"].peer_cap == 32 and d["limits"].write_timeout_s == 30.0 and d["limits"].max_connections == 64
+    assert (d["max_episodes"], d["episode_idle_s"]) == (1024, 600.0)
+    d = kw("--max-connections-per-peer", "3", "--write-timeout", "0.25", "--max-episodes", "7",
+           "--episode-idle-timeout", "9")
+    assert d["limits"].peer_cap == 3 and d["limits"].write_timeout_s == 0.25
+    assert (d["max_episodes"], d["episode_idle_s"]) == (7, 9)
+    d = kw("--max-episodes", "0", "--episode-idle-timeout", "0", "--max-connections-per-peer", "0")
+    assert d["max_episodes"] is None and d["episode_idle_s"] is None and d["limits"].peer_cap == 64

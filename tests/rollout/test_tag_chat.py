@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from megatron_tsync.model.tokenizer import Rendered, encode_observation
 from megatron_tsync.rollout.tag_chat import parse_tag_tool_calls, tag_chat_template
 
 
@@ -24,11 +25,11 @@ def test_episode_tokens_equal_native_transcript(codec):
     task = get_task("arithmetic-calculator")
     inst = task.instance("37+18*4")
     segs = task.demonstration_segments(inst)  # prompt, tool call, result, answer: how the agent loop encodes them
-    native = [codec.encode(text) for text, _ in segs]
+    native = [encode_observation(codec, t) if isinstance(t, Rendered) else codec.encode(t) for t, _ in segs]
     tpl = tag_chat_template(codec.tokenizer)
     bos = codec.tokenizer.bos_token
     user = [{"role": "user", "content": inst.prompt_text[len(bos):]}]
-    assert codec.encode(tpl.render(user, None, True)) == native[0]
+    assert encode_observation(codec, tpl.render_marked(user, None, True)) == native[0]
     # the model's first turn: "<tool>calculator: 37+18*4</tool>", generated; the server strips the end-of-turn marker
     turn1 = codec.decode(native[1])
     content, calls = parse_tag_tool_calls(turn1[: turn1.rindex("</tool>")], "call_0_0")
@@ -39,7 +40,7 @@ def test_episode_tokens_equal_native_transcript(codec):
     seen = user + [reply]
     messages = seen + [{"role": "tool", "tool_call_id": calls[0]["id"], "content": "109"}]
     obs = tpl.continuation(seen, messages, None, closed=True)  # the completion generated </tool> itself
-    assert codec.encode(obs) == native[2]
+    assert isinstance(obs, Rendered) and encode_observation(codec, obs) == native[2]
     # ... and a completion cut before </tool> gets the marker appended (loss mask 0), still token-exact text
     assert tpl.continuation(seen, messages, None, closed=False) == "</tool>" + obs
 

@@ -29,7 +29,7 @@ class _Verifier:
 
 
 def _score(reward, spec):
-    traj = SimpleNamespace(error=None, token_ids=[1, 2, 3], prompt_len=1)
+    traj = SimpleNamespace(error=None, token_ids=[1, 2, 3], prompt_len=1, loss_mask=[0, 1, 1])
     inst = SimpleNamespace(verifier_task=lambda: None)
     return asyncio.run(score_trajectory(traj, _Codec(), inst, None, _Verifier(reward), float(spec.lo), spec))
 

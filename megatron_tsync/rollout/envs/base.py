@@ -32,7 +32,9 @@ __all__ = ["Observation", "Episode", "Environment", "EnvTools", "register_enviro
 @dataclass(frozen=True)
 class Observation:
     text: str
-    """What is appended to the context after the model's turn (already in the tool format's markup)."""
+    """What is appended to the context after the model's turn (already in the tool format's markup): the format's
+    ``render_result``, a :class:`~megatron_tsync.model.tokenizer.Rendered` whose tool output the agent loop encodes
+    as plain text (a plain ``str`` is plain text throughout)."""
     done: bool = False
     """The episode is over (the agent submitted); no further turn is generated."""
     ok: bool = True

@@ -16,8 +16,11 @@ the next turn continues the token sequence exactly (generated tokens are never r
 only the observation and appends it with loss mask 0).
 
 Observations never carry markup the model could mistake for a turn boundary or a call: ``<|``, ``<tool_call>``,
-``<tool_response>``, ``<tool>``, ``<result>`` and ``<answer>`` inside tool output are escaped.
-Standard library only.
+``<tool_response>``, ``<tool>``, ``<result>`` and ``<answer>`` inside tool output are escaped, and the output is the
+data of a :class:`~megatron_tsync.model.tokenizer.Rendered` whose markup is the format's wrapper: the agent loop
+encodes it as plain text, so no special token (``</s>``, ``<|endoftext|>``, ``<think>``, ...) it prints becomes a
+special id.
+Standard library and ``model.tokenizer`` only.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ import json
 import re
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Union
+
+from megatron_tsync.model.tokenizer import Rendered
 
 __all__ = ["ParsedCall", "CallError", "ToolFormat", "TagFormat", "QwenFormat", "get_tool_format"]
 
@@ -54,7 +59,7 @@ class ToolFormat(Protocol):
 
     def render_call(self, name: str, args: dict) -> str: ...
 
-    def render_result(self, text: str) -> str: ...
+    def render_result(self, text: str) -> Rendered: ...
 
 
 _ESCAPE_RE = re.compile(r"<\|" + r"|<(/?)(tool_call|tool_response|tool|result|answer)>")
@@ -110,8 +115,8 @@ class TagFormat:
     def render_call(self, name: str, args: dict) -> str:
         return f"<tool>{name}: {json.dumps(args)}</tool>"
 
-    def render_result(self, text: str) -> str:
-        return f"<result>{escape_output(text)}</result>"
+    def render_result(self, text: str) -> Rendered:
+        return Rendered.wrap("<result>", escape_output(text), "</result>")
 
 
 _QWEN_CALL_RE = re.compile(r"<tool_call>((?:(?!<tool_call>).)*?)</tool_call>", re.DOTALL)
@@ -154,8 +159,8 @@ class QwenFormat:
     def render_call(self, name: str, args: dict) -> str:
         return "<tool_call>\n" + json.dumps({"name": name, "arguments": args}) + "\n</tool_call>"
 
-    def render_result(self, text: str) -> str:
-        return self.result_open + escape_output(text) + self.result_close
+    def render_result(self, text: str) -> Rendered:
+        return Rendered.wrap(self.result_open, escape_output(text), self.result_close)
 
 
 _FORMATS = {"tag": TagFormat, "qwen": QwenFormat}

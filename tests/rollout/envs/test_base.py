@@ -37,6 +37,9 @@ class ByteCodec:
                 i += 1
         return out
 
+    def encode_text(self, text: str) -> list[int]:  # plain text: no special string is matched
+        return list(text.encode())
+
     def decode(self, ids) -> str:
         data, out = bytearray(), []
         for t in ids:
