@@ -68,7 +68,8 @@ def train(ctx: RunContext, algo: Algorithm) -> list[dict]:
         ctx.close()
     if ctx.history and ctx.dims.is_logging_rank:
         held = heldout.summary() if heldout is not None else ""
-        print(algo.summary(ctx.history) + f", {health.summary()}" + (f", {held}" if held else ""), flush=True)
+        signal = health.summary(ctx.history[-1].get("events_rejected"))
+        print(algo.summary(ctx.history) + f", {signal}" + (f", {held}" if held else ""), flush=True)
         ctx.save_history(heldout.records if heldout is not None else None)
     if stopped is not None:
         raise SystemExit(f"error: {stopped}")

@@ -155,9 +155,11 @@ class SignalHealth:
         """What the progress line adds for a step without signal."""
         return f" NO SIGNAL ({row.get('no_signal_why', '')})" if row.get("no_signal") else ""
 
-    def summary(self) -> str:
-        """The end-of-run summary's part: steps without signal, failures by kind."""
+    def summary(self, rejected: int | None = None) -> str:
+        """The end-of-run summary's part: steps without signal, failures by kind, and (``rejected``) the run's events
+        rejected by the transport."""
         kinds = ", ".join(f"{kind} {c}" for kind, c in self.fails.most_common())
         failed = sum(self.fails.values())
         return (f"no learning signal in {self.no_signal_steps}/{self.steps} steps, failed trajectories "
-                f"{failed}/{self.trajectories}" + (f" ({kinds})" if kinds else ""))
+                f"{failed}/{self.trajectories}" + (f" ({kinds})" if kinds else "")
+                + (f", events rejected {rejected}" if rejected is not None else ""))

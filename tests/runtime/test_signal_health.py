@@ -108,7 +108,7 @@ def test_a_run_without_signal_says_so_and_stops(tmp_path):
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("[tsync] step ")]
     assert len(lines) == 3 and all("failed 2" in ln and "NO SIGNAL (every group has zero reward variance" in ln
                                    for ln in lines), p.stdout
-    assert "no learning signal in 3/3 steps, failed trajectories 6/12 (harness_crash 6)" in p.stdout
+    assert "no learning signal in 3/3 steps, failed trajectories 6/12 (harness_crash 6), events rejected 0" in p.stdout
     rows = json.load(open(tmp_path / "ck" / "history.json"))
     assert [r["no_signal"] for r in rows] == [1, 1, 1] and [r["failed"] for r in rows] == [2, 2, 2]
     p = subprocess.run([*common, "--save", str(tmp_path / "ck2"), "--stop-on-no-signal", "2"], cwd=tmp_path,
