@@ -122,9 +122,7 @@ def _steps(ctx: RunContext, algo: Algorithm, fleet, agreement: StopAgreement, he
         row = {**algo.row(k, out, fleet), **perf_row(out, t_step, cpu_step)}
         row.update(_health(ctx, k, out, row))
         _log(ctx, algo, k, row, time.perf_counter() - t_run, ctx.step - first)
-        if ctx.health.stop:  # --stop-on-no-signal: the same on every rank (samples are broadcast)
-            if ctx.dims.rank == 0:
-                print(f"[tsync] stopping after step {k}: {ctx.health.stop}", flush=True)
+        if ctx.health.stop:  # --stop-on-no-signal: the same on every rank (samples are broadcast); one error line
             raise NoLearningSignal(ctx.health.stop)
         _evaluate(ctx, heldout)  # θ_{k+1}, while the workers roll out step k + 1
         si = cfg.checkpoint.save_interval
