@@ -108,7 +108,7 @@ def test_example_agent_drives_the_tiny_agent(tmp_path):
     episodes' requests share engine calls, nothing fails."""
     ck, dump = tmp_path / "ck", tmp_path / "dump"
     _train(["--config", os.path.join(ROOT, "examples", "openai_harness", "config.yaml"), "--model",
-            str(tmp_path / "model"), "--train-iters", "1", "--global-batch-size", "16", "--eval-interval", "0",
+            str(tmp_path / "model"), "--init-tiny-model", "--train-iters", "1", "--global-batch-size", "16", "--eval-interval", "0",
             "--save", str(ck), "--dump-rollouts", str(dump), "--no-progress"], ROOT)
     (row,) = json.loads((ck / "history.json").read_text())
     assert all(row[f"harness_{r}"] == 0 for r in ("crash", "timeout", "bad_request", "no_finish", "bad_reward"))
