@@ -259,7 +259,8 @@ _FLAGS: tuple[_Flag, ...] = (
     # ---- model
     _f("--model", "model.path", _G_MODEL, metavar="HF_DIR", help="Hugging Face model folder of the policy"),
     _f("--init-tiny-model", "model.init_tiny_model", _G_MODEL, **_SWITCH,
-       help="create a tiny random model at --model if it does not exist"),
+       help="create a tiny random model at --model if it does not exist (a --config file's covers its own model "
+            "path only)"),
     _f("--tiny-model-family", "model.tiny_model_family", _G_MODEL, choices=C.TINY_FAMILIES,
        help="family of the tiny model --init-tiny-model creates (qwen3_moe: 4 experts, top-2)"),
     _f("--moe-aux-loss-coeff", "model.moe_aux_loss_coeff", _G_MODEL, type=float, metavar="C",
