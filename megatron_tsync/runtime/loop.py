@@ -120,7 +120,7 @@ def _steps(ctx: RunContext, algo: Algorithm, fleet, agreement: StopAgreement, he
         if live and ctx.step < cfg.rl.train_iters:
             ctx.publish(fleet, ctx.step)
         row = {**algo.row(k, out, fleet), **perf_row(out, t_step, cpu_step)}
-        row.update(_health(ctx, k, out, row))
+        row.update(_health(ctx, out, row))
         _log(ctx, algo, k, row, time.perf_counter() - t_run, ctx.step - first)
         if ctx.health.stop:  # --stop-on-no-signal: the same on every rank (samples are broadcast); one error line
             raise NoLearningSignal(ctx.health.stop)
@@ -170,9 +170,9 @@ def _log(ctx: RunContext, algo: Algorithm, k: int, row: dict, elapsed: float, do
         print(algo.line(row, ctx.step, total, eta) + ctx.health.line(row), flush=True)
 
 
-def _health(ctx: RunContext, k: int, out, row: dict) -> dict:
+def _health(ctx: RunContext, out, row: dict) -> dict:
     """The step's learning-signal entries (``runtime/signal_health.py``) and its one-time warning."""
-    entries, why, warning = ctx.health.observe(k, out.samples, row.get("grad_norm"))
+    entries, why, warning = ctx.health.observe(ctx.step, out.samples, row.get("grad_norm"))  # steps done, as shown
     if warning and ctx.dims.is_logging_rank:
         print(warning, flush=True)
     return {**entries, "no_signal_why": why} if why else entries

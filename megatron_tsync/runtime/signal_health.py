@@ -112,7 +112,7 @@ class SignalHealth:
         return min(WARN_AFTER, self.stop_after) if self.stop_after else WARN_AFTER
 
     def observe(self, k: int, samples, grad_norm: float | None) -> tuple[dict, str, str | None]:
-        """Step ``k``: (its row entries, why it has no signal or "", the one-time warning when it is due or None).
+        """Step ``k`` (as the progress line counts: steps done): (its row entries, why it has no signal or "", the one-time warning when it is due or None).
         At ``--stop-on-no-signal`` it sets :attr:`stop` (the loop raises :class:`NoLearningSignal` after logging the
         step)."""
         row, why = step_signal(samples, grad_norm, self.algorithm)

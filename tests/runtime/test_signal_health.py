@@ -114,6 +114,6 @@ def test_a_run_without_signal_says_so_and_stops(tmp_path):
     p = subprocess.run([*common, "--save", str(tmp_path / "ck2"), "--stop-on-no-signal", "2"], cwd=tmp_path,
                        env={**env, "MASTER_PORT": str(free_port())}, capture_output=True, text=True, timeout=600)
     assert p.returncode == 1, p.stdout[-3000:] + p.stderr[-3000:]
-    assert "error: --stop-on-no-signal 2: no learning signal in the last 2 steps (up to step 1)" in p.stderr
+    assert "error: --stop-on-no-signal 2: no learning signal in the last 2 steps (up to step 2)" in p.stderr
     assert "2 failed trajectories" not in p.stderr and "4 failed trajectories (harness_crash 4" in p.stderr
     assert not os.path.exists(tmp_path / "ck2" / "tsync_stop.json")
