@@ -484,8 +484,14 @@ class LoggingConfig:
     """Held-out prompts per evaluation: the same fixed set every time (the task's eval split, drawn with the seed)."""
     eval_greedy: bool = True
     """Greedy decoding for the evaluation (False: one sample per prompt at the rollout temperature, fixed seeds)."""
+    stop_on_no_signal: int = 0
+    """Stop the run (exit status 1, one line naming the causes, no stop record) after this many steps in a row
+    without learning signal: every group zero-variance, every trajectory failed or rejected, or grad-norm 0
+    (``runtime/signal_health.py``). 0 = never stop; the run warns once after min(5, this) such steps either way."""
 
     def __post_init__(self) -> None:
+        _check(self.stop_on_no_signal >= 0,
+               f"logging.stop_on_no_signal must be >= 0, got {self.stop_on_no_signal}", "logging.stop_on_no_signal")
         _check(self.log_interval >= 1, f"logging.log_interval must be >= 1, got {self.log_interval}",
                "logging.log_interval")
         _check(self.dump_rollouts is None or self.dump_rollouts != self.replay_rollouts,

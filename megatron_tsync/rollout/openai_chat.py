@@ -92,9 +92,12 @@ class ChatTemplate:
         end_of_turn: the text that closes an assistant message (``<|im_end|>`` for ChatML/Qwen, ``<|eot_id|>`` for
             Llama 3); it is the stop marker of every completion and must appear in a rendered assistant message.
         special: ``bos_token`` / ``eos_token`` values the template may use.
+        kept_stops: stop texts the format's content needs to be parsed (the tag format's ``</answer>``): a completion
+            that stopped on one keeps it in the reply's content; other stop tokens (EOS) are stripped from it.
     """
 
-    def __init__(self, source: str, *, end_of_turn: str = "<|im_end|>", special: dict[str, str] | None = None):
+    def __init__(self, source: str, *, end_of_turn: str = "<|im_end|>", special: dict[str, str] | None = None,
+                 kept_stops: tuple[str, ...] = ()):
         import jinja2
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -115,6 +118,7 @@ class ChatTemplate:
         self.source = source
         self.end_of_turn = end_of_turn
         self.special = dict(special or {})
+        self.kept_stops = tuple(kept_stops)
         probe = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
         if end_of_turn not in self.render(probe, None, False)[len(self.render(probe[:1], None, True)):]:
             raise ValueError(f"end_of_turn {end_of_turn!r} does not close an assistant message of this chat template")

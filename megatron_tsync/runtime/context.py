@@ -23,6 +23,7 @@ from megatron_tsync.model.tokenizer import TokenizerCodec
 from megatron_tsync.runtime import run_dir, wandb_log
 from megatron_tsync.runtime.fleet import RolloutFleet, open_fleet
 from megatron_tsync.runtime.stop import StopFlag
+from megatron_tsync.runtime.phase import announce
 from megatron_tsync.runtime.tasks import get_task
 from megatron_tsync.runtime.validation import check_tokenizer_fits
 from megatron_tsync.training.checkpointing import load_checkpoint, save_checkpoint, shield_checkpoint_writer
@@ -42,8 +43,9 @@ def model_dir(cfg: TrainConfig, rank: int) -> str:
     if not os.path.exists(os.path.join(path, "config.json")):
         if not cfg.model.init_tiny_model:
             raise FileNotFoundError(f"--model {path}: no config.json (pass --init-tiny-model to create a tiny one)")
-        if rank == 0:
-            log.info("creating a tiny %s model at %s", cfg.model.tiny_model_family, path)
+        if rank == 0:  # one line: a random model is trained only where the user asked for it (--init-tiny-model)
+            print(f"[tsync] --model {path} does not exist: creating a tiny random {cfg.model.tiny_model_family} model "
+                  "there (--init-tiny-model)", flush=True)
             make_tiny_model(path, family=cfg.model.tiny_model_family, seed=cfg.rl.seed)
     if dist.is_initialized():
         dist.barrier()
@@ -160,10 +162,13 @@ class RunContext:
         t0 = time.perf_counter()
         codec = TokenizerCodec(AutoTokenizer.from_pretrained(self.model_dir))
         sft_opt, clip = build_sft_optimizer(self.ddp)  # float64: clips in float64 itself (megatron: float32 only)
-        losses = sft_warmup(self.ddp, sft_opt, codec, self.task, self.cfg.model.sft_warmup_steps, batch_size=16,
-                            seed=self.cfg.rl.seed + 1,  # not the RL prompts
-                            lr=self.cfg.model.sft_warmup_lr,
-                            dp_group=self.dims.dp_group() if self.dims.dp > 1 else None, clip_grad=clip)
+        steps, last = self.cfg.model.sft_warmup_steps, {}
+        with announce("supervised warm start", enabled=self.dims.rank == 0,
+                      status=lambda: f"step {last['k'] + 1}/{steps}, loss {last['loss']:.3f}" if last else "step 0"):
+            losses = sft_warmup(self.ddp, sft_opt, codec, self.task, steps, batch_size=16,
+                                seed=self.cfg.rl.seed + 1,  # not the RL prompts
+                                lr=self.cfg.model.sft_warmup_lr, log=lambda k, loss: last.update(k=k, loss=loss),
+                                dp_group=self.dims.dp_group() if self.dims.dp > 1 else None, clip_grad=clip)
         # the RL optimizer's fp32 master copies (if any) must see the new weights
         if hasattr(self.opt, "reload_model_params"):
             self.opt.reload_model_params()

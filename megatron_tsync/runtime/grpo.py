@@ -156,7 +156,7 @@ class GRPO:
         bar = progress_bar(done, total) if self.ctx.cfg.logging.progress else f"step {done}"
         return (f"[tsync] {bar} reward {row['reward']:.3f} success {row['success_rate']:.2f} "
                 f"step {row['step_time_s']:5.2f}s idle {row['idle_frac']:4.0%} grad-norm {grad_norm_text(row)} "
-                f"rejected {row['events_rejected']}{skipped_text(row)} ETA {eta_s:5.0f}s")
+                f"rejected {row['events_rejected']} failed {row.get('failed', 0)}{skipped_text(row)} ETA {eta_s:5.0f}s")
 
     def summary(self, h: list[dict]) -> str:
         n = max(1, min(10, len(h) // 3))  # first / last third (≤ 10 steps): one step's batch is noisy

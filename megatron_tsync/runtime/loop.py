@@ -27,7 +27,9 @@ from megatron_tsync.runtime.context import RunContext
 from megatron_tsync.runtime.fleet import WorkerDied
 from megatron_tsync.runtime.grpo import GRPO_SPEC
 from megatron_tsync.runtime.opd import OPD_SPEC
+from megatron_tsync.runtime.phase import announce
 from megatron_tsync.runtime.rollout_io import dump_rollouts
+from megatron_tsync.runtime.signal_health import HEALTH_TB_NAMES, NoLearningSignal, SignalHealth
 from megatron_tsync.runtime.spec import Algorithm, TrainSpec
 from megatron_tsync.runtime.stop import (NonFiniteStop, SkipCounter, StopAgreement, StopFlag, StopRequested,
                                          write_stop_file)
@@ -50,6 +52,8 @@ def train(ctx: RunContext, algo: Algorithm) -> list[dict]:
     ctx.stop.abortable = ctx.dims.world_size == 1  # SIGTERM aborts the step in flight (several ranks: finish it)
     fleet = ctx.open_fleet() if live else None
     heldout = ctx.heldout_eval()  # --eval-interval: trainer rank 0, else None
+    health = ctx.health = SignalHealth(cfg.rl.algorithm, cfg.logging.stop_on_no_signal or 0)
+    stopped = None
     try:
         if fleet is not None:
             fleet.abort_check = ctx.stop.check_abort  # after every poll of a step's source
@@ -61,6 +65,8 @@ def train(ctx: RunContext, algo: Algorithm) -> list[dict]:
         if ctx.history and ctx.dims.is_logging_rank:
             ctx.save_history(heldout.records if heldout is not None else None)
         raise
+    except NoLearningSignal as e:  # --stop-on-no-signal: no checkpoint, no stop record (a scheduler must not requeue)
+        stopped = e
     finally:
         if fleet is not None:
             fleet.close()
@@ -69,8 +75,11 @@ def train(ctx: RunContext, algo: Algorithm) -> list[dict]:
         ctx.close()
     if ctx.history and ctx.dims.is_logging_rank:
         held = heldout.summary() if heldout is not None else ""
-        print(algo.summary(ctx.history) + (f", {held}" if held else ""), flush=True)
+        signal = health.summary(ctx.history[-1].get("events_rejected"))
+        print(algo.summary(ctx.history) + f", {signal}" + (f", {held}" if held else ""), flush=True)
         ctx.save_history(heldout.records if heldout is not None else None)
+    if stopped is not None:
+        raise SystemExit(f"error: {stopped}")
     return ctx.history
 
 
@@ -80,7 +89,8 @@ def _evaluate(ctx: RunContext, heldout) -> None:
         return
     from megatron_tsync.runtime.evaluation import EVAL_TB_NAMES
 
-    rec = heldout.run(ctx.step)
+    with announce(f"held-out evaluation v{ctx.step}"):
+        rec = heldout.run(ctx.step)
     print(heldout.line(rec), flush=True)
     ctx.write_scalars(rec, EVAL_TB_NAMES, ctx.step)
 
@@ -119,10 +129,13 @@ def _steps(ctx: RunContext, algo: Algorithm, fleet, agreement: StopAgreement, he
             ctx.publish(fleet, ctx.step)
         skipped = int(getattr(out.result, "skipped_updates", 0))
         row = {**algo.row(k, out, fleet), **perf_row(out, t_step, cpu_step), **skips.record(k, skipped)}
+        row.update(_health(ctx, out, row))
         if skipped and ctx.dims.rank == 0:
             print(f"[tsync] {skips.message(k)}", flush=True)
         _log(ctx, algo, k, row, time.perf_counter() - t_run, ctx.step - first)
         skips.check(k)  # the same on every rank (the barrier's verdict is all-reduced): all stop here
+        if ctx.health.stop:  # --stop-on-no-signal: the same on every rank (samples are broadcast); one error line
+            raise NoLearningSignal(ctx.health.stop)
         _evaluate(ctx, heldout)  # θ_{k+1}, while the workers roll out step k + 1
         si = cfg.checkpoint.save_interval
         if si and ctx.step % si == 0:
@@ -164,11 +177,19 @@ def perf_row(out, t_step: float, cpu_step: float) -> dict:
 
 def _log(ctx: RunContext, algo: Algorithm, k: int, row: dict, elapsed: float, done: int) -> None:
     ctx.history.append(row)
-    ctx.write_scalars(row, algo.tb_names | PERF_TB_NAMES | SKIP_TB_NAMES, k)
+    ctx.write_scalars(row, algo.tb_names | PERF_TB_NAMES | SKIP_TB_NAMES | HEALTH_TB_NAMES, k)
     if ctx.dims.is_logging_rank and k % max(ctx.cfg.logging.log_interval, 1) == 0:
         total = ctx.cfg.rl.train_iters
         eta = elapsed / max(done, 1) * (total - ctx.step)
-        print(algo.line(row, ctx.step, total, eta), flush=True)
+        print(algo.line(row, ctx.step, total, eta) + ctx.health.line(row), flush=True)
+
+
+def _health(ctx: RunContext, out, row: dict) -> dict:
+    """The step's learning-signal entries (``runtime/signal_health.py``) and its one-time warning."""
+    entries, why, warning = ctx.health.observe(ctx.step, out.samples, row.get("grad_norm"))  # steps done, as shown
+    if warning and ctx.dims.is_logging_rank:
+        print(warning, flush=True)
+    return {**entries, "no_signal_why": why} if why else entries
 
 
 def train_spec(name: str) -> TrainSpec:

@@ -226,8 +226,8 @@ class OPD:
         bar = progress_bar(done, total) if self.ctx.cfg.logging.progress else f"step {done}"
         return (f"[tsync] {bar} reverse-KL {row['reverse_kl']:.4f} reward {row['reward']:.3f} "
                 f"step {row['step_time_s']:5.2f}s tail {row['tail_after_last_arrival_s']:5.2f}s "
-                f"teacher {row['teacher_s']:4.2f}s grad-norm {grad_norm_text(row)}{skipped_text(row)} "
-                f"ETA {eta_s:5.0f}s")
+                f"teacher {row['teacher_s']:4.2f}s grad-norm {grad_norm_text(row)} rejected {row['events_rejected']} "
+                f"failed {row.get('failed', 0)}{skipped_text(row)} ETA {eta_s:5.0f}s")
 
     def summary(self, h: list[dict]) -> str:
         n = max(1, min(3, len(h) // 2))

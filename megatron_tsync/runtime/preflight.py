@@ -15,6 +15,7 @@ What is checked (each failure is one :class:`PreflightError`, printed as one lin
   the ranks world / (TP × PP);
 * ``--task`` / ``--verifier``: the task exists (``module:name`` imported), accepts the verifier, scores with it (or
   brings its own environment), and its prompt source can be read (a task file that is missing or does not parse);
+* ``--wandb-project``: the ``wandb`` package is installed; TP × PP × CP > 1 without a launcher names torchrun;
 * ``--trainer-cpus`` / ``--rollout-cpus``: each core exists and this process may use it (``runtime/affinity.py``'s
   own check, run here before anything else);
 * ``--seq-length`` against the task's prompts (the first prompts of step 0, tokenised with ``tokenizer.json``; else
@@ -79,6 +80,7 @@ def check(cfg, *, world_size: int | None = None) -> list[str]:
     """Every check of the module docstring on the run's ``TrainConfig``; returns warnings, raises PreflightError."""
     warnings: list[str] = []
     _check_cpus(cfg)
+    _check_wandb(cfg)
     hf = _check_model(cfg)
     if hf is not None:
         _check_layout(cfg, hf, world_size if world_size is not None else launcher_env()[1])
@@ -90,6 +92,17 @@ def check(cfg, *, world_size: int | None = None) -> list[str]:
         if hf is not None:
             warnings += _check_lengths(cfg, task, prompts)
     return warnings
+
+
+def launched() -> bool:
+    """Whether a launcher (torchrun, srun) started this process."""
+    return ("RANK" in os.environ and "WORLD_SIZE" in os.environ) or "SLURM_PROCID" in os.environ
+
+
+def _check_wandb(cfg) -> None:
+    if cfg.logging.wandb_project and importlib.util.find_spec("wandb") is None:
+        raise PreflightError(f"--wandb-project {cfg.logging.wandb_project}: the wandb package is not installed "
+                             "(pip install wandb), or drop --wandb-project (TensorBoard: --tensorboard-dir)")
 
 
 def _check_cpus(cfg) -> None:
@@ -207,8 +220,10 @@ def _check_layout(cfg, hf: dict, world: int | None) -> None:
         rules.append((experts % ep, f"--expert-model-parallel-size {ep} does not divide the {experts} experts of "
                                     f"{where}"))
     if world:
+        launch = ("" if launched() else f": launch one process per rank, e.g. `torchrun --nproc-per-node "
+                  f"{tp * pp * cp} -m megatron_tsync.train ...` (or srun)")
         rules.append((world % (tp * pp * cp), f"the {world} processes are not a multiple of TP × PP × CP = "
-                                              f"{tp} × {pp} × {cp}"))
+                                              f"{tp} × {pp} × {cp}{launch}"))
         rules.append(((world // (tp * pp)) % ep, f"--expert-model-parallel-size {ep} does not divide the "
                                                  f"data-parallel × context-parallel ranks of the {world} processes "
                                                  f"(world / (TP × PP) = {world // (tp * pp)})"))

@@ -87,6 +87,15 @@ class WorkerSpec:
     """"gloo" (CPU tensors) or "nccl" (vLLM engines on GPUs next to a CUDA trainer; not run on a GPU yet)."""
     record_routing: bool
     """``--moe-router-replay``: the engine records each position's experts and the events carry them."""
+    reward_spec: dict
+    """The run's reward spec (``learner.reward_spec``: ``--reward-kind/--reward-range``, default the verifier's) as
+    ``{"kind", "lo", "hi"}``: a harness's own reward is checked against it (:meth:`run_reward_spec`), not against the
+    task's verifier, which may declare less (a binary verifier under ``--reward-kind bounded``)."""
+
+    def run_reward_spec(self):
+        from megatron_tsync.algorithms.streamability import RewardSpec
+
+        return RewardSpec(**self.reward_spec)
 
     def to_json(self, path: str) -> None:
         data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}

@@ -231,3 +231,24 @@ def test_eval_interval_needs_the_whole_model_on_rank_0_and_a_held_out_split(mode
     msg = _error(["--model", models[0], "--eval-interval", "5"])
     assert "gives no held-out prompts" in msg and "no eval split" in msg
     assert pf.check(parse_args(["--model", models[0]])) == []  # control: without --eval-interval
+
+
+def test_tp_without_a_launcher_names_torchrun_and_wandb_needs_wandb(models, monkeypatch):
+    """TP 2 started as one plain process: the error says to launch with torchrun; under a launcher it is the plain
+    world-size rule. --wandb-project without the wandb package: one line naming the install (was a traceback)."""
+    for k in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS"):
+        monkeypatch.delenv(k, raising=False)
+    msg = _error(["--model", models[0], "--tensor-model-parallel-size", "2"])
+    assert "not a multiple of TP × PP × CP = 2 × 1 × 1" in msg and "torchrun --nproc-per-node 2" in msg
+    cfg = parse_args(["--model", models[0], "--tensor-model-parallel-size", "2"])
+    monkeypatch.setenv("SLURM_PROCID", "0")  # launched (srun), 3 ranks
+    with pytest.raises(pf.PreflightError) as e:
+        pf.check(cfg, world_size=3)
+    assert "the 3 processes are not a multiple" in str(e.value) and "torchrun" not in str(e.value)
+    monkeypatch.delenv("SLURM_PROCID")
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    msg = _error(["--model", models[0], "--wandb-project", "p"])
+    assert msg.startswith("--wandb-project p: the wandb package is not installed (pip install wandb)")
