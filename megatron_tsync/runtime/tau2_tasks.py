@@ -117,7 +117,8 @@ class Tau2RLTask:
                 if solo:
                     tasks = [t for t in tasks if env.ns.llm_agent.LLMSoloAgent.check_valid_task(t)]
                 if not self.keep_trivial_tasks:
-                    trivial = trivial_tasks(domain, tau2_split, solo=solo)
+                    trivial = trivial_tasks(domain, tau2_split, solo=solo,
+                                            env=None if self.user_mode == "llm" else env)
                     excluded[domain] = (sum(t.id in trivial for t in tasks), len(tasks))
                     tasks = [t for t in tasks if t.id not in trivial]
                 pool += [(domain, t) for t in tasks]
@@ -192,23 +193,23 @@ class Tau2RLTask:
 
 _TRIVIAL: dict[tuple[str, str, bool], dict[str, str]] = {}
 _TRIVIAL_LOCK = threading.Lock()
-_CHECK_ENVS: dict[bool, Any] = {}
 _REPORTED: set[tuple[str, str, bool]] = set()
 
 
-def trivial_tasks(domain: str, tau2_split: str, *, solo: bool = False) -> dict[str, str]:
+def trivial_tasks(domain: str, tau2_split: str, *, solo: bool = False, env=None) -> dict[str, str]:
     """{task id: reason} of the tasks of τ²'s ``domain`` / ``tau2_split`` ("train", "test", "base") whose
     do-nothing conversation (``tau2_env.do_nothing_reward``) τ²'s evaluator scores 1.0 (the reward's top), with
     the scripted user (``solo``: τ²'s solo mode, on the tasks its solo agent accepts). No model is called. Computed
-    once per process per (domain, split, solo)."""
+    once per process per (domain, split, solo). ``env``: a ``Tau2Env`` of that user to run it in (its reference
+    databases reused); None: a scripted / solo one made for the check."""
     from megatron_tsync.rollout.envs.tau2_env import Tau2Env, Tau2UserConfig, do_nothing_reward
 
     key = (domain, tau2_split, solo)
     with _TRIVIAL_LOCK:
         if key not in _TRIVIAL:
-            if solo not in _CHECK_ENVS:
-                _CHECK_ENVS[solo] = Tau2Env(user=Tau2UserConfig(mode="solo" if solo else "scripted"))
-            env = _CHECK_ENVS[solo]
+            mode = "solo" if solo else "scripted"
+            if env is None or env.user.mode != mode:
+                env = Tau2Env(user=Tau2UserConfig(mode=mode))
             tasks = env.ns.registry.get_tasks_loader(domain)(tau2_split)
             if solo:
                 tasks = [t for t in tasks if env.ns.llm_agent.LLMSoloAgent.check_valid_task(t)]
