@@ -81,6 +81,7 @@ def test_three_step_stream_trajectory_run_on_mock(tiny_dir, tmp_path):
                   "--no-progress", "--dump-rollouts", str(dump), "--eval-interval", "3", "--eval-prompts", "2"],
                  tmp_path, timeout=600)
     assert "summary: mode stream-trajectory, 3 steps" in out
+    assert "[tsync] τ² mock train: excluded 0 tasks a do-nothing conversation solves" in out  # the start-up check
     assert "held-out v0: success" in out and "held-out v3: success" in out  # τ² episodes in the trainer too
     steps = [ln for ln in out.splitlines() if "] step " in ln]
     assert len(steps) == 3 and all("rejected 0" in ln for ln in steps)
@@ -195,7 +196,7 @@ def test_a_filter_that_removes_every_task_fails_clearly(monkeypatch):
     from megatron_tsync.runtime import preflight
 
     ns = tt.Tau2RLTask().make_environment().ns
-    monkeypatch.setattr(tt, "trivial_tasks", lambda domain, split, solo=False: {
+    monkeypatch.setattr(tt, "trivial_tasks", lambda domain, split, solo=False, env=None: {
         t.id: "test" for t in ns.registry.get_tasks_loader(domain)(split)})
     with pytest.raises(ValueError, match=r"solves every τ² task of split 'train' .*mock 9/9.*--tau2-keep-trivial"):
         get_task(NAME + "mock-scripted", verifier="tau2").pool("train")
