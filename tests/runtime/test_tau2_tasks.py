@@ -210,7 +210,8 @@ def test_a_filter_that_removes_every_task_fails_clearly(monkeypatch):
 @pytest.mark.parametrize("domain", ["airline", "retail"])
 def test_do_nothing_solvable_tasks_of_airline_and_retail(domain):
     """airline: 13 of 30 train (6 of 20 test) tasks, retail 5 of 74 (2 of 40): doing nothing scores 1.0 there
-    (~40-60 CPU s per domain: τ²'s evaluator parses the domain database twice per task); they are left out."""
+    (~80 CPU s per domain, both splits: τ²'s evaluator parses the domain database twice per task); they are left
+    out."""
     from megatron_tsync.runtime.tau2_tasks import trivial_tasks
 
     rl_task = get_task(NAME + domain + "-scripted", verifier="tau2")
