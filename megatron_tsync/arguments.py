@@ -210,6 +210,9 @@ _FLAGS: tuple[_Flag, ...] = (
     _f("--rollout-workers", "rollout.num_workers", _G_ROLL, type=int, metavar="N", help="rollout worker processes"),
     _f("--task", "rollout.task", _G_ROLL, help="task name (runtime.tasks registry)"),
     _f("--verifier", "rollout.verifier", _G_ROLL, help="verifier name (rollout.verifiers registry)"),
+    _f("--tau2-keep-trivial-tasks", "rollout.tau2_keep_trivial_tasks", _G_ROLL, **_SWITCH,
+       help="τ² tasks: keep the tasks a do-nothing conversation solves (τ²'s evaluator scores it 1.0); by default "
+            "they are left out of training and held-out evaluation (docs/tau2.md)"),
     _f("--latency-profile", "rollout.latency_profile", _G_ROLL, metavar="PROFILE",
        help=f"simulated environment latency: {', '.join(C.LATENCY_PROFILES)}, or a JSON file"),
     _f("--latency-scale", "rollout.latency_scale", _G_ROLL, type=float, metavar="S",

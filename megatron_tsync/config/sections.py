@@ -275,6 +275,9 @@ class RolloutConfig(_Section):
     """Task name in ``runtime.tasks``'s registry (the prompt source)."""
     verifier: str = "exact_answer"
     """Verifier name in ``rollout.verifiers``'s registry (the reward); passed to the task."""
+    tau2_keep_trivial_tasks: bool = False
+    """τ² tasks (``runtime/tau2_tasks.py``): keep the tasks a do-nothing conversation solves (τ²'s evaluator scores
+    it 1.0). False: they are left out of both splits (training and held-out evaluation). Only τ² tasks accept it."""
     temperature: float = 1.0
     """Sampling temperature (> 0; greedy is top_k 1); the learner's log-probs use the same temperature."""
     top_k: int = 0

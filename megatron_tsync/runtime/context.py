@@ -24,7 +24,7 @@ from megatron_tsync.runtime import run_dir, wandb_log
 from megatron_tsync.runtime.fleet import RolloutFleet, open_fleet
 from megatron_tsync.runtime.stop import StopFlag
 from megatron_tsync.runtime.phase import announce
-from megatron_tsync.runtime.tasks import get_task
+from megatron_tsync.runtime.tasks import task_from_config
 from megatron_tsync.runtime.validation import check_tokenizer_fits
 from megatron_tsync.training.checkpointing import load_checkpoint, save_checkpoint, shield_checkpoint_writer
 from megatron_tsync.training.optimizer import build_optimizer, wrap_ddp
@@ -76,7 +76,7 @@ class RunContext:
             # tests/slurm/test_stop_requeue.py, with and without the signals blocked while it booted)
             shield_checkpoint_writer()
         self.model_dir = model_dir(cfg, self.dims.rank)
-        self.task = get_task(cfg.rollout.task, verifier=cfg.rollout.verifier)
+        self.task = task_from_config(cfg.rollout)
         arch, hf_state = load_hf_dir(self.model_dir)
         check_tokenizer_fits(self.model_dir, arch.vocab_size)  # ids past the embedding would crash the learner
         if cfg.model.moe_router_replay and not arch.num_experts:

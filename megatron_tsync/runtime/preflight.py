@@ -252,11 +252,11 @@ def _check_router_replay(cfg, hf: dict) -> None:
 
 # ------------------------------------------------------------------------------------------------------ task
 def _check_task(cfg):
-    from megatron_tsync.runtime.tasks import get_task
+    from megatron_tsync.runtime.tasks import task_from_config
 
     name, verifier = cfg.rollout.task, cfg.rollout.verifier
     try:
-        task = get_task(name, verifier=verifier)
+        task = task_from_config(cfg.rollout)
     except KeyError as e:
         raise PreflightError(f"--task {name}: {e.args[0] if e.args else e}") from None
     except ImportError as e:

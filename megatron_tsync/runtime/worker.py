@@ -199,7 +199,7 @@ class RolloutWorker:
         from megatron_tsync.model.tokenizer import TokenizerCodec
         from megatron_tsync.rollout.sandbox import Sandbox, SandboxConfig
         from megatron_tsync.rollout.verifiers import get_verifier
-        from megatron_tsync.runtime.tasks import get_task
+        from megatron_tsync.runtime.tasks import task_from_config
         from megatron_tsync.transport import EventSender, WeightSubscriber, load_secret
 
         from megatron_tsync.transport.secret import run_key
@@ -221,7 +221,7 @@ class RolloutWorker:
         self.broadcast = _join_weight_sync(spec, self.engine, self.key) if broadcast else None
         tok = AutoTokenizer.from_pretrained(spec.model_dir)
         self.codec = TokenizerCodec(tok)
-        self.task = get_task(spec.rollout.task, verifier=spec.rollout.verifier)
+        self.task = task_from_config(spec.rollout)
         # a task with an environment (runtime.env_tasks, the calculator) owns each trajectory's tools and reward
         has_env = hasattr(self.task, "make_environment")
         self.verifier = None if has_env else get_verifier(self.task.verifier, **self.task.verifier_kwargs)

@@ -47,9 +47,10 @@ from megatron_tsync.rollout.envs.tool_format import CallError, escape_output, ge
 from megatron_tsync.rollout.envs.verifier import Verdict
 
 __all__ = ["Tau2Task", "Tau2UserConfig", "Tau2Env", "Tau2Episode", "import_tau2", "render_prompt", "gold_turns",
-           "RESPOND", "DONE"]
+           "do_nothing_turns", "do_nothing_reward", "RESPOND", "DONE", "CLOSING"]
 
 RESPOND, DONE = "respond", "done"
+CLOSING = "Thank you for contacting us. Goodbye."  # the do-nothing conversation's one message (do_nothing_turns)
 GREETING = "Hi! How can I help you today?"  # τ²'s DEFAULT_FIRST_AGENT_MESSAGE (checked against it on import)
 
 
@@ -490,6 +491,34 @@ def gold_turns(task, solo: bool = False) -> list[tuple[str, dict]]:
     info = crit.communicate_info or []
     turns.append((RESPOND, {"content": "Done. " + " ".join(str(x) for x in info)}))
     return turns
+
+
+def do_nothing_turns(solo: bool = False) -> list[tuple[str, dict]]:
+    """A conversation that does nothing: no tool call, one closing message to the user (``respond``; the scripted
+    user answers ``###STOP###``, which ends it: τ²'s ``user_stop``); solo mode: τ²'s stop function ``done`` alone."""
+    return [(DONE, {})] if solo else [(RESPOND, {"content": CLOSING})]
+
+
+def do_nothing_reward(env: Tau2Env, domain: str, task) -> tuple[float, str]:
+    """(reward, reason) of τ²'s evaluator (:meth:`Tau2Episode.evaluate`: the training reward) on ``task``'s
+    do-nothing conversation (:func:`do_nothing_turns`), with ``env``'s user, which must call no model (solo or
+    scripted). Synchronous (a start-up check, which may run inside an event loop). An evaluator that raises on it
+    (τ² 26.3: an environment assertion about a record that was never created) gives reward 0 and says so."""
+    if env.user.mode == "llm":
+        raise ValueError("the do-nothing check runs with a scripted or solo user (no model call), not an LLM user")
+    # the episode Tau2Env.opening runs (no prompt; the scripted user's opening said where the user speaks first),
+    # continued: the conversation a scripted-user episode with that opening has, at one environment's cost
+    ep = Tau2Episode(env, Tau2Task(domain, task, None), opening_only=True)
+    if not env.solo:
+        ep.orch.user.pending.clear()  # an opening the user did not say (the agent speaks first) is not said later
+    for name, args in do_nothing_turns(env.solo):
+        if not ep.orch.done:
+            ep._step_sync(name, args)
+    try:
+        info = ep.evaluate()
+    except Exception as e:  # noqa: BLE001 - τ²'s code on τ²'s data: any failure means "not solved"
+        return 0.0, f"{ep.simulation_reason()}; evaluator raised {type(e).__name__}: {e}"
+    return float(info.reward), ep.simulation_reason()
 
 
 @register_environment("tau2")
