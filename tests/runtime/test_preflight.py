@@ -167,6 +167,7 @@ def test_help_imports_neither_torch_nor_megatron():
     assert p.stdout.split() == ["0", "False", "False", "True"], p.stdout + p.stderr
 
 
+@pytest.mark.slow
 def test_master_port_in_use_is_one_line(models, tmp_path):
     """Rank 0 of a two-process launch (srun-style: RANK/WORLD_SIZE set, nobody else holds the store) on a taken
     MASTER_PORT: the store cannot listen; one line naming MASTER_PORT, exit 2, no --save folder."""

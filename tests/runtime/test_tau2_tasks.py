@@ -45,6 +45,7 @@ def test_splits_are_tau2s_split_files(domain, sizes):
     assert all(i.prompt_text.endswith(f"user: {i.meta['env_task'].opening}\n") for i in a)
 
 
+@pytest.mark.slow  # loads two τ² domains' data
 def test_airline_retail_pool_is_both_train_splits():
     task = get_task(NAME + "airline-retail-scripted", verifier="tau2", keep_trivial_tasks=True)
     pool = task.pool("train")

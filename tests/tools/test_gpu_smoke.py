@@ -5,9 +5,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+@pytest.mark.slow  # a tool's end-to-end run
 def test_gpu_smoke_skips_on_cpu(tmp_path):
     import torch
 
