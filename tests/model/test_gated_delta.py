@@ -8,8 +8,9 @@ the module (which keeps Sᵀ and never forms I − βkkᵀ). Checks:
   value heads (Hv = 2·Hk), the final state too; and the module's own step-by-step path == loop;
 - gradients (q, k, v, g, β, initial state) through the chunked form == through the loop ≤ 1e-12;
 - prefill (chunked) then decode one token at a time with the carried state == the full sequence;
-- transformers' ``torch_chunk_gated_delta_rule`` / ``torch_recurrent_gated_delta_rule`` (qwen3_5) agree — they cast to
-  float32 internally, so this one is at float32 tolerance (skipped if transformers lacks qwen3_5);
+- transformers' ``torch_chunk_gated_delta_rule`` / ``torch_recurrent_gated_delta_rule`` (qwen3_5) and megatron-core's
+  ``torch_chunk_gated_delta_rule`` agree — they cast to float32 internally, so at float32 tolerance (skipped where not
+  importable);
 - controls that must move: a wrong decay convention (exp(g) applied after the update) and a dropped β are detected.
 """
 
@@ -167,3 +168,17 @@ def test_equals_transformers_torch_fallback(with_state):
     # the layer's in-kernel L2 norm is the same formula as ours
     o_hf, _ = m.torch_chunk_gated_delta_rule(q * 3.0, k * 2.0, v, **{**kw, "use_qk_l2norm_in_kernel": True})
     assert _rel(o_hf.double(), o) <= 1e-5
+
+
+def test_equals_megatron_core_torch_fallback():
+    """megatron-core's deterministic-mode fallback (``ssm/gated_delta_net.py``; float32 inside, heads already repeated
+    by its layer, so Hk = Hv here): float32 tolerance."""
+    try:
+        m = importlib.import_module("megatron.core.ssm.gated_delta_net")
+    except ImportError as e:
+        pytest.skip(f"megatron.core.ssm.gated_delta_net not importable ({e})")
+    q, k, v, g, beta, S0 = _inputs(T=21, Hk=4, Hv=4, Dk=8, Dv=6)
+    o, s = chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=8, initial_state=S0)
+    o_mc, s_mc = m.torch_chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=8, initial_state=S0,
+                                                output_final_state=True)
+    assert _rel(o_mc.double(), o) <= 1e-5 and _rel(s_mc.double(), s) <= 1e-5
