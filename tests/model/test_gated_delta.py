@@ -116,7 +116,8 @@ def test_gradients_equal_paper_loop(chunk_size):
         return torch.autograd.grad((o * w_o).sum() + (s * w_s).sum(), xs)
 
     ref = grads(lambda q, k, v, g, b, S0: _paper_loop(q, k, v, g, b, S0=S0))
-    got = grads(lambda q, k, v, g, b, S0: chunk_gated_delta_rule(q, k, v, g, b, chunk_size=chunk_size, initial_state=S0))
+    got = grads(lambda q, k, v, g, b, S0: chunk_gated_delta_rule(q, k, v, g, b, chunk_size=chunk_size,
+                                                                 initial_state=S0))
     for name, a, b in zip(("q", "k", "v", "g", "beta", "S0"), got, ref):
         assert _rel(a, b) <= TOL, name
 
