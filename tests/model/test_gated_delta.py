@@ -183,3 +183,12 @@ def test_equals_megatron_core_torch_fallback():
     o_mc, s_mc = m.torch_chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=8, initial_state=S0,
                                                 output_final_state=True)
     assert _rel(o_mc.double(), o) <= 1e-5 and _rel(s_mc.double(), s) <= 1e-5
+
+
+def test_strong_decay_underflows_cleanly():
+    """Per-step log decays down to −6000: exp of the in-chunk cumulative decay underflows to 0 (never overflows: every
+    exponent the chunked form takes is ≤ 0), and the result still equals the loop."""
+    q, k, v, g, beta, S0 = _inputs(T=40)
+    o_ref, s_ref = _paper_loop(q, k, v, g * 1000, beta, S0=S0)
+    o, s = chunk_gated_delta_rule(q, k, v, g * 1000, beta, chunk_size=16, initial_state=S0)
+    assert o.isfinite().all() and _rel(o, o_ref) <= TOL and _rel(s, s_ref) <= TOL
