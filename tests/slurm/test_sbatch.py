@@ -65,8 +65,10 @@ def slurm():
 
 def _slurm_cluster():
     base = os.environ.get("TSYNC_SLURM_DIR", "/tmp/tsync-slurm")
-    # cred_expire 10 s: a requeued job starts again ~10 s later (SLURM holds it for cred_expire; 30 s by default in
-    # tools/slurm_cluster.sh, 120 s in SLURM); everything else as a real cluster has it
+    # cred_expire 10 s: a requeued job starts again ~11 s later (SLURM holds it for cred_expire + 1 s, then the next
+    # scheduler pass, 1-2 s in tools/slurm_cluster.sh, starts it; cred_expire 30 s by default there, 120 s in SLURM;
+    # 5 s is SLURM's minimum, and also every job step's credential lifetime: kept at 10 for loaded machines);
+    # everything else as a real cluster has it
     env = dict(os.environ, TSYNC_SLURM_DIR=base)
     env.setdefault("TSYNC_SLURM_CRED_EXPIRE", "10")
     # the jobs at nice -5 (slurmd's; tools/slurm_cluster.sh): they are timed by SLURM's clocks while the other xdist
