@@ -1,8 +1,8 @@
 """Stopping, requeueing and concurrent jobs of slurm/train_grpo.sh under a REAL single-node SLURM cluster (CPU mode,
-tiny model; tools/slurm_cluster.sh: KillWait=30 s as on most clusters, a scheduler pass every second or two; the
-test cluster's cred_expire is 10 s (see ``tests/slurm/test_sbatch.py``), so a requeued job starts again ~11 s after
-its requeue instead of minutes). What SLURM does, not a simulation of it:
-  * time limit (``--time=1``, no pre-timeout signal): SIGTERM to every process, SIGKILL 30 s later;
+tiny model; tools/slurm_cluster.sh with a scheduler pass every second or two; the test cluster's cred_expire is 10 s
+and its KillWait 120 s (see ``tests/slurm/test_sbatch.py``), so a requeued job starts again ~11 s after its requeue
+instead of minutes). What SLURM does, not a simulation of it:
+  * time limit (``--time=1``, no pre-timeout signal): SIGTERM to every process, SIGKILL KillWait later;
   * plain ``scancel``: the same SIGTERM to every process;
   * ``scontrol requeue``: SIGTERM to every process, then the job (same id) runs again;
   * ``EXIT_DURATION_MINS``: the trainer stops itself at a step boundary and the batch script requeues the job.
