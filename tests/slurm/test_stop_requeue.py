@@ -100,25 +100,33 @@ def _sigterm_stop(save: str, out: str) -> int:
     return rec["step"]
 
 
-def _time_limit_job(slurm, runs: str, log: str) -> tuple[Job, str]:
-    """Submits the time-limit job (--time=1, the pre-timeout USR1 switched off with @0, sharing the node) and checks,
-    once it trains, that the pass-through variables reached the trainer rank."""
-    p, job = _submit(_job_env(slurm, runs, HF_HUB_OFFLINE=1, GLOO_SOCKET_IFNAME="lo", **IDLING), log, "--time=1",
-                     "--signal=B:USR1@0", SHARE, name="term-run")
+def _check_passthrough(p: Job, job: str, save: str, log: str) -> None:
+    """Once the job trains: the pass-through variables reached its trainer rank."""
     _wait_for(r"\[tsync\] step 1 ", log, p, 300)
-    save = os.path.join(runs, "term-run")  # RUN_NAME = the job name
     pid = int(open(glob.glob(os.path.join(save, "slurm-jobs", job, "pids", "*.pid"))[0]).read())
     env = _environ(pid)
     assert env.get("HF_HUB_OFFLINE") == "1" and env.get("GLOO_SOCKET_IFNAME") == "lo", sorted(env)
-    return p, job
 
 
-def _scancel_and_resume(slurm, runs: str, tmp_path):
-    """Plain scancel after step 1: SIGTERM to every process, a clean save of the last finished step; a new job on
-    the same run name resumes from it and finishes."""
+def test_time_limit_sigterm_beside_scancel_and_resume(slurm, tmp_path):
+    """Two independent scenarios side by side (their own run folders; the jobs share the node), so the scancel job
+    and its resume run while the time limit runs down (1 minute, SLURM's minimum, enforced at slurmctld's next
+    30 s time-limit check: a compiled-in period, PERIODIC_TIMEOUT):
+      * the time limit (--time=1, the pre-timeout USR1 switched off with @0): SLURM's SIGTERM, SIGKILL after
+        KillWait; the pass-through variables reach the trainer rank; the job ends TIMEOUT with a clean save of its
+        last step;
+      * plain scancel after step 1: SIGTERM to every process, a clean save of the last finished step; a new job on
+        the same run name resumes from it and finishes."""
+    t0 = time.perf_counter()
+    limit_runs, limit_log = str(tmp_path / "limit"), str(tmp_path / "timeout.log")
+    limit_save = os.path.join(limit_runs, "term-run")  # RUN_NAME = the job name
+    pt, jt = _submit(_job_env(slurm, limit_runs, HF_HUB_OFFLINE=1, GLOO_SOCKET_IFNAME="lo", **IDLING), limit_log,
+                     "--time=1", "--signal=B:USR1@0", SHARE, name="term-run")
+    runs = str(tmp_path / "cancel")
     save = os.path.join(runs, "term-run")
     log1, log2 = str(tmp_path / "scancel.log"), str(tmp_path / "next.log")
     p, job = _submit(_job_env(slurm, runs, **LONG), log1, SHARE, name="term-run")
+    _check_passthrough(pt, jt, limit_save, limit_log)
     _wait_for(r"\[tsync\] step 1 ", log1, p, 300)
     subprocess.run(["scancel", job], env=_job_env(slurm, runs), check=True)
     _finish(p, log1, 200)
@@ -131,25 +139,13 @@ def _scancel_and_resume(slurm, runs: str, tmp_path):
     assert rc == 0 and f"[tsync] resumed from {save} at step {k}\n" in out, out[-3000:]
     assert _stop_record(save) == {**_stop_record(save), "finished": True, "reason": "done", "step": k + 1}
     _assert_clean_save(save, k + 1, out)
-
-
-def test_time_limit_sigterm_beside_scancel_and_resume(slurm, tmp_path):
-    """Two independent scenarios side by side (their own run folders; the jobs share the node), so the scancel job
-    and its resume run while the time limit runs down (1 minute, SLURM's minimum, enforced at slurmctld's next
-    30 s time-limit check: a compiled-in period, PERIODIC_TIMEOUT):
-      * the time limit: SLURM's SIGTERM, SIGKILL after KillWait; the pass-through variables reach the trainer rank;
-        the job ends TIMEOUT with a clean save of its last step;
-      * plain scancel, then a new job that resumes (``_scancel_and_resume``)."""
-    t0 = time.perf_counter()
-    limit_runs, limit_log = str(tmp_path / "limit"), str(tmp_path / "timeout.log")
-    p, job = _time_limit_job(slurm, limit_runs, limit_log)
-    _scancel_and_resume(slurm, str(tmp_path / "cancel"), tmp_path)
     t_cancel = time.perf_counter() - t0
-    _finish(p, limit_log, 300)
+    # the time limit
+    _finish(pt, limit_log, 300)
     out = _read(limit_log)
-    assert _job_state(job, slurm) == "TIMEOUT", out[-3000:]
+    assert _job_state(jt, slurm) == "TIMEOUT", out[-3000:]
     assert "got SIGTERM" in out and "got SIGUSR1" not in out, out[-3000:]
-    _sigterm_stop(os.path.join(limit_runs, "term-run"), out)
+    _sigterm_stop(limit_save, out)
     assert "not requeued by this script" in out
     print(f"time limit beside scancel: scancel + resume done {t_cancel:.0f}s, time-limit job over "
           f"{time.perf_counter() - t0:.0f}s", file=sys.stderr)
