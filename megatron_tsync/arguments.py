@@ -302,7 +302,8 @@ _FLAGS: tuple[_Flag, ...] = (
        help="train on recorded trajectories instead of generating"),
     _f("--replay-shuffle-seed", "logging.replay_shuffle_seed", _G_LOG, type=int, metavar="S",
        help="replay each recorded step in a random arrival order (seeded) instead of the recorded one"),
-    _f("--dump-grads", "logging.dump_grads", _G_LOG, metavar="DIR", help="save each step's normalised gradient"),
+    _f("--dump-grads", "logging.dump_grads", _G_LOG, metavar="DIR",
+       help="save each optimizer update's normalised gradient (docs/formats.md)"),
     _f("--no-progress", "logging.progress", _G_LOG, action="store_false", help="no progress bar"),
     _f("--stop-on-no-signal", "logging.stop_on_no_signal", _G_LOG, type=int, metavar="K",
        help="stop (exit 1, one line with the causes) after K steps in a row without learning signal (every group "

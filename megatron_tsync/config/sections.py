@@ -470,7 +470,8 @@ class LoggingConfig:
     replay_shuffle_seed: int | None = None
     """Replay each step's trajectories in a random arrival order drawn with this seed (None = recorded order)."""
     dump_grads: str | None = None
-    """Directory to save each step's normalised gradient in (after the DP reduction, before clipping)."""
+    """Directory to save the normalised gradient of each optimizer update in (after the DP reduction, before
+    clipping): ``grad_step_{k:07d}``, or ``grad_step_{k:07d}_epoch_{e}_mb_{j}`` when a step makes several updates."""
     progress: bool = True
     """Show a progress bar."""
     wandb_project: str | None = None

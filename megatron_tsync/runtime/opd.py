@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from megatron_tsync.runtime.context import RunContext, grad_norm_text, progress_bar, skipped_text
 from megatron_tsync.runtime.fleet import LEDGER_TB_NAMES, RolloutFleet, TransportSource, _event_routing, ledger_row
-from megatron_tsync.runtime.rollout_io import load_rollouts
+from megatron_tsync.runtime.rollout_io import grad_dump_hook, load_rollouts
 from megatron_tsync.runtime.spec import StepOutcome, TrainSpec
 from megatron_tsync.runtime.validation import REJECTION_TB_NAMES, rejection_row
 from megatron_tsync.streaming.ready_queue import DataParallelAssigner
@@ -182,6 +182,9 @@ class OPD:
         cfg = self.ctx.cfg
         scorer = TeacherChunks(self.teacher, full_vocab=cfg.rl.opd_objective == "full-vocab")
         source, samples_of = self._source(k, fleet, scorer)
+        if cfg.logging.dump_grads:  # one optimizer update per OPD step: grad_step_{k:07d}
+            self.learner.grad_hook = grad_dump_hook(cfg.logging.dump_grads, k, self.learner,
+                                                    write=self.ctx.dims.rank == 0)
         n = cfg.rl.group_size * cfg.rl.groups_per_step
         res = self.learner.train_step(source, BatchShape(num_sequences=n, max_len=cfg.rl.max_action_tokens))
         samples = samples_of()

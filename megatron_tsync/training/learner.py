@@ -159,6 +159,7 @@ class Learner:
         self.grad_hook = None  # callable(ddp_model) run after normalisation, before clipping (--dump-grads)
         self.sync_order: list[str] | None = None  # sync mode: microbatch order (permutation control)
         self.last_divisor = 1.0  # the explicit denominator of the latest barrier (set before its grad hook runs)
+        self.last_update = (0, 0)  # (epoch, minibatch) of the latest barrier (set before its grad hook runs)
 
     def _describe_once(self):
         if self._described:
@@ -208,6 +209,7 @@ class Learner:
         st = self._begin_batch(group_sizes, shape)
         for e in range(cfg.epochs):
             for j in range(cfg.num_minibatches):
+                self.last_update = (e, j)
                 lc = cfg.loss if (e == 0 and j == 0) else st.later_lc
                 mode = cfg.mode if e == 0 else "sync"
                 planner = self._planner(st.sizes(j), mode, lc)
