@@ -33,7 +33,8 @@ EXPECTED_FLAGS = [
     "--speculative-rollouts", "--speculative-draft-tokens",
     "--stream-coalesce-ms", "--stream-coalesce-tokens", "--stream-wait-for-variance", "--no-stream-wait-for-variance",
     "--stream-full-microbatches", "--no-stream-full-microbatches",
-    "--sft-warmup-lr", "--sft-warmup-steps", "--sgd-momentum", "--task", "--tau2-keep-trivial-tasks", "--teacher-model", "--temperature",
+    "--sft-warmup-lr", "--sft-warmup-steps", "--sgd-momentum", "--task", "--tau2-keep-trivial-tasks", "--no-tau2-keep-trivial-tasks",
+    "--teacher-model", "--temperature",
     "--tensor-model-parallel-size", "--tensorboard-dir", "--tiny-model-family", "--tis-cap", "--top-k", "--top-p", "--train-iters",
     "--use-distributed-optimizer", "--verifier",
     # every switch has its --no- form (test_every_switch_has_a_no_form)
