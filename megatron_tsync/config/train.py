@@ -149,11 +149,6 @@ class TrainConfig:
         _check(lr.mode != "stream-turn" or self.rl.algorithm == "opd",
                "learner.mode stream-turn needs rl.algorithm opd (a turn can only be trained before its trajectory "
                "ends when each token has its own teacher signal)", "learner.mode", "rl.algorithm")
-        _check(lr.mode != "stream-turn" or self.model.recompute_granularity is None,
-               "model.recompute_granularity is refused with learner.mode stream-turn: its KV-kept turn forward "
-               "(model/incremental.py) keeps earlier turns' keys/values in the graph and does not run megatron's "
-               "layer forward, so there is nothing to recompute (use learner.mode sync or stream-trajectory)",
-               "model.recompute_granularity", "learner.mode")
         _check(not (self.rollout.speculative and lr.mode == "async"), "rollout.speculative replaces async "
                "sampling (drafts are verified under the current policy); it runs with learner.mode sync or streaming",
                "rollout.speculative", "learner.mode")

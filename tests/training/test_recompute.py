@@ -2,8 +2,8 @@
 ``--recompute-num-layers``) is exact and saves memory: float64, one process.
 
 The learner's gradient with recomputation equals the one without (same step) and streamed equals sync with it on,
-for GRPO (stream-trajectory, packing) and OPD (stream-trajectory; stream-turn is refused at config time: its KV-kept
-turn forward does not run megatron's layer forward). The built ``TransformerConfig`` carries the flags, and the tensors
+for GRPO (stream-trajectory, packing) and OPD (stream-trajectory, and stream-turn, whose KV-kept turn forward
+checkpoints the same layers with torch's checkpoint). PP 2 / TP 2: ``test_streaming_parallel.py`` (slow). The built ``TransformerConfig`` carries the flags, and the tensors
 autograd keeps for a long trajectory shrink (the control: without recomputation they do not).
 """
 
@@ -68,7 +68,11 @@ def test_grpo_streamed_equals_sync_with_recompute(models, name, packing):
     assert ref.norm() > 0
 
 
-def test_opd_stream_trajectory_with_recompute_equals_sync(megatron_single):
+@pytest.mark.parametrize("name", ["full-uniform-1", "full-block-1", "selective"])
+def test_opd_with_recompute_equals_sync(megatron_single, name):
+    """OPD: stream-trajectory (megatron's forward) and stream-turn (the KV-kept incremental forward, which
+    checkpoints the same layers: ``model.incremental.recompute_plan``) with recomputation == sync without, and
+    stream-turn keeps fewer bytes for the backward than without."""
     import os
     import sys
 
@@ -78,14 +82,18 @@ def test_opd_stream_trajectory_with_recompute_equals_sync(megatron_single):
     samples, ends = W.make_trajectories(301)
     case = W.CASES["token-mean"]
     ref, _ = W.grads("sync", case, samples, ends, None)
+    _, plain = W.grads("stream-turn", case, samples, ends, None)
     orig = W.build_model
-    W.build_model = lambda *a, **k: orig(*a, **k, **FULL)  # the learner's model recomputes
+    W.build_model = lambda *a, **k: orig(*a, **k, **RECOMPUTE[name])  # the learner's model recomputes
     try:
-        g, res = W.grads("stream-trajectory", case, samples, ends, None)
+        for mode, head_first in (("stream-trajectory", False), ("stream-turn", False), ("stream-turn", True)):
+            g, res = W.grads(mode, case, samples, ends, None, head_first=head_first)
+            assert res.mode == mode
+            assert W.rel(g, ref) <= TOL, (mode, head_first)
+            if mode == "stream-turn":
+                assert res.peak_graph_bytes < plain.peak_graph_bytes, (res.peak_graph_bytes, plain.peak_graph_bytes)
     finally:
         W.build_model = orig
-    assert res.mode == "stream-trajectory"
-    assert W.rel(g, ref) <= TOL
 
 
 def test_config_refusals_and_transformer_config(megatron_single):
@@ -108,16 +116,13 @@ def test_config_refusals_and_transformer_config(megatron_single):
             kw.get("recompute_granularity"), kw.get("recompute_method"), kw.get("recompute_num_layers")), name
 
 
-def test_stream_turn_refuses_recompute(capsys):
+def test_flags_parse_into_the_model_section():
     from megatron_tsync.arguments import parse_args
 
     argv = ["--rl-algorithm", "opd", "--rl-mode", "stream-turn", "--teacher-model", "/t", "--model", "/m"]
-    parse_args(argv)  # accepted without recomputation
-    with pytest.raises(SystemExit):
-        parse_args(argv + ["--recompute-granularity", "selective"])
-    assert "--recompute-granularity is refused with --rl-mode stream-turn" in capsys.readouterr().err
-    cfg = parse_args(argv[:2] + ["--rl-mode", "stream-trajectory"] + argv[4:] + ["--recompute-granularity", "full",
-                     "--recompute-method", "block", "--recompute-num-layers", "2"])
+    assert parse_args(argv).model.recompute_overrides() == {}
+    cfg = parse_args(argv + ["--recompute-granularity", "full", "--recompute-method", "block",
+                             "--recompute-num-layers", "2"])
     assert cfg.model.recompute_overrides() == dict(FULL, recompute_method="block", recompute_num_layers=2)
 
 
