@@ -83,17 +83,12 @@ def test_opd_with_recompute_equals_sync(megatron_single, name):
     case = W.CASES["token-mean"]
     ref, _ = W.grads("sync", case, samples, ends, None)
     _, plain = W.grads("stream-turn", case, samples, ends, None)
-    orig = W.build_model
-    W.build_model = lambda *a, **k: orig(*a, **k, **RECOMPUTE[name])  # the learner's model recomputes
-    try:
-        for mode, head_first in (("stream-trajectory", False), ("stream-turn", False), ("stream-turn", True)):
-            g, res = W.grads(mode, case, samples, ends, None, head_first=head_first)
-            assert res.mode == mode
-            assert W.rel(g, ref) <= TOL, (mode, head_first)
-            if mode == "stream-turn":
-                assert res.peak_graph_bytes < plain.peak_graph_bytes, (res.peak_graph_bytes, plain.peak_graph_bytes)
-    finally:
-        W.build_model = orig
+    for mode, head_first in (("stream-trajectory", False), ("stream-turn", False), ("stream-turn", True)):
+        g, res = W.grads(mode, case, samples, ends, None, head_first=head_first, recompute=RECOMPUTE[name])
+        assert res.mode == mode
+        assert W.rel(g, ref) <= TOL, (mode, head_first)
+        if mode == "stream-turn":
+            assert res.peak_graph_bytes < plain.peak_graph_bytes, (res.peak_graph_bytes, plain.peak_graph_bytes)
 
 
 def test_config_refusals_and_transformer_config(megatron_single):
