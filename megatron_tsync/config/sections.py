@@ -161,6 +161,10 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         self._check_recompute()
+        _check(not (self.moe_router_replay and self.recompute_granularity),
+               "model.moe_router_replay with model.recompute_granularity is refused: the recomputed forward in the "
+               "backward would route by the router's own top-k, not the replayed experts (model/moe.py)",
+               "model.moe_router_replay", "model.recompute_granularity")
         _check(self.moe_aux_loss_coeff == 0.0,
                f"model.moe_aux_loss_coeff {self.moe_aux_loss_coeff} is refused: megatron adds the MoE load-balancing "
                "gradient inside the policy-loss backward, which streaming scales by the trajectory's advantage "

@@ -98,7 +98,8 @@ def test_config_refusals_and_transformer_config(megatron_single):
                       (dict(recompute_granularity="selective", recompute_num_layers=1), "full only"),
                       (dict(recompute_method="block"), "need model.recompute_granularity"),
                       (dict(FULL, recompute_num_layers=0), ">= 1"),
-                      (dict(recompute_granularity="offload"), "must be one of")]:
+                      (dict(recompute_granularity="offload"), "must be one of"),
+                      (dict(FULL, moe_router_replay=True), "moe_router_replay with model.recompute_granularity")]:
         with pytest.raises(ConfigError, match=word):
             ModelConfig(**bad)
     assert ModelConfig().recompute_overrides() == {}
@@ -119,6 +120,28 @@ def test_flags_parse_into_the_model_section():
     cfg = parse_args(argv + ["--recompute-granularity", "full", "--recompute-method", "block",
                              "--recompute-num-layers", "2"])
     assert cfg.model.recompute_overrides() == dict(FULL, recompute_method="block", recompute_num_layers=2)
+
+
+def test_moe_gradient_unchanged_by_recompute(megatron_single):
+    """A tiny Qwen3-MoE (4 experts, top-2; no router replay, which is refused with recomputation): the gradient of a
+    forward/backward with full or selective recomputation is the one without."""
+    from megatron_tsync.model.builder import ModelArch
+
+    arch = ModelArch(family="qwen3_moe", vocab_size=256, hidden_size=32, ffn_hidden_size=64, num_layers=2,
+                     num_attention_heads=2, num_kv_heads=1, head_dim=16, qk_layernorm=True, num_experts=4,
+                     moe_router_topk=2, moe_ffn_hidden_size=32)
+
+    def grads(**kw):
+        m = build_model(arch, PrecisionConfig(params_dtype=torch.float64), seed=0, **kw)
+        ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(1))
+        m(ids, torch.arange(40).unsqueeze(0), None).pow(2).sum().backward()  # (1, 40, V)
+        return torch.cat([p.grad.flatten() for p in m.parameters() if p.grad is not None])
+
+    off = grads()
+    for name in ("full-uniform-1", "selective"):
+        assert rel(grads(**RECOMPUTE[name]), off) <= TOL, name
+    with pytest.raises(ValueError, match="router replay with activation recomputation is refused"):
+        grads(moe_enable_routing_replay=True, **RECOMPUTE["selective"])
 
 
 def _saved_bytes(model64, T=512):
