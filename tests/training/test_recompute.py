@@ -187,3 +187,19 @@ def test_long_trajectory_streamed_equals_sync_with_recompute(tmp_path):
     assert rel(on["streamed"], off["streamed"]) <= TOL
     assert rep["on"]["saved_mib"] < 0.5 * rep["off"]["saved_mib"], rep
     assert rep["on"]["peak_rss_mib"] < rep["off"]["peak_rss_mib"], rep
+
+
+def test_run_context_recomputes_the_policy_only(megatron_single, tiny_dir):
+    """The flags reach the trained model through ``RunContext``; the frozen KL reference is built without them."""
+    import types
+
+    from megatron_tsync.arguments import parse_args
+    from megatron_tsync.model.builder import unwrap
+    from megatron_tsync.runtime.context import RunContext
+
+    cfg = parse_args(["--model", tiny_dir, "--kl-mode", "loss", "--kl-coef", "0.1", *sum(
+        ([f"--{k.replace('_', '-')}", str(v)] for k, v in FULL.items()), [])])
+    ctx = RunContext(cfg, types.SimpleNamespace(stop=False))
+    pc, rc = unwrap(ctx.ddp).config, unwrap(ctx.reference.model).config
+    assert (pc.recompute_granularity, pc.recompute_method, pc.recompute_num_layers) == ("full", "uniform", 1)
+    assert rc.recompute_granularity is None
