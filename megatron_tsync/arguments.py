@@ -273,6 +273,13 @@ _FLAGS: tuple[_Flag, ...] = (
        help="MoE load-balancing loss; only 0 (streaming would weight its gradient by the advantage)"),
     _f("--moe-router-replay", "model.moe_router_replay", _G_MODEL, **_SWITCH,
        help="MoE: the learner routes each token to the experts the engine chose for it (recorded per token)"),
+    _f("--recompute-granularity", "model.recompute_granularity", _G_MODEL, choices=C.RECOMPUTE_GRANULARITIES,
+       help="activation recomputation of the trained model: full (whole layers, needs --recompute-method and "
+            "--recompute-num-layers) or selective (core attention); default off"),
+    _f("--recompute-method", "model.recompute_method", _G_MODEL, choices=C.RECOMPUTE_METHODS,
+       help="full recomputation: uniform (every chunk of N layers) or block (the first N layers of each stage)"),
+    _f("--recompute-num-layers", "model.recompute_num_layers", _G_MODEL, type=int, metavar="N",
+       help="full recomputation: layers per chunk (uniform) or recomputed layers per pipeline stage (block)"),
     _f("--sft-warmup-steps", "model.sft_warmup_steps", _G_MODEL, type=int, metavar="N",
        help="supervised warm-start steps on the task's demonstrations before RL (0 = off)"),
     _f("--sft-warmup-lr", "model.sft_warmup_lr", _G_MODEL, type=float, metavar="LR",

@@ -28,7 +28,8 @@ from megatron_tsync.config.plain import ConfigError, _foreign  # noqa: F401 - _f
 from megatron_tsync.config.rewards import declared_reward_spec, reward_spec_conflict, reward_spec_for_verifier
 from megatron_tsync.config.sections import (ADVANTAGE_ESTIMATORS, AGGREGATIONS, AUX_STRATEGIES, FP8_FORMATS,
                                             FP8_RECIPES, KL_ESTIMATORS, KL_MODES, LATENCY_PROFILES, OLD_LOGPROBS,
-                                            OPD_OBJECTIVES, OPTIMIZERS, PARAMS_DTYPES, POLICY_LOSSES, REWARD_KINDS,
+                                            OPD_OBJECTIVES, OPTIMIZERS, PARAMS_DTYPES, POLICY_LOSSES, RECOMPUTE_GRANULARITIES,
+                                            RECOMPUTE_METHODS, REWARD_KINDS,
                                             RL_ALGORITHMS, RL_MODES, ROLLOUT_ENGINES, TINY_FAMILIES, WEIGHT_SYNCS,
                                             CheckpointConfig, LoggingConfig, ModelConfig, ParallelConfig, RLConfig, RolloutConfig,
                                             parse_cpu_list)
@@ -53,6 +54,8 @@ __all__ = [
     "PARAMS_DTYPES",
     "ParallelConfig",
     "POLICY_LOSSES",
+    "RECOMPUTE_GRANULARITIES",
+    "RECOMPUTE_METHODS",
     "REWARD_KINDS",
     "RL_ALGORITHMS",
     "RL_MODES",

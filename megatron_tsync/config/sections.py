@@ -34,6 +34,8 @@ FP8_RECIPES = ("delayed", "tensorwise", "mxfp8", "blockwise")
 REWARD_KINDS = ("binary", "bounded", "continuous")
 ROLLOUT_ENGINES = ("embedded", "vllm")
 WEIGHT_SYNCS = ("file", "broadcast")
+RECOMPUTE_GRANULARITIES = ("full", "selective")  # megatron-core TransformerConfig.recompute_granularity
+RECOMPUTE_METHODS = ("uniform", "block")  # TransformerConfig.recompute_method
 TINY_FAMILIES = ("llama", "qwen2", "qwen3", "llama3", "qwen3_moe")  # model/tiny_model.FAMILIES (a test keeps them equal)
 LATENCY_PROFILES = ("none", "uniform", "swe-like", "independent")
 
@@ -120,7 +122,49 @@ class ModelConfig:
     TP/PP layout; ``training/reference.py``); None = a frozen copy of the policy's initial weights (after ``load``
     and the warm start; saved under ``SAVE/reference`` for resumes). Needs ``learner.loss.kl_mode`` loss or reward."""
 
+    recompute_granularity: str | None = None
+    """Activation recomputation of the learner's policy model (megatron's ``--recompute-granularity``): ``full``
+    keeps only each recomputed layer's input and re-runs the layer in the backward, ``selective`` re-runs the core
+    attention only (megatron-core's default ``recompute_modules``); None = keep every activation. Only the trained
+    model recomputes: the frozen reference, teacher and rollout engine never run a backward."""
+    recompute_method: str | None = None
+    """With ``full``: ``uniform`` checkpoints every chunk of ``recompute_num_layers`` layers, ``block`` the first
+    ``recompute_num_layers`` layers of each pipeline stage (the rest keep their activations)."""
+    recompute_num_layers: int | None = None
+    """With ``full``: layers per checkpointed chunk (uniform) or layers recomputed per pipeline stage (block);
+    between 1 and the layers of one stage (checked when the model is built)."""
+
+    def recompute_overrides(self) -> dict[str, Any]:
+        """The TransformerConfig fields of the recomputation flags ({} when off), for the policy's ``build_model``."""
+        if self.recompute_granularity is None:
+            return {}
+        return dict(recompute_granularity=self.recompute_granularity, recompute_method=self.recompute_method,
+                    recompute_num_layers=self.recompute_num_layers)
+
+    def _check_recompute(self) -> None:
+        """megatron-core 0.16.1's TransformerConfig rules, refused before anything is built."""
+        g, m, n = self.recompute_granularity, self.recompute_method, self.recompute_num_layers
+        names = ("model.recompute_granularity", "model.recompute_method", "model.recompute_num_layers")
+        _check(g is None or g in RECOMPUTE_GRANULARITIES,
+               f"model.recompute_granularity must be one of {RECOMPUTE_GRANULARITIES}, got {g!r}", names[0])
+        _check(m is None or m in RECOMPUTE_METHODS,
+               f"model.recompute_method must be one of {RECOMPUTE_METHODS}, got {m!r}", names[1])
+        _check(g is not None or (m is None and n is None),
+               "model.recompute_method / recompute_num_layers need model.recompute_granularity full", *names)
+        _check(g != "full" or (m is not None and n is not None),
+               "model.recompute_granularity full needs model.recompute_method (uniform|block) and "
+               "model.recompute_num_layers (megatron-core refuses it without them)", *names)
+        _check(g != "selective" or (m is None and n is None),
+               "model.recompute_granularity selective recomputes core attention in every layer: "
+               "model.recompute_method and recompute_num_layers apply to full only", *names)
+        _check(n is None or n >= 1, f"model.recompute_num_layers must be >= 1, got {n}", names[2])
+
     def __post_init__(self) -> None:
+        self._check_recompute()
+        _check(not (self.moe_router_replay and self.recompute_granularity),
+               "model.moe_router_replay with model.recompute_granularity is refused: the recomputed forward in the "
+               "backward would route by the router's own top-k, not the replayed experts (model/moe.py)",
+               "model.moe_router_replay", "model.recompute_granularity")
         _check(self.moe_aux_loss_coeff == 0.0,
                f"model.moe_aux_loss_coeff {self.moe_aux_loss_coeff} is refused: megatron adds the MoE load-balancing "
                "gradient inside the policy-loss backward, which streaming scales by the trajectory's advantage "

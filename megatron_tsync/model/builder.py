@@ -226,6 +226,13 @@ def transformer_config(arch: ModelArch, precision: PrecisionConfig, *, tp: int =
         moe.check_overrides(arch, extra)
         kw.update(moe.transformer_config_fields(arch, tp, ep))
     kw.update(extra)
+    if kw.get("recompute_granularity") and kw.get("moe_enable_routing_replay"):
+        raise ValueError("router replay with activation recomputation is refused: the recomputed forward in the "
+                         "backward would route by the router's own top-k, not the replayed experts")
+    n = kw.get("recompute_num_layers")
+    if n is not None and not 1 <= n <= arch.num_layers // pp:
+        raise ValueError(f"--recompute-num-layers {n} must be between 1 and the layers of one pipeline stage "
+                         f"({arch.num_layers} layers / PP {pp} = {arch.num_layers // pp})")
     cfg, unknown = compat.make_transformer_config(**kw)
     if unknown:
         import logging

@@ -2,11 +2,14 @@
 
 Used by the OPD learner (turn-level streaming with the earlier turns' keys/values kept in the autograd graph) and by
 the teacher scorer (under ``torch.no_grad``: a plain KV-cached scorer). The embedded rollout engine generates with
-megatron-core's own inference KV cache instead (``rollout/embedded_engine.py``).
+megatron-core's own inference KV cache instead (``rollout/embedded_engine.py``). Activation recomputation of the
+model's config (``--recompute-granularity``) applies here too, under grad: :func:`recompute_plan` picks the layers
+megatron's block would checkpoint and each chunk checkpoints them with torch's non-reentrant checkpoint.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -62,25 +65,35 @@ class IncrementalGPT:
         freqs = m.rotary_pos_emb(start + n)[start:]  # (n, 1, 1, d); the model's inv_freq (llama3 scaling included)
         qi = torch.arange(start, start + n, device=dev).unsqueeze(1)
         masked = (torch.arange(start + n, device=dev).unsqueeze(0) > qi).view(1, n, start + n)  # (1, n, sk)
+        plan = recompute_plan(m.config, len(m.decoder.layers)) if torch.is_grad_enabled() else {}
         for li, layer in enumerate(m.decoder.layers):
-            attn = layer.self_attention
-            h = layer.input_layernorm(x)
-            # applies the per-head q/k layernorms too (Qwen3 QK-norm), before RoPE as in the full forward; under
-            # SP the column-parallel QKV all-gathers the sequence: q/k/v cover all n new tokens (local heads)
-            q, k, v = attn.get_query_key_value_tensors(h)  # (n, 1, np, hn), (n, 1, ng, hn) ×2
-            cp = getattr(getattr(attn, "pg_collection", None), "cp", None)
-            q = apply_rotary_pos_emb(q, freqs, config=attn.config, cp_group=cp)
-            k = apply_rotary_pos_emb(k, freqs, config=attn.config, cp_group=cp)
-            if li < len(self.kv):
-                k, v = torch.cat([self.kv[li][0], k]), torch.cat([self.kv[li][1], v])  # (start + n, 1, ng, hn)
-                self.kv[li] = (k[:start + s], v[:start + s])  # views: the padding's K/V are not kept
+            prev = self.kv[li] if li < len(self.kv) else None
+
+            def run(x, layer=layer, prev=prev, selective=plan.get(li) == "attention"):
+                attn = layer.self_attention
+                h = layer.input_layernorm(x)
+                # applies the per-head q/k layernorms too (Qwen3 QK-norm), before RoPE as in the full forward; under
+                # SP the column-parallel QKV all-gathers the sequence: q/k/v cover all n new tokens (local heads)
+                q, k, v = attn.get_query_key_value_tensors(h)  # (n, 1, np, hn), (n, 1, ng, hn) ×2
+                cp = getattr(getattr(attn, "pg_collection", None), "cp", None)
+                q = apply_rotary_pos_emb(q, freqs, config=attn.config, cp_group=cp)
+                k = apply_rotary_pos_emb(k, freqs, config=attn.config, cp_group=cp)
+                if prev is not None:
+                    k, v = torch.cat([prev[0], k]), torch.cat([prev[1], v])  # (start + n, 1, ng, hn)
+                core = functools.partial(_attention, masked=masked, scale=_softmax_scale(attn))
+                # (n, 1, np·hn); causal: real rows skip padding
+                ctx = _checkpoint(core, q, k, v) if selective else core(q, k, v)
+                out, bias = attn.linear_proj(ctx)  # under SP: reduce-scattered back to the rank's shard
+                x = x + (out if bias is None else out + bias)
+                out, bias = layer.mlp(layer.pre_mlp_layernorm(x))
+                return x + (out if bias is None else out + bias), k, v
+
+            x, k, v = _checkpoint(run, x) if plan.get(li) == "layer" else run(x)
+            kept = (k[:start + s], v[:start + s])  # views: the padding's K/V are not kept
+            if prev is not None:
+                self.kv[li] = kept
             else:
-                self.kv.append((k[:s], v[:s]))
-            ctx = _attention(q, k, v, masked, _softmax_scale(attn))  # (n, 1, np·hn); causal: real rows skip padding
-            out, bias = attn.linear_proj(ctx)  # under SP: reduce-scattered back to the rank's shard
-            x = x + (out if bias is None else out + bias)
-            out, bias = layer.mlp(layer.pre_mlp_layernorm(x))
-            x = x + (out if bias is None else out + bias)
+                self.kv.append(kept)
         self.length += s
         return _unshard(x, sp)[:s]  # (s, 1, h)
 
@@ -98,6 +111,29 @@ class IncrementalGPT:
         """TP size under sequence parallelism (the stage's activations between layers are sequence shards), else 1."""
         cfg = self.m.config
         return cfg.tensor_model_parallel_size if cfg.sequence_parallel else 1
+
+
+def recompute_plan(config, num_layers: int) -> dict[int, str]:
+    """Which of this stage's layers the incremental forward recomputes in the backward, from megatron's
+    ``recompute_granularity`` / ``recompute_method`` / ``recompute_num_layers`` (the same layers megatron's
+    ``TransformerBlock`` checkpoints): {layer index: "layer" (full) | "attention" (selective: the core attention)}."""
+    gran = getattr(config, "recompute_granularity", None)
+    if gran == "selective":
+        return dict.fromkeys(range(num_layers), "attention") if "core_attn" in (config.recompute_modules or []) else {}
+    if gran != "full":
+        return {}
+    n = config.recompute_num_layers
+    if config.recompute_method == "block":
+        return dict.fromkeys(range(min(n, num_layers)), "layer")
+    return dict.fromkeys(range(num_layers), "layer")  # uniform: every layer, in chunks of n
+
+
+def _checkpoint(fn, *args):
+    """``fn(*args)`` whose saved tensors are dropped and recomputed in the backward (torch's non-reentrant
+    checkpoint: tensors ``fn`` reaches by closure, like the kept K/V, get their gradients as without it)."""
+    from torch.utils.checkpoint import checkpoint
+
+    return checkpoint(fn, *args, use_reentrant=False)
 
 
 def _pad_rows(x: torch.Tensor, n: int) -> torch.Tensor:

@@ -481,7 +481,7 @@ class replay_routing:
     experts (list of (S·B, k) long tensors, one per local layer) instead of its own top-k; the weights are the
     router's own scores of those experts (softmaxed over the k with ``norm_topk_prob``, as in HF). One forward
     per context (the backward needs no replay: megatron does not recompute the router unless activation
-    recomputation is on, which the learner does not use)."""
+    recomputation is on, which is refused with router replay: ``config.ModelConfig``, ``builder.transformer_config``)."""
 
     def __init__(self, model, indices):
         self.model, self.indices = model, list(indices)

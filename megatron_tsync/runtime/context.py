@@ -82,7 +82,8 @@ class RunContext:
         if cfg.model.moe_router_replay and not arch.num_experts:
             raise ValueError(f"--moe-router-replay needs a MoE model; {self.model_dir} has no experts")
         replay = {"moe_enable_routing_replay": True} if cfg.model.moe_router_replay else {}
-        model = build_model(arch, cfg.precision, seed=cfg.rl.seed, **replay)
+        # recomputation: the trained policy only (the reference, teacher and engine models never run a backward)
+        model = build_model(arch, cfg.precision, seed=cfg.rl.seed, **replay, **cfg.model.recompute_overrides())
         load_hf_into_model(model, hf_state)
         self.ddp = wrap_ddp(model, use_distributed_optimizer=p.use_distributed_optimizer)
         self.opt = build_optimizer(self.ddp, dataclasses.replace(cfg.optim,

@@ -24,6 +24,7 @@ CHECK_OF = {  # test function -> the worker check it reads (layout from its `lay
     "test_float64_stream_equals_sync": "f64",
     "test_float64_packed_equals_unpacked_sync": "packed",
     "test_float64_shared_prefix_and_skip": "shared",
+    "test_float64_recompute_stream_equals_sync": "recompute",
     "test_float32_three_steps": "f32-sgd",
     "test_float32_adam_delta_k_report": "f32-adam",
 }
@@ -110,6 +111,16 @@ def test_float64_packed_equals_unpacked_sync(layout, stream_reports):
 
 
 @pytest.mark.slow
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["pp2", "tp2"])
+def test_float64_recompute_stream_equals_sync(layout, stream_reports):
+    """--recompute-granularity full (uniform, block) and selective under PP 2 / TP 2: sync, stream-trajectory and
+    packed stream-trajectory with recomputation == sync without ≤ 1e-12 (float64)."""
+    rep = stream_reports(layout, "recompute")["result"]
+    assert len(rep) == 9, rep
+    assert max(rep.values()) <= 1e-12, rep
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_float64_shared_prefix_and_skip(layout, stream_reports):
     """--shared-prefix + --skip-zero-advantage: sync, stream-trajectory and stream-group vs sync with neither

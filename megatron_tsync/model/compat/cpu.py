@@ -96,6 +96,7 @@ def install_cpu_support() -> bool:
         _MODE = _CudaToCpuMode()
         _MODE.__enter__()  # stays active for the life of the process
         _install_cpu_rng_tracker()
+        _install_cpu_checkpoint_rng()
         _install_cpu_streams()
         _INSTALLED = True
     return True
@@ -210,6 +211,16 @@ def _install_cpu_rng_tracker() -> None:
                 torch.set_rng_state(orig)
 
     mrand.CudaRNGStatesTracker = CpuRNGStatesTracker
+
+
+def _install_cpu_checkpoint_rng() -> None:
+    """Activation recomputation on CPU (``--recompute-granularity``): megatron's ``tensor_parallel.checkpoint`` saves
+    and restores "the CUDA RNG state" around the re-forward; on a CPU-only torch that state is the CPU generator's
+    (the one the CPU tracker forks), so get/set map to ``torch.get_rng_state``/``set_rng_state``."""
+    import megatron.core.tensor_parallel.random as mrand
+
+    mrand._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
+    mrand._set_cuda_rng_state = lambda new_state, *a, **k: torch.set_rng_state(new_state)
 
 
 def _install_cpu_moe_splits() -> None:

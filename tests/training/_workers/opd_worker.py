@@ -92,9 +92,10 @@ def all_chunks(samples, ends, seed: int, *, per_turn: bool = True):
     return out
 
 
-def grads(mode: str, case: dict, samples, ends, dims, *, head_first=False, seed=7):
-    """Flat float64 gradient (this rank's DDP buffers) after the barrier."""
-    model = build_model(TINY, PrecisionConfig(params_dtype=torch.float64), seed=0)
+def grads(mode: str, case: dict, samples, ends, dims, *, head_first=False, seed=7, recompute=None):
+    """Flat float64 gradient (this rank's DDP buffers) after the barrier (``recompute``: TransformerConfig fields of
+    activation recomputation for the learner's model)."""
+    model = build_model(TINY, PrecisionConfig(params_dtype=torch.float64), seed=0, **(recompute or {}))
     ddp = wrap_ddp(model)
     opt = build_optimizer(ddp, OptimConfig(optimizer="sgd", lr=0.0, clip_grad=0))
     cfg = OPDLearnerConfig(mode=mode if mode != "cut" else "stream-turn", head_first=head_first, **case)
@@ -138,7 +139,13 @@ def rel(a, b, dims=None) -> float:
     return (t[0].sqrt() / t[1].sqrt()).item()
 
 
-def run_cases(dims, modes=("stream-trajectory", "stream-turn", "stream-turn-head-first", "cut")) -> dict:
+RECOMPUTE = {"full-uniform-1": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+             "selective": dict(recompute_granularity="selective")}
+
+
+def run_cases(dims, modes=("stream-trajectory", "stream-turn", "stream-turn-head-first", "cut"),
+              recompute=None) -> dict:
+    """Each case's streamed modes (with ``recompute``, a RECOMPUTE entry, on the learner's model) vs sync without."""
     report = {}
     for ci, (name, case) in enumerate(CASES.items()):
         S, E = make_trajectories(300 + ci, full_vocab=case.get("objective") == "full-vocab")
@@ -148,7 +155,8 @@ def run_cases(dims, modes=("stream-trajectory", "stream-turn", "stream-turn-head
             hf = m.endswith("head-first")
             if hf and case["loss"].aggregation == "seq-mean-token-mean":
                 continue
-            g, res = grads(m.replace("-head-first", ""), case, S, E, dims, head_first=hf, seed=11 + ci)
+            g, res = grads(m.replace("-head-first", ""), case, S, E, dims, head_first=hf, seed=11 + ci,
+                           recompute=RECOMPUTE.get(recompute))
             row[m] = {"rel": rel(g, ref, dims), **_per_rank(ran=res.mode, rel_this_rank=rel(g, ref),
                                                              peak_graph_bytes=res.peak_graph_bytes,
                                                              p2p_messages=res.p2p_messages)}
@@ -170,12 +178,13 @@ def main():
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--recompute", choices=sorted(RECOMPUTE), default=None)
     a = ap.parse_args()
     from megatron_tsync.model.parallel import destroy_parallel, initialize_parallel
 
     torch.set_num_threads(1)
     dims = initialize_parallel(a.tp, a.pp)
-    report = run_cases(dims)
+    report = run_cases(dims, recompute=a.recompute)
     if dims.rank == 0:
         with open(a.out, "w") as f:
             json.dump(report, f, indent=1)

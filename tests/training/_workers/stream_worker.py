@@ -65,8 +65,8 @@ def assign_dp(samples, dp):
     return samples
 
 
-def make_learner(dims, dtype, oc, mode, case, seed=0, packing=None, mix=False, full=False):
-    model = build_model(TINY, PrecisionConfig(params_dtype=dtype), seed=seed)
+def make_learner(dims, dtype, oc, mode, case, seed=0, packing=None, mix=False, full=False, recompute=None):
+    model = build_model(TINY, PrecisionConfig(params_dtype=dtype), seed=seed, **(recompute or {}))
     ddp = wrap_ddp(model)
     opt = build_optimizer(ddp, oc)
     lc = LossConfig(**case.get("loss", {}))
@@ -267,11 +267,40 @@ def run_f32(dims, steps=3, seed=0, optimizer="adam"):
             "optimizer": optimizer}
 
 
+RECOMPUTE = {"full-uniform-1": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+             "full-block-1": dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=1),
+             "selective": dict(recompute_granularity="selective")}
+
+
+def run_recompute(dims):
+    """float64: sync without recomputation vs sync / stream-trajectory / packed stream-trajectory with each setting
+    (``--recompute-num-layers 1``: one layer per stage under PP 2)."""
+    case = PACKED_CASES[0]
+    oc = OptimConfig(optimizer="sgd", lr=0.0, clip_grad=0)
+    S = make_samples(500, reward_kind=case["reward"])
+    out = {}
+    for name, rc in [("off", None), *RECOMPUTE.items()]:
+        for mode, packing, order in (("sync", None, S), ("stream-trajectory", None, arrival_order(S, 7)),
+                                     ("stream-trajectory", PACK_TOKENS, arrival_order(S, 9))):
+            if name == "off" and mode != "sync":
+                continue
+            ddp, L = make_learner(dims, torch.float64, oc, mode, case, packing=packing, recompute=rc)
+            assign_dp(order, dims.dp)
+            got = {}
+            L.grad_hook = lambda d: got.setdefault("g", torch.cat([b.grad_data.clone() for b in d.buffers]))
+            sizes, shape = shape_for(S)
+            L.train_step(ListSource(order), sizes, shape)
+            out[f"{name}/{mode}{'/packed' if packing else ''}"] = got["g"]
+    ref = out.pop("off/sync")
+    return {k: global_rel(g, ref, dims) for k, g in out.items()}
+
+
 LAYOUTS = {"tp2": (2, 1), "pp2": (1, 2), "dp2": (1, 1)}  # (tp, pp) of 2 processes; dp = 2 / (tp × pp)
 CHECKS = {
     "f64": run_f64,
     "packed": run_packed,
     "shared": run_shared,
+    "recompute": run_recompute,
     "f32-sgd": lambda dims, seed: run_f32(dims, seed=seed, optimizer="sgd"),
     "f32-adam": lambda dims, seed: run_f32(dims, seed=seed, optimizer="adam"),
 }
@@ -301,7 +330,7 @@ def main():
         for check in checks:
             t0 = time.time()
             fn = CHECKS[check]
-            res = fn(dims) if check in ("f64", "packed", "shared") else fn(dims, a.seed)
+            res = fn(dims) if check in ("f64", "packed", "shared", "recompute") else fn(dims, a.seed)
             if dims.rank == 0:
                 path = os.path.join(a.out_dir, f"{layout}-{check}.json")
                 with open(path + ".tmp", "w") as f:
