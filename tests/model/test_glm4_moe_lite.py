@@ -130,3 +130,213 @@ def test_float64_logits_equal_transformers(tiny_glm, megatron64):
     rel = ((mine - ref).abs().max() / ref.abs().max()).item()
     print(f"float64 logits: max |Δ| / max |logit| = {rel:.3g}")
     assert ref.dtype == mine.dtype == torch.float64 and rel <= TOL
+
+
+# ---------------------------------------------------------------------------------------------- config
+GLM_JSON = dict(  # the keys of GLM-4.7-Flash's config.json (sizes shrunk)
+    architectures=["Glm4MoeLiteForCausalLM"], model_type="glm4_moe_lite", vocab_size=256, hidden_size=64,
+    intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
+    num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8, routed_scaling_factor=1.8, kv_lora_rank=32,
+    q_lora_rank=48, qk_rope_head_dim=16, v_head_dim=24, qk_nope_head_dim=32, n_group=1, topk_group=1,
+    num_experts_per_tok=4, norm_topk_prob=True, hidden_act="silu", max_position_embeddings=202752,
+    rms_norm_eps=1e-5, tie_word_embeddings=False, rope_theta=1000000.0, rope_scaling=None, rope_interleave=True,
+    first_k_dense_replace=1, attention_bias=False, attention_dropout=0.0,
+)
+
+
+def test_arch_from_config_json():
+    arch = ModelArch.from_hf_config(GLM_JSON)
+    assert arch.family == "glm4_moe_lite" and arch.kv_lora_rank == 32 and arch.q_lora_rank == 48
+    assert (arch.qk_nope_head_dim, arch.qk_rope_head_dim, arch.v_head_dim, arch.head_dim) == (32, 16, 24, 48)
+    assert (arch.num_experts, arch.moe_router_topk, arch.moe_first_k_dense) == (8, 4, 1)
+    assert arch.moe_shared_expert_ffn_hidden_size == 32 and arch.moe_routed_scaling_factor == 1.8
+    types = {k: v for k, v in GLM_JSON.items() if k != "first_k_dense_replace"}
+    assert ModelArch.from_hf_config({**types, "mlp_layer_types": ["dense", "sparse", "sparse"]}) == arch
+    assert ModelArch.from_hf_config(hc.hf_config_dict(arch)) == arch  # config.json written back reads the same
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(n_group=2, topk_group=1), "top-2"),  # topk 4 != 2·topk_group: transformers' group score differs
+    (dict(norm_topk_prob=False), "norm_topk_prob"),
+    (dict(attention_bias=True), "attention_bias"),
+    (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "YaRN"),
+    (dict(first_k_dense_replace=None, mlp_layer_types=["sparse", "dense", "sparse"]), "mlp_layer_types"),
+    (dict(num_key_value_heads=2), "GQA"),
+])
+def test_unsupported_layouts_are_refused(change, match):
+    with pytest.raises(ValueError, match=match):
+        ModelArch.from_hf_config({**GLM_JSON, **change})
+
+
+def test_transformer_config_routing():
+    arch = ModelArch.from_hf_config({**GLM_JSON, "n_group": 4, "topk_group": 2, "n_routed_experts": 16})
+    cfg = transformer_config(arch, PrecisionConfig())
+    assert type(cfg).__name__ == "MLATransformerConfig" and cfg.multi_latent_attention
+    assert (cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_head_dim, cfg.qk_pos_emb_head_dim, cfg.v_head_dim) == (
+        48, 32, 32, 16, 24)
+    assert cfg.moe_router_score_function == "sigmoid" and cfg.moe_router_enable_expert_bias
+    assert cfg.moe_router_bias_update_rate == 0.0 and cfg.moe_router_topk_scaling_factor == 1.8
+    assert (cfg.moe_router_num_groups, cfg.moe_router_group_topk) == (4, 2) and cfg.moe_layer_freq == [0, 1, 1]
+    assert cfg.moe_shared_expert_intermediate_size == 32 and cfg.rope_type == "rope"
+
+
+@pytest.mark.parametrize("override,match", [
+    (dict(moe_router_bias_update_rate=1e-3), "aux-loss-free expert-bias update"),
+    (dict(moe_router_enable_expert_bias=False), "e_score_correction_bias"),
+    (dict(moe_aux_loss_coeff=1e-3), "load-balancing loss"),
+    (dict(moe_router_topk=2), "contradicts the checkpoint"),
+])
+def test_refused_options(override, match):
+    arch = ModelArch.from_hf_config(GLM_JSON)
+    with pytest.raises(ValueError, match=match):
+        transformer_config(arch, PrecisionConfig(), **override)
+    transformer_config(arch, PrecisionConfig(), moe_router_bias_update_rate=0.0)  # agreeing: accepted
+
+
+def test_tiny_model_is_transformers_config(tiny_glm):
+    """The tiny model is transformers' own Glm4MoeLiteConfig: grouped routing (4 groups, 2 kept, top-4), the
+    first layer dense, a non-zero correction bias that changes which experts are selected."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(tiny_glm)
+    assert type(cfg).__name__ == "Glm4MoeLiteConfig" and cfg.mlp_layer_types == ["dense", "sparse", "sparse"]
+    assert (cfg.n_group, cfg.topk_group, cfg.num_experts_per_tok, cfg.n_routed_experts) == (4, 2, 4, 16)
+    assert cfg.rope_interleave and cfg.rms_norm_eps != mla.LATENT_NORM_EPS and cfg.n_shared_experts == 1
+    hf = _hf64(tiny_glm)
+    router = hf.model.layers[1].mlp.gate
+    h = torch.randn(64, cfg.hidden_size, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    with float64_transformers(), torch.no_grad():
+        _, _, with_bias = router(h)
+        bias = router.e_score_correction_bias.clone()
+        router.e_score_correction_bias.zero_()
+        _, _, without = router(h)
+        router.e_score_correction_bias.copy_(bias)
+    assert bias.abs().min() > 0
+    changed = (with_bias.sort(-1).values != without.sort(-1).values).any(-1).float().mean().item()
+    assert changed > 0.2, changed  # measured 0.6: the bias matters for selection
+
+
+# ---------------------------------------------------------------------------------------------- conversion
+@pytest.mark.parametrize("tp,pp,ep", [(1, 1, 1), (2, 1, 1), (1, 1, 4), (2, 3, 2)])
+def test_pure_round_trip(tiny_glm, tp, pp, ep):
+    """HF → every (TP, PP, EP) rank's megatron tensors → gathered back → HF, bit-identical per tensor."""
+    arch, state = hc.load_hf_dir(tiny_glm)
+    back = {}
+    for p in range(pp):
+        shards = {(r, q): hc.hf_to_megatron(state, arch, tp_rank=r, tp_size=tp, pp_rank=p, pp_size=pp,
+                                            ep_rank=q, ep_size=ep) for r in range(tp) for q in range(ep)}
+        off = p * arch.num_layers // pp
+        for q in range(ep):
+            full = {}
+            for name in shards[(0, q)]:
+                parts = [shards[(r, q)][name] for r in range(tp)]
+                if name.endswith("linear_fc1.weight"):
+                    full[name] = parts
+                elif name.endswith(("linear_proj.weight", "linear_fc2.weight")):
+                    full[name] = torch.cat(parts, dim=1)
+                elif name.endswith(("norm.weight", "router.weight", "expert_bias")):
+                    full[name] = parts[0]
+                else:
+                    full[name] = torch.cat(parts, dim=0)
+            back.update(hc.megatron_full_to_hf(full, arch, off, tp, expert_offset=q * arch.num_experts // ep))
+    assert sorted(back) == sorted(state)
+    assert all(torch.equal(back[k], state[k]) for k in state)
+
+
+def test_model_round_trip_and_bias_is_a_buffer(tiny_glm, megatron64):
+    """Through the float64 model: every tensor back bit-identical; the correction bias is a float32 buffer of the
+    router (no parameter, so no gradient and no optimizer state)."""
+    _, state = hc.load_hf_dir(tiny_glm)
+    back = hc.megatron_to_hf(megatron64)
+    assert sorted(back) == sorted(state) and all(torch.equal(back[k], _state64(state)[k]) for k in state)
+    router = megatron64.decoder.layers[1].mlp.router
+    assert router.expert_bias.dtype == torch.float32 and not router.expert_bias.requires_grad
+    assert not any(n.endswith("expert_bias") for n, _ in megatron64.named_parameters())
+
+
+def test_rope_not_interleaved(tiny_glm, tmp_path, megatron_single):
+    """``rope_interleave: false`` (transformers' plain rotate-half): the conversion interleaves the rope rows so
+    that megatron's MLA de-interleave restores them; logits still equal, round trip still bit-identical."""
+    import shutil
+
+    d = str(tmp_path / "plain")
+    shutil.copytree(tiny_glm, d)
+    cfg = _config(d)
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump({**cfg, "rope_interleave": False}, f)
+    arch, state = hc.load_hf_dir(d)
+    assert not arch.rope_interleave
+    model = build_model(arch, PrecisionConfig(params_dtype=torch.float64), seed=0)
+    hc.load_hf_into_model(model, _state64(state))
+    ids = _ids(arch.vocab_size)
+    with float64_transformers(), torch.no_grad():
+        ref = _hf64(d)(ids).logits
+    rel = ((_megatron_logits(model, ids) - ref).abs().max() / ref.abs().max()).item()
+    assert rel <= TOL, rel
+    back = hc.megatron_to_hf(model)
+    assert all(torch.equal(back[k], _state64(state)[k]) for k in state)
+
+
+def test_control_without_correction_bias_logits_differ(tiny_glm, megatron64):
+    """Control: the same model with its correction bias zeroed routes otherwise, so the logits test above would
+    catch a bias that is not converted (or not used for selection)."""
+    ids = _ids(megatron64.arch.vocab_size)
+    with float64_transformers(), torch.no_grad():
+        ref = _hf64(tiny_glm)(ids).logits
+    biases = [layer.mlp.router.expert_bias for layer in megatron64.decoder.layers[1:]]
+    saved = [b.clone() for b in biases]
+    try:
+        for b in biases:
+            b.zero_()
+        rel = ((_megatron_logits(megatron64, ids) - ref).abs().max() / ref.abs().max()).item()
+    finally:
+        for b, s in zip(biases, saved):
+            b.copy_(s)
+    assert rel > 1e-3, rel
+
+
+def test_training_step_leaves_bias_unchanged(tiny_glm, megatron_single):
+    """forward + backward + megatron's finalize_model_grads (where the aux-loss-free update would run): the
+    correction bias is bitwise the checkpoint's. Control: with a non-zero update rate it moves."""
+    from megatron_tsync.model import compat
+    from megatron_tsync.training.optimizer import wrap_ddp
+
+    arch, state = hc.load_hf_dir(tiny_glm)
+    ddp = wrap_ddp(build_model(arch, PrecisionConfig(params_dtype=torch.float64), seed=0))
+    hc.load_hf_into_model(ddp, _state64(state))
+    ids = _ids(arch.vocab_size)
+    bias = lambda: [l.mlp.router.expert_bias.clone() for l in ddp.module.decoder.layers[1:]]  # noqa: E731
+    before = bias()
+    for rate in (0.0, 1e-3):
+        ddp.module.config.moe_router_bias_update_rate = rate  # the control bypasses the build-time refusal
+        ddp.zero_grad_buffer()
+        ddp.train()
+        ddp(ids, torch.arange(ids.shape[1])[None].expand_as(ids), None).float().sum().backward()
+        compat.finalize_model_grads([ddp], torch.tensor(ids.numel()))
+        after = bias()
+        if rate == 0.0:
+            assert all(torch.equal(a, b) for a, b in zip(after, before))
+        else:
+            assert any(not torch.equal(a, b) for a, b in zip(after, before))
+    ddp.module.config.moe_router_bias_update_rate = 0.0
+
+
+@pytest.mark.slow
+def test_convert_checkpoint_tool_verify(tiny_glm, tmp_path):
+    """tools/convert_checkpoint.py HF → Megatron → HF with --verify both ways (float32, one process): passes, and
+    the exported folder is bit-identical to the source."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "conv_common", os.path.join(os.path.dirname(__file__), "..", "training", "_workers", "conv_common.py"))
+    common = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(common)
+    tool = os.path.join(os.path.dirname(__file__), "..", "..", "tools", "convert_checkpoint.py")
+    ck, back = str(tmp_path / "ck"), str(tmp_path / "back")
+    for args in (["--direction", "hf-to-megatron", "--load", tiny_glm, "--save", ck, "--verify"],
+                 ["--direction", "megatron-to-hf", "--load", ck, "--save", back, "--verify"]):
+        rc, out, _ = common.run_isolated([tool, *args], timeout=600, bare=True)
+        assert rc == 0 and "[tsync] verify:" in out, out[-3000:]
+    a, b = hc.load_hf_state(tiny_glm), hc.load_hf_state(back)
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+    assert _config(back)["model_type"] == "glm4_moe_lite"
