@@ -321,7 +321,7 @@ def build_model(
     if arch.kv_lora_rank:  # one rotary module per MLA layer
         from megatron_tsync.model import mla
 
-        mla.set_rope_inv_freq(model, arch, torch.float64 if float64 else torch.float32)
+        mla.finish_model(model, arch, torch.float64 if float64 else torch.float32)
     elif (inv_freq := rope_inv_freq(arch, torch.float64 if float64 else torch.float32)) is not None:
         compat.set_rope_inv_freq(model, inv_freq)
     if torch.cuda.is_available():

@@ -291,16 +291,27 @@ def layer_spec(arch, precision, config):
     return block, "local"
 
 
-def set_rope_inv_freq(model, arch, dtype: torch.dtype) -> None:
-    """MLA keeps one rotary module per attention layer: float64 models get float64 frequencies in each
-    (megatron-core computes them in float32)."""
+def finish_model(model, arch, dtype: torch.dtype) -> None:
+    """After ``GPTModel`` is built: float64 RoPE frequencies in every MLA layer's own rotary module (megatron-core
+    computes them in float32), and the frozen correction bias's token counting switched off (:func:`_no_count`)."""
     from megatron_tsync.model import compat
 
+    for layer in model.decoder.layers:
+        router = getattr(layer.mlp, "router", None)
+        if getattr(router, "expert_bias", None) is not None:
+            router._apply_expert_bias = _no_count
     if dtype == torch.float32:
         return
     inv = compat.rope_inv_freq(arch.qk_rope_head_dim, arch.rope_theta, dtype)
     for layer in model.decoder.layers:
         compat.set_rope_inv_freq(layer.self_attention, inv)
+
+
+def _no_count(routing_map, padding_mask=None) -> None:
+    """The router's ``_apply_expert_bias`` (per-expert token counts for the bias update) while the bias is frozen
+    (update rate 0: the counts would move nothing). Skipping it also skips megatron's ``torch.compile`` of that
+    function, ~10 s at a process's first training forward on CPU."""
+    return None
 
 
 # --------------------------------------------------------------------------------------------------
