@@ -11,7 +11,6 @@
 - tools/convert_checkpoint.py --verify passes (float32, one process).
 """
 
-import contextlib
 import json
 import os
 
@@ -21,6 +20,8 @@ import torch
 from megatron_tsync.model import hf_conversion as hc
 from megatron_tsync.model import mla
 from megatron_tsync.model.builder import ModelArch, PrecisionConfig, build_model, transformer_config
+
+from ._glm_reference import float64_transformers, hf64 as _hf64
 
 TOL = 1e-12
 
@@ -35,67 +36,6 @@ def tiny_glm(tmp_path_factory):
 def _config(path):
     with open(os.path.join(path, "config.json")) as f:
         return json.load(f)
-
-
-@contextlib.contextmanager
-def float64_transformers():
-    """transformers' Glm4MoeLite modules with their float32 casts lifted (RMSNorm, RoPE table, router, eager
-    softmax): the same formulas evaluated in float64."""
-    import transformers.models.glm4_moe_lite.modeling_glm4_moe_lite as g
-
-    saved = {name: getattr(obj, attr) for name, (obj, attr) in {
-        "norm": (g.Glm4MoeLiteRMSNorm, "forward"), "rope": (g.Glm4MoeLiteRotaryEmbedding, "forward"),
-        "router": (g.Glm4MoeLiteTopkRouter, "forward"), "eager": (g, "eager_attention_forward")}.items()}
-
-    def norm(self, x):
-        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
-
-    def rope(self, x, position_ids):
-        cfg = self.config
-        dim = cfg.qk_rope_head_dim
-        inv = 1.0 / (cfg.rope_parameters["rope_theta"] ** (torch.arange(0, dim, 2).to(torch.float64) / dim))
-        freqs = position_ids[..., None].to(torch.float64) * inv
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
-
-    def router(self, h):
-        h = h.view(-1, self.hidden_dim)
-        self.weight.data = self.weight.data.to(h.dtype)
-        logits = torch.nn.functional.linear(h, self.weight)
-        scores = logits.sigmoid()
-        choice = scores + self.e_score_correction_bias
-        grouped = choice.view(-1, self.num_group, self.num_experts // self.num_group).topk(2, dim=-1)[0].sum(-1)
-        gidx = torch.topk(grouped, k=self.topk_group, dim=-1, sorted=False)[1]
-        gmask = torch.zeros_like(grouped).scatter_(1, gidx, 1)
-        smask = gmask.unsqueeze(-1).expand(-1, self.num_group, self.num_experts // self.num_group).reshape(
-            -1, self.num_experts)
-        idx = torch.topk(choice.masked_fill(~smask.bool(), float("-inf")), k=self.top_k, dim=-1, sorted=False)[1]
-        w = scores.gather(1, idx)
-        w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
-        return logits, w * self.routed_scaling_factor, idx
-
-    def eager(module, q, k, v, mask, scaling, dropout=0.0, **kw):
-        w = torch.matmul(q, k.transpose(2, 3)) * scaling
-        if mask is not None:
-            w = w + mask
-        w = torch.softmax(w, dim=-1)
-        return torch.matmul(w, v).transpose(1, 2).contiguous(), w
-
-    g.Glm4MoeLiteRMSNorm.forward, g.Glm4MoeLiteRotaryEmbedding.forward = norm, rope
-    g.Glm4MoeLiteTopkRouter.forward, g.eager_attention_forward = router, eager
-    try:
-        yield
-    finally:
-        g.Glm4MoeLiteRMSNorm.forward, g.Glm4MoeLiteRotaryEmbedding.forward = saved["norm"], saved["rope"]
-        g.Glm4MoeLiteTopkRouter.forward, g.eager_attention_forward = saved["router"], saved["eager"]
-
-
-def _hf64(path):
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64, attn_implementation="eager",
-                                              experts_implementation="eager")
-    return hf.eval()
 
 
 def _ids(vocab, b=2, s=24):
@@ -416,3 +356,30 @@ def test_float64_stream_equals_sync(glm_ddp, estimator, reward, old, terms):
     print(f"glm4_moe_lite float64 {estimator} {reward} old={old} {terms or ''}: worst rel diff {worst:.2g}")
     assert all(torch.equal(a, layer.mlp.router.expert_bias)
                for a, layer in zip(bias, ddp.module.decoder.layers[1:]))
+
+
+# ---------------------------------------------------------------------------------------------- TP = 2, EP = 2
+@pytest.mark.slow
+def test_float64_logits_tp2_ep2(tiny_glm, tmp_path):
+    """Two gloo processes: TP=2 (sequence parallel, as megatron's MoE layer needs), then EP=2 (8 experts a rank):
+    float64 logits equal transformers' ≤ 1e-12 relative, and the round trip through the sharded model is
+    bit-identical."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "conv_common", os.path.join(os.path.dirname(__file__), "..", "training", "_workers", "conv_common.py"))
+    common = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(common)
+    out = str(tmp_path / "rep.json")
+    worker = os.path.join(os.path.dirname(__file__), "_glm_worker.py")
+    rc, log, _ = common.run_isolated([worker, "--hf", tiny_glm, "--out", out], nproc=2, timeout=600)
+    assert rc == 0, log[-4000:]
+    with open(out) as f:
+        rep = json.load(f)
+    assert {(r["tp"], r["ep"]) for r in rep} == {(2, 1), (1, 2)}
+    for r in rep:
+        print(f"glm4_moe_lite tp={r['tp']} ep={r['ep']}: float64 logits rel diff {r['rel_logit_diff']:.3g}")
+        assert r["same_keys"] and not r["mismatched"], r
+        assert r["rel_logit_diff"] <= TOL, r
+    assert {r["ep"]: r["local_experts"] for r in rep}[2] == 8
+    assert {r["tp"]: r["sequence_parallel"] for r in rep}[2]
