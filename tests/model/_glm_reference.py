@@ -7,9 +7,11 @@ import torch
 
 
 @contextlib.contextmanager
-def float64_transformers():
+def float64_transformers(forced=None):
     """transformers' Glm4MoeLite modules with their float32 casts lifted (RMSNorm, RoPE table, router, eager
-    softmax): the same formulas evaluated in float64."""
+    softmax): the same formulas evaluated in float64. ``forced``: a list of (T, k) expert indices, one per router
+    call in order, that replace the routers' selection (the weights still from the routers' sigmoid scores)."""
+    forced = list(forced) if forced is not None else None
     import transformers.models.glm4_moe_lite.modeling_glm4_moe_lite as g
 
     saved = {name: getattr(obj, attr) for name, (obj, attr) in {
@@ -39,6 +41,8 @@ def float64_transformers():
         smask = gmask.unsqueeze(-1).expand(-1, self.num_group, self.num_experts // self.num_group).reshape(
             -1, self.num_experts)
         idx = torch.topk(choice.masked_fill(~smask.bool(), float("-inf")), k=self.top_k, dim=-1, sorted=False)[1]
+        if forced is not None:
+            idx = forced.pop(0).to(idx.device)
         w = scores.gather(1, idx)
         w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
         return logits, w * self.routed_scaling_factor, idx
