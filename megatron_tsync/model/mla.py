@@ -26,6 +26,15 @@ True)``), with this module's two adjustments, made here and nowhere else:
 - **Latent norms' epsilon.** transformers (and DeepSeek's reference code) build ``q_a_layernorm`` and
   ``kv_a_layernorm`` with the RMSNorm default ε = 1e-6, not the config's ``rms_norm_eps`` (GLM-4.7-Flash: 1e-5);
   megatron builds them with ``layernorm_epsilon``. :func:`layer_spec` gives them a norm that keeps ε = 1e-6.
+- **Down-projections duplicated over TP.** The local spec makes ``linear_q_down_proj`` / ``linear_kv_down_proj``
+  column-parallel; MLA then gathers their outputs over TP and uses the shared rope key (the last
+  ``qk_rope_head_dim`` columns) at every rank for its own heads, but the gather's backward only splits: the rope
+  key's gradient from the other ranks' heads is lost (float64 GRPO gradient at TP = 2: 4.5e-3 relative off one
+  process, every parameter). :func:`layer_spec` gives them megatron's plain ``Linear``
+  (``post_training.modelopt.layers``: replicated weights marked ``sequence_parallel``, so ``finalize_model_grads``
+  sums their gradients over TP), the layout MLA takes with Transformer Engine's duplicated ``TELinear``; the rope
+  key then comes through ``gather_from_sequence_parallel_region``, whose backward sums over TP. Conversion copies
+  them whole on every TP rank.
 - **RoPE layout.** With ``rope_interleave: true`` (GLM-4.7-Flash's and DeepSeek-V3's) transformers rotates the
   pairs (x0, x1), (x2, x3), ... and writes the result de-interleaved ([rotated evens; rotated odds]); megatron's
   MLA does the same (``multi_latent_attention`` in ``rope_utils``: de-interleave, then rotate-half), so the weights
@@ -48,7 +57,7 @@ microbatches and recomputation, so the counts would not be the step's tokens. As
 (``moe_router_bias_update_rate``) is a one-line error at model build.
 
 Weight layout (HF → megatron local spec, layer ``i`` → stage-local ``j``; TP: column-parallel rows / row-parallel
-columns split as for the dense model, latent norms and router replicated):
+columns split as for the dense model; down-projections, latent norms and router replicated):
 
 ===========================================================  =================================================
 ``self_attn.q_a_proj.weight`` (q_lora, H)                     ``self_attention.linear_q_down_proj.weight``
@@ -265,9 +274,10 @@ def _fix_mla_without_te() -> None:
 
 def layer_spec(arch, precision, config):
     """(block spec, name) of the local spec on CPU: one layer spec per global layer (dense first, then MoE),
-    megatron-core's MLA with the latent norms of :func:`_latent_norm_class` and the core attention of
-    :func:`_core_attention_class`."""
+    megatron-core's MLA with duplicated down-projections, the latent norms of :func:`_latent_norm_class` and the
+    core attention of :func:`_core_attention_class`."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.post_training.modelopt.layers import Linear
 
     from megatron_tsync.model import compat
     from megatron_tsync.model.compat.versions import _fix_moe_without_te
@@ -288,6 +298,7 @@ def layer_spec(arch, precision, config):
         attn = spec.submodules.self_attention.submodules
         attn.q_layernorm = attn.kv_layernorm = norm
         attn.core_attention = core
+        attn.linear_q_down_proj = attn.linear_kv_down_proj = Linear  # duplicated over TP (module docstring)
     return block, "local"
 
 
@@ -343,11 +354,11 @@ def _permute_rope_rows(w: torch.Tensor, arch, *, per_head: bool, inverse: bool =
 
 
 _ATTN = {  # megatron sub-name under self_attention. -> (HF name under self_attn., TP split: "col" | "row" | None)
-    "linear_q_down_proj.weight": ("q_a_proj.weight", "col"),
+    "linear_q_down_proj.weight": ("q_a_proj.weight", None),  # duplicated over TP (module docstring)
     "q_layernorm.weight": ("q_a_layernorm.weight", None),
     "linear_q_up_proj.weight": ("q_b_proj.weight", "col"),
     "linear_q_proj.weight": ("q_proj.weight", "col"),
-    "linear_kv_down_proj.weight": ("kv_a_proj_with_mqa.weight", "col"),
+    "linear_kv_down_proj.weight": ("kv_a_proj_with_mqa.weight", None),
     "kv_layernorm.weight": ("kv_a_layernorm.weight", None),
     "linear_kv_up_proj.weight": ("kv_b_proj.weight", "col"),
     "linear_proj.weight": ("o_proj.weight", "row"),
