@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import argparse
 
-from megatron_tsync.model.tiny_model import FAMILIES, make_tiny_model
+from megatron_tsync.model.tiny_model import ALL_FAMILIES, make_tiny_model
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="output folder (created)")
-    p.add_argument("--family", choices=list(FAMILIES) + ["glm4-moe-lite"], default="llama")
+    p.add_argument("--family", choices=list(ALL_FAMILIES) + ["glm4-moe-lite"], default="llama")
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--layers", type=int, default=None, help="decoder layers (default 2; glm4_moe_lite: 3)")
     p.add_argument("--heads", type=int, default=4)

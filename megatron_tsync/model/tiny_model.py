@@ -28,7 +28,9 @@ from megatron_tsync.model.builder import ModelArch
 
 SPECIAL_TOKENS = ["<s>", "</s>", "<pad>", "<tool>", "</tool>", "<result>", "</result>", "<answer>", "</answer>"]
 BOS, EOS, PAD = "<s>", "</s>", "<pad>"
-FAMILIES = ("llama", "qwen2", "qwen3", "llama3", "qwen3_moe", "glm4_moe_lite")
+FAMILIES = ("llama", "qwen2", "qwen3", "llama3", "qwen3_moe")  # what --tiny-model-family offers (a live run)
+# make_tiny_model / tools/make_tiny_model.py also make glm4_moe_lite, which the engines do not generate with yet
+ALL_FAMILIES = FAMILIES + ("glm4_moe_lite",)
 _LLAMA3_SCALING = dict(rope_type="llama3", rope_factor=8.0, rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
                        rope_original_max_position_embeddings=64)
 
@@ -128,8 +130,8 @@ def make_tiny_model(
     weights (sigmoid scores spread over (0, 1)) and the correction bias N(0, 0.1²) values, large enough to change
     which experts are selected. ``layers`` defaults to 2 (glm4_moe_lite: 3)."""
     family = family.replace("-", "_")  # the CLI also accepts glm4-moe-lite
-    if family not in FAMILIES:
-        raise ValueError(f"family must be one of {FAMILIES}, not {family!r}")
+    if family not in ALL_FAMILIES:
+        raise ValueError(f"family must be one of {ALL_FAMILIES}, not {family!r}")
     if family == "glm4_moe_lite":
         arch = glm4_moe_lite_arch(hidden=hidden, layers=layers or 3, heads=heads, vocab=vocab, ffn=ffn, tie=tie,
                                   experts=experts or 16, topk=topk or 4, moe_ffn=moe_ffn)

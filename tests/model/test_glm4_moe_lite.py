@@ -133,6 +133,20 @@ def test_refused_options(override, match):
     transformer_config(arch, PrecisionConfig(), moe_router_bias_update_rate=0.0)  # agreeing: accepted
 
 
+def test_make_tiny_model_cli(tmp_path):
+    """``tools/make_tiny_model.py --family glm4-moe-lite`` writes a folder ModelArch reads as glm4_moe_lite."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "make_tiny_model_tool", os.path.join(os.path.dirname(__file__), "..", "..", "tools", "make_tiny_model.py"))
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    out = str(tmp_path / "cli")
+    tool.main(["--out", out, "--family", "glm4-moe-lite", "--hidden", "64", "--experts", "8"])
+    arch = ModelArch.from_hf_dir(out)
+    assert arch.family == "glm4_moe_lite" and arch.num_experts == 8 and arch.moe_first_k_dense == 1
+
+
 def test_tiny_model_is_transformers_config(tiny_glm):
     """The tiny model is transformers' own Glm4MoeLiteConfig: grouped routing (4 groups, 2 kept, top-4), the
     first layer dense, a non-zero correction bias that changes which experts are selected."""
