@@ -240,7 +240,7 @@ def transformer_config(arch: ModelArch, precision: PrecisionConfig, *, tp: int =
     if arch.kv_lora_rank:
         from megatron_tsync.model import mla
 
-        mla.check_overrides(arch, extra)
+        mla.check_overrides(arch, extra, precision)
         kw.update(mla.transformer_config_fields(arch, tp, ep))
         config_class = "mla"
     elif arch.num_experts:

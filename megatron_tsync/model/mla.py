@@ -77,7 +77,8 @@ columns split as for the dense model; down-projections, latent norms and router 
 
 Not built yet (refused where a config asks): YaRN RoPE scaling, attention biases, a ``mlp_layer_types`` that is not
 dense-then-sparse; packing / the KV-cached engine forward with MLA (megatron's MLA rotates positions 0..S-1 of the
-microbatch: one unpacked sequence per forward is right), the TE spec on GPU (not run here), grouped GEMM.
+microbatch: one unpacked sequence per forward is right), the TE spec (GPU runs take the local spec: not run on a
+GPU yet; FP8 refused), grouped GEMM.
 """
 
 from __future__ import annotations
@@ -176,8 +177,11 @@ def arch_fields_from_hf_config(cfg: dict[str, Any]) -> dict[str, Any]:
     )
 
 
-def check_overrides(arch, overrides: dict[str, Any]) -> None:
-    """Overrides that contradict the checkpoint or break exactness: one-line ValueError."""
+def check_overrides(arch, overrides: dict[str, Any], precision=None) -> None:
+    """Overrides that contradict the checkpoint or break exactness, and FP8: one-line ValueError."""
+    if precision is not None and precision.fp8_format is not None:
+        raise ValueError(f"--fp8-format {precision.fp8_format}: {arch.family} runs on megatron-core's local spec "
+                         "(the Transformer Engine spec is not built yet for multi-latent attention), which has no FP8")
     for name, (allowed, why) in _REFUSED.items():
         if name in overrides and overrides[name] != allowed:
             raise ValueError(f"{name}={overrides[name]!r} is refused for {arch.family}: {why}; see "
@@ -273,7 +277,8 @@ def _fix_mla_without_te() -> None:
 
 
 def layer_spec(arch, precision, config):
-    """(block spec, name) of the local spec on CPU: one layer spec per global layer (dense first, then MoE),
+    """(block spec, name) of the local spec, on CPU and (not run there yet) on GPU — the Transformer Engine spec is
+    not built for MLA: one layer spec per global layer (dense first, then MoE),
     megatron-core's MLA with duplicated down-projections, the latent norms of :func:`_latent_norm_class` and the
     core attention of :func:`_core_attention_class`."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
@@ -282,9 +287,7 @@ def layer_spec(arch, precision, config):
     from megatron_tsync.model import compat
     from megatron_tsync.model.compat.versions import _fix_moe_without_te
 
-    if compat.te_layer_spec() is not None or precision.fp8_format is not None:
-        raise ValueError(f"{arch.family}: the Transformer Engine spec (GPU) is not built yet for multi-latent "
-                         "attention; the local spec runs on CPU")
+    check_overrides(arch, {}, precision)
     _fix_moe_without_te()
     _fix_mla_without_te()
     compat.allow_sequence_parallel_torch_norm()

@@ -471,3 +471,23 @@ def test_packing_and_shared_prefix_are_refused(glm_ddp, flag):
 
     with pytest.raises(ValueError, match="not built for multi-latent attention"):
         Learner(glm_ddp[0], glm_ddp[1], LearnerConfig(mode="sync", **{flag: True}))
+
+
+def test_fp8_is_refused(tiny_glm, megatron_single):
+    arch, _ = hc.load_hf_dir(tiny_glm)
+    with pytest.raises(ValueError, match="no FP8"):
+        build_model(arch, PrecisionConfig(fp8_format="e4m3"))
+
+
+def test_control_latent_norm_eps(tiny_glm, megatron64, monkeypatch):
+    """Control: the latent norms at the config's rms_norm_eps (1e-5, megatron's default choice) instead of
+    transformers' 1e-6 move the logits far above the tolerance."""
+    ids = _ids(megatron64.arch.vocab_size)
+    with float64_transformers(), torch.no_grad():
+        ref = _hf64(tiny_glm)(ids).logits
+    norms = [m for n, m in megatron64.named_modules() if n.endswith(("q_layernorm", "kv_layernorm"))]
+    assert norms and all(m.eps == mla.LATENT_NORM_EPS for m in norms)
+    for m in norms:
+        monkeypatch.setattr(m, "eps", megatron64.arch.rms_norm_eps)
+    rel = ((_megatron_logits(megatron64, ids) - ref).abs().max() / ref.abs().max()).item()
+    assert rel > 1e-9, rel
