@@ -34,6 +34,8 @@ setup(
     extras_require={
         "tests": ["pytest>=8", "pytest-timeout==2.4.0", "pytest-xdist==3.8.0", "matplotlib", "openai>=1", "wandb==0.31.0",
                   "reasoning-gym==0.1.25"],
+        # examples/openai_harness (and your own harness on the openai client): pip install -e .[harness]
+        "harness": ["openai==3.63.0"],
         # --task reasoning-gym:NAME (runtime/reasoning_gym_task.py): its procedural datasets and their scoring
         "reasoning-gym": ["reasoning-gym==0.1.25"],
         # the learning curve PNG at the end of a run (runtime/curves.py); the quickstart installs it

@@ -51,7 +51,7 @@ def _f(names, fields, group, **kwargs) -> _Flag:
     return _Flag(names, fields, kwargs, group)
 
 
-_SWITCH = dict(action="store_true")
+_SWITCH = dict(action=argparse.BooleanOptionalAction)  # every switch has its --no- form
 _FLAGS: tuple[_Flag, ...] = (
     # ---- parallelism
     _f("--tensor-model-parallel-size", "parallel.tensor_model_parallel_size", _G_PAR, type=int, metavar="TP",
@@ -90,6 +90,9 @@ _FLAGS: tuple[_Flag, ...] = (
     _f("--adam-eps", "optim.adam_eps", _G_OPT, type=float, help="Adam ε"),
     _f("--sgd-momentum", "optim.sgd_momentum", _G_OPT, type=float, help="SGD momentum"),
     _f("--clip-grad", "optim.clip_grad", _G_OPT, type=float, help="global gradient-norm clip (0 = off)"),
+    _f("--max-consecutive-skipped-steps", "rl.max_consecutive_skipped_steps", _G_OPT, type=int, metavar="N",
+       help="a step with a NaN/inf loss or gradient skips its update (weights unchanged, counted in skipped_steps); "
+            "N such steps in a row stop the run with exit code 3 and no checkpoint (0 = never stop)"),
     # ---- precision
     _f("--bf16", "precision.bf16", _G_PREC, **_SWITCH, help="bfloat16 parameters and compute"),
     _f("--params-dtype", "precision.params_dtype", _G_PREC, choices=C.PARAMS_DTYPES,
@@ -207,6 +210,9 @@ _FLAGS: tuple[_Flag, ...] = (
     _f("--rollout-workers", "rollout.num_workers", _G_ROLL, type=int, metavar="N", help="rollout worker processes"),
     _f("--task", "rollout.task", _G_ROLL, help="task name (runtime.tasks registry)"),
     _f("--verifier", "rollout.verifier", _G_ROLL, help="verifier name (rollout.verifiers registry)"),
+    _f("--tau2-keep-trivial-tasks", "rollout.tau2_keep_trivial_tasks", _G_ROLL, **_SWITCH,
+       help="τ² tasks: keep the tasks a do-nothing conversation solves (τ²'s evaluator scores it 1.0); by default "
+            "they are left out of training and held-out evaluation (docs/tau2.md)"),
     _f("--latency-profile", "rollout.latency_profile", _G_ROLL, metavar="PROFILE",
        help=f"simulated environment latency: {', '.join(C.LATENCY_PROFILES)}, or a JSON file"),
     _f("--latency-scale", "rollout.latency_scale", _G_ROLL, type=float, metavar="S",
@@ -259,7 +265,8 @@ _FLAGS: tuple[_Flag, ...] = (
     # ---- model
     _f("--model", "model.path", _G_MODEL, metavar="HF_DIR", help="Hugging Face model folder of the policy"),
     _f("--init-tiny-model", "model.init_tiny_model", _G_MODEL, **_SWITCH,
-       help="create a tiny random model at --model if it does not exist"),
+       help="create a tiny random model at --model if it does not exist (a --config file's covers its own model "
+            "path only)"),
     _f("--tiny-model-family", "model.tiny_model_family", _G_MODEL, choices=C.TINY_FAMILIES,
        help="family of the tiny model --init-tiny-model creates (qwen3_moe: 4 experts, top-2)"),
     _f("--moe-aux-loss-coeff", "model.moe_aux_loss_coeff", _G_MODEL, type=float, metavar="C",
@@ -295,8 +302,12 @@ _FLAGS: tuple[_Flag, ...] = (
        help="train on recorded trajectories instead of generating"),
     _f("--replay-shuffle-seed", "logging.replay_shuffle_seed", _G_LOG, type=int, metavar="S",
        help="replay each recorded step in a random arrival order (seeded) instead of the recorded one"),
-    _f("--dump-grads", "logging.dump_grads", _G_LOG, metavar="DIR", help="save each step's normalised gradient"),
+    _f("--dump-grads", "logging.dump_grads", _G_LOG, metavar="DIR",
+       help="save each optimizer update's normalised gradient (docs/formats.md)"),
     _f("--no-progress", "logging.progress", _G_LOG, action="store_false", help="no progress bar"),
+    _f("--stop-on-no-signal", "logging.stop_on_no_signal", _G_LOG, type=int, metavar="K",
+       help="stop (exit 1, one line with the causes) after K steps in a row without learning signal (every group "
+            "zero-variance, every trajectory failed, grad-norm 0); 0 = warn once and go on"),
     _f("--eval-interval", "logging.eval_interval", _G_LOG, type=int, metavar="N",
        help="held-out evaluation at the first step, every N steps and at the end (task's eval split; 0 = off)"),
     _f("--eval-prompts", "logging.eval_prompts", _G_LOG, type=int, metavar="N",
@@ -485,9 +496,11 @@ def parse_args(argv: Sequence[str] | None = None, *, world_size: int | None = No
     if file_tokens:  # the file's values alone first, so that a bad one is reported with the file's name
         in_file = build_parser()
         in_file.error = lambda msg: parser.error(f"{msg} (in --config {known.config})")  # type: ignore[method-assign]
-        in_file.parse_args(file_tokens)
+        file_args = vars(in_file.parse_args(file_tokens))
     args = vars(parser.parse_args(file_tokens + argv))
     args.pop("config", None)
+    if file_tokens:
+        _tiny_model_scope(parser, file_args, args, argv, known.config)
 
     tree: dict[str, Any] = {}
     for dest, value in args.items():
@@ -503,6 +516,26 @@ def parse_args(argv: Sequence[str] | None = None, *, world_size: int | None = No
     except C.ConfigError as e:
         parser.error(_from_file(_as_flag_error(e), file_tokens, argv, known.config))
     return cfg
+
+
+def _tiny_model_scope(parser: argparse.ArgumentParser, file_args: dict, args: dict, argv: list[str],
+                      path: str) -> None:
+    """A ``--config`` file's ``init-tiny-model: true`` creates a tiny random model at the file's own ``model`` path
+    only: with another ``--model`` on the command line (and no ``--init-tiny-model`` there) a folder that does not
+    exist is an error, not a silently created random model (a mistyped path would otherwise train one, rc 0)."""
+    given = {t.split("=", 1)[0] for t in argv if t.startswith("--")}
+    if not file_args.get("init_tiny_model") or given & {"--init-tiny-model", "--no-init-tiny-model"}:
+        return
+    model = args.get("model")
+    if model is None or model == file_args.get("model"):
+        return
+    args["init_tiny_model"] = False
+    if "--tiny-model-family" not in given:  # the file's family belongs to the file's tiny model
+        args.pop("tiny_model_family", None)
+    if not os.path.isfile(os.path.join(model, "config.json")):
+        parser.error(f"argument --model: {model} is not a Hugging Face model folder (no config.json); "
+                     f"init-tiny-model in --config {path} creates a tiny random model only at its own model path "
+                     f"({file_args.get('model')}): add --init-tiny-model to create one at {model}")
 
 
 def _from_file(msg: str, file_tokens: list[str], argv: list[str], path: str | None) -> str:

@@ -1,6 +1,9 @@
 """End-of-run summary for CI logs (loaded by ``tests/conftest.py``): total wall time, the 15 slowest tests (setup +
-call + teardown), and every failed test with its first error line — so that a red CI run says what failed in the
-last screen of its log. Works under pytest-xdist: the reports it reads are the ones the workers send back.
+call + teardown), every failed test with its first error line — so that a red CI run says what failed in the
+last screen of its log — and the modules that grew: the ten furthest over their recorded seconds in
+``tests/module_seconds.json`` (recorded, this run, ratio) and the modules that file does not have yet (new, with their
+seconds), so that growth shows in every CI log. Works under pytest-xdist: the reports it reads are the ones the
+workers send back.
 
 ``TSYNC_DURATIONS_JSON=path`` also writes every test's seconds, CPU seconds and outcome there (what docs/testing.md's
 and the notes' duration tables are made from). CPU seconds (:class:`CpuMeter`, in the process that runs the test):
@@ -18,6 +21,8 @@ from collections import defaultdict
 import pytest
 
 _SLOWEST = 15
+_GROWN = 10  # modules listed as over their recorded seconds, and new modules listed
+RECORDED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "module_seconds.json")
 
 
 def _cpu() -> float:
@@ -42,8 +47,31 @@ class CpuMeter:
             outcome.get_result().user_properties.append(("cpu_s", _cpu() - self.start.pop(item.nodeid)))
 
 
+def module_growth(seconds: dict[str, float], recorded: dict[str, float], top: int = _GROWN):
+    """(over, new) from this run's seconds per test and the recorded seconds per module: ``over`` is the ``top``
+    modules furthest over their recorded seconds, by seconds over, as (module, recorded s, this run's s); ``new`` the
+    modules with no record, as (module, this run's s), longest first. A module a run covered only partly (``-k``,
+    ``-m "not slow"``) can only look shorter than its record, so it is never reported over because of that."""
+    per_module: dict[str, float] = defaultdict(float)
+    for nodeid, s in seconds.items():
+        per_module[nodeid.split("::", 1)[0]] += s
+    over = [(m, recorded[m], s) for m, s in per_module.items() if m in recorded and s > recorded[m]]
+    over.sort(key=lambda r: (-(r[2] - r[1]), r[0]))
+    new = sorted(((m, s) for m, s in per_module.items() if m not in recorded), key=lambda r: (-r[1], r[0]))
+    return over[:top], new
+
+
+def _load_recorded(path: str) -> dict[str, float]:
+    try:
+        with open(path) as f:
+            return {k: float(v) for k, v in json.load(f).items()}
+    except (OSError, ValueError, AttributeError):
+        return {}
+
+
 class SuiteReport:
-    def __init__(self):
+    def __init__(self, recorded: str = RECORDED):
+        self.recorded = recorded  # the per-module seconds this run is compared with
         self.t0 = time.time()
         self.seconds: dict[str, float] = defaultdict(float)
         self.failed: dict[str, str] = {}
@@ -77,6 +105,7 @@ class SuiteReport:
         tr.write_line(f"{_SLOWEST} slowest (setup + call + teardown):")
         for nodeid, s in sorted(self.seconds.items(), key=lambda kv: -kv[1])[:_SLOWEST]:
             tr.write_line(f"  {s:7.1f} s  {nodeid}")
+        self._write_growth(tr)
         if self.failed:
             tr.write_line(f"FAILED ({len(self.failed)}):")
             for nodeid, line in self.failed.items():
@@ -89,6 +118,24 @@ class SuiteReport:
                 json.dump({"total_s": total, "tests": {k: {"s": round(v, 3), "cpu_s": round(self.cpu.get(k, 0.0), 3),
                                                            "outcome": self.outcome.get(k, "?")}
                                                        for k, v in self.seconds.items()}}, f, indent=0)
+
+    def _write_growth(self, tr) -> None:
+        name = "tests/module_seconds.json" if self.recorded == RECORDED else self.recorded
+        over, new = module_growth(self.seconds, _load_recorded(self.recorded))
+        if not over:
+            tr.write_line(f"modules over their recorded seconds ({name}): none")
+        else:
+            tr.write_line(f"modules furthest over their recorded seconds ({name}; the top {_GROWN}): "
+                          "recorded s, this run s, ratio")
+            for module, rec, s in over:
+                ratio = f"{s / rec:6.1f}x" if rec > 0 else "    >>"
+                tr.write_line(f"  {rec:8.2f}  {s:8.2f}  {ratio}  {module}")
+        if new:
+            tr.write_line(f"new modules (not in {name}; {len(new)}): this run s")
+            for module, s in new[:_GROWN]:
+                tr.write_line(f"  {s:8.2f}  {module}")
+            if len(new) > _GROWN:
+                tr.write_line(f"  ... and {len(new) - _GROWN} more")
 
 
 def _first_error_line(report) -> str:

@@ -20,7 +20,7 @@ EXPECTED_FLAGS = [
     "--global-batch-size", "--group-size", "--groups-per-step", "--help", "--init-tiny-model", "--kl-coef",
     "--keep-last-checkpoints", "--kl-estimator", "--kl-mode", "--latency-profile", "--latency-scale", "--load",
     "--load-fallback", "--log-interval",
-    "--loss-aggregation", "--lr", "--max-device-buckets", "--max-new-tokens", "--max-open-groups", "--max-staleness", "--max-turns",
+    "--loss-aggregation", "--lr", "--max-consecutive-skipped-steps", "--max-device-buckets", "--max-new-tokens", "--max-open-groups", "--max-staleness", "--max-turns",
     "--micro-batch-size", "--min-lr", "--model", "--moe-aux-loss-coeff", "--moe-router-replay", "--no-progress", "--num-minibatches", "--num-samples-per-prompt", "--old-logprobs", "--opd-objective",
     "--optimizer", "--override-loaded-config", "--params-dtype", "--pipeline-model-parallel-size", "--policy-loss", "--ppo-epochs", "--replay-rollouts",
     "--replay-shuffle-seed",
@@ -33,9 +33,14 @@ EXPECTED_FLAGS = [
     "--speculative-rollouts", "--speculative-draft-tokens",
     "--stream-coalesce-ms", "--stream-coalesce-tokens", "--stream-wait-for-variance", "--no-stream-wait-for-variance",
     "--stream-full-microbatches", "--no-stream-full-microbatches",
-    "--sft-warmup-lr", "--sft-warmup-steps", "--sgd-momentum", "--task", "--teacher-model", "--temperature",
+    "--sft-warmup-lr", "--sft-warmup-steps", "--sgd-momentum", "--task", "--tau2-keep-trivial-tasks", "--no-tau2-keep-trivial-tasks",
+    "--teacher-model", "--temperature",
     "--tensor-model-parallel-size", "--tensorboard-dir", "--tiny-model-family", "--tis-cap", "--top-k", "--top-p", "--train-iters",
-    "--use-distributed-optimizer", "--verifier", "--wandb-exp-name", "--wandb-project", "--wandb-save-dir", "--weight-decay", "--weight-sync", "--weight-sync-bucket-mb", "-h",
+    "--use-distributed-optimizer", "--verifier",
+    # every switch has its --no- form (test_every_switch_has_a_no_form)
+    "--no-bf16", "--no-deterministic", "--no-finetune", "--no-init-tiny-model", "--no-load-fallback",
+    "--no-moe-router-replay", "--no-override-loaded-config", "--no-speculative-rollouts",
+    "--no-use-distributed-optimizer", "--stop-on-no-signal", "--wandb-exp-name", "--wandb-project", "--wandb-save-dir", "--weight-decay", "--weight-sync", "--weight-sync-bucket-mb", "-h",
 ]
 
 
@@ -380,3 +385,50 @@ def test_help_defaults_snapshot_is_current():
     from megatron_tsync.help_defaults import DEFAULTS, current
 
     assert DEFAULTS == current()
+
+
+def test_every_switch_has_a_no_form(tmp_path):
+    """docs/flags.md: a switch a config file sets can be turned off on the command line. Walks the flag table: every
+    switch (an option that takes no value) but the --no-X ones themselves has its --no- form, and it works."""
+    import argparse
+
+    parser = build_parser()
+    switches = [a for a in parser._actions
+                if isinstance(a, (argparse._StoreConstAction, argparse.BooleanOptionalAction)) and a.dest != "help"]
+    assert len(switches) > 10
+    for action in switches:
+        on = [o for o in action.option_strings if not o.startswith("--no-")]
+        if not on:  # --no-progress: itself the negative form
+            continue
+        assert isinstance(action, argparse.BooleanOptionalAction) and f"--no-{on[0][2:]}" in action.option_strings, (
+            f"{on[0]} has no --no-{on[0][2:]}")
+    cfg_file = tmp_path / "c.yaml"
+    cfg_file.write_text("model: m\ninit-tiny-model: true\ndeterministic: true\n")
+    cfg = parse_args(["--config", str(cfg_file), "--no-init-tiny-model", "--no-deterministic"])
+    assert cfg.model.init_tiny_model is False and cfg.learner.deterministic is False
+
+
+def test_config_tiny_model_does_not_cover_another_model_path(tmp_path, capsys):
+    """A config's ``init-tiny-model: true`` creates a random model only at the config's own ``model``: a mistyped
+    --model on the command line is an error (it used to train a random tiny model, rc 0, no word)."""
+    cfg_file = tmp_path / "c.yaml"
+    cfg_file.write_text(f"model: {tmp_path}/tiny\ninit-tiny-model: true\ntiny-model-family: qwen3\n")
+    assert parse_args(["--config", str(cfg_file)]).model.init_tiny_model is True  # the config's own path
+    missing = str(tmp_path / "Qwen3-0.6B-typo")
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--config", str(cfg_file), "--model", missing])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument --model: {missing} is not a Hugging Face model folder" in err and "--init-tiny-model" in err
+    cfg = parse_args(["--config", str(cfg_file), "--model", missing, "--init-tiny-model"])  # asked for: allowed
+    assert cfg.model.init_tiny_model is True and cfg.model.path == missing
+    real = tmp_path / "real"
+    real.mkdir()
+    (real / "config.json").write_text("{}")
+    cfg = parse_args(["--config", str(cfg_file), "--model", str(real)])  # an existing folder: used as it is
+    assert cfg.model.init_tiny_model is False and cfg.model.tiny_model_family == "llama"
+
+
+def test_stop_on_no_signal_flag():
+    assert parse_args([]).logging.stop_on_no_signal == 0
+    assert parse_args(["--stop-on-no-signal", "3"]).logging.stop_on_no_signal == 3

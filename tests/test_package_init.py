@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 import megatron_tsync
@@ -38,6 +39,7 @@ print(json.dumps({
 """
 
 
+@pytest.mark.slow
 def test_megatron_import_after_the_package_skips_the_compiler_stack():
     out = subprocess.run([sys.executable, "-W", "ignore", "-c", PROBE], cwd=ROOT, capture_output=True, text=True,
                          timeout=120)

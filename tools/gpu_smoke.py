@@ -30,6 +30,10 @@ Transformer Engine or vLLM's CUDA build is skipped, and the script still exits 0
    own router (``model.moe.record_routing``) on the same tokens, float32 (pass: ≥ 99% of (position, layer) sets
    equal; near-ties may flip), and reloading identical weights leaves samples and log-probs bit-identical (the
    MoE reload bug that vLLM's CPU build has; ``rollout/vllm_compat.py``). Never run yet.
+11. ``gated-delta-fla``: ``fla``'s Triton ``chunk_gated_delta_rule`` (float32, grouped value heads, initial state, T
+   not a multiple of its chunk) and ``fused_recurrent_gated_delta_rule`` (one decode step from the carried state)
+   vs ``megatron_tsync.model.gated_delta`` in float64: outputs and final state ≤ 5e-3 relative, the chunked form's
+   gradients (q, k, v, g, β, initial state) ≤ 2e-2 (TF32 dots). Skipped without CUDA or ``fla``. Never run yet.
 """
 
 from __future__ import annotations
@@ -513,6 +517,53 @@ def vllm_routing():
     return ("pass" if frac >= 0.99 else "fail"), f"{frac:.2%} of {total} (position, layer) expert sets equal megatron's"
 
 
+def _gdn_inputs(B=2, T=300, Hk=2, Hv=4, D=64):
+    import torch
+
+    from megatron_tsync.model.gated_delta import decay_and_beta, l2norm
+
+    gen = torch.Generator().manual_seed(0)
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
+    g, beta = decay_and_beta(r(B, T, Hv), r(B, T, Hv), r(Hv) * 0.5, r(Hv))
+    return [l2norm(r(B, T, Hk, D)), l2norm(r(B, T, Hk, D)), r(B, T, Hv, D), g, beta, r(B, Hv, D, D)]
+
+
+def _rel(a, b):
+    return ((a.double().cpu() - b).abs().max() / b.abs().max()).item()
+
+
+@check("gated-delta-fla")
+def gated_delta_fla():
+    if not _cuda():
+        return "skip", "no CUDA device"
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+    except Exception as e:  # noqa: BLE001
+        return "skip", f"fla not importable ({e})"
+    import torch
+
+    from megatron_tsync.model.gated_delta import chunk_gated_delta_rule as ref_chunk
+    from megatron_tsync.model.gated_delta import recurrent_gated_delta_rule as ref_step
+
+    xs = [x.requires_grad_() for x in _gdn_inputs()]
+    o_ref, s_ref = ref_chunk(*xs[:5], chunk_size=64, initial_state=xs[5])
+    w = torch.randn_like(o_ref)
+    ref_grads = torch.autograd.grad((o_ref * w).sum(), xs)
+    dev = [x.detach().float().cuda().requires_grad_() for x in xs]
+    o, s = chunk_gated_delta_rule(*dev[:5], initial_state=dev[5], output_final_state=True)
+    grads = torch.autograd.grad((o * w.float().cuda()).sum(), dev)
+    errs = {"o": _rel(o, o_ref.detach()), "state": _rel(s, s_ref.detach())}
+    errs.update({f"d{n}": _rel(a, b) for n, a, b in zip(("q", "k", "v", "g", "beta", "h0"), grads, ref_grads)})
+    step = [x.detach()[:, :1] for x in xs[:5]]  # one decode token from the carried state
+    o1_ref, s1_ref = ref_step(*step, initial_state=s_ref.detach())
+    o1, s1 = fused_recurrent_gated_delta_rule(*[x.float().cuda() for x in step], initial_state=s.detach(),
+                                              output_final_state=True)
+    errs.update({"step_o": _rel(o1, o1_ref), "step_state": _rel(s1, s1_ref)})
+    bad = {k: v for k, v in errs.items() if v > (2e-2 if k.startswith("d") else 5e-3)}
+    detail = ", ".join(f"{k} {v:.1e}" for k, v in errs.items())
+    return ("fail" if bad else "pass"), f"relative to float64: {detail}"
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", default=None)
@@ -533,6 +584,7 @@ def main(argv=None):
     vllm_native_nccl(a.hf_model)
     vllm_native_sparse(a.hf_model)
     vllm_routing()
+    gated_delta_fla()
     import torch
 
     dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU only"

@@ -23,7 +23,10 @@
 # The cluster: one node named $(hostname -s) (NodeAddr 127.0.0.1) with CPUs=$(nproc) and ~80% of MemTotal, one
 # partition 'debug' (default, no time limit), no accounting (sacct does not work: use 'sbatch --wait' or
 # 'scontrol show job'), proctrack/linuxproc, task/none, KillWait=30 s (SIGTERM → SIGKILL, as on most clusters), cred_expire=30 s (a
-# requeued job starts again after it; default 120 s).
+# requeued job is held for cred_expire + 1 s; default 120 s), and a scheduler pass every 2 s, a backfill pass every
+# 1 s (SLURM's defaults 60 s / 30 s: a job that becomes eligible without an event, e.g. a requeued one whose hold
+# ended, waits for the next pass; $TSYNC_SLURM_SCHED_PARAMS replaces the SchedulerParameters). Not configurable:
+# slurmctld enforces time limits every 30 s (PERIODIC_TIMEOUT, compiled in), so a job ends 0-30 s after its limit.
 set -euo pipefail
 
 BASE=${TSYNC_SLURM_DIR:-/tmp/tsync-slurm}
@@ -96,6 +99,8 @@ MpiDefault=none
 MailProg=/bin/true
 SwitchType=switch/none
 SchedulerType=sched/backfill
+# a requeued job's hold (cred_expire + 1 s) ends without an event: it starts at the next pass (defaults 60 s / 30 s)
+SchedulerParameters=${TSYNC_SLURM_SCHED_PARAMS:-sched_interval=2,bf_interval=1}
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 ReturnToService=2

@@ -18,7 +18,6 @@ import json
 import operator
 import os
 
-import httpx
 import openai
 
 CALCULATOR_TOOL = {"type": "function", "function": {
@@ -72,7 +71,8 @@ async def run_episode(base_url: str, episode_id: str, task: dict, model: str, ap
                 args = json.loads(call.function.arguments or "{}")
                 messages.append({"role": "tool", "tool_call_id": call.id,
                                  "content": calculator(str(args.get("input", "")))})
-        await client.post(f"/episodes/{episode_id}/finish", body={}, cast_to=httpx.Response)
+        # cast_to=str: the reply's text, the same in every openai release (1.x on httpx, 3.x on httpx2)
+        await client.post(f"/episodes/{episode_id}/finish", body={}, cast_to=str)
     finally:
         await client.close()
 

@@ -9,7 +9,10 @@ Divergence", http://joschu.net/blog/kl-approx.html), with log r = ref_logp − l
 | k2   | ½ (logp − ref_logp)²        | no       | yes | "mse"       |
 | k3   | exp(log r) − log r − 1      | yes      | yes | "low_var_kl" |
 
-Deviation from verl: no clamp of k3 to [−10, 10] (the reference stays the formula).
+Deviations from the formula: k3's exponent is clamped, exp(clamp(log r, −20, 20)) (``policy_loss.LOG_RATIO_CLAMP``,
+as verl's ``low_var_kl``), so a reference far from the policy gives a large finite penalty instead of inf; inside the
+clamp nothing changes (the exactness tests have log r near 0); outside it k3's gradient in log π_θ is 1 (the −log r
+term). Unlike verl, no clamp of k3 itself to [−10, 10].
 
 Two ways to train with them (``--kl-mode``; ``streamability.describe_config``):
 
@@ -26,6 +29,8 @@ from __future__ import annotations
 
 import torch
 
+from .policy_loss import LOG_RATIO_CLAMP
+
 __all__ = ["KL_PENALTIES", "entropy_from_logits", "kl_penalty", "sequence_kl"]
 
 
@@ -39,7 +44,7 @@ def _k2(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
 
 def _k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     log_r = ref_logp - logp
-    return torch.exp(log_r) - log_r - 1.0
+    return torch.exp(log_r.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)) - log_r - 1.0
 
 
 KL_PENALTIES = {"k1": _k1, "k2": _k2, "k3": _k3}

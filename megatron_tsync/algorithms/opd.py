@@ -10,6 +10,9 @@ loss is the importance-weighted policy gradient ℓ_t = −w_t · a_t · ρ_t wi
 clipped / TIS-weighted through a ``PolicyLossConfig``). At ρ = 1 its gradient is ∇ of the sampled reverse KL
 Σ_t w_t (log π_θ − log π_teacher) in expectation. There is no group coupling: nothing waits for other trajectories.
 
+The ratio ρ_t and the TIS weight are clamped in log space before exp (``policy_loss.LOG_RATIO_CLAMP``, the deviation
+documented there); the advantage is linear in the teacher's log-probs, so none is clamped here.
+
 ``full_vocab_reverse_kl`` is the exact per-position KL(π_student ‖ π_teacher) over the vocabulary (for metrics or a
 dense objective).
 """

@@ -28,7 +28,14 @@ Hence for A of a fixed sign, ∇ℓ_t(A) = A · ∇s_t with the reward-free surr
 detached) — what the streaming learner backprops before the group's advantage is known. Ties at a clip boundary are a
 measure-zero set; the masks treat the boundary as inside (torch.clamp passes gradient at its bounds).
 
-Deviation from verl: no clamp of the log-ratio to [−20, 20] before exp (the reference stays the textbook formula).
+Deviation from the textbook formula (as verl and slime do): both exponents are clamped before exp,
+ρ_t = exp(clamp(logp_t − old_logp_t, −20, 20)) and w_t = min(exp(clamp(old_logp_t − behaviour_logp_t, −20, 20)), C)
+(:data:`LOG_RATIO_CLAMP`), so a log-ratio far outside the data (a forged behaviour log-prob, a diverged policy) gives
+e^±20 instead of inf / 0 and inf·0 = NaN. Inside the clamp nothing changes, bit for bit (the float64 exactness tests
+have ratios near 1); outside it ρ's gradient is 0 (clamp's gradient), which the clipped losses already give for
+A > 0 and which replaces the A < 0, no-dual-clip gradient −A·ρ·∇logp (an overflow there) by 0. ``gradient_mask``,
+``sign_free`` and ``surrogate`` see the clamped ratio too, so ∇ℓ_t(A) = A·∇s_t still holds (beyond the clamp both are
+0).
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ from dataclasses import dataclass
 import torch
 
 __all__ = [
+    "LOG_RATIO_CLAMP",
     "POLICY_LOSS_KINDS",
     "PolicyLossConfig",
     "gradient_mask",
@@ -49,6 +57,9 @@ __all__ = [
 ]
 
 POLICY_LOSS_KINDS = ("ppo_clip", "none")
+
+LOG_RATIO_CLAMP = 20.0
+"""|log-ratio| bound before exp (module docstring): e^20 ≈ 4.9e8 fits float32 and bf16, so ρ and w stay finite."""
 
 
 @dataclass(frozen=True)
@@ -88,13 +99,14 @@ class PolicyLossConfig:
 
 
 def importance_ratio(logp: torch.Tensor, old_logp: torch.Tensor) -> torch.Tensor:
-    """ρ = exp(logp − old_logp). (B, T), (B, T) -> (B, T); differentiable in logp."""
-    return torch.exp(logp - old_logp)
+    """ρ = exp(clamp(logp − old_logp, ±LOG_RATIO_CLAMP)). (B, T), (B, T) -> (B, T); differentiable in logp."""
+    return torch.exp((logp - old_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
 
 
 def tis_weight(old_logp: torch.Tensor, behaviour_logp: torch.Tensor | None,
                cfg: PolicyLossConfig) -> torch.Tensor | None:
-    """Detached TIS weight min(exp(old_logp − behaviour_logp), C) (B, T), or None when TIS is off.
+    """Detached TIS weight min(exp(clamp(old_logp − behaviour_logp, ±LOG_RATIO_CLAMP)), C) (B, T), or None when TIS
+    is off.
 
     behaviour_logp are the inference engine's log-probs of the sampled tokens. Ignored when ``cfg.tis_cap`` is None.
     """
@@ -102,7 +114,8 @@ def tis_weight(old_logp: torch.Tensor, behaviour_logp: torch.Tensor | None,
         return None
     if behaviour_logp is None:
         raise ValueError("tis_cap is set but behaviour_logp (the inference engine's log-probs) was not given")
-    return torch.exp(old_logp.detach() - behaviour_logp.detach()).clamp(max=cfg.tis_cap)
+    log_w = (old_logp.detach() - behaviour_logp.detach()).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return torch.exp(log_w).clamp(max=cfg.tis_cap)
 
 
 def _broadcast_advantages(advantages: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

@@ -219,6 +219,9 @@ class RLConfig(_Section):
     trainer the policy that generated a trajectory may be. 0 otherwise."""
     seed: int = 1234
     """Seed of prompt sampling, rollout sampling and model initialisation."""
+    max_consecutive_skipped_steps: int = 3
+    """Stop the run (exit code 3, no checkpoint) after this many steps in a row whose optimizer update was skipped for
+    a non-finite loss or gradient (``training/barrier.py``, ``runtime/stop.py``); 0: never stop."""
 
     @property
     def max_action_tokens(self) -> int:
@@ -238,6 +241,9 @@ class RLConfig(_Section):
         _check_sampling(self, "rl")
         _check(self.max_staleness >= 0, f"rl.max_staleness must be >= 0, got {self.max_staleness}",
                "rl.max_staleness")
+        _check(self.max_consecutive_skipped_steps >= 0,
+               f"rl.max_consecutive_skipped_steps must be >= 0, got {self.max_consecutive_skipped_steps}",
+               "rl.max_consecutive_skipped_steps")
         _check(self.max_new_tokens <= self.seq_length,
                f"rl.max_new_tokens ({self.max_new_tokens}) exceeds rl.seq_length ({self.seq_length})",
                "rl.max_new_tokens", "rl.seq_length")
@@ -269,6 +275,9 @@ class RolloutConfig(_Section):
     """Task name in ``runtime.tasks``'s registry (the prompt source)."""
     verifier: str = "exact_answer"
     """Verifier name in ``rollout.verifiers``'s registry (the reward); passed to the task."""
+    tau2_keep_trivial_tasks: bool = False
+    """τ² tasks (``runtime/tau2_tasks.py``): keep the tasks a do-nothing conversation solves (τ²'s evaluator scores
+    it 1.0). False: they are left out of both splits (training and held-out evaluation). Only τ² tasks accept it."""
     temperature: float = 1.0
     """Sampling temperature (> 0; greedy is top_k 1); the learner's log-probs use the same temperature."""
     top_k: int = 0
@@ -461,7 +470,8 @@ class LoggingConfig:
     replay_shuffle_seed: int | None = None
     """Replay each step's trajectories in a random arrival order drawn with this seed (None = recorded order)."""
     dump_grads: str | None = None
-    """Directory to save each step's normalised gradient in (after the DP reduction, before clipping)."""
+    """Directory to save the normalised gradient of each optimizer update in (after the DP reduction, before
+    clipping): ``grad_step_{k:07d}``, or ``grad_step_{k:07d}_epoch_{e}_mb_{j}`` when a step makes several updates."""
     progress: bool = True
     """Show a progress bar."""
     wandb_project: str | None = None
@@ -478,8 +488,14 @@ class LoggingConfig:
     """Held-out prompts per evaluation: the same fixed set every time (the task's eval split, drawn with the seed)."""
     eval_greedy: bool = True
     """Greedy decoding for the evaluation (False: one sample per prompt at the rollout temperature, fixed seeds)."""
+    stop_on_no_signal: int = 0
+    """Stop the run (exit status 1, one line naming the causes, no stop record) after this many steps in a row
+    without learning signal: every group zero-variance, every trajectory failed or rejected, or grad-norm 0
+    (``runtime/signal_health.py``). 0 = never stop; the run warns once after min(5, this) such steps either way."""
 
     def __post_init__(self) -> None:
+        _check(self.stop_on_no_signal >= 0,
+               f"logging.stop_on_no_signal must be >= 0, got {self.stop_on_no_signal}", "logging.stop_on_no_signal")
         _check(self.log_interval >= 1, f"logging.log_interval must be >= 1, got {self.log_interval}",
                "logging.log_interval")
         _check(self.dump_rollouts is None or self.dump_rollouts != self.replay_rollouts,

@@ -21,7 +21,7 @@ from megatron_tsync.plan.costs import learner_cost, weight_sync_s
 from megatron_tsync.plan.hardware import GPUS, MODELS, Layout, ModelCost, load_arch
 from megatron_tsync.plan.learner import PlannerSettings
 from megatron_tsync.plan.memory import PER_GROUP
-from megatron_tsync.plan.report import bucket_memory, plot, recommend, table
+from megatron_tsync.plan.report import bucket_memory, options, options_text, plot, recommend, table
 from megatron_tsync.plan.simulate import MODES, Scenario, simulate
 from megatron_tsync.plan.workload import WorkloadSpec, build_batch
 
@@ -113,6 +113,7 @@ def run(a) -> dict:
         report["bucket_memory"] = mem
         if not a.no_recommend and a.algorithm == "grpo":
             report["recommended"] = recommend(arch, sc, batches, st["summary"]["step_s"], mem)
+            report["options"] = options(arch, sc, batches, out, mem)
     print(table(out))
     if "bucket_memory" in report:
         m = report["bucket_memory"]
@@ -122,6 +123,8 @@ def run(a) -> dict:
     for k, v in report.get("recommended", {}).items():
         print(f"recommended --{k.replace('_', '-')}: {v['value']}"
               + (f" (stream-trajectory step {v['step_s']:.2f} s)" if "step_s" in v else f" ({v['why']})"))
+    if report.get("options"):
+        print(options_text(report["options"]))
     if a.json:
         with open(a.json, "w") as f:
             json.dump(report, f, indent=1)

@@ -11,6 +11,12 @@ says it shortens the step or is needed to fit):
 - ``--max-device-buckets N`` / offload: when the bucket peak does not fit next to the model state (``costs.py``) in
   ``mem_frac`` of the GPU's memory (the rest for activations and the allocator), keep N vectors on the GPU and the
   rest in host memory (``streaming/offload.py``); ``--max-open-groups`` when not even that fits.
+
+The printed advice (:func:`options`) ranks every zero-staleness way to run within the GPU's memory by its predicted
+step: ``stream-group`` (no bucket vectors: a group trains once it is complete), ``stream-trajectory`` as it is (if
+its bucket peak fits), with the largest ``--max-open-groups`` cap that fits (re-simulated), and with host residency
+(``--max-device-buckets N``: the host RAM per node, ``GPUS_PER_NODE`` learner GPUs on a node, and the transfer time
+per step, each offloaded vector out and back once over ``HOST_BW_GBS``, added to the step as an upper bound).
 """
 
 from __future__ import annotations
@@ -68,6 +74,65 @@ def recommend(arch: ModelArch, sc: Scenario, batches, base_step_s: float, mem: d
                                      f"state ({free:.1f} GiB free): offload every bucket, or raise TP/PP",
                                      "max_open_groups": groups}
     return out
+
+
+GPUS_PER_NODE = 8
+HOST_BW_GBS = 25.0
+"""Host ↔ GPU bandwidth per GPU (GB/s) the residency transfer time assumes (PCIe Gen4 x16 in practice, ~Gen5 half)."""
+
+
+def options(arch: ModelArch, sc: Scenario, batches, out: dict, mem: dict, mem_frac: float = 0.75) -> list[dict]:
+    """The ways to run stream-trajectory or stream-group within memory, fastest first, then those that do not fit
+    (``fits`` False, with ``why``). Each: ``flags``, ``step_s``, ``speedup_vs_sync``, ``bucket_gib`` per GPU,
+    ``host_gib_per_node``, ``transfer_s``."""
+    sync_s = out["sync"]["summary"]["step_s"] if "sync" in out else None
+    free = mem["gpu_gib"] * mem_frac - mem["model_state_gib"]
+    vec = mem["vector_gib"]
+    fit = max(0, int(free // vec)) if vec > 0 else 0
+    per_group = PER_GROUP.get(sc.settings.estimator, 2)
+    node = min(GPUS_PER_NODE, sc.layout.learner_gpus)
+    rows: list[dict] = []
+
+    def add(flags, step_s, vectors, fits, why="", host_gib=0.0, transfer_s=0.0):
+        rows.append({"flags": flags, "step_s": step_s, "bucket_gib": vectors * vec, "fits": fits, "why": why,
+                     "host_gib_per_node": host_gib * node, "transfer_s": transfer_s,
+                     "speedup_vs_sync": sync_s / step_s if sync_s and step_s else None})
+
+    if "stream-group" in out:
+        add("--rl-mode stream-group", out["stream-group"]["summary"]["step_s"], 0, True)
+    st = out["stream-trajectory"]["summary"]["step_s"]
+    peak = mem["bucket_vectors"]
+    add("--rl-mode stream-trajectory", st, peak, peak <= fit,
+        "" if peak <= fit else f"{peak} bucket vectors at the peak, {fit} fit")
+    cap = fit // per_group
+    if peak > fit and cap >= 1:
+        s2 = dataclasses.replace(sc, settings=dataclasses.replace(sc.settings, max_open_groups=cap))
+        step = simulate(s2, batches, modes=("stream-trajectory",))["stream-trajectory"]["summary"]["step_s"]
+        add(f"--rl-mode stream-trajectory --max-open-groups {cap}", step, cap * per_group, True)
+    if peak > fit:
+        host = (peak - fit) * vec  # GiB per GPU
+        transfer = 2 * host * GIB / (HOST_BW_GBS * 1e9)
+        add(f"--rl-mode stream-trajectory --max-device-buckets {fit}", st + transfer, fit, True, host_gib=host,
+            transfer_s=transfer)
+    return sorted(rows, key=lambda r: (not r["fits"], round(r["step_s"], 2), r["bucket_gib"]))  # ties: less memory
+
+
+def options_text(rows: list[dict]) -> str:
+    """The advice as printed: the options within memory, ranked, then what does not fit."""
+    lines = ["options within memory, fastest predicted step first:"]
+    n = 0
+    for r in rows:
+        sp = f", {r['speedup_vs_sync']:.2f}× vs sync" if r["speedup_vs_sync"] else ""
+        if not r["fits"]:
+            lines.append(f"  does not fit: {r['flags']} ({r['why']}: {r['bucket_gib']:.1f} GiB of buckets per GPU)")
+            continue
+        n += 1
+        extra = (f"; host RAM {r['host_gib_per_node']:.0f} GiB per {GPUS_PER_NODE}-GPU node, up to "
+                 f"{r['transfer_s']:.2f} s of transfer per step (included, at {HOST_BW_GBS:g} GB/s)"
+                 if r["host_gib_per_node"] else "")
+        lines.append(f"  {n}. {r['flags']}: step {r['step_s']:.2f} s{sp}, {r['bucket_gib']:.1f} GiB of buckets per "
+                     f"GPU{extra}")
+    return "\n".join(lines)
 
 
 def table(out: dict) -> str:

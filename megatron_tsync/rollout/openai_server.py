@@ -614,7 +614,7 @@ class ChatServer:
         ep.closed = eot >= 0
         body = text[:eot] if eot >= 0 else text
         eos = [self.codec.decode([t]) for t in self.sampling.stop_token_ids if comp.token_ids[-1:] == [t]]
-        if eos and not ep.closed and body.endswith(eos[0]):
+        if eos and not ep.closed and body.endswith(eos[0]) and eos[0] not in self.template.kept_stops:
             body = body[: len(body) - len(eos[0])]
         content, calls = self.tool_parser(body, f"call_{ep.index}_{len(ep.turn_spans) - 1}")
         reply = {"role": "assistant", "content": content or None}

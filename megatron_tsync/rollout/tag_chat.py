@@ -52,7 +52,8 @@ def tag_chat_template(tokenizer=None):
 
     bos = getattr(tokenizer, "bos_token", None)
     return ChatTemplate(TAG_CHAT_TEMPLATE, end_of_turn=TAG_END_OF_TURN,
-                        special={"bos_token": bos} if isinstance(bos, str) else {})
+                        special={"bos_token": bos} if isinstance(bos, str) else {},
+                        kept_stops=("</answer>",))  # the reply's content is the generated "<answer>X</answer>"
 
 
 def parse_tag_tool_calls(text: str, id_prefix: str) -> tuple[str, list[dict]]:

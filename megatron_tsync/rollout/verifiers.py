@@ -11,7 +11,8 @@ A verifier scores the full trajectory text of one rollout against its task::
 
 Tasks are mappings (or objects with attributes). Keys used by the built-ins:
 - ``exact_answer`` / ``answer_with_format``: ``answer`` (int).
-- ``reasoning_gym``: ``entry`` (a reasoning-gym entry; the dataset's own ``score_answer`` gives the reward).
+- ``reasoning_gym``: ``entry`` (a reasoning-gym entry; the dataset's own ``score_answer`` gives the reward, run in
+  the sandbox: ``rollout/reasoning_gym_scorer.py``).
 - ``unit_tests``: ``tests`` (list of Python snippets whose ``assert EXPR op LITERAL`` checks are judged here, never
   in the sandbox: :class:`UnitTests`); optional ``files`` (path -> content written to the sandbox first) and
   ``solution_path`` (default ``solution.py``) where the LAST fenced code block of the final text is written.
@@ -21,6 +22,7 @@ verifier gets is :func:`verifier_transcript`: the model's generated tokens as th
 prompt (tool results, a harness's messages, markers the server added) as one ``<result>`` block each with its tags
 escaped, so only text the model generated can carry an answer, a tool call or a code block.
 This module imports only the standard library and the rollout sandbox/tools modules (and reasoning-gym, on use).
+Model text reaches no third-party parser in this process: reasoning-gym's scorer runs in the sandbox.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from megatron_tsync.rollout.tools import (
 )
 
 __all__ = [
-    "Score", "Verifier", "register_verifier", "get_verifier", "available_verifiers", "parse_answer",
+    "Score", "Verifier", "register_verifier", "get_verifier", "available_verifiers", "parse_answer", "answer_spans",
     "ExactAnswer", "AnswerWithFormat", "UnitTests", "ReasoningGymScore", "plan_snippet", "verifier_transcript",
 ]
 
@@ -135,7 +137,20 @@ def verifier_transcript(token_ids: Sequence[int], loss_mask: Sequence[int], prom
 
 
 # ------------------------------------------------------------------------------------------------------- answers
-_ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+def answer_spans(text: str, open_tag: str = "<answer>", close_tag: str = "</answer>") -> list[tuple[int, int]]:
+    """(start, end) of each ``open_tag … close_tag`` body, as ``re.finditer`` of ``open(.*?)close`` (DOTALL) finds
+    them, by ``str.find``: linear in the text. The regex rescans to the end for each unclosed opening, quadratic:
+    56 s on 128 KB of ``<answer>`` (a 32k-token completion)."""
+    spans, pos = [], 0
+    while True:
+        start = text.find(open_tag, pos)
+        if start < 0:
+            return spans
+        end = text.find(close_tag, start + len(open_tag))
+        if end < 0:  # no later opening has a close either
+            return spans
+        spans.append((start + len(open_tag), end))
+        pos = end + len(close_tag)
 _INT_RE = re.compile(r"[+-]?\d+\Z")
 
 
@@ -144,12 +159,12 @@ def parse_answer(text: str) -> tuple[int | None, str]:
     if not isinstance(text, str):
         return None, "trajectory is not text"
     masked = _mask_results(text)
-    found = list(_ANSWER_RE.finditer(masked))
+    found = answer_spans(masked)
     if not found:
         if "<answer>" in masked:
             return None, "malformed: unterminated <answer> tag"
         return None, "malformed: no <answer>...</answer> in the final text"
-    raw = text[found[-1].start(1):found[-1].end(1)].strip().replace(",", "").replace("_", "")
+    raw = text[found[-1][0]:found[-1][1]].strip().replace(",", "").replace("_", "")
     if not _INT_RE.match(raw):
         return None, f"malformed: answer {raw[:40]!r} is not an integer"
     if len(raw) > 4300:  # int() refuses longer strings by default anyway
@@ -204,20 +219,29 @@ class AnswerWithFormat(_Base):
         correct = got is not None and want is not None and got == want
         used_tool = _used_tool(text)
         masked = _mask_results(text)
-        answers = list(_ANSWER_RE.finditer(masked))
-        well_formed = got is not None and len(answers) == 1 and not masked[answers[-1].end():].strip()
+        answers = answer_spans(masked)
+        well_formed = (got is not None and len(answers) == 1
+                       and not masked[answers[-1][1] + len("</answer>"):].strip())
         reward = self.w_correct * correct + self.w_tool * used_tool + self.w_format * well_formed
         reason = (f"correct={correct} ({why if got is None else f'got {got}, expected {want}'}), "
                   f"used_tool={used_tool}, format={well_formed}")
         return self._clamp(Score(reward, reason))
 
 
+_THEN_RESULT = re.compile(r"\s*<result>")
+
+
 def _used_tool(text: str) -> bool:
-    """At least one valid ``<tool>NAME: ARGS</tool>`` directly answered by a ``<result>`` block."""
-    for m in re.finditer(r"</tool>\s*<result>", text):
-        call = parse_tool_call(text[:m.start() + len("</tool>")])
-        if isinstance(call, ToolCall):
-            return True
+    """At least one valid ``<tool>NAME: ARGS</tool>`` directly answered by a ``<result>`` block (outside
+    ``<result>`` blocks itself). One pass: each call is parsed alone (its opening lies after the previous
+    ``</tool>``); parsing the text up to every ``</tool><result>`` was quadratic (23 s on 64 KB)."""
+    masked, close, prev = _mask_results(text), "</tool>", 0
+    while (c := text.find(close, prev)) >= 0:
+        if masked.startswith(close, c) and _THEN_RESULT.match(text, c + len(close)):
+            start = masked.rfind("<tool>", prev, c)
+            if start >= 0 and isinstance(parse_tool_call(text[start:c + len(close)]), ToolCall):
+                return True
+        prev = c + len(close)
     return False
 
 
@@ -227,45 +251,54 @@ class ReasoningGymScore(_Base):
     """reasoning-gym's own score (``runtime/reasoning_gym_task.py``): the dataset's ``score_answer(answer, entry)``
     on the text of the last ``<answer>…</answer>`` outside ``<result>`` blocks (None when there is none), with the
     task's ``entry``; the dataset is ``dataset`` (with ``config``), else the entry's ``metadata.source_dataset``.
-    Bounded in [0, 1] (partial credit for some datasets); never clamped: a score outside it is the worker's counted
-    error, not a silent 0 or 1."""
+
+    ``score_answer`` runs in the sandbox (``rollout/reasoning_gym_scorer.py``: some datasets ``eval`` the answer);
+    this process only checks that a finite float in [0, 1] came back. A scorer that raises, runs past its limits or
+    gives anything else raises :class:`~megatron_tsync.rollout.reasoning_gym_scorer.ScorerFailed` (the worker's
+    "error" trajectory, counted under the reason code its error text starts with); never clamped. Partial credit
+    for some datasets. ``sandbox``/``limits`` (a ``ScorerLimits``): the scorer's own (default: a sandbox of its own,
+    started at the first answer, whose fork server has reasoning_gym imported)."""
 
     name = "reasoning_gym"
     reward_range = (0.0, 1.0)
     binary = False
 
-    def __init__(self, dataset: str = "", config: dict | None = None):
-        self.dataset, self.config = dataset, dict(config or {})  # score_answer may read the dataset's config
-        self._scorers: dict[str, Callable] = {}
-        if dataset:
-            self._scorer(dataset)  # fails now, not at the first trajectory: unknown dataset, bad config
+    def __init__(self, dataset: str = "", config: dict | None = None, sandbox: Sandbox | None = None,
+                 limits: Any = None):
+        from megatron_tsync.rollout.reasoning_gym_scorer import ReasoningGymScorer
 
-    def _scorer(self, name: str) -> Callable:
-        """The dataset's ``score_answer``: the task's dataset with its config, or (no dataset given) the entry's
-        ``source_dataset`` with its default config."""
-        if name not in self._scorers:
-            try:
-                import reasoning_gym
-            except ImportError as e:
-                raise ValueError(f"reasoning-gym is not installed ({e}): "
-                                 "pip install 'megatron_tsync[reasoning-gym]'") from None
-            config = self.config if name == self.dataset else {}
-            self._scorers[name] = reasoning_gym.create_dataset(name, seed=0, size=1, **config).score_answer
-        return self._scorers[name]
+        self.dataset, self.config = dataset, dict(config or {})  # score_answer may read the dataset's config
+        if dataset:
+            self._check_dataset(dataset)  # fails now, not at the first trajectory: unknown dataset, bad config
+        self.scorer = ReasoningGymScorer(limits, sandbox, self.reward_range)
+
+    def _check_dataset(self, name: str) -> None:
+        """The dataset exists and takes the config (built here once: trusted code, no model text)."""
+        try:
+            import reasoning_gym
+        except ImportError as e:
+            raise ValueError(f"reasoning-gym is not installed ({e}): "
+                             "pip install 'megatron_tsync[reasoning-gym]'") from None
+        reasoning_gym.create_dataset(name, seed=0, size=1, **self.config)
 
     async def evaluate(self, trajectory_text: str, task: Any) -> Score:
         entry = _task_get(task, "entry")
         if not isinstance(entry, Mapping):
             return Score(0.0, "task has no reasoning-gym 'entry'")
         masked = _mask_results(trajectory_text) if isinstance(trajectory_text, str) else ""
-        found = list(_ANSWER_RE.finditer(masked))
-        answer = trajectory_text[found[-1].start(1):found[-1].end(1)].strip() if found else None
+        found = answer_spans(masked)
+        answer = trajectory_text[found[-1][0]:found[-1][1]].strip() if found else None
         name = self.dataset or (entry.get("metadata") or {}).get("source_dataset", "")
         if not name:
             return Score(0.0, "reasoning-gym entry names no source_dataset (and the verifier no dataset)")
-        reward = float(self._scorer(name)(answer, dict(entry)))
+        config = self.config if name == self.dataset else {}
+        reward = await self.scorer.score(name, config, answer, dict(entry))
         oracle = str(entry.get("answer"))[:40]
         return Score(reward, f"{name}.score_answer({str(answer)[:40]!r}) = {reward:g} (oracle {oracle!r})")
+
+    def close(self) -> None:
+        """Stop the scorer's sandbox (its fork server)."""
+        self.scorer.close()
 
 
 # ------------------------------------------------------------------------------------------------------- unit tests

@@ -23,7 +23,8 @@ from megatron_tsync.model.tokenizer import TokenizerCodec
 from megatron_tsync.runtime import run_dir, wandb_log
 from megatron_tsync.runtime.fleet import RolloutFleet, open_fleet
 from megatron_tsync.runtime.stop import StopFlag
-from megatron_tsync.runtime.tasks import get_task
+from megatron_tsync.runtime.phase import announce
+from megatron_tsync.runtime.tasks import task_from_config
 from megatron_tsync.runtime.validation import check_tokenizer_fits
 from megatron_tsync.training.checkpointing import load_checkpoint, save_checkpoint, shield_checkpoint_writer
 from megatron_tsync.training.optimizer import build_optimizer, wrap_ddp
@@ -42,8 +43,9 @@ def model_dir(cfg: TrainConfig, rank: int) -> str:
     if not os.path.exists(os.path.join(path, "config.json")):
         if not cfg.model.init_tiny_model:
             raise FileNotFoundError(f"--model {path}: no config.json (pass --init-tiny-model to create a tiny one)")
-        if rank == 0:
-            log.info("creating a tiny %s model at %s", cfg.model.tiny_model_family, path)
+        if rank == 0:  # one line: a random model is trained only where the user asked for it (--init-tiny-model)
+            print(f"[tsync] --model {path} does not exist: creating a tiny random {cfg.model.tiny_model_family} model "
+                  "there (--init-tiny-model)", flush=True)
             make_tiny_model(path, family=cfg.model.tiny_model_family, seed=cfg.rl.seed)
     if dist.is_initialized():
         dist.barrier()
@@ -74,7 +76,7 @@ class RunContext:
             # tests/slurm/test_stop_requeue.py, with and without the signals blocked while it booted)
             shield_checkpoint_writer()
         self.model_dir = model_dir(cfg, self.dims.rank)
-        self.task = get_task(cfg.rollout.task, verifier=cfg.rollout.verifier)
+        self.task = task_from_config(cfg.rollout)
         arch, hf_state = load_hf_dir(self.model_dir)
         check_tokenizer_fits(self.model_dir, arch.vocab_size)  # ids past the embedding would crash the learner
         if cfg.model.moe_router_replay and not arch.num_experts:
@@ -160,10 +162,13 @@ class RunContext:
         t0 = time.perf_counter()
         codec = TokenizerCodec(AutoTokenizer.from_pretrained(self.model_dir))
         sft_opt, clip = build_sft_optimizer(self.ddp)  # float64: clips in float64 itself (megatron: float32 only)
-        losses = sft_warmup(self.ddp, sft_opt, codec, self.task, self.cfg.model.sft_warmup_steps, batch_size=16,
-                            seed=self.cfg.rl.seed + 1,  # not the RL prompts
-                            lr=self.cfg.model.sft_warmup_lr,
-                            dp_group=self.dims.dp_group() if self.dims.dp > 1 else None, clip_grad=clip)
+        steps, last = self.cfg.model.sft_warmup_steps, {}
+        with announce("supervised warm start", enabled=self.dims.rank == 0,
+                      status=lambda: f"step {last['k'] + 1}/{steps}, loss {last['loss']:.3f}" if last else "step 0"):
+            losses = sft_warmup(self.ddp, sft_opt, codec, self.task, steps, batch_size=16,
+                                seed=self.cfg.rl.seed + 1,  # not the RL prompts
+                                lr=self.cfg.model.sft_warmup_lr, log=lambda k, loss: last.update(k=k, loss=loss),
+                                dp_group=self.dims.dp_group() if self.dims.dp > 1 else None, clip_grad=clip)
         # the RL optimizer's fp32 master copies (if any) must see the new weights
         if hasattr(self.opt, "reload_model_params"):
             self.opt.reload_model_params()
@@ -238,3 +243,13 @@ class RunContext:
 def progress_bar(done: int, total: int, width: int = 20) -> str:
     fill = int(width * done / max(total, 1))
     return f"[{'#' * fill}{'.' * (width - fill)}] {done}/{total}"
+
+
+def grad_norm_text(row: dict) -> str:
+    """The progress line's grad-norm: ``skipped`` when the step's update was skipped (non-finite; ``runtime/stop.py``)."""
+    return "skipped" if row.get("update_skipped") else f"{row['grad_norm'] or 0:.3f}"
+
+
+def skipped_text(row: dict) -> str:
+    """`` skipped N``: the run's skipped updates so far, once there is one."""
+    return f" skipped {row['skipped_steps']}" if row.get("skipped_steps") else ""

@@ -3,7 +3,8 @@
 What is measured: the task's ``eval`` split (``runtime/tasks.py``: disjoint from the training prompts by
 construction), one fixed set of ``--eval-prompts`` instances for the whole run (drawn with the run's seed), rolled out
 with the real stack — the agent loop, the task's tools in the sandbox (or its environment's episodes), its verifier
-— and scored exactly as the rollout workers score a trajectory (``worker.score_trajectory``). Decoding is greedy by
+— and scored exactly as the rollout workers score a trajectory (``worker.score_trajectory``: the same verifier,
+so reasoning-gym's ``score_answer`` runs in the sandbox here too, ``rollout/reasoning_gym_scorer.py``). Decoding is greedy by
 default (``--no-eval-greedy``: one sample per prompt at the rollout temperature, fixed seeds), so two evaluations
 differ only by the weights.
 
@@ -149,5 +150,6 @@ class HeldOutEval:
                 f"{cost})")
 
     def close(self) -> None:
-        if self._sandbox is not None and hasattr(self._sandbox, "close"):
-            self._sandbox.close()
+        for owner in (self._sandbox, self._verifier):  # the verifier's own sandbox too (reasoning_gym's scorer)
+            if owner is not None and hasattr(owner, "close"):
+                owner.close()

@@ -31,6 +31,7 @@ trainer process): a stale worker of an earlier run is rejected and counted (``wr
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -45,6 +46,8 @@ import torch
 from megatron_tsync.runtime import affinity, launch_env
 from megatron_tsync.runtime.validation import screen
 from megatron_tsync.runtime import supervision as sv
+from megatron_tsync.runtime.harness import FAIL_KEY as HARNESS_FAIL_KEY
+from megatron_tsync.runtime.signal_health import FAIL_KEY, fail_kind
 from megatron_tsync.runtime.worker import WEIGHT_SYNC_OP_TIMEOUT_S, WEIGHT_WAIT_S, WorkerSpec
 from megatron_tsync.streaming.ready_queue import Sample
 from megatron_tsync.transport.errors import FarFuture, WrongVersion
@@ -277,6 +280,7 @@ def open_fleet(cfg, *, model_dir: str, start_step: int, reward_floor: float) -> 
         # NCCL only between GPUs: the trainer on CUDA and vLLM engines (the embedded engine receives CPU tensors)
         weight_sync_backend="nccl" if cfg.rollout.engine == "vllm" and torch.cuda.is_available() else "gloo",
         record_routing=cfg.model.moe_router_replay,
+        reward_spec=dataclasses.asdict(cfg.learner.reward_spec),
     )
     fleet = RolloutFleet(spec, run_dir, launch=cfg.rollout.launch == "local")
     if cfg.rollout.launch == "external":
@@ -315,6 +319,7 @@ class TransportSource:
         self.samples: list[Sample] = []  # in arrival order (for --dump-rollouts)
         self.t0 = time.perf_counter()
         self.errors = 0
+        self.fail_kinds: dict[str, int] = {}  # failed trajectories of the step by kind (runtime/signal_health.py)
         self.stall_timeout_s = fleet.spec.rollout.stall_timeout_s
         self.last_event = time.perf_counter()
         self.ledger = fleet.begin_source(self)
@@ -380,11 +385,17 @@ class TransportSource:
         mask = torch.as_tensor(ev.loss_mask.astype("float32"))
         beh = torch.as_tensor(ev.logprobs.astype("float64"))
         reward = float(ev.reward)
+        meta = {k: v for k, v in ev.meta.items() if k not in (FAIL_KEY, "fail_detail")}  # the trainer's keys
         if ev.status != "ok":
             self.errors += 1
             reward = self.fleet.reward_floor  # the learner's rule, whatever the worker sent
-            log.warning("trajectory %s failed (%s); it counts with reward %s and no gradient", ev.traj_id,
-                        ev.error[:200], reward)
+            kind = fail_kind(ev.error, ev.meta.get(HARNESS_FAIL_KEY))
+            meta.update({FAIL_KEY: kind, "fail_detail": ev.error[:200]})
+            self.fail_kinds[kind] = self.fail_kinds.get(kind, 0) + 1
+            if self.fail_kinds[kind] == 1:  # one line per kind per step; the step's row counts them all
+                log.warning("trajectory %s failed (%s: %s); it counts with reward %s and no gradient (further %s "
+                            "failures of step %d are counted, not logged)", ev.traj_id, kind, ev.error[:200],
+                            reward, kind, self.step)
         if ids.numel() > self.max_seq_len:  # oversize: keep the group whole, train nothing from it
             log.warning("trajectory %s has %d tokens > --seq-length %d: kept in its group without gradient",
                         ev.traj_id, ids.numel(), self.max_seq_len)
@@ -403,7 +414,7 @@ class TransportSource:
         s = Sample(traj_id=ev.traj_id, group_id=ev.group_id, group_size=ev.group_size, token_ids=ids, loss_mask=mask,
                    reward=reward,
                    policy_version=ev.policy_version, behaviour_logp=beh, arrival_s=time.perf_counter() - self.t0,
-                   meta=dict(ev.meta), routing=routing)
+                   meta=meta, routing=routing)
         self.samples.append(s)
         return s
 

@@ -16,10 +16,10 @@ import random
 import torch.distributed as dist
 
 from megatron_tsync.config import reward_spec_conflict
-from megatron_tsync.runtime.context import RunContext, progress_bar
+from megatron_tsync.runtime.context import RunContext, grad_norm_text, progress_bar, skipped_text
 from megatron_tsync.runtime.harness import HARNESS_TB_NAMES, harness_row
 from megatron_tsync.runtime.fleet import LEDGER_TB_NAMES, RolloutFleet, TransportSource, ledger_row
-from megatron_tsync.runtime.rollout_io import dump_grads, load_rollouts
+from megatron_tsync.runtime.rollout_io import grad_dump_hook, load_rollouts
 from megatron_tsync.runtime.spec import StepOutcome, TrainSpec
 from megatron_tsync.runtime.validation import REJECTION_TB_NAMES, rejection_row
 from megatron_tsync.streaming.ready_queue import CoalescingSource, DataParallelAssigner, ListSource, Sample
@@ -121,9 +121,11 @@ class GRPO:
     def step(self, k: int, fleet: RolloutFleet | None) -> StepOutcome:
         cfg = self.ctx.cfg
         source, sizes, samples_of = self._source(k, fleet)
-        if cfg.logging.dump_grads:
-            root, learner, write = cfg.logging.dump_grads, self.learner, self.ctx.dims.rank == 0
-            learner.grad_hook = lambda m: dump_grads(root, k, m, divisor=learner.last_divisor, write=write)
+        if cfg.logging.dump_grads:  # one file per optimizer update (--num-minibatches × --ppo-epochs of them)
+            lc = self.learner.cfg
+            self.learner.grad_hook = grad_dump_hook(cfg.logging.dump_grads, k, self.learner,
+                                                    write=self.ctx.dims.rank == 0, epochs=lc.epochs,
+                                                    minibatches=lc.num_minibatches)
         shape = batch_shape(cfg, sizes)
         res = self.learner.train_step(source, sizes, shape)
         return StepOutcome(result=res, samples=samples_of(), group_order=list(sizes))
@@ -155,8 +157,8 @@ class GRPO:
     def line(self, row: dict, done: int, total: int, eta_s: float) -> str:
         bar = progress_bar(done, total) if self.ctx.cfg.logging.progress else f"step {done}"
         return (f"[tsync] {bar} reward {row['reward']:.3f} success {row['success_rate']:.2f} "
-                f"step {row['step_time_s']:5.2f}s idle {row['idle_frac']:4.0%} grad-norm {row['grad_norm'] or 0:.3f} "
-                f"rejected {row['events_rejected']} ETA {eta_s:5.0f}s")
+                f"step {row['step_time_s']:5.2f}s idle {row['idle_frac']:4.0%} grad-norm {grad_norm_text(row)} "
+                f"rejected {row['events_rejected']} failed {row.get('failed', 0)}{skipped_text(row)} ETA {eta_s:5.0f}s")
 
     def summary(self, h: list[dict]) -> str:
         n = max(1, min(10, len(h) // 3))  # first / last third (≤ 10 steps): one step's batch is noisy

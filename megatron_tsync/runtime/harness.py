@@ -12,7 +12,8 @@ own engine, at the policy version of the step. The contract (docs/harness.md):
   ``task`` (the dict), ``model`` of the function;
 - every request names the episode (``X-Episode-Id`` header, or ``user``); the episode ends with
   ``POST {OPENAI_BASE_URL}/episodes/{TSYNC_EPISODE_ID}/finish``: with ``{"metadata": {"reward": R}}`` the harness's
-  reward R is the trajectory's (checked against the task's reward spec), without it the task's verifier scores the
+  reward R is the trajectory's (checked against the run's reward spec: ``--reward-kind/--reward-range``, default
+  the task's), without it the task's verifier scores the
   final transcript (the same verifier as the native agent loop);
 - the harness gets ``--harness-timeout`` seconds per episode; then the command is killed (the coroutine
   cancelled). A command runs under ``harness_reaper.py`` (a subreaper in its own session): when its episode ends
@@ -29,7 +30,7 @@ as a failed trajectory (status "error", the task's lowest reward, no gradient; i
   (malformed JSON, a conversation that does not extend the episode, ...: an ``openai`` client raises on them);
 - ``harness_crash``: the command exited non-zero (the function raised) without finishing, no request refused;
 - ``harness_no_finish``: exited cleanly without finishing;
-- ``harness_bad_reward``: finished with a reward that is not a finite number the task's reward spec admits.
+- ``harness_bad_reward``: finished with a reward that is not a finite number the run's reward spec admits.
 
 A harness that finished its episode and then failed keeps its (whole) trajectory. Versions: the worker loads new
 weights only between steps, after every episode of the step has ended, so no request is in flight at a weight
@@ -249,7 +250,7 @@ class HarnessRunner:
     async def _score(self, traj, inst, env_ep, reason, detail) -> tuple[float, str, str]:
         score_trajectory = self.score_trajectory
         spec = self.w.task.reward_spec
-        floor = float(spec.lo)
+        floor = float(spec.lo)  # a failed episode counts with the task's lowest reward (the fleet's rule)
         if reason is not None or traj is None:
             if env_ep is not None:
                 env_ep.close()
@@ -261,7 +262,7 @@ class HarnessRunner:
             try:
                 if isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r):
                     raise ValueError(f"{r!r} is not a finite number")
-                spec.check(float(r))
+                self.w.spec.run_reward_spec().check(float(r))  # the run's --reward-kind/--reward-range
             except ValueError as e:
                 return floor, "error", f"harness_bad_reward: {e}"[:1000]
             return float(r), "ok", ""

@@ -4,7 +4,9 @@ What differs between algorithms is the learner, the event source of a step and t
 Everything else is the loop's, and so the same for all: start-up (``RunContext``), the weight hand-off before every
 step, ``--dump-rollouts``, logging, ``--save-interval``, the save at the end (or on an agreed stop: a signal or
 ``--exit-duration-in-mins``; SIGTERM on one trainer rank aborts the step in flight, otherwise it finishes first),
-the stop record ``SAVE/tsync_stop.json`` (``runtime/stop.py``), closing the rollout plane.
+the stop record ``SAVE/tsync_stop.json`` (``runtime/stop.py``), closing the rollout plane, and the count of steps
+whose update the barrier skipped for a non-finite loss or gradient (``--max-consecutive-skipped-steps`` in a row stop
+the run with exit code 3 and no checkpoint: ``runtime/stop.py``).
 
     for k in steps:   publish θ_k → algorithm.step(k) (consume events as they land, barrier, optimizer step)
                       → dump → log → save every N
@@ -25,9 +27,12 @@ from megatron_tsync.runtime.context import RunContext
 from megatron_tsync.runtime.fleet import WorkerDied
 from megatron_tsync.runtime.grpo import GRPO_SPEC
 from megatron_tsync.runtime.opd import OPD_SPEC
+from megatron_tsync.runtime.phase import announce
 from megatron_tsync.runtime.rollout_io import dump_rollouts
+from megatron_tsync.runtime.signal_health import HEALTH_TB_NAMES, NoLearningSignal, SignalHealth
 from megatron_tsync.runtime.spec import Algorithm, TrainSpec
-from megatron_tsync.runtime.stop import StopAgreement, StopFlag, StopRequested, write_stop_file
+from megatron_tsync.runtime.stop import (NonFiniteStop, SkipCounter, StopAgreement, StopFlag, StopRequested,
+                                         write_stop_file)
 
 
 def train(ctx: RunContext, algo: Algorithm) -> list[dict]:
@@ -47,6 +52,8 @@ def train(ctx: RunContext, algo: Algorithm) -> list[dict]:
     ctx.stop.abortable = ctx.dims.world_size == 1  # SIGTERM aborts the step in flight (several ranks: finish it)
     fleet = ctx.open_fleet() if live else None
     heldout = ctx.heldout_eval()  # --eval-interval: trainer rank 0, else None
+    health = ctx.health = SignalHealth(cfg.rl.algorithm, cfg.logging.stop_on_no_signal or 0)
+    stopped = None
     try:
         if fleet is not None:
             fleet.abort_check = ctx.stop.check_abort  # after every poll of a step's source
@@ -54,6 +61,12 @@ def train(ctx: RunContext, algo: Algorithm) -> list[dict]:
             ctx.publish(fleet, ctx.step)
         _evaluate(ctx, heldout)
         _finish(ctx, _steps(ctx, algo, fleet, agreement, heldout))
+    except NonFiniteStop:  # no checkpoint, no stop record; the rows so far are still written
+        if ctx.history and ctx.dims.is_logging_rank:
+            ctx.save_history(heldout.records if heldout is not None else None)
+        raise
+    except NoLearningSignal as e:  # --stop-on-no-signal: no checkpoint, no stop record (a scheduler must not requeue)
+        stopped = e
     finally:
         if fleet is not None:
             fleet.close()
@@ -62,8 +75,11 @@ def train(ctx: RunContext, algo: Algorithm) -> list[dict]:
         ctx.close()
     if ctx.history and ctx.dims.is_logging_rank:
         held = heldout.summary() if heldout is not None else ""
-        print(algo.summary(ctx.history) + (f", {held}" if held else ""), flush=True)
+        signal = health.summary(ctx.history[-1].get("events_rejected"))
+        print(algo.summary(ctx.history) + f", {signal}" + (f", {held}" if held else ""), flush=True)
         ctx.save_history(heldout.records if heldout is not None else None)
+    if stopped is not None:
+        raise SystemExit(f"error: {stopped}")
     return ctx.history
 
 
@@ -73,7 +89,8 @@ def _evaluate(ctx: RunContext, heldout) -> None:
         return
     from megatron_tsync.runtime.evaluation import EVAL_TB_NAMES
 
-    rec = heldout.run(ctx.step)
+    with announce(f"held-out evaluation v{ctx.step}"):
+        rec = heldout.run(ctx.step)
     print(heldout.line(rec), flush=True)
     ctx.write_scalars(rec, EVAL_TB_NAMES, ctx.step)
 
@@ -84,6 +101,7 @@ def _steps(ctx: RunContext, algo: Algorithm, fleet, agreement: StopAgreement, he
     live = not cfg.logging.replay_rollouts  # every rank publishes (a collective over TP/PP); rank 0 owns the fleet
     t_run = time.perf_counter()
     first = ctx.saved = ctx.step
+    skips = SkipCounter(cfg.rl.max_consecutive_skipped_steps)
     while ctx.step < cfg.rl.train_iters:
         k = ctx.step
         reason = agreement.decide(ctx.stop)  # the same on every rank: all stop before the same step
@@ -109,8 +127,15 @@ def _steps(ctx: RunContext, algo: Algorithm, fleet, agreement: StopAgreement, he
             dump_rollouts(cfg.logging.dump_rollouts, k, out.samples, out.group_order)
         if live and ctx.step < cfg.rl.train_iters:
             ctx.publish(fleet, ctx.step)
-        row = {**algo.row(k, out, fleet), **perf_row(out, t_step, cpu_step)}
+        skipped = int(getattr(out.result, "skipped_updates", 0))
+        row = {**algo.row(k, out, fleet), **perf_row(out, t_step, cpu_step), **skips.record(k, skipped)}
+        row.update(_health(ctx, out, row))
+        if skipped and ctx.dims.rank == 0:
+            print(f"[tsync] {skips.message(k)}", flush=True)
         _log(ctx, algo, k, row, time.perf_counter() - t_run, ctx.step - first)
+        skips.check(k)  # the same on every rank (the barrier's verdict is all-reduced): all stop here
+        if ctx.health.stop:  # --stop-on-no-signal: the same on every rank (samples are broadcast); one error line
+            raise NoLearningSignal(ctx.health.stop)
         _evaluate(ctx, heldout)  # θ_{k+1}, while the workers roll out step k + 1
         si = cfg.checkpoint.save_interval
         if si and ctx.step % si == 0:
@@ -137,6 +162,8 @@ def _finish(ctx: RunContext, reason: str) -> None:
 PERF_TB_NAMES = {"learner_busy_s": "perf/learner_busy_s", "wall_step_s": "perf/wall_step_s",
                  "trainer_cpu_s": "perf/trainer_cpu_s"}
 """TensorBoard tags of :func:`perf_row`'s keys."""
+SKIP_TB_NAMES = {"skipped_steps": "train/skipped_steps", "update_skipped": "train/update_skipped"}
+"""TensorBoard tags of ``SkipCounter.record``'s keys."""
 
 
 def perf_row(out, t_step: float, cpu_step: float) -> dict:
@@ -150,11 +177,19 @@ def perf_row(out, t_step: float, cpu_step: float) -> dict:
 
 def _log(ctx: RunContext, algo: Algorithm, k: int, row: dict, elapsed: float, done: int) -> None:
     ctx.history.append(row)
-    ctx.write_scalars(row, algo.tb_names | PERF_TB_NAMES, k)
+    ctx.write_scalars(row, algo.tb_names | PERF_TB_NAMES | SKIP_TB_NAMES | HEALTH_TB_NAMES, k)
     if ctx.dims.is_logging_rank and k % max(ctx.cfg.logging.log_interval, 1) == 0:
         total = ctx.cfg.rl.train_iters
         eta = elapsed / max(done, 1) * (total - ctx.step)
-        print(algo.line(row, ctx.step, total, eta), flush=True)
+        print(algo.line(row, ctx.step, total, eta) + ctx.health.line(row), flush=True)
+
+
+def _health(ctx: RunContext, out, row: dict) -> dict:
+    """The step's learning-signal entries (``runtime/signal_health.py``) and its one-time warning."""
+    entries, why, warning = ctx.health.observe(ctx.step, out.samples, row.get("grad_norm"))  # steps done, as shown
+    if warning and ctx.dims.is_logging_rank:
+        print(warning, flush=True)
+    return {**entries, "no_signal_why": why} if why else entries
 
 
 def train_spec(name: str) -> TrainSpec:
@@ -192,5 +227,7 @@ def run(cfg: TrainConfig) -> list[dict]:
     env_report.print_report(cfg, ctx.dims)
     try:
         return train(ctx, spec.build(ctx))
+    except NonFiniteStop as e:  # every rank, after the same step: one line (rank 0), exit code 3
+        preflight.fail(e, code=3)
     finally:
         destroy_parallel()

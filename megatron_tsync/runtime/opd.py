@@ -24,9 +24,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_tsync.runtime.context import RunContext, progress_bar
+from megatron_tsync.runtime.context import RunContext, grad_norm_text, progress_bar, skipped_text
 from megatron_tsync.runtime.fleet import LEDGER_TB_NAMES, RolloutFleet, TransportSource, _event_routing, ledger_row
-from megatron_tsync.runtime.rollout_io import load_rollouts
+from megatron_tsync.runtime.rollout_io import grad_dump_hook, load_rollouts
 from megatron_tsync.runtime.spec import StepOutcome, TrainSpec
 from megatron_tsync.runtime.validation import REJECTION_TB_NAMES, rejection_row
 from megatron_tsync.streaming.ready_queue import DataParallelAssigner
@@ -182,6 +182,9 @@ class OPD:
         cfg = self.ctx.cfg
         scorer = TeacherChunks(self.teacher, full_vocab=cfg.rl.opd_objective == "full-vocab")
         source, samples_of = self._source(k, fleet, scorer)
+        if cfg.logging.dump_grads:  # one optimizer update per OPD step: grad_step_{k:07d}
+            self.learner.grad_hook = grad_dump_hook(cfg.logging.dump_grads, k, self.learner,
+                                                    write=self.ctx.dims.rank == 0)
         n = cfg.rl.group_size * cfg.rl.groups_per_step
         res = self.learner.train_step(source, BatchShape(num_sequences=n, max_len=cfg.rl.max_action_tokens))
         samples = samples_of()
@@ -226,7 +229,8 @@ class OPD:
         bar = progress_bar(done, total) if self.ctx.cfg.logging.progress else f"step {done}"
         return (f"[tsync] {bar} reverse-KL {row['reverse_kl']:.4f} reward {row['reward']:.3f} "
                 f"step {row['step_time_s']:5.2f}s tail {row['tail_after_last_arrival_s']:5.2f}s "
-                f"teacher {row['teacher_s']:4.2f}s grad-norm {row['grad_norm'] or 0:.3f} ETA {eta_s:5.0f}s")
+                f"teacher {row['teacher_s']:4.2f}s grad-norm {grad_norm_text(row)} rejected {row['events_rejected']} "
+                f"failed {row.get('failed', 0)}{skipped_text(row)} ETA {eta_s:5.0f}s")
 
     def summary(self, h: list[dict]) -> str:
         n = max(1, min(3, len(h) // 2))

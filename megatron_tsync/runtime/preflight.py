@@ -15,8 +15,11 @@ What is checked (each failure is one :class:`PreflightError`, printed as one lin
   the ranks world / (TP × PP);
 * ``--task`` / ``--verifier``: the task exists (``module:name`` imported), accepts the verifier, scores with it (or
   brings its own environment), and its prompt source can be read (a task file that is missing or does not parse);
+* ``--wandb-project``: the ``wandb`` package is installed; TP × PP × CP > 1 without a launcher names torchrun;
 * ``--trainer-cpus`` / ``--rollout-cpus``: each core exists and this process may use it (``runtime/affinity.py``'s
   own check, run here before anything else);
+* ``--replay-rollouts``: a dump whose trajectories carry MoE routing (``routing.{i}``, recorded by a
+  ``--moe-router-replay`` run) is replayed with ``--moe-router-replay`` (read from the safetensors headers only);
 * ``--seq-length`` against the task's prompts (the first prompts of step 0, tokenised with ``tokenizer.json``; else
   estimated at 3 characters a token): the longest prompt, and a correct transcript of the task (its demonstration,
   tokenised segment by segment as the agent loop does), must fit — else every trajectory is cut before it answers
@@ -34,6 +37,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import struct
 import sys
 from typing import Any, NoReturn
 
@@ -79,10 +83,12 @@ def check(cfg, *, world_size: int | None = None) -> list[str]:
     """Every check of the module docstring on the run's ``TrainConfig``; returns warnings, raises PreflightError."""
     warnings: list[str] = []
     _check_cpus(cfg)
+    _check_wandb(cfg)
     hf = _check_model(cfg)
     if hf is not None:
         _check_layout(cfg, hf, world_size if world_size is not None else launcher_env()[1])
         _check_router_replay(cfg, hf)
+    _check_replay_routing(cfg)
     task = _check_task(cfg)
     _check_eval(cfg, task)
     if not cfg.logging.replay_rollouts:  # a replay reads no prompts
@@ -90,6 +96,17 @@ def check(cfg, *, world_size: int | None = None) -> list[str]:
         if hf is not None:
             warnings += _check_lengths(cfg, task, prompts)
     return warnings
+
+
+def launched() -> bool:
+    """Whether a launcher (torchrun, srun) started this process."""
+    return ("RANK" in os.environ and "WORLD_SIZE" in os.environ) or "SLURM_PROCID" in os.environ
+
+
+def _check_wandb(cfg) -> None:
+    if cfg.logging.wandb_project and importlib.util.find_spec("wandb") is None:
+        raise PreflightError(f"--wandb-project {cfg.logging.wandb_project}: the wandb package is not installed "
+                             "(pip install wandb), or drop --wandb-project (TensorBoard: --tensorboard-dir)")
 
 
 def _check_cpus(cfg) -> None:
@@ -207,8 +224,10 @@ def _check_layout(cfg, hf: dict, world: int | None) -> None:
         rules.append((experts % ep, f"--expert-model-parallel-size {ep} does not divide the {experts} experts of "
                                     f"{where}"))
     if world:
+        launch = ("" if launched() else f": launch one process per rank, e.g. `torchrun --nproc-per-node "
+                  f"{tp * pp * cp} -m megatron_tsync.train ...` (or srun)")
         rules.append((world % (tp * pp * cp), f"the {world} processes are not a multiple of TP × PP × CP = "
-                                              f"{tp} × {pp} × {cp}"))
+                                              f"{tp} × {pp} × {cp}{launch}"))
         rules.append(((world // (tp * pp)) % ep, f"--expert-model-parallel-size {ep} does not divide the "
                                                  f"data-parallel × context-parallel ranks of the {world} processes "
                                                  f"(world / (TP × PP) = {world // (tp * pp)})"))
@@ -235,13 +254,41 @@ def _check_router_replay(cfg, hf: dict) -> None:
                                  "embedded for router replay here")
 
 
+def _safetensors_keys(path: str) -> list[str]:
+    """The tensor names of a safetensors file, from its header (8-byte little-endian length, then JSON)."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        return [k for k in json.loads(f.read(n)) if k != "__metadata__"]
+
+
+def _check_replay_routing(cfg) -> None:
+    """A dump with routing replayed without --moe-router-replay: refused. Its gradient was taken with the recorded
+    experts; without the flag the model routes by itself (another gradient than the recorded run's, silently), and
+    the learner could not replay routing anyway (the model is built without megatron's ``RouterReplay``)."""
+    root = cfg.logging.replay_rollouts
+    if not root or cfg.model.moe_router_replay or not os.path.isdir(root):
+        return
+    for name in sorted(os.listdir(root)):
+        fn = os.path.join(root, name, "rollouts.safetensors")
+        if not (name.startswith("step_") and os.path.isfile(fn)):
+            continue
+        try:
+            routed = sum(k.startswith("routing.") for k in _safetensors_keys(fn))
+        except (OSError, ValueError, struct.error):
+            continue  # a damaged dump is the loader's to report, with its step
+        if routed:
+            raise PreflightError(
+                f"--replay-rollouts {root}: {name} carries MoE routing for {routed} trajectories (routing.{{i}}, "
+                "recorded with --moe-router-replay); add --moe-router-replay to replay them with the recorded experts")
+
+
 # ------------------------------------------------------------------------------------------------------ task
 def _check_task(cfg):
-    from megatron_tsync.runtime.tasks import get_task
+    from megatron_tsync.runtime.tasks import task_from_config
 
     name, verifier = cfg.rollout.task, cfg.rollout.verifier
     try:
-        task = get_task(name, verifier=verifier)
+        task = task_from_config(cfg.rollout)
     except KeyError as e:
         raise PreflightError(f"--task {name}: {e.args[0] if e.args else e}") from None
     except ImportError as e:

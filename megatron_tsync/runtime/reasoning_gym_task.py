@@ -6,7 +6,8 @@
 answer; a wrong one gets what the dataset says: 0, or partial credit, e.g. ``chain_sum`` gives ``len(oracle) /
 len(answer)`` when the oracle is a substring of the answer). That is the reward here, unchanged: the verifier
 ``reasoning_gym`` (``rollout/verifiers.py``) hands it the text of the last ``<answer>…</answer>`` outside ``<result>``
-blocks. Rewards are bounded in [0, 1], not binary; held-out success counts rewards of 1.
+blocks, in the sandbox (``rollout/reasoning_gym_scorer.py``: some datasets ``eval`` the answer). Rewards are bounded in
+[0, 1], not binary; held-out success counts rewards of 1.
 
 Name: ``reasoning-gym:NAME`` or ``reasoning-gym:NAME:key=value,key=value`` (the dataset's config fields, values
 read as Python literals), e.g. ``reasoning-gym:chain_sum:min_terms=2,max_terms=3,max_digits=2``.

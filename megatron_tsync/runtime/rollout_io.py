@@ -10,10 +10,13 @@ Rollout dump, one folder per step: ``DIR/step_{k:07d}/``
   "policy_version", "arrival_index", "arrival_s", "offset", "length", "meta"}]}`` — ``offset``/``length`` index
   the flat tensors; ``arrival_index`` is the order in which rewards landed at the learner.
 
-Gradient dump: ``DIR/grad_step_{k:07d}.safetensors`` holds the step's final gradient after the explicit
-normalisation and the DP reduction, before clipping, under Hugging Face parameter names (same dtype as the
-parameters: float64 in ``--params-dtype float64`` verification runs), plus ``grad_step_{k:07d}.json`` with
-the step, the divisor and the gradient norm.
+Gradient dump, one file per optimizer update (GRPO and OPD alike): the gradient after the explicit normalisation
+and the DP reduction, before clipping, under Hugging Face parameter names (same dtype as the parameters: float64 in
+``--params-dtype float64`` verification runs), plus a JSON file beside it with the step, the update's epoch and
+minibatch, the divisor and the gradient norm. A step of one update (one minibatch, one epoch: OPD, and GRPO by
+default) writes ``DIR/grad_step_{k:07d}.safetensors``; a step of several (``--num-minibatches`` /
+``--ppo-epochs``) writes ``DIR/grad_step_{k:07d}_epoch_{e}_mb_{j}.safetensors`` per update and no
+``grad_step_{k:07d}.safetensors``: each update's gradient is taken at other weights, so no one file is "the step's".
 """
 
 from __future__ import annotations
@@ -130,14 +133,38 @@ def grads_to_hf(ddp_model) -> dict[str, torch.Tensor]:
             p.data = d
 
 
-def dump_grads(root: str, step: int, ddp_model, *, divisor: float, write: bool) -> None:
+def grad_dump_stem(step: int, epoch: int = 0, minibatch: int = 0, *, epochs: int = 1, minibatches: int = 1) -> str:
+    """The file stem of one update's gradient dump (module docstring): ``grad_step_{k:07d}`` for a step of one update,
+    ``grad_step_{k:07d}_epoch_{e}_mb_{j}`` for update (e, j) of a step of ``epochs`` × ``minibatches`` updates."""
+    stem = f"grad_step_{step:07d}"
+    return stem if epochs * minibatches == 1 else f"{stem}_epoch_{epoch}_mb_{minibatch}"
+
+
+def dump_grads(root: str, step: int, ddp_model, *, divisor: float, write: bool, epoch: int = 0, minibatch: int = 0,
+               epochs: int = 1, minibatches: int = 1) -> None:
+    """Writes the normalised gradient in ``main_grad`` (collective over TP/PP: every rank calls, ``write`` on one)."""
     from safetensors.torch import save_file
 
     g = grads_to_hf(ddp_model)
     if not write:
         return
     os.makedirs(root, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in g.items()}, os.path.join(root, f"grad_step_{step:07d}.safetensors"))
+    stem = os.path.join(root, grad_dump_stem(step, epoch, minibatch, epochs=epochs, minibatches=minibatches))
+    save_file({k: v.contiguous() for k, v in g.items()}, stem + ".safetensors")
     norm = float(torch.sqrt(sum((v.double() ** 2).sum() for v in g.values())))
-    with open(os.path.join(root, f"grad_step_{step:07d}.json"), "w") as f:
-        json.dump({"step": step, "divisor": divisor, "grad_norm": norm, "names": sorted(g)}, f, indent=1)
+    with open(stem + ".json", "w") as f:
+        json.dump({"step": step, "epoch": epoch, "minibatch": minibatch, "epochs": epochs, "minibatches": minibatches,
+                   "divisor": divisor, "grad_norm": norm, "names": sorted(g)}, f, indent=1)
+
+
+def grad_dump_hook(root: str, step: int, learner, *, write: bool, epochs: int = 1, minibatches: int = 1):
+    """``--dump-grads``: the learner's ``grad_hook`` for step ``step`` (GRPO's ``Learner``, ``OPDLearner``). It reads
+    what the learner publishes before each barrier: ``last_divisor``, and with several updates per step
+    ``last_update`` (epoch, minibatch)."""
+
+    def hook(ddp_model) -> None:
+        e, j = learner.last_update if epochs * minibatches > 1 else (0, 0)
+        dump_grads(root, step, ddp_model, divisor=learner.last_divisor, write=write, epoch=e, minibatch=j,
+                   epochs=epochs, minibatches=minibatches)
+
+    return hook

@@ -21,6 +21,13 @@ After the stop (and after the checkpoint is complete) rank 0 writes ``SAVE/tsync
 ``{"finished": step == train_iters, "reason": "done" | "exit-duration" | "SIGTERM" | "SIGUSR1" | "SIGINT",
 "step": the checkpointed step, "time": unix time}``; the SLURM scripts requeue the job when ``finished`` is false.
 The file is removed at the start of a run, so its absence after a run means the run failed.
+
+Skipped updates (:class:`SkipCounter`): a step whose loss or gradient is NaN / inf anywhere keeps θ (the barrier
+skips the optimizer step on every rank, ``training/barrier.py``), and the version still advances (the rollout plane
+samples step k + 1 from the same weights). ``--max-consecutive-skipped-steps N`` (default 3; 0: never stop) steps
+in a row with a skipped update stop the run: one ``[tsync] error:`` line, exit code 3, no checkpoint and no stop
+record (the SLURM scripts do not requeue it: the same data would poison it again); the last checkpoint written
+before holds finite weights, since no skipped step changed them.
 """
 
 from __future__ import annotations
@@ -149,3 +156,37 @@ def write_stop_file(save_dir: str, *, finished: bool, reason: str, step: int) ->
         os.fsync(f.fileno())
     os.replace(tmp, path)
     return path
+
+
+class NonFiniteStop(RuntimeError):
+    """``--max-consecutive-skipped-steps`` steps in a row skipped their update (non-finite loss or gradient)."""
+
+
+class SkipCounter:
+    """Steps whose optimizer update was skipped (``training.barrier``): the run's total, the current streak, and the
+    stop after ``limit`` in a row (0: never). The counts come from the barrier's all-reduced verdict, so every rank
+    stops after the same step."""
+
+    def __init__(self, limit: int):
+        self.limit, self.total, self.streak = limit, 0, 0
+
+    def record(self, k: int, skipped_updates: int) -> dict:
+        """Step ``k`` skipped ``skipped_updates`` optimizer updates (of its minibatches × epochs); its log row keys:
+        ``update_skipped`` (this step's) and ``skipped_steps`` (this process's total so far)."""
+        self.total += skipped_updates
+        self.streak = self.streak + 1 if skipped_updates else 0
+        return {"update_skipped": skipped_updates, "skipped_steps": self.total}
+
+    def message(self, k: int) -> str:
+        limit = f"the run stops at {self.limit}" if self.limit else "never stops"
+        return (f"step {k}: optimizer update skipped (non-finite loss or gradient), weights unchanged; "
+                f"{self.streak} in a row (--max-consecutive-skipped-steps {self.limit}: {limit})")
+
+    def check(self, k: int) -> None:
+        """Raises :class:`NonFiniteStop` once ``limit`` steps in a row (ending at step ``k``) skipped their update."""
+        if self.limit and self.streak >= self.limit:
+            raise NonFiniteStop(
+                f"stopping at step {k}: {self.streak} steps in a row (--max-consecutive-skipped-steps {self.limit}) had "
+                f"a non-finite loss or gradient and skipped their optimizer update; the weights are still policy "
+                f"version {k + 1 - self.streak}'s, no checkpoint was written now (see the log for the rejected and skipped "
+                f"steps, history.json for the rows)")

@@ -46,7 +46,7 @@ from typing import Any, Callable, Protocol, runtime_checkable
 from megatron_tsync.algorithms.streamability import RewardSpec
 
 __all__ = [
-    "TaskInstance", "Task", "register_task", "register_task_family", "get_task", "available_tasks",
+    "TaskInstance", "Task", "register_task", "register_task_family", "get_task", "task_from_config", "available_tasks",
     "ArithmeticCalculatorTask",
     "evaluate_expression",
 ]
@@ -122,6 +122,22 @@ def get_task(name: str, **kwargs: Any) -> Task:
         families = ", ".join(f"{p}:NAME" for p in sorted(set(_FAMILIES) | set(_FAMILY_MODULES)))
         raise KeyError(f"unknown task {name!r}; available: {', '.join(sorted(_REGISTRY))}, {families}") from None
     return factory(**kwargs)
+
+
+def task_from_config(rollout) -> Task:
+    """The run's task from its ``RolloutConfig`` (the trainer, its pre-flight and every rollout worker build it here,
+    so they draw from the same pool): ``get_task(rollout.task, verifier=rollout.verifier)``, and
+    ``keep_trivial_tasks=True`` with ``--tau2-keep-trivial-tasks``, which only τ² tasks accept."""
+    kwargs: dict[str, Any] = {"verifier": rollout.verifier}
+    if rollout.tau2_keep_trivial_tasks:
+        kwargs["keep_trivial_tasks"] = True
+    try:
+        return get_task(rollout.task, **kwargs)
+    except TypeError as e:
+        if "keep_trivial_tasks" not in str(e):
+            raise
+        raise ValueError(f"--tau2-keep-trivial-tasks applies to τ² tasks (megatron_tsync.runtime.tau2_tasks:NAME) "
+                         f"only; task {rollout.task} takes no such option") from None
 
 
 _FAMILIES: dict[str, Callable[..., Task]] = {}

@@ -21,18 +21,27 @@ The opening (the user's first message, after τ²'s greeting) is part of the pro
 share: a scripted opening is fixed; an LLM user's opening is generated once per (split, task, step, group) in this
 process by τ²'s own user simulator (temperature 0 by default) and cached; the rest of each conversation is per
 trajectory. The reward is τ²'s evaluator's: binary 0/1.
+
+Tasks that reward doing nothing are left out of both splits: when a split's pool is built, each task is tried with
+the do-nothing conversation (``tau2_env.do_nothing_turns``: no tool call, one closing message; solo: ``done``) under
+τ²'s evaluator, with a scripted or solo user whatever the task's user is (no model is called); a task it scores
+1.0 (the gold changes nothing and communicates nothing) teaches nothing and makes held-out success meaningless.
+``keep_trivial_tasks`` (``--tau2-keep-trivial-tasks``) keeps them. The check runs once per process and (domain,
+τ² split, solo) (:func:`trivial_tasks`), and one ``[tsync]`` line per split names the counts per domain.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import threading
+import time
 from typing import Any
 
 from megatron_tsync.algorithms.streamability import RewardSpec
 from megatron_tsync.runtime.tasks import TaskInstance, _mix, register_task
 
-__all__ = ["Tau2RLTask"]
+__all__ = ["Tau2RLTask", "trivial_tasks"]
 
 _SPLITS = {"train": 0, "eval": 1}
 _TAU2_SPLIT = {"train": "train", "eval": "test"}
@@ -50,6 +59,8 @@ class Tau2RLTask:
     verifier: str = "tau2"
     verifier_kwargs: dict = dataclasses.field(default_factory=dict)
     name: str = "mock"
+    keep_trivial_tasks: bool = False
+    """Keep the tasks a do-nothing conversation solves (:func:`trivial_tasks`); default: left out of both splits."""
 
     def __post_init__(self):
         if self.verifier != "tau2":
@@ -91,18 +102,31 @@ class Tau2RLTask:
         return tuple(self.domain.split("+"))
 
     def pool(self, split: str) -> list[tuple[str, Any]]:
-        """(domain, τ² task) of ``split`` (ours: "train" / "eval"), the domains in order, each in τ²'s file order."""
+        """(domain, τ² task) of ``split`` (ours: "train" / "eval"), the domains in order, each in τ²'s file order,
+        without the tasks a do-nothing conversation solves unless ``keep_trivial_tasks``."""
         if split not in _SPLITS:
             raise ValueError(f"split must be one of {sorted(_SPLITS)}, got {split!r}")
         key = ("pool", split)
         if key not in self._cache:
             env = self.make_environment()
-            pool = []
+            solo = self.user_mode == "solo"
+            pool, excluded, t0 = [], {}, time.perf_counter()
             for domain in self.domains:
-                tasks = env.ns.registry.get_tasks_loader(domain)("base" if domain == "mock" else _TAU2_SPLIT[split])
-                if self.user_mode == "solo":
+                tau2_split = "base" if domain == "mock" else _TAU2_SPLIT[split]
+                tasks = env.ns.registry.get_tasks_loader(domain)(tau2_split)
+                if solo:
                     tasks = [t for t in tasks if env.ns.llm_agent.LLMSoloAgent.check_valid_task(t)]
+                if not self.keep_trivial_tasks:
+                    trivial = trivial_tasks(domain, tau2_split, solo=solo,
+                                            env=None if self.user_mode == "llm" else env)
+                    excluded[domain] = (sum(t.id in trivial for t in tasks), len(tasks))
+                    tasks = [t for t in tasks if t.id not in trivial]
                 pool += [(domain, t) for t in tasks]
+            _report(self.name, split, excluded, time.perf_counter() - t0, self.keep_trivial_tasks)
+            if not pool and excluded:
+                raise ValueError(f"task {self.name}: a do-nothing conversation solves every τ² task of split "
+                                 f"{split!r} (τ²'s evaluator scores it 1.0: {_counts(excluded)}), so nothing is left "
+                                 "to learn or measure; pass --tau2-keep-trivial-tasks to use them anyway")
             if not pool:
                 raise ValueError(f"task {self.name}: no τ² tasks in split {split!r}")
             self._cache[key] = pool
@@ -165,6 +189,74 @@ class Tau2RLTask:
 
     def demonstration(self, inst: TaskInstance) -> str:
         return "".join(text for text, _ in self.demonstration_segments(inst))
+
+
+_TRIVIAL: dict[tuple[str, str, bool], dict[str, str]] = {}
+_TRIVIAL_LOCK = threading.Lock()
+_REPORTED: set[tuple[str, str, bool]] = set()
+
+
+def trivial_tasks(domain: str, tau2_split: str, *, solo: bool = False, env=None) -> dict[str, str]:
+    """{task id: reason} of the tasks of τ²'s ``domain`` / ``tau2_split`` ("train", "test", "base") whose
+    do-nothing conversation (``tau2_env.do_nothing_reward``) τ²'s evaluator scores 1.0 (the reward's top), with
+    the scripted user (``solo``: τ²'s solo mode, on the tasks its solo agent accepts). No model is called. Computed
+    once per process per (domain, split, solo). ``env``: a ``Tau2Env`` of that user to run it in (its reference
+    databases reused); None: a scripted / solo one made for the check."""
+    from megatron_tsync.rollout.envs.tau2_env import Tau2Env, Tau2UserConfig, do_nothing_reward
+
+    key = (domain, tau2_split, solo)
+    with _TRIVIAL_LOCK:
+        if key not in _TRIVIAL:
+            mode = "solo" if solo else "scripted"
+            if env is None or env.user.mode != mode:
+                env = Tau2Env(user=Tau2UserConfig(mode=mode))
+            tasks = env.ns.registry.get_tasks_loader(domain)(tau2_split)
+            if solo:
+                tasks = [t for t in tasks if env.ns.llm_agent.LLMSoloAgent.check_valid_task(t)]
+            out = {}
+            for task in tasks:
+                reward, why = do_nothing_reward(env, domain, task)
+                if reward >= 1.0:
+                    out[task.id] = (f"do-nothing conversation scores {reward:g} ({why}); "
+                                    f"{_criteria(task, env.reference(domain))}")
+            _TRIVIAL[key] = out
+        return dict(_TRIVIAL[key])
+
+
+def _criteria(task, environment) -> str:
+    """What the task's reward checks, in words (why doing nothing passes it); ``environment``: τ²'s, whose tool
+    types say which gold actions write."""
+    crit = task.evaluation_criteria
+    if crit is None:
+        return "no evaluation criteria"
+    basis = "+".join(str(getattr(b, "value", b)) for b in crit.reward_basis)
+    tools = [t for t in (environment.tools, environment.user_tools) if t is not None]
+    writes = [a for a in crit.actions or [] if any(
+        t.has_tool(a.name) and t.tool_type(a.name).value == "write" for t in tools)]
+    return (f"reward basis {basis}; {len(crit.actions or [])} gold actions ({len(writes)} writes), "
+            f"{len(crit.env_assertions or [])} env assertions, {len(crit.communicate_info or [])} facts to "
+            "communicate")
+
+
+def _counts(excluded: dict) -> str:
+    return ", ".join(f"{d} {n}/{total}" for d, (n, total) in excluded.items())
+
+
+def _report(name: str, split: str, excluded: dict, seconds: float, kept: bool) -> None:
+    """One ``[tsync]`` line per (task, split, setting) and process (rank 0 of a launcher; each rollout worker)."""
+    from megatron_tsync.model.launcher import launcher_env
+
+    key = (name, split, kept)
+    if key in _REPORTED or launcher_env()[0] != 0:
+        return
+    _REPORTED.add(key)
+    if kept:
+        print(f"[tsync] τ² {name} {split}: tasks a do-nothing conversation solves are kept "
+              "(--tau2-keep-trivial-tasks; not checked)", flush=True)
+        return
+    n = sum(k for k, _ in excluded.values())
+    print(f"[tsync] τ² {name} {split}: excluded {n} tasks a do-nothing conversation solves (τ²'s evaluator: 1.0): "
+          f"{_counts(excluded)}; checked in {seconds:.1f} s; --tau2-keep-trivial-tasks keeps them", flush=True)
 
 
 def _env_kwargs(user_mode: str) -> dict:

@@ -2,7 +2,9 @@
 the start-up check that the tokenizer fits the model.
 
 The transport (``transport/codec.py``, ``schema.py``) checks what any receiver can: the signature, the policy version,
-the layout of every field, finite numbers everywhere (``meta`` included). What only the learner knows is checked
+the layout of every field, finite numbers everywhere (``meta`` included), and log-probs an engine can produce —
+reason ``bad_logprob``: NaN / inf, above 0, or a behaviour log-prob below ``schema.LOGPROB_FLOOR`` (a forged -1e4
+made the async learner's loss NaN). Those trajectories are accounted here like the edge's own rejections. What only the learner knows is checked
 here, on every event the receiver hands over (:func:`screen`, called by ``TransportSource._events``):
 
 * token ids ``< vocab_size`` of the model (``config.json`` of ``--model``): an id past the embedding would crash the

@@ -87,6 +87,15 @@ class WorkerSpec:
     """"gloo" (CPU tensors) or "nccl" (vLLM engines on GPUs next to a CUDA trainer; not run on a GPU yet)."""
     record_routing: bool
     """``--moe-router-replay``: the engine records each position's experts and the events carry them."""
+    reward_spec: dict
+    """The run's reward spec (``learner.reward_spec``: ``--reward-kind/--reward-range``, default the verifier's) as
+    ``{"kind", "lo", "hi"}``: a harness's own reward is checked against it (:meth:`run_reward_spec`), not against the
+    task's verifier, which may declare less (a binary verifier under ``--reward-kind bounded``)."""
+
+    def run_reward_spec(self):
+        from megatron_tsync.algorithms.streamability import RewardSpec
+
+        return RewardSpec(**self.reward_spec)
 
     def to_json(self, path: str) -> None:
         data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -190,7 +199,7 @@ class RolloutWorker:
         from megatron_tsync.model.tokenizer import TokenizerCodec
         from megatron_tsync.rollout.sandbox import Sandbox, SandboxConfig
         from megatron_tsync.rollout.verifiers import get_verifier
-        from megatron_tsync.runtime.tasks import get_task
+        from megatron_tsync.runtime.tasks import task_from_config
         from megatron_tsync.transport import EventSender, WeightSubscriber, load_secret
 
         from megatron_tsync.transport.secret import run_key
@@ -212,7 +221,7 @@ class RolloutWorker:
         self.broadcast = _join_weight_sync(spec, self.engine, self.key) if broadcast else None
         tok = AutoTokenizer.from_pretrained(spec.model_dir)
         self.codec = TokenizerCodec(tok)
-        self.task = get_task(spec.rollout.task, verifier=spec.rollout.verifier)
+        self.task = task_from_config(spec.rollout)
         # a task with an environment (runtime.env_tasks, the calculator) owns each trajectory's tools and reward
         has_env = hasattr(self.task, "make_environment")
         self.verifier = None if has_env else get_verifier(self.task.verifier, **self.task.verifier_kwargs)
@@ -399,12 +408,17 @@ class RolloutWorker:
             start, end = traj.turn_spans[turn]
             mask = np.asarray(traj.loss_mask[:end], dtype=np.uint8)
             mask[:start] = 0
-            self.sender.send(TurnEvent(
+            ev = TurnEvent(
                 traj_id=traj_id(m["group_id"], m["index"]), group_id=m["group_id"],
                 policy_version=traj.policy_version if traj.policy_version >= 0 else step, turn=turn, start=start,
                 end=end, token_ids=np.asarray(traj.token_ids[:end], dtype=np.int32), loss_mask=mask,
                 logprobs=np.asarray(traj.logprobs[:end], dtype=np.float32) * mask,
-                **_routing_fields(traj, end)), timeout_s=600)
+                **_routing_fields(traj, end))
+            why = bad_logprobs(ev)
+            if why is None:
+                self.sender.send(ev, timeout_s=600)
+            else:  # not streamed: the trajectory's final event reports it failed (``reported``)
+                log.warning("%s turn %d not sent: %s", ev.traj_id, turn, why)
 
         from megatron_tsync.rollout.envs.base import EnvTools
 
@@ -452,6 +466,7 @@ class RolloutWorker:
                   **(self.drafter.meta(m.get("spec_key")) if self.drafter is not None else {})},
             **_routing_fields(traj),
         )
+        ev = reported(ev, float(spec.lo))
         if self.pace_s > 0:
             async with self._pace_lock:
                 await asyncio.sleep(self.pace_s)
@@ -465,6 +480,31 @@ class RolloutWorker:
             log.warning("latency trace %s not written: %s", self.trace.path, e)
         self.sent += 1
         self.status.update(sent=self.sent, step_sent=self.status.get("step_sent", 0) + 1)
+
+
+def bad_logprobs(ev) -> str | None:
+    """Why the schema refuses the log-probs of an event built from this worker's engine output (``bad_logprob``: NaN,
+    > 0, a behaviour log-prob below ``schema.LOGPROB_FLOOR`` — an engine bug the receiver would reject anyway), or
+    None. Other schema errors are raised as before."""
+    from megatron_tsync.transport import BadLogprobError
+
+    try:
+        ev.validate()
+    except BadLogprobError as e:
+        return str(e)
+    return None
+
+
+def reported(ev, lowest: float):
+    """The trajectory event to send: ``ev``, or when :func:`bad_logprobs` refuses it the same trajectory reported
+    failed (the task's ``lowest`` reward, log-probs zeroed), so it is accounted in its group instead of killing this
+    worker on the sender's schema check."""
+    why = bad_logprobs(ev)
+    if why is None:
+        return ev
+    log.warning("trajectory %s: the engine's log-probs are invalid (%s): reported as failed", ev.traj_id, why)
+    return dataclasses.replace(ev, logprobs=np.zeros_like(ev.logprobs), reward=lowest, status="error",
+                               error=f"bad_logprob: {why}"[:1000])
 
 
 async def score_trajectory(traj, codec, inst, episode, verifier, floor: float,
@@ -487,8 +527,9 @@ async def score_trajectory(traj, codec, inst, episode, verifier, floor: float,
             score = await episode.finish(text)
         else:
             score = await verifier.evaluate(text, inst.verifier_task())
-    except Exception as e:
-        return floor, "error", f"verifier failed: {type(e).__name__}: {e}"[:1000]
+    except Exception as e:  # a reason code first where the verifier gives one (ScorerFailed: "scorer_timeout: ...")
+        why = f"{e.reason}: {e.detail}" if isinstance(getattr(e, "reason", None), str) else f"{type(e).__name__}: {e}"
+        return floor, "error", f"verifier failed: {why}"[:1000]
     reward = float(score.reward)
     if not math.isfinite(reward):
         return floor, "error", f"verifier returned a non-finite reward {score.reward!r}"

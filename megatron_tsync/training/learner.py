@@ -6,7 +6,8 @@ when (``sync`` also takes its microbatch order from ``sync_order`` when set). Pe
 arrival where needed), drain (run what the planner still holds, close every group: nothing may stay open), then the
 barrier shared with the OPD learner (``training.barrier.barrier_step``): one DP reduction (``finalize_model_grads``),
 division by the explicit denominator, optional gradient hook, megatron's optimizer step (clipping if configured),
-zeroed grads.
+zeroed grads. A non-finite loss or gradient skips the update (``BarrierResult.skipped``: θ unchanged, grads dropped;
+``StepResult.skipped_updates`` counts them; the loop stops the run after ``--max-consecutive-skipped-steps``).
 
 ``deterministic`` (``--deterministic``): the bitwise mode. The gradient sum is the canonical-order reduction of
 ``streaming.canonical`` in every mode, statistics use the rewards in canonical order, torch's deterministic
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import time
 
@@ -90,6 +92,7 @@ class StepResult:
     offload: dict | None = None  # host offload of bucket vectors (--max-device-buckets): peaks and moves
     objective: float | None = None  # the objective's true value, mean over the step's optimizer steps
     # (training/objective.py): the same in every mode and arrival order
+    skipped_updates: int = 0  # optimizer steps of this batch skipped for a non-finite loss / gradient (training/barrier)
 
 
 @dataclasses.dataclass
@@ -110,6 +113,8 @@ class _Batch:
     barrier_busy: list = dataclasses.field(default_factory=list)  # (start, end) perf_counter of each barrier
     grad_norm: float | None = None  # of the last optimizer step
     ok: bool = True  # every optimizer step succeeded
+    skipped: int = 0  # optimizer steps skipped for a non-finite loss / gradient
+    loss_mark: int = 0  # entries of the executor's losses that belong to earlier optimizer steps
     first_step: bool = True  # no optimizer step of this batch has run yet
     objective: list = dataclasses.field(default_factory=list)  # J of each optimizer step (training/objective.py)
     group_rank: dict = dataclasses.field(default_factory=dict)  # deterministic mode: group id -> its DP rank
@@ -154,6 +159,7 @@ class Learner:
         self.grad_hook = None  # callable(ddp_model) run after normalisation, before clipping (--dump-grads)
         self.sync_order: list[str] | None = None  # sync mode: microbatch order (permutation control)
         self.last_divisor = 1.0  # the explicit denominator of the latest barrier (set before its grad hook runs)
+        self.last_update = (0, 0)  # (epoch, minibatch) of the latest barrier (set before its grad hook runs)
 
     def _describe_once(self):
         if self._described:
@@ -203,6 +209,7 @@ class Learner:
         st = self._begin_batch(group_sizes, shape)
         for e in range(cfg.epochs):
             for j in range(cfg.num_minibatches):
+                self.last_update = (e, j)
                 lc = cfg.loss if (e == 0 and j == 0) else st.later_lc
                 mode = cfg.mode if e == 0 else "sync"
                 planner = self._planner(st.sizes(j), mode, lc)
@@ -334,8 +341,14 @@ class Learner:
         n_tok = sum(s.num_action_tokens for s in st.seen[j])
         self.last_divisor = barrier_divisor(lc.aggregation, n_tok)
         st.objective.append(self._objective(st, j))
-        res = barrier_step(self.model, self.opt, self.last_divisor, self.grad_hook)
+        losses, st.loss_mark = self.exec.losses[st.loss_mark:], len(self.exec.losses)
+        finite = math.isfinite(st.objective[-1]) and all(math.isfinite(x) for x in losses)
+        res = barrier_step(self.model, self.opt, self.last_divisor, self.grad_hook, loss_finite=finite)
         st.ok = st.ok and res.update_ok
+        st.skipped += int(res.skipped)
+        if res.skipped:
+            log.warning("optimizer step skipped (minibatch %d): non-finite %s; weights unchanged", j,
+                        "loss" if not finite else "gradient")
         st.grad_norm = res.grad_norm
         st.barrier_busy.append((t_b, res.end_s))
 
@@ -373,6 +386,7 @@ class Learner:
             work_after_last_arrival_s=step_s - la,
             offload=None if self.buckets.residency is None else dataclasses.asdict(self.buckets.residency.stats),
             objective=sum(st.objective) / len(st.objective) if st.objective else None,
+            skipped_updates=st.skipped,
         )
 
     def _feed(self, planner: StepPlanner, samples: list[Sample]) -> None:

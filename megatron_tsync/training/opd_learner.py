@@ -30,7 +30,8 @@ incremental forward pads each chunk to a multiple of TP and hands back full, unp
 (``model.incremental``), the replayed routing is sharded alike; TP 2 and TP 2 × PP 2 equal one process's sync.
 
 Every gradient lands in megatron DDP's grad buffers (``main_grad``); the barrier is the one the GRPO learner uses
-(``training.barrier.barrier_step``: DP reduction, explicit divisor, grad hook, optimizer step, zeroed grads).
+(``training.barrier.barrier_step``: DP reduction, explicit divisor, grad hook, optimizer step, zeroed grads; a
+non-finite loss or gradient skips the update, ``OPDStepResult.skipped_updates``).
 
 Deviations / limits:
 
@@ -56,6 +57,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import math
 import time
 from typing import Protocol
 
@@ -273,6 +275,7 @@ class OPDStepResult:
     max_traj_graph_bytes: int
     busy_intervals: list
     p2p_messages: int = 0  # stream-turn under PP: per-chunk p2p messages this stage sent/received (0: no PP path)
+    skipped_updates: int = 0  # 1: the optimizer step was skipped for a non-finite loss / gradient (training/barrier)
 
 
 @dataclasses.dataclass
@@ -344,7 +347,10 @@ class OPDLearner:
         tb = time.perf_counter()
         n_tok = sum(tr.n_act for tr in self._trajs.values())
         self.last_divisor = barrier_divisor(self.cfg.loss.aggregation, n_tok)
-        bar = barrier_step(self.model, self.opt, self.last_divisor, self.grad_hook)
+        finite = math.isfinite(float(self._stats[0]))  # this rank's loss of the step (before the DP sum)
+        bar = barrier_step(self.model, self.opt, self.last_divisor, self.grad_hook, loss_finite=finite)
+        if bar.skipped:
+            log.warning("optimizer step skipped: non-finite %s; weights unchanged", "gradient" if finite else "loss")
         stats = self._stats
         if self.dp_group is not None and dist.get_world_size(self.dp_group) > 1:
             dist.all_reduce(stats, group=self.dp_group)
@@ -363,6 +369,7 @@ class OPDLearner:
             last_arrival_s=last - t0, tail_s=t_end - last, peak_graph_bytes=self._peak_bytes,
             max_traj_graph_bytes=self._max_traj_bytes, busy_intervals=busy,
             p2p_messages=(self.link.messages - msgs0) if self.link is not None else 0,
+            skipped_updates=int(bar.skipped),
         )
 
     def _begin_step(self, shape: BatchShape) -> None:

@@ -48,7 +48,8 @@ import torch
 
 from megatron_tsync.algorithms.aggregation import sequence_weight
 from megatron_tsync.algorithms.kl import kl_penalty
-from megatron_tsync.algorithms.policy_loss import PolicyLossConfig, policy_loss, sign_free, surrogate
+from megatron_tsync.algorithms.policy_loss import (PolicyLossConfig, importance_ratio, policy_loss, sign_free,
+                                                   surrogate)
 from megatron_tsync.streaming.accumulator import GroupBuckets
 from megatron_tsync.streaming.canonical import CanonicalSum, canonical_key
 from megatron_tsync.streaming.planner import Dest, StepPlanner, TrajMeta, WorkItem
@@ -495,7 +496,7 @@ class StreamExecutor:
         if item.policy:
             value[0], value[1] = signed_policy_values(logp, old, w, nu, cfg.policy, beh)
         if item.policy and self.canonical is not None:
-            ratio = torch.exp(logp.detach() - old)
+            ratio = importance_ratio(logp.detach(), old)
             sign = 1 if sign_free(ratio, cfg.policy, w) else item.adv_sign
             if sign is None:  # clip mask depends on a sign only the group's close knows
                 if not item.may_defer:
@@ -510,7 +511,7 @@ class StreamExecutor:
                 per = policy_loss(logp, old, adv, cfg.policy, beh)
                 total = total + nu * (per * w).sum()
             else:
-                ratio = torch.exp(logp.detach() - old)
+                ratio = importance_ratio(logp.detach(), old)
                 if item.may_defer and not sign_free(ratio, cfg.policy, w):
                     state["deferred"] = True
                     self.planner.report_deferred(item, _meta(s))

@@ -22,6 +22,7 @@ from .errors import (
     REJECT_REASONS,
     BackpressureTimeout,
     BadGroup,
+    BadLogprob,
     BadSignature,
     Malformed,
     NonFinite,
@@ -33,7 +34,7 @@ from .errors import (
     Unsigned,
     WrongVersion,
 )
-from .schema import NonFiniteError, SchemaError, SchemaLimits, TrajectoryEvent, TurnEvent
+from .schema import BadLogprobError, NonFiniteError, SchemaError, SchemaLimits, TrajectoryEvent, TurnEvent
 from .secret import SecretError, generate_secret, load_secret, write_secret_file
 from .versions import VersionWindow
 
@@ -41,7 +42,7 @@ _LAZY = {"publish_weights", "WeightSubscriber", "WeightPublisher", "FileWeightPu
 _LAZY_BROADCAST = {"BroadcastWeightPublisher", "BroadcastWeightSubscriber", "WeightSyncGroup", "WeightSyncError"}
 
 __all__ = [
-    "BackpressureTimeout", "BadGroup", "BadSignature", "DEFAULT_MAX_BYTES", "EventReceiver",
+    "BackpressureTimeout", "BadGroup", "BadLogprob", "BadLogprobError", "BadSignature", "DEFAULT_MAX_BYTES", "EventReceiver",
     "EventSender", "FrameHeader", "Malformed", "NonFinite", "NonFiniteError", "OutOfVocab", "Oversize", "TooLong", "REJECT_REASONS", "Replayed", "ReplayGuard",
     "SchemaError", "SchemaLimits", "SecretError", "TrajectoryEvent", "TransportError", "TurnEvent",
     "Unsigned", "VersionWindow", "WrongVersion", "decode", "decode_frame", "encode", "generate_secret", "load_secret",

@@ -21,9 +21,9 @@ Frame layout (all integers little-endian)::
 fixed header / magic / protocol / declared lengths (``Malformed``), auth scheme (``Unsigned``), tag
 (``BadSignature``, ``hmac.compare_digest``), replay (``Replayed``, when a :class:`ReplayGuard` is given), policy
 version (``WrongVersion``), then the msgpack payload and the schema (``Malformed``; ``NonFinite`` for a NaN or an
-infinity anywhere, ``meta`` included).  A schema rejection of an authentic frame carries the ``(traj_id, group_id)``
-its payload names in ``exc.event_ids`` (``None`` when the payload names none).  The version is checked from
-the authenticated header before the payload is parsed, and the payload's ``policy_version`` must equal the header's.
+infinity in the reward or ``meta``; ``BadLogprob`` for a log-prob no engine can produce, NaN included).  A schema
+rejection of an authentic frame carries the ``(traj_id, group_id)`` its payload names in ``exc.event_ids`` (``None``
+when the payload names none).  The version is checked from the authenticated header before the payload is parsed, and the payload's ``policy_version`` must equal the header's.
 
 Deviation from the brief: the header carries a *sender epoch* besides the sender id.  Replay protection keys on
 (sender id, epoch, seq), so a worker that restarts under the same id (new epoch, seq again from 1) is not mistaken
@@ -43,8 +43,8 @@ from typing import Any
 
 import msgpack
 
-from .errors import BadSignature, Malformed, NonFinite, Oversize, Replayed, Unsigned, WrongVersion
-from .schema import Ack, NonFiniteError, Ping, SchemaError, SchemaLimits, TrajectoryEvent, TurnEvent
+from .errors import BadLogprob, BadSignature, Malformed, NonFinite, Oversize, Replayed, Unsigned, WrongVersion
+from .schema import Ack, BadLogprobError, NonFiniteError, Ping, SchemaError, SchemaLimits, TrajectoryEvent, TurnEvent
 
 __all__ = [
     "MAGIC",
@@ -255,7 +255,8 @@ def decode_frame(frame: Any, key: bytes, *, max_bytes: int, expected_version: in
         event = cls.from_wire(obj)
         event.validate(limits)
     except SchemaError as exc:
-        err = NonFinite if isinstance(exc, NonFiniteError) else Malformed
+        err = NonFinite if isinstance(exc, NonFiniteError) else BadLogprob if isinstance(exc, BadLogprobError) \
+            else Malformed
         raise _with_ids(err(f"schema: {exc}", header=header), obj) from None
     except (TypeError, ValueError) as exc:  # e.g. a payload whose value types break a check's arithmetic
         raise _with_ids(Malformed(f"schema: {type(exc).__name__}: {exc}", header=header), obj) from None

@@ -20,6 +20,7 @@ __all__ = [
     "BadSignature",
     "Malformed",
     "NonFinite",
+    "BadLogprob",
     "OutOfVocab",
     "TooLong",
     "BadGroup",
@@ -65,9 +66,17 @@ class Malformed(TransportError):
 
 
 class NonFinite(Malformed):
-    """An authentic event whose payload holds a NaN or an infinity (reward, log-probs, a ``meta`` value)."""
+    """An authentic event whose payload holds a NaN or an infinity (the reward, a ``meta`` value)."""
 
     reason = "non_finite"
+
+
+class BadLogprob(Malformed):
+    """An authentic event with a log-prob no engine can produce (``schema.BadLogprobError``): NaN or infinite, above
+    0 (beyond float rounding), or a behaviour log-prob below ``schema.LOGPROB_FLOOR``. The trajectory counts as
+    failed in its group (``runtime/validation.py``)."""
+
+    reason = "bad_logprob"
 
 
 class OutOfVocab(TransportError):
@@ -152,6 +161,7 @@ REJECT_REASONS: tuple[str, ...] = (
     BadSignature.reason,
     Malformed.reason,
     NonFinite.reason,
+    BadLogprob.reason,
     Oversize.reason,
     WrongVersion.reason,
     WrongRun.reason,

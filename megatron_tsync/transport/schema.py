@@ -19,6 +19,11 @@ Arrays travel as ``[dtype, length, raw little-endian bytes]`` (a msgpack array h
 of each field is fixed (``token_ids`` int32, ``loss_mask`` uint8 or bool, log-probs float32), so a round trip is
 bit-exact, dtype included.  Equality of events (``==``) is bit-exact equality of their wire form.
 
+Log-probs are checked against what an engine can produce (:data:`LOGPROB_FLOOR`, :data:`LOGPROB_TOL`): a behaviour
+log-prob (``logprobs`` where ``loss_mask`` is 1) must be finite and in ``[LOGPROB_FLOOR, LOGPROB_TOL]``; a teacher
+log-prob finite and ``<= LOGPROB_TOL``.  A violation raises :class:`BadLogprobError` (the receiver's reason
+``bad_logprob``), NaN and infinities included.
+
 ``validate(limits)`` raises :class:`SchemaError` naming the field and the violated rule.  Lists, tuples and torch
 tensors given to the constructors are converted to the field's dtype when that is lossless; anything else is left for
 ``validate`` to reject.
@@ -35,6 +40,9 @@ import numpy as np
 __all__ = [
     "SchemaError",
     "NonFiniteError",
+    "BadLogprobError",
+    "LOGPROB_FLOOR",
+    "LOGPROB_TOL",
     "SchemaLimits",
     "TrajectoryEvent",
     "TurnEvent",
@@ -55,7 +63,34 @@ class SchemaError(ValueError):
 
 
 class NonFiniteError(SchemaError):
-    """A float field (reward, a log-prob, a ``meta`` value) is NaN or infinite."""
+    """A float field (the reward, a ``meta`` value) is NaN or infinite."""
+
+
+class BadLogprobError(SchemaError):
+    """A log-prob an engine cannot produce: NaN or infinite, above ``LOGPROB_TOL``, or (behaviour log-probs) below
+    ``LOGPROB_FLOOR``."""
+
+
+LOGPROB_TOL = 1e-6
+"""Largest log-prob accepted: log-probs are <= 0; this allows float rounding of an engine's log-softmax only."""
+
+LOGPROB_FLOOR = -126.0
+"""Smallest *behaviour* log-prob accepted: ``ln(2**-150 / 2**31) = -181·ln 2 ≈ -125.46``, rounded down.
+
+A behaviour log-prob is the log-prob of a token the engine *sampled*, under the distribution it reports it for
+(temperature applied; ``rollout/vllm_engine.py``).  Engines sample from float32 probabilities (vLLM: softmax in
+float32, then an exponential race in which a probability of exactly 0 never wins), and a float32 probability below
+2**-150 (half the smallest subnormal) rounds to 0: a sampled token has probability >= 2**-150 in the distribution it
+was drawn from.  With top-k / top-p the protocol reports the *untruncated* log-prob, which is the truncated one plus
+ln M (M: the kept mass, >= the largest probability >= 1/V); token ids are int32, so V <= 2**31 and the untruncated
+log-prob is >= ln(2**-150) - ln(2**31).  (No truncation: >= ln(2**-150) ≈ -103.97.)  Log-softmax rounding is a few
+ulps of ~100 (1e-5).  An engine that samples in float64 (the embedded engine's CDF) could in principle draw a token
+below the floor, with probability < 2**-150 ≈ 7e-46 per token: never.  ``-(ln V + margin)`` would be wrong: a
+log-prob is bounded by the sampling precision, not by the vocabulary (a peaked distribution puts most tokens far
+below -ln V).  The floor exists because the learner exponentiates ``old − behaviour`` (TIS, the ratio of
+``--rl-mode async``): a forged -1e4 overflowed it to inf and the step to NaN (the ratio is also clamped,
+``algorithms/policy_loss.py``).  Teacher log-probs get no floor: the teacher *scores* a token it did not sample,
+so any finite value <= 0 is one it can produce; OPD uses them linearly (``algorithms/opd.py``)."""
 
 
 @dataclass(frozen=True)
@@ -129,15 +164,6 @@ def _check_array(cls: str, name: str, value: Any, dtypes: tuple[str, ...], lengt
     return n
 
 
-def _check_finite_array(cls: str, name: str, value: np.ndarray) -> None:
-    if np.isfinite(value).all():
-        return
-    bad = ~np.isfinite(value)
-    if bad.any():
-        i = int(np.flatnonzero(bad)[0])
-        raise NonFiniteError(f"{cls}.{name}: non-finite value {value[i]} at index {i} ({int(bad.sum())} non-finite)")
-
-
 def _check_mask(cls: str, name: str, mask: np.ndarray) -> None:
     if mask.dtype.str == _U8 and mask.size and int(mask.max()) > 1:
         raise _fail(cls, name, f"values must be 0 or 1, found {int(mask.max())}")
@@ -150,11 +176,22 @@ def _check_zero_where_unmasked(cls: str, name: str, values: np.ndarray, mask: np
         raise _fail(cls, name, f"must be 0 where loss_mask is 0; index {i} holds {values[i]}")
 
 
-def _check_logprobs(cls: str, name: str, values: np.ndarray) -> None:
-    _check_finite_array(cls, name, values)
-    if values.size and float(values.max()) > 1e-3:
+def _check_logprobs(cls: str, name: str, values: np.ndarray, *, floor: float | None = LOGPROB_FLOOR) -> None:
+    """Finite, ``<= LOGPROB_TOL`` and (``floor`` not None) ``>= floor``; else :class:`BadLogprobError`."""
+    if not values.size:
+        return
+    bad = ~np.isfinite(values)
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise BadLogprobError(f"{cls}.{name}: non-finite value {values[i]} at index {i} ({int(bad.sum())} "
+                              "non-finite)")
+    if float(values.max()) > LOGPROB_TOL:
         i = int(np.argmax(values))
-        raise _fail(cls, name, f"log-probabilities must be <= 0; index {i} holds {values[i]}")
+        raise BadLogprobError(f"{cls}.{name}: log-probabilities must be <= 0; index {i} holds {values[i]}")
+    if floor is not None and float(values.min()) < floor:
+        i = int(np.argmin(values))
+        raise BadLogprobError(f"{cls}.{name}: log-probability {values[i]} at index {i} is below {floor}, the least "
+                              "an engine can report for a token it sampled (schema.LOGPROB_FLOOR)")
 
 
 def _check_meta(cls: str, meta: Any, limits: SchemaLimits) -> None:
@@ -336,7 +373,7 @@ class TrajectoryEvent(_WireMixin):
     logprobs: np.ndarray  # (T,) float32: behaviour log-probs where loss_mask == 1, exactly 0 elsewhere
     reward: float  # finite; a failed trajectory carries the task's lowest reward
     turn_spans: list[tuple[int, int]] = field(default_factory=list)  # [start, end) of each generated turn
-    teacher_logprobs: np.ndarray | None = None  # (T,) float32, finite
+    teacher_logprobs: np.ndarray | None = None  # (T,) float32, finite, <= 0
     status: str = "ok"  # "ok" | "error": a failed trajectory is still accounted for in its group
     error: str = ""  # the error message when status == "error", else ""
     meta: dict[str, str | int | float] = field(default_factory=dict)
@@ -367,7 +404,7 @@ class TrajectoryEvent(_WireMixin):
         _check_zero_where_unmasked(c, "logprobs", self.logprobs, self.loss_mask)
         if self.teacher_logprobs is not None:
             _check_array(c, "teacher_logprobs", self.teacher_logprobs, (_F32,), t, lim.max_seq_len)
-            _check_finite_array(c, "teacher_logprobs", self.teacher_logprobs)
+            _check_logprobs(c, "teacher_logprobs", self.teacher_logprobs, floor=None)
         _check_finite_float(c, "reward", self.reward)
         spans = _check_spans(c, self.turn_spans, self.prompt_len, t, lim)
         covered = np.zeros(t, dtype=bool)
@@ -413,7 +450,7 @@ class TurnEvent(_WireMixin):
     token_ids: np.ndarray  # (end,) int32: context + this turn
     loss_mask: np.ndarray  # (end,) uint8|bool: 0 outside [start, end)
     logprobs: np.ndarray  # (end,) float32: behaviour log-probs where loss_mask == 1, 0 elsewhere
-    teacher_logprobs: np.ndarray | None = None  # (end,) float32, finite
+    teacher_logprobs: np.ndarray | None = None  # (end,) float32, finite, <= 0
     meta: dict[str, str | int | float] = field(default_factory=dict)
     routing: np.ndarray | None = None  # (P·L·k,) as TrajectoryEvent's, for the prefix's first P ≤ end positions
     routing_shape: tuple[int, int] = (0, 0)  # (L, k) of ``routing``
@@ -438,7 +475,7 @@ class TurnEvent(_WireMixin):
         _check_zero_where_unmasked(c, "logprobs", self.logprobs, self.loss_mask)
         if self.teacher_logprobs is not None:
             _check_array(c, "teacher_logprobs", self.teacher_logprobs, (_F32,), self.end, lim.max_seq_len)
-            _check_finite_array(c, "teacher_logprobs", self.teacher_logprobs)
+            _check_logprobs(c, "teacher_logprobs", self.teacher_logprobs, floor=None)
         _check_meta(c, self.meta, lim)
         _check_routing(c, self.routing, self.routing_shape, self.end)
 

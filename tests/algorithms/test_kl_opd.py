@@ -141,3 +141,15 @@ def test_opd_gradient_is_the_reverse_kl_gradient_in_expectation():
     (g_opd,) = torch.autograd.grad((log_ps.detach().exp() * per_action[0]).sum(), z)
     (g_kl,) = torch.autograd.grad(full_vocab_reverse_kl(z, zt), z)
     torch.testing.assert_close(g_opd, g_kl, rtol=1e-12, atol=1e-14)
+
+
+def test_k3_of_a_far_reference_is_finite():
+    """k3 = exp(log r) − log r − 1 with log r = 1e4 overflowed to inf; its exponent is clamped (kl.py docstring).
+    Control: near the reference it is the formula, bit for bit."""
+    logp = torch.tensor([[-1e4, -1.0]], dtype=torch.float32, requires_grad=True)
+    ref = torch.tensor([[-1.0, -1.2]], dtype=torch.float32)
+    k3 = kl_penalty(logp, ref, "k3")
+    (g,) = torch.autograd.grad(k3.sum(), logp)
+    assert torch.isfinite(k3).all() and torch.isfinite(g).all() and float(k3[0, 0]) > 1e8
+    lr = ref[0, 1] - logp[0, 1]
+    assert torch.equal(k3[0, 1], torch.exp(lr) - lr - 1.0)

@@ -5,6 +5,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 # the atexit handler registered first runs last (LIFO): it sees the state after initialize_parallel's teardown
 _SCRIPT = textwrap.dedent("""
     import atexit
@@ -21,6 +23,7 @@ _SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_a_process_that_never_destroys_its_group_is_torn_down_at_exit():
     """A script that initialises parallel state, runs gloo collectives and exits without destroy_parallel leaves
     with 0 and without a process group at finalisation (an undestroyed gloo group can abort at exit, rc -6)."""

@@ -59,3 +59,32 @@ def test_parse_tag_tool_calls(text, content, call):
         assert calls == []
     else:
         assert [(c["function"]["name"], json.loads(c["function"]["arguments"])["input"]) for c in calls] == [call]
+
+
+def test_a_reply_that_stopped_on_answer_keeps_it(codec):
+    """The tag format's ``</answer>`` is a stop token of the run's sampling (as EOS is): the reply's content is what
+    the model generated, ``<answer>-4</answer>`` (it was ``<answer>-4``, which a harness parsing the documented format
+    scored 0), while EOS is still stripped."""
+    from megatron_tsync.rollout.engine import Completion, SamplingConfig
+    from megatron_tsync.rollout.openai_server import ChatServer
+
+    (close,) = codec.encode("</answer>")
+    eos = codec.tokenizer.eos_token_id
+    turns = [codec.encode("<answer>-4</answer>"), codec.encode("<answer>7") + [eos]]
+
+    class Engine:
+        policy_version = 0
+
+        def generate(self, prompts, sampling, n=1, *, seeds=None):
+            ids = turns.pop(0)
+            return [[Completion(ids, [-0.5] * len(ids), "stop", policy_version=0)] for _ in prompts]
+
+    server = ChatServer(Engine(), codec, tag_chat_template(codec.tokenizer), tool_parser=parse_tag_tool_calls,
+                        sampling=SamplingConfig(max_new_tokens=16, stop_token_ids=(eos, close)))
+    try:
+        for eid, want in (("a", "<answer>-4</answer>"), ("b", "<answer>7")):
+            out = server.chat_completion({"model": "tsync-policy", "messages": [{"role": "user", "content": "Q: 1 "}]},
+                                         {"x-episode-id": eid})
+            assert out["choices"][0]["message"]["content"] == want
+    finally:
+        server.close()

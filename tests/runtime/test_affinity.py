@@ -99,6 +99,7 @@ def _lines(out: str) -> dict:
 
 
 @needs2
+@pytest.mark.slow
 def test_trainer_flag_pins_every_thread_and_sets_torch_threads():
     a, b = CORES[0], CORES[1]
     p = _py(_TRAINER.format(argv=["--trainer-cpus", f"{a},{b}", "--rollout-workers", "1"]))
@@ -141,6 +142,7 @@ _WORKER = """
 
 
 @needs2
+@pytest.mark.slow
 def test_worker_flag_pins_the_worker_and_its_sandboxed_tool_calls():
     b = CORES[1]
     p = _py(_WORKER.format(cpus=str(b)))

@@ -16,6 +16,8 @@ import sys
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow  # every test here needs the warm start (120 SFT steps) or a live run: end-to-end
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 N_PROMPTS = 48
 

@@ -62,7 +62,7 @@ def _drain(source, tx, timeout_s=10.0):
 
 
 def test_specs_carry_the_config_sections(plane) -> None:
-    cfg, fleet = _fleet(plane, "--max-turns", "3", "--max-new-tokens", "8", "--seq-length", "64", "--top-p", "0.5",
+    cfg, fleet = _fleet(plane, "--reward-kind", "bounded", "--reward-range", "0", "1", "--max-turns", "3", "--max-new-tokens", "8", "--seq-length", "64", "--top-p", "0.5",
                         "--temperature", "0.8", "--latency-profile", "uniform", start_step=3)
     try:
         specs = [WorkerSpec.from_json(os.path.join(plane, f"worker{w}.json")) for w in (0, 1)]
@@ -73,6 +73,7 @@ def test_specs_carry_the_config_sections(plane) -> None:
         assert s.rl == cfg.rl and s.rollout == cfg.rollout  # the config itself: nothing copied by hand, nothing drifts
         assert (s.start_step, s.model_dir, s.engine_dtype, s.stream_turns) == (3, "/models/m", "float32", False)
         assert s.endpoint == f"ipc://{plane}/events.sock" and os.path.isdir(s.weights_dir)
+        assert s.run_reward_spec() == cfg.learner.reward_spec  # a harness's own reward is checked against it
 
 
 def test_the_fleet_owns_the_version_window(plane) -> None:
@@ -284,3 +285,34 @@ def test_ipc_endpoint_short_for_a_long_run_directory(tmp_path):
             bad.bind(f"ipc://{long_dir}/events.sock")
     finally:
         ctx.destroy(linger=0)
+
+
+def test_failed_trajectories_are_named_by_kind_and_logged_once_per_kind(plane, caplog) -> None:
+    """A failed trajectory's kind lands in ``meta["fail_kind"]`` (signal health counts them); the log has one line per
+    kind per step, not one per trajectory; a worker cannot mark an ok trajectory failed."""
+    import logging
+
+    _, fleet = _fleet(plane, "--group-size", "3")
+    try:
+        fleet.begin_step(0)
+        src = fleet.source(0, max_seq_len=64)
+        evs = [_traj(f"s0g{g}t{i}", 0, status="error") for g in (0, 1) for i in range(3)]
+        for ev in evs[:2]:
+            ev.meta = {"harness_fail": "harness_crash"}
+        evs[2].error = "verifier failed: ValueError: x"
+        ok = _traj("s0g1t0", 0)
+        ok.meta = {"fail_kind": "harness_crash"}  # an ok trajectory whose worker claims a failure kind
+        evs[3] = ok
+        for ev in evs:
+            ev.group_size = 3
+        with caplog.at_level(logging.WARNING, logger="megatron_tsync"), _sender(fleet) as tx:
+            for ev in evs:
+                tx.send(ev, timeout_s=5)
+            got = _drain(src, tx)
+        kinds = {s.traj_id: s.meta.get("fail_kind") for s in got}
+        assert kinds == {"s0g0t0": "harness_crash", "s0g0t1": "harness_crash", "s0g0t2": "verifier_error",
+                         "s0g1t0": None, "s0g1t1": "rollout_error", "s0g1t2": "rollout_error"}
+        lines = [r.getMessage() for r in caplog.records if "failed (" in r.getMessage()]
+        assert len(lines) == 3 and all("counted, not logged" in ln for ln in lines), lines
+    finally:
+        fleet.close()

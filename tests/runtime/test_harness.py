@@ -108,7 +108,7 @@ def test_example_agent_drives_the_tiny_agent(tmp_path):
     episodes' requests share engine calls, nothing fails."""
     ck, dump = tmp_path / "ck", tmp_path / "dump"
     _train(["--config", os.path.join(ROOT, "examples", "openai_harness", "config.yaml"), "--model",
-            str(tmp_path / "model"), "--train-iters", "1", "--global-batch-size", "16", "--eval-interval", "0",
+            str(tmp_path / "model"), "--init-tiny-model", "--train-iters", "1", "--global-batch-size", "16", "--eval-interval", "0",
             "--save", str(ck), "--dump-rollouts", str(dump), "--no-progress"], ROOT)
     (row,) = json.loads((ck / "history.json").read_text())
     assert all(row[f"harness_{r}"] == 0 for r in ("crash", "timeout", "bad_request", "no_finish", "bad_reward"))
@@ -160,6 +160,28 @@ def test_function_harness_outcomes():
     assert outcomes["boom"] == ("harness_crash", "ValueError: bad tool")
     assert outcomes["own_timeout"][0] == "harness_crash"
     assert outcomes["hang"][0] == "harness_timeout"
+
+
+def test_a_harness_reward_is_checked_against_the_runs_reward_spec():
+    """``--reward-kind bounded --reward-range 0 1`` over a binary verifier: a harness's own reward 0.1 is the
+    trajectory's (it was refused as "binary reward must be 0.0 or 1.0"); 1.5 is still off the run's spec."""
+    import asyncio
+    import types
+
+    from megatron_tsync.algorithms.streamability import RewardSpec
+    from megatron_tsync.runtime.harness import HarnessRunner
+    from megatron_tsync.runtime.worker import WorkerSpec
+
+    runner = HarnessRunner.__new__(HarnessRunner)  # only the scoring part: no worker, no endpoint
+    runner.score_trajectory = None  # the verifier: not used when the harness gives its reward
+    spec = types.SimpleNamespace(reward_spec={"kind": "bounded", "lo": 0.0, "hi": 1.0})
+    spec.run_reward_spec = types.MethodType(WorkerSpec.run_reward_spec, spec)
+    runner.w = types.SimpleNamespace(task=types.SimpleNamespace(reward_spec=RewardSpec.binary()), spec=spec)
+    traj = types.SimpleNamespace(metadata={"reward": 0.1})
+    assert asyncio.run(runner._score(traj, None, None, None, "")) == (0.1, "ok", "")
+    traj.metadata["reward"] = 1.5
+    reward, status, err = asyncio.run(runner._score(traj, None, None, None, ""))
+    assert (reward, status) == (0.0, "error") and err.startswith("harness_bad_reward: ") and "1.5" in err
 
 
 def test_example_config_is_the_quickstart_driven_by_the_harness():
@@ -230,3 +252,51 @@ def test_no_process_a_command_harness_started_outlives_its_episode(case):
     finally:
         for pid in _marked(marks):  # the old code's survivors
             os.kill(pid, signal.SIGKILL)
+
+
+def test_the_example_agent_runs_on_the_harness_extras_openai(tmp_path, monkeypatch):
+    """examples/openai_harness/agent.py with only what the ``harness`` extra pins (setup.py: openai, which since 3.x
+    sits on httpx2, not httpx), against a stub endpoint: one completion, then the finish request. The example imported
+    ``httpx`` (absent from a fresh venv: rc 1 after the warm start, a 130-line traceback); ``httpx`` is hidden here."""
+    import asyncio
+    import http.server
+    import importlib.metadata
+    import re
+    import threading
+
+    setup = open(os.path.join(ROOT, "setup.py")).read()
+    (pin,) = re.findall(r'"harness": \["openai==([0-9.]+)"\]', setup)
+    assert importlib.metadata.version("openai") == pin, "the test venv must hold the harness extra's openai"
+    seen = []
+
+    class Stub(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
+            seen.append((self.path, self.headers.get("X-Episode-Id"), body))
+            reply = ({"id": "c", "object": "chat.completion", "created": 0, "model": "m", "choices": [
+                {"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": "<answer>2</answer>"}}]}
+                if self.path.endswith("/chat/completions") else {"episode_id": "e", "finished": True})
+            data = json.dumps(reply).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *a):
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Stub)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    monkeypatch.setitem(sys.modules, "httpx", None)  # a fresh venv with the extra alone has no httpx
+    monkeypatch.delitem(sys.modules, "examples.openai_harness.agent", raising=False)
+    try:
+        sys.path.insert(0, ROOT)
+        from examples.openai_harness.agent import run_episode
+
+        asyncio.run(run_episode(f"http://127.0.0.1:{srv.server_address[1]}/v1", "e", {"prompt": "Q: 1+1 "}, "m"))
+    finally:
+        sys.path.remove(ROOT)
+        srv.shutdown()
+    assert [(p, e) for p, e, _ in seen] == [("/v1/chat/completions", "e"), ("/v1/episodes/e/finish", "e")]
+    assert seen[0][2]["messages"] == [{"role": "user", "content": "Q: 1+1 "}] and seen[1][2] == {}

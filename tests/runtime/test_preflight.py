@@ -85,6 +85,28 @@ def test_router_replay_needs_a_moe_model(models):
     assert "--moe-router-replay needs a MoE model" in _error(["--model", models[0], "--moe-router-replay"])
 
 
+def _dump(root, routed: bool) -> str:
+    """A one-step rollout dump of two trajectories, with router-replay routing (P, L, k) when ``routed``."""
+    import torch
+
+    from megatron_tsync.runtime.rollout_io import dump_rollouts
+    from megatron_tsync.streaming.ready_queue import Sample
+
+    samples = [Sample(f"s0g0t{i}", "s0g0", 2, torch.arange(8), torch.ones(8), float(i), policy_version=0,
+                      behaviour_logp=-torch.rand(8, dtype=torch.float64),
+                      routing=torch.randint(0, 4, (7, 2, 2), dtype=torch.uint8) if routed else None) for i in range(2)]
+    dump_rollouts(str(root), 0, samples, ["s0g0"])
+    return str(root)
+
+
+def test_replay_of_a_routed_dump_names_router_replay(models, tmp_path):
+    """A dump recorded with --moe-router-replay (routing.{i} tensors) replayed without the flag: one error naming it
+    (the model would route by itself: another gradient than the recorded one); a dump without routing replays."""
+    msg = _error(["--model", models[0], "--replay-rollouts", _dump(tmp_path / "routed", True)])
+    assert "step_0000000 carries MoE routing for 2 trajectories" in msg and "add --moe-router-replay" in msg, msg
+    assert pf.check(parse_args(["--model", models[0], "--replay-rollouts", _dump(tmp_path / "plain", False)])) == []
+
+
 def test_short_seq_length(models):
     msg = _error(["--model", models[0], "--seq-length", "24", "--max-new-tokens", "8"])
     assert "--seq-length 24 is too short for a correct answer" in msg
@@ -124,7 +146,8 @@ def test_entry_point_errors_are_one_line_exit_2_and_write_nothing(models, tmp_pa
                           "0", "1"],
              "tp": ["--model", model, "--tensor-model-parallel-size", "3"],
              "seq": ["--model", model, "--seq-length", "24", "--max-new-tokens", "8"],
-             "typo": ["--model", model, "--lerning-rate", "1e-4"]}
+             "typo": ["--model", model, "--lerning-rate", "1e-4"],
+             "routing": ["--model", model, "--replay-rollouts", _dump(tmp_path / "dump", True)]}
     p = subprocess.run([sys.executable, "-c", _ENTRY, json.dumps({k: [*v, *common] for k, v in cases.items()})],
                        cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -139,6 +162,7 @@ def test_entry_point_errors_are_one_line_exit_2_and_write_nothing(models, tmp_pa
             assert lines[0].startswith("[tsync] error: "), (name, err)
     assert "did you mean --lr?" in got["typo"][1]
     assert "absent.jsonl: no such task file" in got["task_file"][1]
+    assert "add --moe-router-replay" in got["routing"][1]
     assert not os.path.exists(save) and not os.path.exists(tmp_path / "runs")
 
 
@@ -167,6 +191,7 @@ def test_help_imports_neither_torch_nor_megatron():
     assert p.stdout.split() == ["0", "False", "False", "True"], p.stdout + p.stderr
 
 
+@pytest.mark.slow
 def test_master_port_in_use_is_one_line(models, tmp_path):
     """Rank 0 of a two-process launch (srun-style: RANK/WORLD_SIZE set, nobody else holds the store) on a taken
     MASTER_PORT: the store cannot listen; one line naming MASTER_PORT, exit 2, no --save folder."""
@@ -231,3 +256,24 @@ def test_eval_interval_needs_the_whole_model_on_rank_0_and_a_held_out_split(mode
     msg = _error(["--model", models[0], "--eval-interval", "5"])
     assert "gives no held-out prompts" in msg and "no eval split" in msg
     assert pf.check(parse_args(["--model", models[0]])) == []  # control: without --eval-interval
+
+
+def test_tp_without_a_launcher_names_torchrun_and_wandb_needs_wandb(models, monkeypatch):
+    """TP 2 started as one plain process: the error says to launch with torchrun; under a launcher it is the plain
+    world-size rule. --wandb-project without the wandb package: one line naming the install (was a traceback)."""
+    for k in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS"):
+        monkeypatch.delenv(k, raising=False)
+    msg = _error(["--model", models[0], "--tensor-model-parallel-size", "2"])
+    assert "not a multiple of TP × PP × CP = 2 × 1 × 1" in msg and "torchrun --nproc-per-node 2" in msg
+    cfg = parse_args(["--model", models[0], "--tensor-model-parallel-size", "2"])
+    monkeypatch.setenv("SLURM_PROCID", "0")  # launched (srun), 3 ranks
+    with pytest.raises(pf.PreflightError) as e:
+        pf.check(cfg, world_size=3)
+    assert "the 3 processes are not a multiple" in str(e.value) and "torchrun" not in str(e.value)
+    monkeypatch.delenv("SLURM_PROCID")
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    msg = _error(["--model", models[0], "--wandb-project", "p"])
+    assert msg.startswith("--wandb-project p: the wandb package is not installed (pip install wandb)")

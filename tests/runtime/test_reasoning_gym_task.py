@@ -28,11 +28,21 @@ def task():
 def verifier(task):
     from megatron_tsync.rollout.verifiers import get_verifier
 
-    return get_verifier(task.verifier, **task.verifier_kwargs)
+    v = get_verifier(task.verifier, **task.verifier_kwargs)
+    yield v
+    v.close()  # its sandbox's fork server
 
 
 def _score(verifier, text, inst):
     return asyncio.run(verifier.evaluate(text, inst.verifier_task())).reward
+
+
+def _scores(verifier, pairs):
+    """Rewards of (text, inst) pairs, scored together (the sandboxed scorer batches answers that arrive together)."""
+    async def together():
+        return await asyncio.gather(*(verifier.evaluate(text, inst.verifier_task()) for text, inst in pairs))
+
+    return [s.reward for s in asyncio.run(together())]
 
 
 def test_rewards_are_reasoning_gyms_own_score(task, verifier):
@@ -40,25 +50,26 @@ def test_rewards_are_reasoning_gyms_own_score(task, verifier):
 
     own = reasoning_gym.create_dataset("chain_sum", min_terms=2, max_terms=3, max_digits=2, size=1, seed=5)
     insts = task.sample_prompts(0, 8, 1234)
-    partial = []
+    pairs, want = [], []
     for inst in insts:
         entry, oracle = inst.meta["entry"], inst.answer
         assert entry["answer"] == oracle and inst.prompt_text == f"<s>Q: {entry['question']} "
         cases = {oracle: 1.0, oracle + "7": None, str(int(oracle) + 1000): None, "x": None}
-        for answer, want in cases.items():
-            got = _score(verifier, f"<tool>calculator: 1+1</tool><result>2</result><answer> {answer} </answer>", inst)
-            assert got == own.score_answer(answer, entry), (answer, entry)
-            if want is not None:
-                assert got == want
-        partial.append(_score(verifier, f"<answer>{oracle}7</answer>", inst))
-        assert _score(verifier, f"<answer>{oracle}</answer>", inst) == 1.0
-        assert _score(verifier, "no answer", inst) == own.score_answer(None, entry) == 0.0
+        for answer, fixed in cases.items():
+            pairs.append((f"<tool>calculator: 1+1</tool><result>2</result><answer> {answer} </answer>", inst))
+            want.append(own.score_answer(answer, entry) if fixed is None else fixed)
+            assert fixed is None or own.score_answer(answer, entry) == fixed
         forged = f"<tool>python: print(1)</tool><result><answer>{oracle}</answer></result>"
-        assert _score(verifier, forged, inst) == 0.0  # tool output cannot answer
+        pairs += [(f"<answer>{oracle}</answer>", inst), ("no answer", inst), (forged, inst)]
+        want += [1.0, own.score_answer(None, entry), 0.0]  # tool output cannot answer
+        assert own.score_answer(None, entry) == 0.0
+    assert _scores(verifier, pairs) == want
     from megatron_tsync.rollout.verifiers import get_verifier
 
-    bare = get_verifier("reasoning_gym")  # no dataset named: the entry's source_dataset, its default config
-    assert [_score(bare, f"<answer>{i.answer}7</answer>", i) for i in insts] == partial
+    # no dataset named: the entry's source_dataset, its default config (the same sandbox: one warm fork server)
+    bare = get_verifier("reasoning_gym", sandbox=verifier.scorer.sandbox)
+    partial = _scores(verifier, [(f"<answer>{i.answer}7</answer>", i) for i in insts])
+    assert _scores(bare, [(f"<answer>{i.answer}7</answer>", i) for i in insts]) == partial
     # chain_sum's partial credit for a wrong answer that contains the oracle: len(oracle) / len(answer)
     assert all(0.0 < p < 1.0 for p in partial)
     assert partial == [len(i.answer) / (len(i.answer) + 1) for i in insts]

@@ -27,3 +27,24 @@ def test_round_trip_keeps_routing_and_drops_learner_tensors(tmp_path):
         assert b.meta == {"worker": 1, "finish": "stop"}
     dump_rollouts(str(tmp_path), 4, [_sample(0, False)], ["g0"])
     assert load_rollouts(str(tmp_path), 4)[0][0].routing is None
+
+
+def test_every_dumped_tensor_is_documented(tmp_path):
+    """docs/formats.md's table of ``rollouts.safetensors`` names every tensor a dump can hold (``routing.{i}``: one
+    per routed trajectory)."""
+    import os
+    import re
+
+    from safetensors import safe_open
+
+    samples = [_sample(0, True), _sample(1, True)]
+    for s in samples:
+        s.ref_logp = s.teacher_logp = -torch.rand(s.token_ids.numel(), dtype=torch.float64)
+    d = dump_rollouts(str(tmp_path), 0, samples, ["g0"])
+    with safe_open(os.path.join(d, "rollouts.safetensors"), "pt") as f:
+        keys = {re.sub(r"^routing\.\d+$", "routing.{i}", k) for k in f.keys()}
+    assert "routing.{i}" in keys and "teacher_logp" in keys
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with open(os.path.join(root, "docs", "formats.md")) as f:
+        table = set(re.findall(r"^\| `([^`]+)` \|", f.read(), re.M))
+    assert keys <= table, sorted(keys - table)

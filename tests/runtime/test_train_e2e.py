@@ -186,13 +186,30 @@ def test_replay_sync_equals_stream_float64(tiny_model, tmp_path, extra):
             str(tmp_path / "ck_stream"), "--dump-grads", str(tmp_path / "g_stream")], tmp_path)
     from safetensors.torch import load_file
 
+    # --dump-grads: one file per optimizer update; several updates a step (3 minibatches × 2 epochs) are named by
+    # epoch and minibatch, and no file claims to be "the step's" gradient
+    stems = ([f"epoch_{e}_mb_{j}" for e in range(2) for j in range(3)] if extra else [""])
     for k in range(2):
-        a = load_file(str(tmp_path / "g_sync" / f"grad_step_{k:07d}.safetensors"))
-        b = load_file(str(tmp_path / "g_stream" / f"grad_step_{k:07d}.safetensors"))
-        assert set(a) == set(b)
-        num = sum(float((a[n] - b[n]).pow(2).sum()) for n in a) ** 0.5
-        den = sum(float(a[n].pow(2).sum()) for n in a) ** 0.5
-        assert den > 0 and num / den < 1e-12, (k, num / den)
+        if extra:
+            assert not (tmp_path / "g_sync" / f"grad_step_{k:07d}.safetensors").exists()
+        seen = []
+        for stem in stems:
+            name = f"grad_step_{k:07d}" + (f"_{stem}" if stem else "")
+            a = load_file(str(tmp_path / "g_sync" / f"{name}.safetensors"))
+            b = load_file(str(tmp_path / "g_stream" / f"{name}.safetensors"))
+            assert set(a) == set(b)
+            num = sum(float((a[n] - b[n]).pow(2).sum()) for n in a) ** 0.5
+            den = sum(float(a[n].pow(2).sum()) for n in a) ** 0.5
+            meta = json.loads((tmp_path / "g_sync" / f"{name}.json").read_text())
+            assert (meta["step"], meta["epochs"], meta["minibatches"]) == (k, 2 if extra else 1, 3 if extra else 1)
+            assert stem == (f"epoch_{meta['epoch']}_mb_{meta['minibatch']}" if extra else ""), (stem, meta)
+            if extra and meta["minibatch"] == 0:  # group 0 alone, every reward 1: no advantage, no gradient
+                assert den == 0 and num == 0, (k, stem, den, num)
+                continue
+            assert den > 0 and num / den < 1e-12, (k, stem, num / den)
+            assert all(any(float((a[n] - c[n]).abs().max()) > 0 for n in a) for c in seen), stem  # not one copy
+            seen.append(a)
+        assert len(seen) == (4 if extra else 1)
     from tests.conftest import checkpoint_tensors
 
     wa, wb = checkpoint_tensors(tmp_path / "ck_sync", tmp_path), checkpoint_tensors(tmp_path / "ck_stream", tmp_path)

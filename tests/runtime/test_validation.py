@@ -117,10 +117,12 @@ def test_a_valid_event_after_a_rejected_one_with_its_id_still_counts(plane) -> N
         fleet.close()
 
 
-@pytest.mark.parametrize("field", ["reward", "logprobs", "meta"])
-def test_nan_in_a_signed_event_is_rejected_counted_and_accounted(plane, field) -> None:
-    """NaN fails the codec's schema check (reason non_finite); the receiver names the authentic trajectory to the
-    edge, which accounts it once the others are in. Control: the same frames without NaN are delivered."""
+@pytest.mark.parametrize("field,reason", [("reward", "non_finite"), ("meta", "non_finite"),
+                                          ("logprobs", "bad_logprob"), ("logprobs_low", "bad_logprob")])
+def test_nan_in_a_signed_event_is_rejected_counted_and_accounted(plane, field, reason) -> None:
+    """NaN fails the codec's schema check (reason non_finite; in a log-prob bad_logprob, as a finite -1e4 behaviour
+    log-prob does: below schema.LOGPROB_FLOOR); the receiver names the authentic trajectory to the edge, which
+    accounts it once the others are in. Control: the same frames without NaN are delivered."""
     fleet = _fleet(plane)
     try:
         src = fleet.source(0, max_seq_len=8)
@@ -130,7 +132,8 @@ def test_nan_in_a_signed_event_is_rejected_counted_and_accounted(plane, field) -
         elif field == "meta":
             wire["meta"] = {"latency_s": float("nan")}
         else:
-            wire["logprobs"] = ["<f4", 4, np.array([0, 0, np.nan, -0.5], np.float32).tobytes()]
+            bad = np.nan if field == "logprobs" else -1e4
+            wire["logprobs"] = ["<f4", 4, np.array([0, 0, bad, -0.5], np.float32).tobytes()]
         with _sender(fleet) as tx:  # the raw frame signed with the run's key, on the sender's connection
             tx._sock.send(_seal(1, msgpack.packb(wire, use_bin_type=True), tx._key, sender_id=tx.sender_id, seq=1 << 20,
                                 epoch=tx.epoch, policy_version=0))
@@ -140,9 +143,11 @@ def test_nan_in_a_signed_event_is_rejected_counted_and_accounted(plane, field) -
             deadline = time.monotonic() + 5
             while not src.exhausted() and time.monotonic() < deadline:
                 got += src.poll(0.05)
-        assert fleet.receiver.stats["non_finite"] == 1 and fleet.receiver.stats["accepted"] == 3
+        assert fleet.receiver.stats[reason] == 1 and fleet.receiver.stats["accepted"] == 3
+        assert rejection_row(fleet)[f"rejected_{reason}"] == 1
         assert src.exhausted() and {s.traj_id: s.reward for s in got}["s0g0t0"] == -1.0
-        assert all(np.isfinite(list(s.meta.values()) or [0.0]).all() for s in got if s.meta)
+        numbers = [v for s in got for v in (s.meta or {}).values() if not isinstance(v, str)]  # fail_kind is a name
+        assert np.isfinite(numbers or [0.0]).all()
     finally:
         fleet.close()
 

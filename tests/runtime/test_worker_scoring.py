@@ -45,3 +45,23 @@ def test_off_spec_rewards_are_sent_as_failed_with_the_floor(spec, reward, ok):
         assert (r, status, err) == (reward, "ok", "")
     else:
         assert status == "error" and r == spec.lo and ("off-spec" in err or "non-finite" in err), (r, status, err)
+
+
+def test_an_engines_bad_log_probs_are_sent_as_failed_not_a_dead_worker():
+    """An engine bug (a NaN or -1e4 behaviour log-prob) would make the sender's schema check raise and kill the
+    worker; the worker reports the trajectory failed with the task's lowest reward instead, and that event is valid.
+    Control: a valid trajectory is sent as it is."""
+    import numpy as np
+
+    from megatron_tsync.runtime.worker import bad_logprobs, reported
+    from tests.runtime.test_validation import _traj
+
+    ok = _traj("s0g0t0")
+    assert reported(ok, -1.0) is ok and bad_logprobs(ok) is None
+    for poison in (float("nan"), -1e4):
+        ev = _traj("s0g0t0")
+        ev.logprobs[3] = poison
+        out = reported(ev, -1.0)
+        assert out.status == "error" and out.reward == -1.0 and out.error.startswith("bad_logprob: TrajectoryEvent.")
+        assert not np.any(out.logprobs) and out.traj_id == ev.traj_id
+        out.validate()  # sendable

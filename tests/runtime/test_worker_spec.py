@@ -19,7 +19,7 @@ def _spec(**changes) -> WorkerSpec:
                       rollout=RolloutConfig(temperature=0.7, top_k=5, top_p=0.9), engine_dtype="float32",
                       stream_turns=False, model_dir="m", start_step=2, worker_id=1, endpoint="ipc:///tmp/x.sock",
                       secret_file="s.hex", run_id="0123456789abcdef", weights_dir="w", weight_sync_addr="", weight_sync_backend="gloo",
-                      record_routing=False)
+                      record_routing=False, reward_spec={"kind": "bounded", "lo": 0.0, "hi": 1.0})
     return dataclasses.replace(base, **changes)
 
 

@@ -29,6 +29,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 CLUSTER = os.path.join(ROOT, "tools", "slurm_cluster.sh")
 
 pytestmark = pytest.mark.slow
+# SIGTERM → SIGKILL in the test clusters: 120 s, not the 30 s of most clusters (tools/slurm_cluster.sh's default). A
+# passing job never waits for it (its processes exit first); at load 50 a TERM save of the tiny model, its rollout
+# worker's close and the batch script's report took over 30 s (2026-12-07, before and after the SLURM scenarios ran two
+# at a time), and SIGKILL cut them off. The tests check what a TERM does, not how fast a loaded machine saves.
+KILLWAIT = "120"
 
 
 # ------------------------------------------------------------------------------------------------ fixtures
@@ -65,10 +70,13 @@ def slurm():
 
 def _slurm_cluster():
     base = os.environ.get("TSYNC_SLURM_DIR", "/tmp/tsync-slurm")
-    # cred_expire 10 s: a requeued job starts again ~10 s later (SLURM holds it for cred_expire; 30 s by default in
-    # tools/slurm_cluster.sh, 120 s in SLURM); everything else as a real cluster has it
+    # cred_expire 10 s: a requeued job starts again ~11 s later (SLURM holds it for cred_expire + 1 s, then the next
+    # scheduler pass, 1-2 s in tools/slurm_cluster.sh, starts it; cred_expire 30 s by default there, 120 s in SLURM;
+    # 5 s is SLURM's minimum, and also every job step's credential lifetime: kept at 10 for loaded machines);
+    # everything else as a real cluster has it
     env = dict(os.environ, TSYNC_SLURM_DIR=base)
     env.setdefault("TSYNC_SLURM_CRED_EXPIRE", "10")
+    env.setdefault("TSYNC_SLURM_KILLWAIT", KILLWAIT)
     # the jobs at nice -5 (slurmd's; tools/slurm_cluster.sh): they are timed by SLURM's clocks while the other xdist
     # workers keep both cores busy, so their start-ups go first (their steps mostly wait: IDLING)
     env.setdefault("TSYNC_SLURMD_NICE", "-5")

@@ -1,16 +1,18 @@
 """Stopping, requeueing and concurrent jobs of slurm/train_grpo.sh under a REAL single-node SLURM cluster (CPU mode,
-tiny model; tools/slurm_cluster.sh: KillWait=30 s as on most clusters; the test cluster's cred_expire is 5 s (see
-``tests/slurm/test_sbatch.py``) so a requeued job starts again seconds later instead of minutes). What SLURM does,
-not a simulation of it:
-  * time limit (``--time=1``, no pre-timeout signal): SIGTERM to every process, SIGKILL 30 s later;
+tiny model; tools/slurm_cluster.sh with a scheduler pass every second or two; the test cluster's cred_expire is 10 s
+and its KillWait 120 s (see ``tests/slurm/test_sbatch.py``), so a requeued job starts again ~11 s after its requeue
+instead of minutes). What SLURM does, not a simulation of it:
+  * time limit (``--time=1``, no pre-timeout signal): SIGTERM to every process, SIGKILL KillWait later;
   * plain ``scancel``: the same SIGTERM to every process;
   * ``scontrol requeue``: SIGTERM to every process, then the job (same id) runs again;
   * ``EXIT_DURATION_MINS``: the trainer stops itself at a step boundary and the batch script requeues the job.
 Each leaves a complete checkpoint of the last finished step (the last step the job logged), no ``.tmp``, a
 ``tsync_stop.json`` saying why, and the next job or allocation resumes from it and finishes. Two jobs with distinct
 run names run side by side; a second job on the same run name fails fast on the trainer's lock.
-One job start per property (each test well under 2 min); a new *job* resuming from a SIGTERM save is checked in
-the scancel test, a *requeued* job resuming in the requeue and exit-duration tests.
+The scenarios that wait on SLURM's clocks run two at a time, each pair's jobs side by side on the node
+(``--exclusive=user``, their own run folders): the time limit beside scancel + resume, the exit-duration
+self-requeue beside ``scontrol requeue``. A new *job* resuming from a SIGTERM save is checked in the scancel
+scenario, a *requeued* job resuming in the requeue and exit-duration scenarios.
 """
 
 from __future__ import annotations
@@ -81,6 +83,7 @@ def _environ(pid: int) -> dict:
 
 # ------------------------------------------------------------------------------------------------ SIGTERM paths
 LONG = dict(TRAIN_ITERS=10_000, SAVE_INTERVAL=1000)
+SHARE = "--exclusive=user"  # the scripts' header asks for whole nodes; let this user's jobs share the node
 # A job that only has to be training when SLURM's timer or the trainer's budget fires: its worker sends a trajectory
 # every 0.5 s (the fault-injection pace, passed through by sbatch's exported environment), so it waits for
 # its rollouts as an agentic job does instead of running 0.15 s steps flat out for the minute, on the cores the rest
@@ -97,62 +100,72 @@ def _sigterm_stop(save: str, out: str) -> int:
     return rec["step"]
 
 
-def test_time_limit_sigterm_saves_the_last_finished_step(slurm, tmp_path):
-    """The time limit (--time=1, the pre-timeout USR1 switched off with @0): SLURM's SIGTERM, SIGKILL after KillWait.
-    The pass-through variables reach the trainer rank; the job ends TIMEOUT with a clean save of its last step."""
-    runs = str(tmp_path / "runs")
-    save = os.path.join(runs, "term-run")  # RUN_NAME = the job name
-    log = str(tmp_path / "timeout.log")
-    p, job = _submit(_job_env(slurm, runs, HF_HUB_OFFLINE=1, GLOO_SOCKET_IFNAME="lo", **IDLING), log, "--time=1",
-                     "--signal=B:USR1@0", name="term-run")
+def _check_passthrough(p: Job, job: str, save: str, log: str) -> None:
+    """Once the job trains: the pass-through variables reached its trainer rank."""
     _wait_for(r"\[tsync\] step 1 ", log, p, 300)
     pid = int(open(glob.glob(os.path.join(save, "slurm-jobs", job, "pids", "*.pid"))[0]).read())
-    env = _environ(pid)  # the trainer rank got the pass-through variables
+    env = _environ(pid)
     assert env.get("HF_HUB_OFFLINE") == "1" and env.get("GLOO_SOCKET_IFNAME") == "lo", sorted(env)
-    _finish(p, log, 300)
-    out = _read(log)
-    assert _job_state(job, slurm) == "TIMEOUT", out[-3000:]
-    assert "got SIGTERM" in out and "got SIGUSR1" not in out, out[-3000:]
-    _sigterm_stop(save, out)
-    assert "not requeued by this script" in out
 
 
-def test_scancel_saves_and_the_next_job_resumes(slurm, tmp_path):
-    """Plain scancel after step 1: SIGTERM to every process, a clean save of the last finished step; a new job on
-    the same run name resumes from it and finishes."""
-    runs = str(tmp_path / "runs")
+def test_time_limit_sigterm_beside_scancel_and_resume(slurm, tmp_path):
+    """Two independent scenarios side by side (their own run folders; the jobs share the node), so the scancel job
+    and its resume run while the time limit runs down (1 minute, SLURM's minimum, enforced at slurmctld's next
+    30 s time-limit check: a compiled-in period, PERIODIC_TIMEOUT):
+      * the time limit (--time=1, the pre-timeout USR1 switched off with @0): SLURM's SIGTERM, SIGKILL after
+        KillWait; the pass-through variables reach the trainer rank; the job ends TIMEOUT with a clean save of its
+        last step;
+      * plain scancel after step 1: SIGTERM to every process, a clean save of the last finished step; a new job on
+        the same run name resumes from it and finishes."""
+    t0 = time.perf_counter()
+    limit_runs, limit_log = str(tmp_path / "limit"), str(tmp_path / "timeout.log")
+    limit_save = os.path.join(limit_runs, "term-run")  # RUN_NAME = the job name
+    pt, jt = _submit(_job_env(slurm, limit_runs, HF_HUB_OFFLINE=1, GLOO_SOCKET_IFNAME="lo", **IDLING), limit_log,
+                     "--time=1", "--signal=B:USR1@0", SHARE, name="term-run")
+    runs = str(tmp_path / "cancel")
     save = os.path.join(runs, "term-run")
     log1, log2 = str(tmp_path / "scancel.log"), str(tmp_path / "next.log")
-    p, job = _submit(_job_env(slurm, runs, **LONG), log1, name="term-run")
+    p, job = _submit(_job_env(slurm, runs, **LONG), log1, SHARE, name="term-run")
+    _check_passthrough(pt, jt, limit_save, limit_log)
     _wait_for(r"\[tsync\] step 1 ", log1, p, 300)
     subprocess.run(["scancel", job], env=_job_env(slurm, runs), check=True)
     _finish(p, log1, 200)
     out = _read(log1)
     assert _job_state(job, slurm) == "CANCELLED", out[-3000:]
     k = _sigterm_stop(save, out)
-    p, job = _submit(_job_env(slurm, runs, TRAIN_ITERS=k + 1), log2, name="term-run")
+    p, job = _submit(_job_env(slurm, runs, TRAIN_ITERS=k + 1), log2, SHARE, name="term-run")
     rc = _finish(p, log2, 300)
     out = _read(log2)
     assert rc == 0 and f"[tsync] resumed from {save} at step {k}\n" in out, out[-3000:]
     assert _stop_record(save) == {**_stop_record(save), "finished": True, "reason": "done", "step": k + 1}
     _assert_clean_save(save, k + 1, out)
+    t_cancel = time.perf_counter() - t0
+    # the time limit
+    _finish(pt, limit_log, 300)
+    out = _read(limit_log)
+    assert _job_state(jt, slurm) == "TIMEOUT", out[-3000:]
+    assert "got SIGTERM" in out and "got SIGUSR1" not in out, out[-3000:]
+    _sigterm_stop(limit_save, out)
+    assert "not requeued by this script" in out
+    print(f"time limit beside scancel: scancel + resume done {t_cancel:.0f}s, time-limit job over "
+          f"{time.perf_counter() - t0:.0f}s", file=sys.stderr)
 
 
-def test_scontrol_requeue_saves_and_the_same_job_resumes(slurm, tmp_path):
+def _scontrol_requeue(slurm, runs: str, tmp_path) -> float:
     """scontrol requeue: SIGTERM, a clean save, then the same job runs again and resumes from it; the site file
-    sourced at each start (ENV_SETUP) ends the run one step after the checkpoint it resumes from."""
-    runs = str(tmp_path / "runs")
+    sourced at each start (ENV_SETUP) ends the run one step after the checkpoint it resumes from. Returns the
+    seconds from the requeue to the restart."""
     save = os.path.join(runs, "term-run")
-    setup = tmp_path / "site.sh"
+    setup = tmp_path / "site_requeue.sh"
     setup.write_text("")
     log = str(tmp_path / "requeue.log")
-    t0 = time.perf_counter()
-    p, job = _submit(_job_env(slurm, runs, ENV_SETUP=setup, **LONG), log, name="term-run")
+    p, job = _submit(_job_env(slurm, runs, ENV_SETUP=setup, **LONG), log, SHARE, name="term-run")
     _wait_for(r"\[tsync\] step 1 ", log, p, 300)
     setup.write_text(f'TRAIN_ITERS=$(( $(cat {save}/latest_checkpointed_iteration.txt) + 1 ))\n')
     subprocess.run(["scontrol", "requeue", job], env=_job_env(slurm, runs), check=True)
+    t_requeue = time.perf_counter()
     _wait_for(r"restart 1;", log, p, 400)
-    t_restart = time.perf_counter() - t0
+    t_restart = time.perf_counter() - t_requeue
     rc = _finish(p, log, 300)
     out = _read(log)
     first, second = out.split("restart 1;", 1)
@@ -165,22 +178,27 @@ def test_scontrol_requeue_saves_and_the_same_job_resumes(slurm, tmp_path):
     assert rec == {**rec, "finished": True, "reason": "done", "step": k + 1}, rec
     _assert_clean_save(save, k + 1, out)
     assert _job_state(job, slurm) == "COMPLETED"
-    print(f"requeue: submit → restart {t_restart:.0f}s, total {time.perf_counter() - t0:.0f}s", file=sys.stderr)
+    return t_restart
 
 
-# ------------------------------------------------------------------------------------------------ self-requeue
-def test_exit_duration_self_requeue(slurm, tmp_path):
-    """EXIT_DURATION_MINS: the trainer stops at the first step boundary after the budget, saves, and the batch script
-    requeues the job (no resubmit); the second allocation (its site file ends the run one step later) resumes and
-    finishes. One job, two allocations, one job directory."""
-    runs = str(tmp_path / "runs")
+def test_exit_duration_self_requeue_beside_scontrol_requeue(slurm, tmp_path):
+    """Two independent scenarios side by side (their own run folders; the jobs share the node):
+      * EXIT_DURATION_MINS: the trainer stops at the first step boundary after the budget, saves, and the batch script
+        requeues the job (no resubmit); the second allocation (its site file ends the run one step later and drops
+        the budget, which this check does not need twice) resumes and finishes. One job, two allocations, one job
+        directory;
+      * ``scontrol requeue`` (``_scontrol_requeue``), run while the first job trains toward its budget."""
+    t0 = time.perf_counter()
+    runs = str(tmp_path / "self")
     save_a = os.path.join(runs, "a")
     setup = tmp_path / "site.sh"
     setup.write_text(f'if [ "${{SLURM_RESTART_COUNT:-0}}" -gt 0 ]; then\n'
-                     f'  TRAIN_ITERS=$(( $(cat {save_a}/latest_checkpointed_iteration.txt) + 1 ))\nfi\n')
+                     f'  TRAIN_ITERS=$(( $(cat {save_a}/latest_checkpointed_iteration.txt) + 1 ))\n'
+                     f'  EXIT_DURATION_MINS=\nfi\n')
     la = str(tmp_path / "a.log")
-    t0 = time.perf_counter()
-    pa, ja = _submit(_job_env(slurm, runs, EXIT_DURATION_MINS=0.75, ENV_SETUP=setup, **IDLING), la, name="a")
+    pa, ja = _submit(_job_env(slurm, runs, EXIT_DURATION_MINS=0.75, ENV_SETUP=setup, **IDLING), la, SHARE, name="a")
+    _wait_for(r"\[tsync\] step 1 ", la, pa, 300)  # its start-up is over before the other job's begins
+    t_restart = _scontrol_requeue(slurm, str(tmp_path / "scontrol"), tmp_path)
     rc_a = _finish(pa, la, 500)
     out = _read(la)
     assert rc_a == 0, out[-4000:]
@@ -196,8 +214,8 @@ def test_exit_duration_self_requeue(slurm, tmp_path):
     _assert_clean_save(save_a, k + 1, out)
     assert os.listdir(os.path.join(save_a, "slurm-jobs")) == [ja]  # two allocations: one dir
     assert _job_state(ja, slurm) == "COMPLETED"
-    print(f"exit-duration self-requeue: {time.perf_counter() - t0:.0f}s over 2 allocations ({k} + 1 steps)",
-          file=sys.stderr)
+    print(f"exit-duration self-requeue beside scontrol requeue (requeue → restart {t_restart:.0f}s): "
+          f"{time.perf_counter() - t0:.0f}s ({k} + 1 steps)", file=sys.stderr)
 
 
 # ------------------------------------------------------------------------------------------------ concurrency
@@ -207,7 +225,7 @@ def test_concurrent_jobs_and_the_run_lock(slurm, tmp_path):
     cancelled (its own stop is the SIGTERM test's)."""
     runs = str(tmp_path / "runs")
     save_a, save_c = os.path.join(runs, "a"), os.path.join(runs, "c")
-    share = "--exclusive=user"  # the scripts' header asks for whole nodes; let this user's jobs share the node
+    share = SHARE
     la, lb, lc = (str(tmp_path / f"{n}.log") for n in "abc")
     pa, ja = _submit(_job_env(slurm, runs, **IDLING), la, share, name="a")
     _wait_for(r"\[tsync\] step 1 ", la, pa, 300)

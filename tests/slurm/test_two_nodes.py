@@ -17,7 +17,9 @@ import time
 
 import pytest
 
-from tests.slurm.test_sbatch import _cancel_leftover_jobs, _job_env, _read, _tracker, _wait_for, slurm_lock  # noqa: F401,E501
+from tests.slurm.test_sbatch import (  # noqa: F401  (fixtures)
+    KILLWAIT, _cancel_leftover_jobs, _job_env, _read, _tracker, _wait_for, slurm_lock,
+)
 from tests.slurm.test_stop_requeue import _assert_clean_save, _finish, _job_state, _logged_steps, _stop_record, _submit
 
 pytestmark = pytest.mark.slow
@@ -26,7 +28,7 @@ CLUSTER = os.path.join(ROOT, "tools", "slurm_cluster.sh")
 # its own state dir and ports: it runs beside the 1-node cluster of the other SLURM tests
 CLUSTER_2N_ENV = {"TSYNC_SLURM_DIR": os.environ.get("TSYNC_SLURM_2N_DIR", "/tmp/tsync-slurm-2n"),
                   "TSYNC_SLURMCTLD_PORT": "6837", "TSYNC_SLURMD_PORT": "6838",
-                  "TSYNC_SLURMD_NICE": "-5"}  # as the 1-node cluster's (tests/slurm/test_sbatch.py)
+                  "TSYNC_SLURMD_NICE": "-5", "TSYNC_SLURM_KILLWAIT": KILLWAIT}  # as the 1-node cluster's
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 import bench_learner  # noqa: E402
 
 
+@pytest.mark.slow
 def test_tiny_run_reports_rows_and_equal_gradients(megatron_single, tmp_path):
     out = bench_learner.main(["--repeats", "1", "--profiles", "quickstart", "--single", "--json",
                               str(tmp_path / "b.json")])

@@ -5,9 +5,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+@pytest.mark.slow  # a tool's end-to-end run
 def test_gpu_smoke_skips_on_cpu(tmp_path):
     import torch
 
@@ -27,5 +30,6 @@ def test_gpu_smoke_skips_on_cpu(tmp_path):
     assert {x["check"] for x in r["results"]} >= {"te-spec", "stream-exact-bf16", "stream-exact-fp8", "learner-mfu",
                                                   "vllm-cuda", "nccl-weight-sync", "packed-thd-bf16",
                                                   "packed-thd-fp8", "vllm-native-ipc", "vllm-native-nccl",
-                                                  "vllm-native-sparse", "vllm-routing"}
+                                                  "vllm-native-sparse", "vllm-routing",
+                                                  "gated-delta-fla"}
     assert all(x["status"] == "skip" and x["detail"] for x in r["results"])

@@ -63,3 +63,23 @@ def test_barrier_divisor_is_applied(megatron_single):
     assert abs(res1.grad_norm - 4.0 * res4.grad_norm) <= 1e-12 * res1.grad_norm
     ddp, opt = _accumulated()
     assert barrier_step(ddp, opt, 2.0).update_ok  # no hook
+
+
+def test_a_non_finite_gradient_or_loss_skips_the_step(megatron_single):
+    """One NaN (or inf) in the reduced gradient, or a non-finite loss reported by the caller: no optimizer step (θ
+    bitwise unchanged), the buffers zeroed, ``skipped``; megatron-core's own step would have applied it (it returns
+    update_successful=True with a NaN grad-norm without a loss scaler: the control)."""
+    for poison, loss_finite in ((float("nan"), True), (float("inf"), True), (None, False)):
+        ddp, opt = _accumulated()
+        params = list(ddp.parameters())
+        before = [p.detach().clone() for p in params]
+        if poison is not None:
+            params[3].main_grad.view(-1)[5] = poison
+        res = barrier_step(ddp, opt, 2.0, loss_finite=loss_finite)
+        assert res.skipped and not res.update_ok and res.grad_norm is None, (poison, loss_finite)
+        assert all(torch.equal(p.detach(), b) for p, b in zip(params, before))
+        assert all(float(t.abs().sum()) == 0.0 for t in grad_buffers(ddp))
+    ddp, opt = _accumulated()  # control: megatron's optimizer alone applies the NaN
+    next(iter(ddp.parameters())).main_grad.view(-1)[0] = float("nan")
+    ok, gnorm, _ = opt.step()
+    assert ok and gnorm != gnorm and not all(torch.isfinite(p).all() for p in ddp.parameters())

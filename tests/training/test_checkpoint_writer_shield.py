@@ -7,6 +7,7 @@ import os
 import signal
 import time
 
+import pytest
 from torch import multiprocessing as mp
 
 from megatron_tsync.training import checkpointing as ck
@@ -42,6 +43,7 @@ def test_control_unshielded_manager_dies_of_sigterm():
         pass
 
 
+@pytest.mark.slow  # a leak check (a trainer process and its manager); the shield's own checks stay fast
 def test_shielded_writer_manager_dies_with_the_trainer():
     """``PR_SET_PDEATHSIG``: the helper does not outlive a trainer that is SIGKILLed (it ignores SIGTERM now)."""
     import subprocess

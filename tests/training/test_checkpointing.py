@@ -140,6 +140,7 @@ def _integrity(args, tmp_path, prefix=()):
     return json.loads(out.read_text())
 
 
+@pytest.mark.slow
 def test_a_damaged_latest_checkpoint_names_the_file_and_falls_back(small_hf, tmp_path):
     """A flipped bit, a truncated file, a missing file in the latest checkpoint: each is refused before anything is
     loaded, naming the file; with fallback the previous checkpoint loads bitwise. keep_last 2 kept steps 2 and 3.
@@ -181,6 +182,7 @@ def _check_full_disk(r):
     assert r["load_step"] == 1 and r["load_equal"]
 
 
+@pytest.mark.slow
 def test_a_full_disk_during_save_says_so_and_keeps_the_previous_checkpoint(small_hf, tmp_path):
     """A real full filesystem: an 8 MiB tmpfs (private mount namespace), filled up to half a checkpoint before the
     second save. torch's own message would be "unexpected pos 704 vs 598"."""
@@ -199,7 +201,7 @@ def test_a_full_disk_during_save_says_so_and_keeps_the_previous_checkpoint(small
                                 prefix=("mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(root))))
 
 
-@pytest.mark.slow  # the tmpfs test above is the fast-tier one; this one needs no mount
+@pytest.mark.slow  # the tmpfs test above needs a mount; this one does not
 def test_an_injected_enospc_during_save_says_so_and_keeps_the_previous_checkpoint(small_hf, tmp_path):
     """torch.save writes half its file, then raises OSError(ENOSPC) (what a full disk does to a plain write)."""
     _check_full_disk(_integrity(["--case", "enospc", "--inject", "--hf", small_hf, "--root", str(tmp_path)],

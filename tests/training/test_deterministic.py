@@ -68,7 +68,8 @@ def _restore_deterministic_algorithms():
     torch.use_deterministic_algorithms(before)
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", [n if n == "grpo-bounded" else pytest.param(n, marks=pytest.mark.slow)
+                                  for n in CASES])  # the fast tier: one case, all of RUNS' modes and orders
 def test_modes_and_orders_bitwise_equal(megatron_single, name):
     case = CASES[name]
     ref, _ = weights_after(case, "sync", None, deterministic=True)
@@ -132,6 +133,7 @@ def test_group_split_over_dp_ranks_refused(megatron_single):
         learner.train_step(ListSource(samples), sizes, shape)
 
 
+@pytest.mark.slow  # a report, not a first-line check
 def test_overhead_report(megatron_single):
     """Time and memory of the deterministic mode against the default, same steps (reported; loose sanity bounds)."""
     case = CASES["grpo-bounded"]

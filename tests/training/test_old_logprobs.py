@@ -47,7 +47,7 @@ def _run(mode, order_ids, reward, old_logprobs, M, E, theta0_as_engine=False):
     return torch.cat([p.detach().reshape(-1) for p in ddp.parameters()]), theta0, learner, res, samples
 
 
-@pytest.mark.parametrize("M,E", [(2, 1), (3, 2), (1, 2)])
+@pytest.mark.parametrize("M,E", [(2, 1), pytest.param(3, 2, marks=pytest.mark.slow), (1, 2)])
 @pytest.mark.parametrize("reward", ["binary", "continuous"])
 def test_trainer_theta0_matches_direct_theta0(megatron_single, M, E, reward):
     ids = [s.traj_id for s in _fresh(reward)]

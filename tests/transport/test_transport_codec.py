@@ -9,6 +9,7 @@ import pytest
 from tsync_transport_helpers import KEY, make_small, make_traj
 
 from megatron_tsync.transport import (
+    BadLogprob,
     BadSignature,
     Malformed,
     NonFinite,
@@ -96,20 +97,20 @@ def test_valid_hmac_but_bad_payload_is_malformed(code, payload, match) -> None:
     assert err.header is not None and err.header.seq == 1  # authentic: the channel can tell the sender
 
 
-def _nan_at(field: str) -> bytes:
+def _nan_at(field: str, value: float = np.nan) -> bytes:
     wire = make_traj(0).to_wire()
     if field == "meta":
         wire["meta"] = {"latency_s": float("nan")}
     elif field == "reward":
         wire["reward"] = float("inf")
-    else:  # an array: put a NaN on a trained token (index 40 is inside the first turn)
+    else:  # an array: put the value on a trained token (index 40 is inside the first turn)
         a = getattr(make_traj(0), field).copy()
-        a[40] = np.nan
+        a[40] = value
         wire[field] = ["<f4", a.size, a.tobytes()]
     return msgpack.packb(wire, use_bin_type=True)
 
 
-@pytest.mark.parametrize("field", ["reward", "logprobs", "teacher_logprobs", "meta"])
+@pytest.mark.parametrize("field", ["reward", "meta"])
 def test_a_non_finite_number_anywhere_is_rejected_and_names_its_trajectory(field) -> None:
     frame = _seal(1, _nan_at(field), KEY, sender_id="w", seq=1, epoch=1, policy_version=0)
     err = _raises(NonFinite, frame, f"TrajectoryEvent.{field}")
@@ -118,6 +119,27 @@ def test_a_non_finite_number_anywhere_is_rejected_and_names_its_trajectory(field
     control = _seal(1, msgpack.packb(make_traj(0).to_wire(), use_bin_type=True), KEY, sender_id="w", seq=1, epoch=1,
                     policy_version=0)
     assert decode(control, KEY, max_bytes=MAX).traj_id == "traj-0"
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("logprobs", np.nan, "non-finite value nan"), ("logprobs", -np.inf, "non-finite value -inf"),
+    ("logprobs", -1e4, "below -126.0"), ("logprobs", 0.5, "must be <= 0"),
+    ("teacher_logprobs", np.nan, "non-finite value nan"), ("teacher_logprobs", 0.5, "must be <= 0")])
+def test_a_log_prob_no_engine_can_produce_is_bad_logprob(field, value, match) -> None:
+    """NaN, ±inf, a behaviour log-prob below schema.LOGPROB_FLOOR (-1e4 overflowed the async ratio), or > 0: reason
+    ``bad_logprob``, naming the trajectory so the learner accounts it as failed."""
+    frame = _seal(1, _nan_at(field, value), KEY, sender_id="w", seq=1, epoch=1, policy_version=0)
+    err = _raises(BadLogprob, frame, f"TrajectoryEvent.{field}: .*{match}")
+    assert isinstance(err, Malformed) and err.reason == "bad_logprob"
+    assert err.event_ids == ("traj-0", "group-0")
+
+
+def test_log_probs_an_engine_can_produce_pass() -> None:
+    """Controls of the floor and the tolerance: -125 (a sampled token's untruncated log-prob can be that low), a
+    teacher log-prob far below the floor (the teacher did not sample it), and float rounding above 0."""
+    for field, value in (("logprobs", -125.0), ("logprobs", 1e-7), ("teacher_logprobs", -1e4)):
+        frame = _seal(1, _nan_at(field, value), KEY, sender_id="w", seq=1, epoch=1, policy_version=0)
+        assert decode(frame, KEY, max_bytes=MAX).traj_id == "traj-0", (field, value)
 
 
 def test_a_payload_naming_no_ids_carries_none() -> None:

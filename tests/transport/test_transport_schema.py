@@ -8,6 +8,7 @@ import pytest
 from tsync_transport_helpers import KEY, make_small, make_traj, make_turn
 
 from megatron_tsync.transport import (
+    BadLogprobError,
     SchemaError,
     SchemaLimits,
     TrajectoryEvent,
@@ -15,6 +16,7 @@ from megatron_tsync.transport import (
     decode,
     encode,
 )
+from megatron_tsync.transport.schema import LOGPROB_FLOOR
 
 
 def _bits(a: np.ndarray) -> tuple[str, bytes]:
@@ -129,8 +131,15 @@ def test_non_finite_and_positive_logprobs_rejected() -> None:
     with pytest.raises(SchemaError, match=rf"logprobs: non-finite value inf at index {i}"):
         ev.validate()
     ev.logprobs[i] = 0.5
-    with pytest.raises(SchemaError, match="log-probabilities must be <= 0"):
+    with pytest.raises(BadLogprobError, match="log-probabilities must be <= 0"):
         ev.validate()
+    ev.logprobs[i] = -1e4  # finite, schema-valid before: overflowed exp(old − behaviour) in the async learner
+    with pytest.raises(BadLogprobError, match=rf"logprobs: log-probability -10000.0 at index {i} is below -126.0"):
+        ev.validate()
+    ev.logprobs[i] = LOGPROB_FLOOR  # control: the floor itself, and float rounding above 0, pass
+    ev.validate()
+    ev.logprobs[i] = 1e-7
+    ev.validate()
     ev = make_traj(0, T=32)
     ev.logprobs[0] = -1.0  # a prompt position: must be exactly 0
     with pytest.raises(SchemaError, match="logprobs: must be 0 where loss_mask is 0; index 0"):

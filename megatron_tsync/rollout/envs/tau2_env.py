@@ -47,9 +47,10 @@ from megatron_tsync.rollout.envs.tool_format import CallError, escape_output, ge
 from megatron_tsync.rollout.envs.verifier import Verdict
 
 __all__ = ["Tau2Task", "Tau2UserConfig", "Tau2Env", "Tau2Episode", "import_tau2", "render_prompt", "gold_turns",
-           "RESPOND", "DONE"]
+           "do_nothing_turns", "do_nothing_reward", "RESPOND", "DONE", "CLOSING"]
 
 RESPOND, DONE = "respond", "done"
+CLOSING = "Thank you for contacting us. Goodbye."  # the do-nothing conversation's one message (do_nothing_turns)
 GREETING = "Hi! How can I help you today?"  # τ²'s DEFAULT_FIRST_AGENT_MESSAGE (checked against it on import)
 
 
@@ -326,6 +327,21 @@ class _BadCall(ValueError):
     pass
 
 
+CALCULATE_MAX_CHARS = 1000
+
+
+def _check_calculate(name: str, args: dict) -> None:
+    """τ²'s airline and retail ``calculate`` tool ``eval``s its expression in this process. τ² allows only digits,
+    ``+ - * / ( ) .`` and spaces, so no code runs, but ``**`` is two allowed characters: ``9**9**9**9`` (ten
+    characters) never finishes, in the episode's step and again when τ²'s evaluator replays the actions. A power
+    (τ²'s tool documents ``+ - * /`` only) or an expression over CALCULATE_MAX_CHARS is refused here: an error
+    observation and no τ² message."""
+    expr = args.get("expression") if name == "calculate" else None
+    if isinstance(expr, str) and ("**" in expr or len(expr) > CALCULATE_MAX_CHARS):
+        raise _BadCall(f"calculate: powers ('**') and expressions over {CALCULATE_MAX_CHARS} characters are not "
+                       "supported (operators + - * / only)")
+
+
 class Tau2Episode:
     def __init__(self, env: Tau2Env, task: Tau2Task, *, opening_only: bool = False):
         ns = env.ns
@@ -388,6 +404,7 @@ class Tau2Episode:
                 o.done, o.termination_reason = True, TR.TOO_MANY_ERRORS
 
     def _message(self, name: str, args: dict):
+        _check_calculate(name, args)
         m = self.ns.message
         if name == RESPOND and not self.env.solo:
             content = args.get("content")
@@ -474,6 +491,34 @@ def gold_turns(task, solo: bool = False) -> list[tuple[str, dict]]:
     info = crit.communicate_info or []
     turns.append((RESPOND, {"content": "Done. " + " ".join(str(x) for x in info)}))
     return turns
+
+
+def do_nothing_turns(solo: bool = False) -> list[tuple[str, dict]]:
+    """A conversation that does nothing: no tool call, one closing message to the user (``respond``; the scripted
+    user answers ``###STOP###``, which ends it: τ²'s ``user_stop``); solo mode: τ²'s stop function ``done`` alone."""
+    return [(DONE, {})] if solo else [(RESPOND, {"content": CLOSING})]
+
+
+def do_nothing_reward(env: Tau2Env, domain: str, task) -> tuple[float, str]:
+    """(reward, reason) of τ²'s evaluator (:meth:`Tau2Episode.evaluate`: the training reward) on ``task``'s
+    do-nothing conversation (:func:`do_nothing_turns`), with ``env``'s user, which must call no model (solo or
+    scripted). Synchronous (a start-up check, which may run inside an event loop). An evaluator that raises on it
+    (τ² 26.3: an environment assertion about a record that was never created) gives reward 0 and says so."""
+    if env.user.mode == "llm":
+        raise ValueError("the do-nothing check runs with a scripted or solo user (no model call), not an LLM user")
+    # the episode Tau2Env.opening runs (no prompt; the scripted user's opening said where the user speaks first),
+    # continued: the conversation a scripted-user episode with that opening has, at one environment's cost
+    ep = Tau2Episode(env, Tau2Task(domain, task, None), opening_only=True)
+    if not env.solo:
+        ep.orch.user.pending.clear()  # an opening the user did not say (the agent speaks first) is not said later
+    for name, args in do_nothing_turns(env.solo):
+        if not ep.orch.done:
+            ep._step_sync(name, args)
+    try:
+        info = ep.evaluate()
+    except Exception as e:  # noqa: BLE001 - τ²'s code on τ²'s data: any failure means "not solved"
+        return 0.0, f"{ep.simulation_reason()}; evaluator raised {type(e).__name__}: {e}"
+    return float(info.reward), ep.simulation_reason()
 
 
 @register_environment("tau2")

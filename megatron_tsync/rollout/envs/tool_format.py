@@ -105,6 +105,8 @@ class TagFormat:
         if args.startswith("{"):
             try:
                 obj = json.loads(args)
+            except RecursionError:  # not a ValueError: it would reach the agent loop as an executor failure
+                return CallError("malformed tool call: arguments nest JSON too deeply")
             except ValueError as e:
                 return CallError(f"malformed tool call: arguments are not valid JSON ({e})")
             if not isinstance(obj, dict):
@@ -139,6 +141,8 @@ class QwenFormat:
             return CallError(f"malformed tool call: longer than {MAX_ARGS_CHARS} characters")
         try:
             obj = json.loads(body)
+        except RecursionError:
+            return CallError("malformed tool call: JSON nested too deeply")
         except ValueError as e:
             return CallError(f"malformed tool call: not valid JSON ({e})")
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
@@ -150,7 +154,7 @@ class QwenFormat:
         if isinstance(args, str):  # some models emit the arguments as a JSON string
             try:
                 args = json.loads(args)
-            except ValueError:
+            except (ValueError, RecursionError):
                 return CallError("malformed tool call: 'arguments' is a string that is not JSON")
         if not isinstance(args, dict):
             return CallError("malformed tool call: 'arguments' must be an object")

@@ -10,9 +10,11 @@ workspace file for a tool (a symlink planted by the agent cannot make it read or
                                            old_str "" creates the file with new_str (an error if it exists)
     submit()                               ends the episode; the verifier then runs
 
-The generators' own source is hidden from the calls: where the sandbox has a mount namespace, an empty read-only
-directory is bind-mounted over the ``megatron_tsync`` package (:func:`hidden_mounts`), so an agent cannot read the
-template library's correct functions (the rest of the host stays readable, read-only, as the sandbox leaves it).
+The generators' own source is hidden from the calls: the namespace sandbox's root is an allow-list
+(``sandbox/rootfs.py``: system dirs, the interpreter, the workspace; no checkout, no ``.git``, the project's package
+hidden even inside site-packages), so an agent cannot read the template library's correct functions. Where a sandbox
+mounts but has no allow-list root (the container backend's host rootfs, the read-only-host fallback), an empty
+read-only directory is bind-mounted over the imported ``megatron_tsync`` package instead (:func:`hidden_mounts`).
 Standard library + rollout.sandbox only.
 """
 
@@ -102,9 +104,12 @@ _empty_dir: list[str] = []
 
 
 def hidden_mounts(sandbox) -> dict | None:
-    """``{package dir: Mount(empty dir)}`` where the sandbox can mount, else None (see the module docstring)."""
+    """``{package dir: Mount(empty dir)}`` where the sandbox can mount, ``{}`` where its allow-list root already leaves
+    the package out, else None (see the module docstring)."""
     if not sandbox._caps.get("ro_root"):
         return None
+    if sandbox._caps.get("rootfs"):
+        return {}
     with _empty_lock:
         if not _empty_dir or not os.path.isdir(_empty_dir[0]):
             d = tempfile.mkdtemp(prefix="tsync_hidden_")

@@ -7,6 +7,7 @@ One module per concern; this package re-exports the public API (``from megatron_
 - :mod:`.launcher`: the launcher and probe sources run inside the namespaces (plain strings, not modules);
 - :mod:`.forkserver`: the warm fork server that starts each call (the default launcher);
 - :mod:`.caps`: capability detection (what the kernel allows) and the spec encoding;
+- :mod:`.rootfs`: the allow-list root of every call (which host paths exist inside, what of the project is hidden);
 - :mod:`.cgroup`: the per-call cgroup (v2 or v1) that caps memory and pids;
 - :mod:`.fs`: scratch areas (tmpfs or directories with quotas) and their removal;
 - :mod:`.io`: output pumping and file writing;

@@ -1,9 +1,11 @@
 """What the sandbox can enforce on this machine: probed once per process and scratch root, by running the launcher.
 
-The probe tries each namespace alone, then the read-only remount with the tmpfs masks, then runs :data:`PROBE_SRC`
-inside the full setup under a private uid: a TCP port and a 0777 unix socket of the host must be unreachable, /tmp and
-a 0777 sibling dir must not be writable, the scratch dir must be. It also checks whether size-limited tmpfs areas can
-be mounted and which cgroup backend works (:mod:`.cgroup`). Standard library only.
+The probe tries each namespace alone, then the read-only remount with the tmpfs masks (the fallback), then the
+allow-list root (:mod:`.rootfs`) with the interpreter the calls will use (this process's own, venv included, else a
+system one), then runs :data:`PROBE_SRC` inside the full setup under a private uid: a TCP port and a 0777 unix socket
+of the host must be unreachable, /tmp and a 0777 sibling dir must not be writable, the scratch dir must be, the
+project's own package directory must not exist. It also checks whether size-limited tmpfs areas can be mounted and
+which cgroup backend works (:mod:`.cgroup`). Standard library only.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import threading
 from typing import Any
 
 import megatron_tsync.rollout.sandbox.fs as sandbox_fs
+import megatron_tsync.rollout.sandbox.rootfs as sandbox_rootfs
 from megatron_tsync.rollout.sandbox.launcher import LAUNCHER_SRC, PROBE_SRC
 
 __all__ = ["detect_capabilities", "encode_spec", "parse_status", "UID_BASE", "UID_SLOTS", "mask_dirs",
@@ -27,6 +30,8 @@ __all__ = ["detect_capabilities", "encode_spec", "parse_status", "UID_BASE", "UI
 UID_BASE = 2_000_000_000
 UID_SLOTS = 1000
 _MASK_CANDIDATES = ("/tmp", "/var/tmp", "/run", "/dev/shm")
+PROJECT = __name__.split(".")[0]
+"""The project whose source a call must not see (its imported package, and any install of it: :mod:`.rootfs`)."""
 _caps_lock = threading.Lock()
 _caps_cache: dict[str, dict[str, Any]] = {}
 
@@ -138,7 +143,7 @@ def _probe(root: str) -> dict[str, Any]:
     python = _sandbox_python()
     masks, mask_notes = mask_dirs(root, python)
     caps: dict[str, Any] = {"root": is_root, "python": python, "ns": {}, "ro_root": False, "uid_drop": False,
-                            "masks": [], "notes": list(mask_notes)}
+                            "masks": [], "rootfs": None, "python_host": python, "notes": list(mask_notes)}
     caps["tmpfs"], caps["tmpfs_note"] = sandbox_fs.can_mount_tmpfs(root)
     base = {"argv": ["/bin/true"], "env": {}, "rlimits": {}, "uid": None, "gid": None}
     tried = ["user"] if not is_root else []
@@ -159,12 +164,43 @@ def _probe(root: str) -> dict[str, Any]:
             caps["masks"] = masks if rc == 0 else []
             if rc != 0:
                 caps["notes"].append(f"read-only remount / masks failed: {st or rc}")
+        if ns.get("mnt") and caps["ro_root"]:
+            caps["rootfs"], rootfs_python = _probe_rootfs(root, d, dict(base, ns=ns, masks=masks), python, caps)
+            caps["python"] = python = rootfs_python or python
         if is_root and python:
             caps["uid_drop"] = True
         elif is_root:
             caps["notes"].append("no Python interpreter executable by an unprivileged uid; uid drop disabled")
     caps["probe"] = _probe_isolation(root, caps, base)
     return caps
+
+
+def package_dir() -> str | None:
+    """The directory of the imported project package (hidden from calls)."""
+    mod = sys.modules.get(PROJECT)
+    f = getattr(mod, "__file__", None)
+    return os.path.dirname(os.path.realpath(f)) if f else None
+
+
+def _probe_rootfs(root: str, d: str, base: dict, python: str | None,
+                  caps: dict[str, Any]) -> tuple[dict | None, str | None]:
+    """(plan, interpreter) of the allow-list root: the first candidate interpreter (this process's own, venv included;
+    then the host-accessible one) that starts inside it under an unprivileged uid; (None, None) if none does."""
+    uid = UID_BASE + (os.getpid() % 100_000) * UID_SLOTS + UID_SLOTS - 1 if caps["root"] else None
+    for cand in dict.fromkeys(c for c in (sys.executable, python) if c and os.path.isabs(c)):
+        try:
+            plan = sandbox_rootfs.plan(cand, root, PROJECT, package_dir())
+        except (OSError, RuntimeError, ValueError) as e:
+            caps["notes"].append(f"allow-list root for {cand}: {e}")
+            continue
+        if uid is not None:
+            os.chown(d, uid, uid)
+        rc, out, st = _launch_raw(dict(base, rootfs=plan, uid=uid, gid=uid,
+                                       argv=[cand, "-I", "-S", "-c", "import os; print(os.getcwd())"]), d, 20.0)
+        if rc == 0 and out.decode(errors="replace").strip() == d:
+            return plan, cand
+        caps["notes"].append(f"allow-list root for {cand} failed: rc={rc} {st.get('setup_error', '')}".rstrip())
+    return None, None
 
 
 def _probe_isolation(root: str, caps: dict[str, Any], base: dict) -> dict[str, Any]:
@@ -187,8 +223,9 @@ def _probe_isolation(root: str, caps: dict[str, Any], base: dict) -> dict[str, A
             if caps["uid_drop"]:
                 os.chown(d, uid, uid)
             spec = dict(base, ns=caps["ns"], ro_root=caps["ro_root"], masks=caps["masks"], hide_sockets=True,
-                        argv=[caps["python"] or sys.executable, "-I", "-S", "-c", PROBE_SRC,
-                              str(srv.getsockname()[1]), sibling, sock_path],
+                        rootfs=caps["rootfs"], argv=[caps["python"] or sys.executable, "-I", "-S", "-c", PROBE_SRC,
+                                                     str(srv.getsockname()[1]), sibling, sock_path,
+                                                     package_dir() or "/nonexistent"],
                         uid=uid if caps["uid_drop"] else None, gid=uid if caps["uid_drop"] else None)
             rc, out, st = _launch_raw(spec, d, 20.0)
             try:

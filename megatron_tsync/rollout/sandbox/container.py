@@ -25,7 +25,9 @@ interpreter exit); containers, areas and rootfs dirs of dead owner pids are swep
 The root filesystem is an image (``ContainerConfig(image=...)``, e.g. a SWE-bench-style image already in the local
 store: nothing is pulled, ``--pull never``), a directory (``rootfs=DIR``), or by default "host": an empty directory
 holding the host's top-level symlinks (bin -> usr/bin, ...) with ``host_dirs`` (/usr, /etc, /opt) bound read-only,
-so the host's interpreters and tools run with nothing else of the host visible. (``--rootfs /`` itself does not work
+so the host's interpreters and tools run with nothing else of the host visible. Those dirs are bound whole, which
+is wider than the namespace sandbox's allow-list (:mod:`.rootfs`: a few /etc files, no /opt unless the interpreter
+lives there); ``enforcement()["host_files"]`` says so. (``--rootfs /`` itself does not work
 with runc: pivot_root of / fails with EBUSY, and sysfs / tmpfs targets shadow their own mount sources.)
 
 Exit codes: a process killed by signal N is reported as ``-N`` (the runtime's status 128+N; a program that exits 129..

@@ -193,6 +193,14 @@ def enforcement(sb) -> dict[str, dict[str, Any]]:
         + ", ".join(sb.host_dirs) + " (read-only)" if oci else "host paths bound by the runtime's defaults")
     put("filesystem", oci, "read-only root (--read-only), read-only extra mounts; only the workspace and the "
         "private tmpfs dirs are writable" if oci else "runtime default (apptainer: read-only image; enroot: rw)")
+    own = sb.container.image or sb.container.rootfs
+    pkg = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the imported package
+    exposed = [d for d in sb.host_dirs if pkg == d or pkg.startswith(d.rstrip("/") + "/")]
+    put("host_files", bool(own) or not exposed, "the container's own root (image or rootfs dir): no host path but "
+        "the workspace and extra mounts" if own else "host rootfs: " + ", ".join(sb.host_dirs) + " bound WHOLE "
+        "(read-only; unlike the namespace sandbox's allow-list of rootfs.py, all of them are readable) and the "
+        "imported package hidden by the environments' mount" + (f"; the package lies under {exposed[0]}" if exposed
+                                                                else ""))
     put("pid_namespace", rt != "enroot", "the container's own pid namespace" if rt != "enroot" else "none")
     put("kill_tree", True, f"{kill}: every process of the container dies with it" if oci else
         "process group kill of the runtime")

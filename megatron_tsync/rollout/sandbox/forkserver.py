@@ -15,6 +15,11 @@ The server never reaps a launcher before the parent asked (as with Popen the pid
 parent kills, cannot be reused while the parent uses it). ``Sandbox.run_source`` (the calculator) runs trusted tool
 code in the target process itself (after the rlimits, setuid and NO_NEW_PRIVS) instead of execve'ing a second
 interpreter; untrusted code (``code=``, argv) is always execve'd, so no memory of the server reaches it.
+``SandboxConfig.preload`` names modules the server imports at its start (reasoning-gym for its scorer): a
+``run_source`` target finds them warm. Such a source may hand untrusted DATA to them (the reasoning-gym scorer's
+datasets ``eval`` answers), so what the target can read of the server's memory matters: the launcher, the preloaded
+modules and the specs of this server's own earlier calls (argv, env, paths; never ``files=``). Give a preloading
+sandbox one purpose, so those specs are only its own.
 The server exits at EOF on its control socket (the owner closed it or died). Standard library only.
 """
 
@@ -40,6 +45,11 @@ import array, builtins, ctypes, fcntl, marshal, os, resource, signal, socket, sy
 import ast, gc, math  # ast, math: what the built-in tool sources import, warm in every forked target
 ctl = socket.socket(fileno=int(sys.argv[1]))
 LAUNCHER = compile(sys.argv[2], "<sandbox-launcher>", "exec")
+for name in filter(None, sys.argv[3].split(",")):  # SandboxConfig.preload: warm in every run_source target
+    try:
+        __import__(name)
+    except BaseException as e:  # the source's own import then reports it, in the call's result
+        os.write(2, ("sandbox fork server: preload %s: %s: %s\n" % (name, type(e).__name__, e)).encode())
 SOURCES, replies = {}, {}
 LIBC = ctypes.CDLL(None, use_errno=True)
 def child(spec, cwd, roles, reply):
@@ -131,13 +141,20 @@ while True:
 class ForkServer:
     """Parent side of one fork server (thread-safe). ``spawn`` returns a Popen-like :class:`ForkedProc`."""
 
-    def __init__(self, python: str = sys.executable):
+    def __init__(self, python: str = sys.executable, preload: tuple[str, ...] = ()):
+        """`preload`: modules the server imports once at its start (trusted code; its site-packages are then on the
+        path: ``-I`` without ``-S``, single-threaded numeric libraries, the caller's ``HOME``)."""
         a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"}
+        if preload:
+            env.update({k: "1" for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")},
+                       MPLBACKEND="Agg", **({"HOME": os.environ["HOME"]} if "HOME" in os.environ else {}))
+        flags = ["-I"] if preload else ["-I", "-S"]
         try:
             self.proc = subprocess.Popen(
-                [python, "-I", "-S", "-c", SERVER_SRC, str(b.fileno()), LAUNCHER_SRC],
+                [python, *flags, "-c", SERVER_SRC, str(b.fileno()), LAUNCHER_SRC, ",".join(preload)],
                 pass_fds=(b.fileno(),), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                env={"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"}, start_new_session=True,
+                env=env, start_new_session=True,
             )
         except BaseException:
             a.close()

@@ -10,6 +10,7 @@ __all__ = ["LAUNCHER_SRC", "PROBE_SRC"]
 
 # spec keys: argv env ns rlimits uid gid delay_s status_fd go_fd ro_root ro_strict masks mounts hide_sockets
 # poll_memory source (trusted Python run by the target itself instead of execve(argv); see Sandbox.run_source)
+# rootfs (the allow-list root of rootfs.py: {at, binds, links, dirs, hide}; None: the read-only host root + masks)
 LAUNCHER_SRC = r'''
 import ctypes, marshal, os, resource, signal, sys, time
 if "spec" not in globals():  # else run by the fork server (forkserver.py), which passes it
@@ -75,6 +76,87 @@ if spec["ns"].get("mnt"):
         mount(None, "/", None, MS_REC | MS_PRIVATE)
     except OSError as e:
         fail("mount(/, private)", e)
+MS_MOVE, MNT_DETACH, EINVAL = 8192, 2, 22
+PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "riscv64": 41, "ppc64le": 203, "ppc64": 203, "s390x": 217}.get(
+    os.uname().machine)  # syscall numbers (glibc has no wrapper); elsewhere: MS_MOVE onto / + chroot
+libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
+def build_root(R, proc):  # the allow-list root (rootfs.py): a tmpfs at R["at"], the binds, then pivot_root into it
+    def handle(p):
+        try:
+            return os.open(p, os.O_PATH)
+        except FileNotFoundError:
+            return None  # gone from the host: not exposed
+    srcs = [(p, dev, handle(p)) for p, _, dev in R["binds"]]
+    here, null = os.open(cwd, os.O_PATH | os.O_DIRECTORY), os.open("/dev/null", os.O_PATH)
+    extra = [(tgt, os.open(src, os.O_PATH), ro) for tgt, src, ro in spec.get("mounts", ())]
+    top = R["at"]
+    mount("tmpfs", top, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,nr_inodes=4096,mode=755")
+    umask = os.umask(0o022)
+    def point(p, fd):  # the mount point top+p for the source fd, created (parents 0755) where missing
+        t = top + p
+        if not os.path.lexists(t):
+            if os.path.isdir("/proc/self/fd/%d" % fd):
+                os.makedirs(t)
+            else:
+                os.makedirs(os.path.dirname(t), exist_ok=True)
+                os.close(os.open(t, os.O_CREAT | os.O_WRONLY, 0o644))
+        return t
+    def bindfd(fd, t, flags):
+        src = "/proc/self/fd/%d" % fd
+        try:
+            mount(src, t, None, MS_BIND)
+        except OSError as e:  # a tree with locked mounts below it (user namespace) can only be bound recursively
+            if e.errno != EINVAL:
+                raise
+            mount(src, t, None, MS_BIND | MS_REC)
+        kept = os.statvfs(t).f_flag & (MS_NOSUID | MS_NODEV | MS_NOEXEC | MS_NOATIME | MS_NODIRATIME)
+        mount(None, t, None, MS_REMOUNT | MS_BIND | kept | flags)
+    for d in R["dirs"]:
+        os.makedirs(top + d, exist_ok=True)
+    for p, target in R["links"]:
+        os.makedirs(os.path.dirname(top + p), exist_ok=True)
+        if not os.path.lexists(top + p):
+            os.symlink(target, top + p)
+    for p, dev, fd in srcs:
+        if fd is not None:  # devices keep dev (ro: no new nodes), everything else nodev; nothing is suid
+            bindfd(fd, point(p, fd), MS_RDONLY | MS_NOSUID | (MS_NOEXEC if dev else MS_NODEV))
+    bindfd(here, point(cwd, here), MS_NOSUID | MS_NODEV)
+    for tgt, fd, ro in extra:
+        bindfd(fd, point(tgt, fd), (MS_RDONLY if ro else 0) | MS_NOSUID | MS_NODEV)
+    for p, _ in R["hide"]:  # the project inside a bound tree (site-packages): an empty dir / empty file over it
+        t = top + p
+        if os.path.islink(t) or not os.path.lexists(t):
+            continue
+        if os.path.isdir(t):
+            mount("tmpfs", t, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=4k,nr_inodes=16,mode=555")
+        else:
+            bindfd(null, t, MS_RDONLY | MS_NOSUID | MS_NOEXEC)
+    for s in sockets:  # a host socket inside a bound tree: /dev/null over it (connect -> ECONNREFUSED)
+        if os.path.exists(top + s):
+            mount("/proc/self/fd/%d" % null, top + s, None, MS_BIND)
+    if proc == "fresh":  # (init of the new pid namespace, before the host's /proc goes: a user namespace needs it)
+        mount("proc", top + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC | MS_RDONLY)
+    elif proc == "host":  # no pid namespace: the host's pids are visible anyway
+        mount("/proc", top + "/proc", None, MS_BIND | MS_REC)
+    mount(None, top, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
+    os.umask(umask)
+    os.chdir(top)
+    if PIVOT_ROOT:  # pivot_root(".", "."): the old root ends up on top of the new one; detach it
+        check(libc.syscall(PIVOT_ROOT, b".", b"."))
+        check(libc.umount2(b".", MNT_DETACH))
+    else:
+        mount(".", "/", None, MS_MOVE)
+        os.chroot(".")
+    os.chdir(cwd)
+    for fd in [here, null] + [fd for _, _, fd in srcs if fd is not None] + [fd for _, fd, _ in extra]:
+        os.close(fd)
+ROOT = spec.get("rootfs") if spec["ns"].get("mnt") else None
+ROOT_IN_INIT = bool(ROOT) and bool(spec["ns"].get("user")) and bool(spec["ns"].get("pid"))
+if ROOT and not ROOT_IN_INIT:
+    try:
+        build_root(ROOT, "later" if spec["ns"].get("pid") else "host")
+    except OSError as e:
+        fail("root filesystem", e)
 def bind(tgt, ro, make):
     fd = fds[tgt]
     if make and not os.path.lexists(tgt):
@@ -101,7 +183,7 @@ def ro_all(keep, hidden):
         except OSError as e:
             failed.append("%s: %s" % (p, e))
     return failed
-if spec.get("ro_root"):
+if spec.get("ro_root") and not ROOT:
     try:
         mount(cwd, cwd, None, MS_BIND | MS_REC)
         os.chdir(cwd)  # the old cwd still points into the (soon read-only) parent mount
@@ -152,7 +234,12 @@ if spec["ns"].get("pid"):
         _, st = os.waitpid(init, 0)
         os._exit(os.WEXITSTATUS(st) if os.WIFEXITED(st) else 125)
     libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG (the launcher is in our process group too)
-    if spec["ns"].get("mnt"):
+    if ROOT_IN_INIT:
+        try:
+            build_root(ROOT, "fresh")
+        except OSError as e:
+            fail("root filesystem", e)
+    elif spec["ns"].get("mnt"):
         try:
             mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC | MS_RDONLY)
         except OSError as e:
@@ -237,7 +324,7 @@ while True:  # reap everything; stop when the target is gone (the kernel then ki
 # Probe run inside the sandbox once per process: checks empirically what the launcher's setup achieved.
 PROBE_SRC = r'''
 import json, os, socket, sys
-port, sibling, sock_path, scratch = int(sys.argv[1]), sys.argv[2], sys.argv[3], os.getcwd()
+port, sibling, sock_path, project, scratch = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4], os.getcwd()
 def blocked_connect(addr, family=socket.AF_INET):
     s = socket.socket(family, socket.SOCK_STREAM)
     s.settimeout(1.0)
@@ -261,5 +348,6 @@ pids = [p for p in os.listdir("/proc") if p.isdigit()]
 print(json.dumps({"uid": os.getuid(), "net": blocked_connect(("127.0.0.1", port)),
                   "unix": blocked_connect(sock_path, socket.AF_UNIX),
                   "tmp": blocked_write("/tmp"), "sibling": blocked_write(sibling),
-                  "scratch_ok": not blocked_write(scratch) and not blocked_write("."), "pid": len(pids) <= 3}))
+                  "scratch_ok": not blocked_write(scratch) and not blocked_write("."), "pid": len(pids) <= 3,
+                  "project_hidden": not os.path.exists(project)}))
 '''

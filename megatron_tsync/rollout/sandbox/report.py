@@ -55,16 +55,37 @@ def enforcement(sb) -> dict[str, dict[str, Any]]:
         put("network", True, "unshare(CLONE_NEWNET): empty network namespace, loopback down (probed)")
     else:
         put("network", False, "no network namespace on this machine: " + "; ".join(c["notes"]))
-    sock_ok = bool(c["masks"]) and probe.get("unix")
-    put("unix_sockets", sock_ok, "empty read-only tmpfs over " + ", ".join(c["masks"]) + "; /dev/null bound over "
-        "every other path socket listed in the host's /proc/net/unix (probed: a 0777 socket in /tmp unreachable). "
-        "Not covered: a socket bound elsewhere after the call started, or one of another network namespace outside "
-        "the masked dirs" if sock_ok else "host path sockets reachable: no mount namespace / masks")
+    rootfs = c.get("rootfs")
+    sock_ok = bool(c["masks"] or rootfs) and probe.get("unix")
+    if rootfs:
+        how_sock = ("allow-list root: no host socket path exists inside but those under the bound system and "
+                    "interpreter dirs, and /dev/null is bound over each of those listed in the host's /proc/net/unix "
+                    "(probed: a 0777 socket in /tmp unreachable). Not covered: a socket bound inside a bound dir after "
+                    "the call started")
+    else:
+        how_sock = ("empty read-only tmpfs over " + ", ".join(c["masks"]) + "; /dev/null bound over every other path "
+                    "socket listed in the host's /proc/net/unix (probed: a 0777 socket in /tmp unreachable). Not "
+                    "covered: a socket bound elsewhere after the call started, or one of another network namespace "
+                    "outside the masked dirs")
+    put("unix_sockets", sock_ok, how_sock if sock_ok else "host path sockets reachable: no mount namespace / masks")
     fs_ok = c["ro_root"] and probe.get("tmp") and probe.get("sibling") and probe.get("scratch_ok")
-    how_fs = ("mount namespace: every mount read-only except the call's area; other areas hidden under the scratch "
-              "root's mask (probed: /tmp and a 0777 sibling dir not writable)")
+    if rootfs:
+        fs_ok = fs_ok and probe.get("project_hidden")
+        how_fs = (f"allow-list root (pivot_root into a tmpfs): {len(rootfs['binds'])} host paths bound read-only "
+                  "(system dirs, a few /etc files, /dev nodes, the interpreter and its site-packages), "
+                  f"{len(rootfs['hide'])} entries of the project hidden inside them, the call's area rw; nothing else "
+                  "of the host exists (probed: /tmp and a 0777 sibling dir not writable, the project's package dir "
+                  "absent)")
+    else:
+        how_fs = ("read-only host root (the allow-list root failed: see notes): every mount read-only except the "
+                  "call's area; /tmp, /run, /dev/shm and other areas under empty masks; the rest of the host stays "
+                  "READABLE (probed: /tmp and a 0777 sibling dir not writable)")
     if fs_ok and uid_ok:
         how_fs += "; plus unprivileged uid and 0700 areas"
+    put("host_files", bool(rootfs) and probe.get("project_hidden"), "allow-list root: only the bound paths of the "
+        "host exist inside a call; no checkout, .git, /root, /home, /work, /opt (see filesystem)" if rootfs else
+        "NOT hidden: the read-only host root leaves every host file the call's uid may read readable (the "
+        "environments still hide the imported package with a mount)")
     put("filesystem", bool(fs_ok), how_fs if fs_ok else
         "writes outside scratch not prevented (no read-only mount namespace); "
         + ("unprivileged uid only: world-writable dirs such as /tmp stay writable" if uid_ok else "none"))

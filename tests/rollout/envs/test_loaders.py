@@ -74,7 +74,7 @@ def env(env_sandbox, hidden_verifier):
     return WorkspaceEnv(sandbox=env_sandbox, verifier=hidden_verifier)
 
 
-@pytest.mark.parametrize("jsonl", ["instances.jsonl", "tarball.jsonl"])
+@pytest.mark.parametrize("jsonl", ["instances.jsonl", pytest.param("tarball.jsonl", marks=pytest.mark.slow)])
 def test_swebench_instance_loads_and_verifies(swe_repo, env, tmp_path, jsonl):
     (task,) = load_swebench_jsonl(str(swe_repo / jsonl), str(tmp_path))
     assert task.must_pass == ("tests/test_ops.py::test_add", "tests/test_ops.py::test_mul")
@@ -122,6 +122,7 @@ def tb_task(tmp_path):
     return d
 
 
+@pytest.mark.slow  # the -bench formats' end-to-end checks are in the slow tier (test_verifier.py too)
 def test_terminal_bench_task_loads_and_verifies(tb_task, env):
     task = load_terminal_bench_dir(str(tb_task))
     assert task.instruction.startswith("Write the number") and task.meta["difficulty"] == "easy"

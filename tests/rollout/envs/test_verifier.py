@@ -109,6 +109,12 @@ def cases(swe_env, terminal_env, env_sandbox, hidden_verifier, tmp_path_factory)
 
 PY_KINDS, SH_KINDS = ("swe-lite", "swe-bench"), ("terminal-lite", "terminal-bench")
 
+
+def _lite_fast(kinds):
+    """The kinds as parametrize values: the -lite ones in the fast tier, the -bench ones (same checks through the
+    upstream formats' loaders) in the slow tier."""
+    return [k if k.endswith("-lite") else pytest.param(k, marks=pytest.mark.slow) for k in kinds]
+
 # ------------------------------------------------------------------------------------------- attack payloads
 # Python payloads are appended to the (unfixed) module the hidden tests import; shell payloads are the script the
 # hidden tests run (it prints a wrong answer as its honest part).
@@ -203,7 +209,7 @@ SH_ATTACKS = {
 }
 
 
-@pytest.mark.parametrize("kind", [*PY_KINDS, *SH_KINDS])
+@pytest.mark.parametrize("kind", _lite_fast([*PY_KINDS, *SH_KINDS]))
 def test_control_the_known_fix_scores_1_and_doing_nothing_0(cases, kind):
     c = cases[kind]
     assert c.play(c.fix())[0].reward == 1.0
@@ -211,7 +217,7 @@ def test_control_the_known_fix_scores_1_and_doing_nothing_0(cases, kind):
     assert v.reward == 0.0 and rc == 1, v  # the naive run also fails
 
 
-@pytest.mark.parametrize("kind", PY_KINDS)
+@pytest.mark.parametrize("kind", _lite_fast(PY_KINDS))
 @pytest.mark.parametrize("attack", list(PY_ATTACKS))
 def test_python_attack_scores_the_honest_wrong_reward(cases, kind, attack):
     c = cases[kind]
@@ -225,7 +231,7 @@ def test_python_attack_scores_the_honest_wrong_reward(cases, kind, attack):
         assert rc == 0, f"control: {attack!r} should fool a naive pytest run"
 
 
-@pytest.mark.parametrize("kind", SH_KINDS)
+@pytest.mark.parametrize("kind", _lite_fast(SH_KINDS))
 @pytest.mark.parametrize("attack", list(SH_ATTACKS))
 def test_shell_attack_scores_the_honest_wrong_reward(cases, kind, attack):
     c = cases[kind]
@@ -250,6 +256,7 @@ def add(a, b):  # the value the calling test keeps in its local `want`
 '''
 
 
+@pytest.mark.slow  # ~10 s of sandbox waits; the other attacks on the expected values stay in the fast tier
 def test_expected_values_kept_in_the_test_body(env_sandbox, hidden_verifier, tmp_path):
     """A solution that reads its caller's frame for the expected value (the test's local `want`) without fixing add():
     a constant `want = 5` is inlined and stripped like a literal in the assert (the cheat finds nothing: 0); an
@@ -290,7 +297,7 @@ def test_guessing_a_bool_valued_function(swe_env, guess):
     assert c.play([c.write(path, payload, append=True)])[0].reward == 0.0
 
 
-@pytest.mark.parametrize("kind", [*PY_KINDS, "terminal-bench"])
+@pytest.mark.parametrize("kind", _lite_fast([*PY_KINDS, "terminal-bench"]))
 def test_planted_conftest_ini_and_sitecustomize(cases, kind):
     c = cases[kind]
     patch = "import _pytest.python\n_pytest.python.Function.runtest = lambda self: None\n"
@@ -304,7 +311,7 @@ def test_planted_conftest_ini_and_sitecustomize(cases, kind):
     assert v.reward == 0.0, v
 
 
-@pytest.mark.parametrize("kind", PY_KINDS)
+@pytest.mark.parametrize("kind", _lite_fast(PY_KINDS))
 def test_shadowing_modules_the_runner_imports(cases, kind):
     c = cases[kind]
     actions = [c.write(p, text) for p, text in SHADOWS.items()]

@@ -34,6 +34,8 @@ def degraded(sb: Sandbox, **caps) -> Sandbox:
     """The same sandbox with some probed capabilities switched off (what a weaker machine would get)."""
     d = Sandbox(sb.config)
     d._caps = {**d._caps, **caps}
+    if "rootfs" in caps and not caps["rootfs"]:  # the read-only host root: the interpreter must be reachable there
+        d.python = d._caps["python_host"]
     return d
 
 
@@ -82,8 +84,10 @@ def test_host_unix_sockets_are_unreachable(sb, host_sockets):
     assert r.ok, r
     lines = r.stdout.splitlines()
     assert len(lines) == len(host_sockets) and all(line.startswith("FAILED") for line in lines), r.stdout
-    # control: without the masks (and the /dev/null binds they come with) every path socket is reachable again
-    r = degraded(sb, masks=[]).run([sb.python, "-I", "-c", CONNECT_UNIX, *host_sockets])
+    # control: on the read-only host root (no allow-list) without the masks (and the /dev/null binds they come with)
+    # every path socket is reachable again
+    open_sb = degraded(sb, masks=[], rootfs=None)
+    r = open_sb.run([open_sb.python, "-I", "-c", CONNECT_UNIX, *host_sockets])
     reached = [line.split()[1] for line in r.stdout.splitlines() if line.startswith("CONNECTED")]
     assert reached == [p for p in host_sockets if not p.startswith("@")], r.stdout
     with sb.workspace() as ws:  # the same inside a workspace
