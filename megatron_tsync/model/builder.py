@@ -26,7 +26,7 @@ from megatron_tsync.model.wrappers import unwrap  # noqa: F401 - re-exported (mo
 class ModelArch:
     """Architecture of a Llama/Qwen2/Qwen3-family decoder (the fields of a Hugging Face config we use)."""
 
-    family: str  # "llama" | "qwen2" | "qwen3"
+    family: str  # "llama" | "qwen2" | "qwen3" | "qwen3_moe" | "glm4_moe_lite"
     vocab_size: int
     hidden_size: int
     ffn_hidden_size: int
@@ -49,11 +49,27 @@ class ModelArch:
     moe_router_topk: int = 0  # experts per token
     moe_ffn_hidden_size: int = 0  # one expert's SwiGLU width (HF moe_intermediate_size)
     norm_topk_prob: bool = False  # renormalise the top-k routing weights to sum to 1
+    # multi-latent attention + DeepSeek-V3-style MoE (GLM-4.7-Flash, model/mla.py); 0 / defaults elsewhere
+    q_lora_rank: int = 0  # 0: queries by one projection (no low-rank q)
+    kv_lora_rank: int = 0  # > 0 marks an MLA model
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0  # the decoupled RoPE head, shared by every head's key
+    v_head_dim: int = 0
+    rope_interleave: bool = False  # HF rotates interleaved pairs (conversion permutes the rope rows)
+    moe_first_k_dense: int = 0  # the first k layers have a dense MLP
+    moe_router_num_groups: int = 1  # sigmoid grouped top-k: n_group / topk_group
+    moe_router_group_topk: int = 1
+    moe_routed_scaling_factor: float = 1.0
+    moe_shared_expert_ffn_hidden_size: int = 0  # n_shared_experts · moe_intermediate_size
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> "ModelArch":
         """From a transformers ``config.json`` dict (LlamaConfig, Qwen2Config or Qwen3Config)."""
         mt = cfg.get("model_type", "llama")
+        if mt == "glm4_moe_lite":  # multi-latent attention + DeepSeek-V3-style MoE (model/mla.py)
+            from megatron_tsync.model import mla
+
+            return cls(**mla.arch_fields_from_hf_config(cfg))
         if mt == "qwen3_moe":  # Qwen3 attention + an MoE MLP in every layer (model/moe.py)
             from megatron_tsync.model import moe
 
@@ -220,7 +236,14 @@ def transformer_config(arch: ModelArch, precision: PrecisionConfig, *, tp: int =
     )
     if precision.fp8_format is not None:
         kw.update(fp8=precision.fp8_format, fp8_recipe=precision.fp8_recipe)
-    if arch.num_experts:
+    config_class = None
+    if arch.kv_lora_rank:
+        from megatron_tsync.model import mla
+
+        mla.check_overrides(arch, extra, precision)
+        kw.update(mla.transformer_config_fields(arch, tp, ep))
+        config_class = "mla"
+    elif arch.num_experts:
         from megatron_tsync.model import moe
 
         moe.check_overrides(arch, extra)
@@ -233,7 +256,7 @@ def transformer_config(arch: ModelArch, precision: PrecisionConfig, *, tp: int =
     if n is not None and not 1 <= n <= arch.num_layers // pp:
         raise ValueError(f"--recompute-num-layers {n} must be between 1 and the layers of one pipeline stage "
                          f"({arch.num_layers} layers / PP {pp} = {arch.num_layers // pp})")
-    cfg, unknown = compat.make_transformer_config(**kw)
+    cfg, unknown = compat.make_transformer_config(config_class=config_class, **kw)
     if unknown:
         import logging
 
@@ -268,7 +291,11 @@ def build_model(
         raise ValueError(f"{arch.num_layers} layers cannot be split evenly over PP={pp} stages")
     ep = ps.get_expert_model_parallel_world_size()
     cfg = transformer_config(arch, precision, tp=tp, pp=pp, ep=ep, **config_overrides)
-    if arch.num_experts:
+    if arch.kv_lora_rank:
+        from megatron_tsync.model import mla
+
+        spec, _ = mla.layer_spec(arch, precision, cfg)
+    elif arch.num_experts:
         from megatron_tsync.model import moe
 
         spec, _ = moe.layer_spec(arch, precision)
@@ -298,8 +325,11 @@ def build_model(
         )
     finally:
         torch.set_default_dtype(old)
-    inv_freq = rope_inv_freq(arch, torch.float64 if float64 else torch.float32)
-    if inv_freq is not None:
+    if arch.kv_lora_rank:  # one rotary module per MLA layer
+        from megatron_tsync.model import mla
+
+        mla.finish_model(model, arch, torch.float64 if float64 else torch.float32)
+    elif (inv_freq := rope_inv_freq(arch, torch.float64 if float64 else torch.float32)) is not None:
         compat.set_rope_inv_freq(model, inv_freq)
     if torch.cuda.is_available():
         model = model.cuda()

@@ -124,6 +124,12 @@ def hf_to_megatron(
         out["embedding.word_embeddings.weight"] = col(hf_state["model.embed_tokens.weight"])
     for j in range(n):
         h, m = f"model.layers.{off + j}.", f"decoder.layers.{j}."
+        if arch.kv_lora_rank:  # multi-latent attention + its MLP (model/mla.py)
+            from megatron_tsync.model import mla
+
+            out.update(mla.hf_to_megatron_layer(hf_state, arch, off + j, h, m, tp_rank=tp_rank, tp_size=tp_size,
+                                                ep_rank=ep_rank, ep_size=ep_size))
+            continue
         out[m + "input_layernorm.weight"] = hf_state[h + "input_layernorm.weight"].clone()
         a = h + "self_attn."
         out[m + "self_attention.linear_qkv.weight"] = col(
@@ -172,7 +178,11 @@ def megatron_full_to_hf(full: dict[str, torch.Tensor], arch: ModelArch, layer_of
         elif name.startswith("decoder.layers."):
             j, sub = name[len("decoder.layers.") :].split(".", 1)
             h = f"model.layers.{int(j) + layer_offset}."
-            if sub == "input_layernorm.weight":
+            if arch.kv_lora_rank:  # model/mla.py
+                from megatron_tsync.model import mla
+
+                out.update(mla.megatron_to_hf_layer(sub, t, h, arch, expert_offset))
+            elif sub == "input_layernorm.weight":
                 out[h + "input_layernorm.weight"] = t
             elif sub == "pre_mlp_layernorm.weight":
                 out[h + "post_attention_layernorm.weight"] = t
@@ -229,9 +239,18 @@ def _ep_coords(arch: ModelArch) -> dict[str, int]:
     return {"ep_rank": ep_rank, "ep_size": ep_size}
 
 
+def _converted_tensors(model):
+    """(name, tensor) of everything conversion covers: the parameters and the routers' expert-bias buffers (the
+    correction bias of sigmoid routing, model/mla.py: part of the checkpoint, not trained)."""
+    yield from model.named_parameters()
+    for n, b in model.named_buffers():
+        if n.endswith("router.expert_bias"):
+            yield n, b
+
+
 def _local_param_names(model) -> dict[str, str]:
     """local-spec name -> the model's actual parameter name (TE fuses the pre-norms into the linears)."""
-    names = {n for n, _ in model.named_parameters()}
+    names = {n for n, _ in _converted_tensors(model)}
     mapping = {}
     for n in names:
         canon = n
@@ -266,7 +285,7 @@ def load_hf_into_model(model, hf_state: dict[str, torch.Tensor], *, whole_model:
         **_ep_coords(arch),
     )
     names = _local_param_names(m)
-    params = dict(m.named_parameters())
+    params = dict(_converted_tensors(m))
     missing = sorted(set(names) - set(local))
     extra = sorted(set(local) - set(names))
     if missing or extra:
@@ -305,7 +324,7 @@ def megatron_to_hf(model, *, to_cpu: bool = True) -> dict[str, torch.Tensor]:
     tp_group = ps.get_tensor_model_parallel_group() if tp_size > 1 else None
     inverse = {v: k for k, v in _local_param_names(m).items()}
     full: dict[str, Any] = {}
-    for name, p in m.named_parameters():
+    for name, p in _converted_tensors(m):
         canon = inverse[name]
         t = _tp_gather(p, tp_size, tp_group)
         if isinstance(t, list):
@@ -386,6 +405,10 @@ def load_hf_dir(path: str) -> tuple[ModelArch, dict[str, torch.Tensor]]:
     state = load_hf_state(path)
     if arch.tie_word_embeddings:
         state.pop("lm_head.weight", None)
+    if arch.kv_lora_rank:  # GLM-4.7-Flash ships its MTP layer as one more model.layers.N
+        from megatron_tsync.model import mla
+
+        state = mla.drop_extra_layers(state, arch)
     if arch.num_experts:  # fused 3-D experts (transformers >= 5 save_original_format=False) -> per expert
         from megatron_tsync.model import moe
 
@@ -401,6 +424,10 @@ def hf_config_dict(arch: ModelArch, *, dtype: torch.dtype = torch.float32, extra
     """
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
+    if arch.kv_lora_rank:  # GLM-4.7-Flash style (model/mla.py)
+        from megatron_tsync.model import mla
+
+        return mla.hf_config_dict(arch, dtype=dtype, extra=extra)
     if arch.num_experts:  # Qwen3-MoE (model/moe.py)
         from megatron_tsync.model import moe
 

@@ -348,12 +348,20 @@ def hf_config_dict(arch, *, dtype: torch.dtype = torch.float32, extra: dict | No
 # --------------------------------------------------------------------------------------------------
 
 
+def _moe_layers(model) -> list:
+    """This stage's MoE layers in order: every layer with a router (a GLM-4.7-Flash-style model's first
+    ``moe_first_k_dense`` layers are dense and have none, model/mla.py)."""
+    return [layer for layer in unwrap(model).decoder.layers if getattr(layer.mlp, "router", None) is not None]
+
+
 def _replays(model) -> list:
-    """This stage's ``RouterReplay`` objects, one per local layer in order (megatron also keeps a process-wide
+    """This stage's ``RouterReplay`` objects, one per local MoE layer in order (megatron also keeps a process-wide
     list of every router ever built; this reads the model's own, so several models in a process do not mix)."""
+    if not getattr(unwrap(model).config, "num_moe_experts", None):
+        raise ValueError("router replay needs a MoE model built with moe_enable_routing_replay=True")
     out = []
-    for layer in unwrap(model).decoder.layers:
-        rr = getattr(getattr(layer.mlp, "router", None), "router_replay", None)
+    for layer in _moe_layers(model):
+        rr = getattr(layer.mlp.router, "router_replay", None)
         if rr is None:
             raise ValueError("router replay needs a MoE model built with moe_enable_routing_replay=True")
         out.append(rr)
@@ -361,7 +369,8 @@ def _replays(model) -> list:
 
 
 def microbatch_routing(routings, lengths, pad: int = 0) -> list[torch.Tensor] | None:
-    """Per global MoE layer, the (T, k) experts of a microbatch of trajectories laid end to end (then ``pad``
+    """Per global MoE layer (dense layers have no entry), the (T, k) experts of a microbatch of trajectories laid end
+    to end (then ``pad``
     padding tokens): each trajectory's engine routing, a (P_i, L, k) tensor for its first P_i ≤ T_i positions.
     None when no trajectory carries routing (replay off); all or none must.
 
@@ -440,7 +449,9 @@ class replay_microbatch:
         self.inner = None
         if per_layer is not None:
             gpt = unwrap(model)  # layer_number is global (1-based, pipeline offset included): a stage's own layers
-            local = [sequence_shard(per_layer[layer.layer_number - 1], gpt.config) for layer in gpt.decoder.layers]
+            dense = getattr(getattr(gpt, "arch", None), "moe_first_k_dense", 0)  # MoE layer i is layer dense + i
+            local = [sequence_shard(per_layer[layer.layer_number - 1 - dense], gpt.config)
+                     for layer in _moe_layers(gpt)]
             self.inner = replay_routing(model, local)
 
     def __enter__(self):
@@ -453,7 +464,7 @@ class replay_microbatch:
 
 
 class record_routing:
-    """``with record_routing(model) as rec: model(...)`` → ``rec.indices``: per local layer the (S·B, k) expert
+    """``with record_routing(model) as rec: model(...)`` → ``rec.indices``: per local MoE layer the (S·B, k) expert
     indices the routers chose (token order of megatron's (S, B) flattening: for B = 1, position order)."""
 
     def __init__(self, model):
@@ -477,9 +488,10 @@ class record_routing:
 
 
 class replay_routing:
-    """``with replay_routing(model, indices): model(...)``: every local layer routes each token to the given
-    experts (list of (S·B, k) long tensors, one per local layer) instead of its own top-k; the weights are the
-    router's own scores of those experts (softmaxed over the k with ``norm_topk_prob``, as in HF). One forward
+    """``with replay_routing(model, indices): model(...)``: every local MoE layer routes each token to the given
+    experts (list of (S·B, k) long tensors, one per local MoE layer) instead of its own top-k; the weights are the
+    router's own scores of those experts (softmaxed over the k with ``norm_topk_prob``, as in HF; sigmoid routing:
+    the plain sigmoid scores of those experts, normalised and scaled, the correction bias unused). One forward
     per context (the backward needs no replay: megatron does not recompute the router unless activation
     recomputation is on, which is refused with router replay: ``config.ModelConfig``, ``builder.transformer_config``)."""
 

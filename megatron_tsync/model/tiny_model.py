@@ -10,7 +10,9 @@ everything is deterministic for a given seed.
 Families (:data:`FAMILIES`): ``llama`` (plain RoPE, θ 1e4), ``qwen2`` (QKV bias, θ 1e6), ``qwen3`` (QK-norm, no
 bias, θ 1e6, ``head_dim`` 2·hidden/heads by default: decoupled from hidden/heads as in Qwen3-4B) and ``llama3``
 (a Llama config with Llama-3.1-style ``rope_scaling`` — factor 8, low/high frequency factors 1/4, θ 5e5 — whose
-``original_max_position_embeddings`` is 64 so that short test sequences already cross the scaled wavelengths).
+``original_max_position_embeddings`` is 64 so that short test sequences already cross the scaled wavelengths),
+``qwen3_moe`` and ``glm4_moe_lite`` (GLM-4.7-Flash's layout, transformers' Glm4MoeLiteConfig, see
+:func:`glm4_moe_lite_arch`).
 """
 
 from __future__ import annotations
@@ -26,7 +28,9 @@ from megatron_tsync.model.builder import ModelArch
 
 SPECIAL_TOKENS = ["<s>", "</s>", "<pad>", "<tool>", "</tool>", "<result>", "</result>", "<answer>", "</answer>"]
 BOS, EOS, PAD = "<s>", "</s>", "<pad>"
-FAMILIES = ("llama", "qwen2", "qwen3", "llama3", "qwen3_moe")
+FAMILIES = ("llama", "qwen2", "qwen3", "llama3", "qwen3_moe")  # what --tiny-model-family offers (a live run)
+# make_tiny_model / tools/make_tiny_model.py also make glm4_moe_lite, which the engines do not generate with yet
+ALL_FAMILIES = FAMILIES + ("glm4_moe_lite",)
 _LLAMA3_SCALING = dict(rope_type="llama3", rope_factor=8.0, rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
                        rope_original_max_position_embeddings=64)
 
@@ -105,7 +109,7 @@ def make_tiny_model(
     *,
     family: str = "llama",
     hidden: int = 128,
-    layers: int = 2,
+    layers: int | None = None,
     heads: int = 4,
     kv_heads: int = 2,
     vocab: int = 512,
@@ -114,33 +118,31 @@ def make_tiny_model(
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
     head_dim: int | None = None,
-    experts: int = 4,
-    topk: int = 2,
+    experts: int | None = None,
+    topk: int | None = None,
     moe_ffn: int | None = None,
 ) -> str:
     """Write a tiny HF model + tokenizer to ``out_dir``; returns ``out_dir``. ``head_dim`` (default hidden/heads,
     2·hidden/heads for qwen3 and qwen3_moe) may differ from hidden/heads. qwen3_moe: ``experts`` experts per layer,
     ``topk`` per token, each of width ``moe_ffn`` (default hidden/2), normalised top-k weights; the router gets
-    N(0, 0.5²) weights (not transformers' zeros) so that routing is decisive, without near-ties."""
-    from transformers import AutoModelForCausalLM
-
-    from megatron_tsync.model.hf_conversion import hf_config_dict
-
-    if family not in FAMILIES:
-        raise ValueError(f"family must be one of {FAMILIES}, not {family!r}")
+    N(0, 0.5²) weights (not transformers' zeros) so that routing is decisive, without near-ties. glm4_moe_lite:
+    :func:`glm4_moe_lite_arch` (``layers`` default 3, ``experts`` 16, ``topk`` 4); the router gets N(0, 0.2²)
+    weights (sigmoid scores spread over (0, 1)) and the correction bias N(0, 0.1²) values, large enough to change
+    which experts are selected. ``layers`` defaults to 2 (glm4_moe_lite: 3)."""
+    family = family.replace("-", "_")  # the CLI also accepts glm4-moe-lite
+    if family not in ALL_FAMILIES:
+        raise ValueError(f"family must be one of {ALL_FAMILIES}, not {family!r}")
+    if family == "glm4_moe_lite":
+        arch = glm4_moe_lite_arch(hidden=hidden, layers=layers or 3, heads=heads, vocab=vocab, ffn=ffn, tie=tie,
+                                  experts=experts or 16, topk=topk or 4, moe_ffn=moe_ffn)
+        return _write(out_dir, arch, seed=seed, dtype=dtype, router_std=0.2, bias_std=0.1)
+    experts, topk, layers = experts or 4, topk or 2, layers or 2
     if hidden % heads or heads % kv_heads:
         raise ValueError(f"hidden {hidden} must divide by heads {heads}, and heads by kv_heads {kv_heads}")
     if head_dim is None:
         head_dim = (2 if family in ("qwen3", "qwen3_moe") else 1) * hidden // heads
     if head_dim < 32 or head_dim % 32:
         raise ValueError(f"head_dim {head_dim}: vLLM's CPU attention needs 32, 64, 96, 128, ...")
-    if vocab % 8:
-        raise ValueError(f"vocab {vocab} must be divisible by 8")
-    os.makedirs(out_dir, exist_ok=True)
-    tok = train_tokenizer(vocab, seed=seed)
-    if tok.get_vocab_size() > vocab:
-        raise ValueError(f"tokenizer has {tok.get_vocab_size()} entries > vocab {vocab}")
-    ids = _save_tokenizer(tok, out_dir)
     arch = ModelArch(
         family="llama" if family == "llama3" else family,
         vocab_size=vocab,
@@ -160,9 +162,48 @@ def make_tiny_model(
         **(dict(num_experts=experts, moe_router_topk=topk, moe_ffn_hidden_size=moe_ffn or hidden // 2,
                 norm_topk_prob=True) if family == "qwen3_moe" else {}),
     )
-    tokens = {"bos_token_id": ids[BOS], "eos_token_id": ids[EOS], "pad_token_id": ids[PAD]}
-    from transformers import AutoConfig
+    return _write(out_dir, arch, seed=seed, dtype=dtype, router_std=0.5)
 
+
+def glm4_moe_lite_arch(*, hidden: int = 128, layers: int = 3, heads: int = 4, vocab: int = 512,
+                       ffn: int | None = None, tie: bool = False, experts: int = 16, topk: int = 4,
+                       moe_ffn: int | None = None) -> ModelArch:
+    """A tiny GLM-4.7-Flash-shaped decoder: low-rank q (hidden/2) and kv (hidden/4) latents, 32-wide no-RoPE and
+    16-wide RoPE query/key parts, 32-wide values, interleaved RoPE, the first layer dense, ``experts`` routed
+    experts in 4 groups of which 2 are kept (top-``topk`` = 2·2 inside them), routed scaling 1.8, one shared
+    expert, rms_norm_eps 1e-5 (the latent norms keep transformers' 1e-6)."""
+    if layers < 2 or experts % 4 or topk != 4:
+        raise ValueError("glm4_moe_lite tiny model: layers ≥ 2 (one dense), experts a multiple of 4, topk 4 "
+                         "(4 groups, 2 kept: transformers scores a group by its top 2)")
+    moe_ffn = moe_ffn or hidden // 2
+    return ModelArch(
+        family="glm4_moe_lite", vocab_size=vocab, hidden_size=hidden, ffn_hidden_size=ffn or 2 * hidden,
+        num_layers=layers, num_attention_heads=heads, num_kv_heads=heads, head_dim=48, rope_theta=1000000.0,
+        rms_norm_eps=1e-5, tie_word_embeddings=tie, max_position_embeddings=4096,
+        num_experts=experts, moe_router_topk=topk, moe_ffn_hidden_size=moe_ffn, norm_topk_prob=True,
+        q_lora_rank=hidden // 2, kv_lora_rank=hidden // 4, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
+        rope_interleave=True, moe_first_k_dense=1, moe_router_num_groups=4, moe_router_group_topk=2,
+        moe_routed_scaling_factor=1.8, moe_shared_expert_ffn_hidden_size=moe_ffn,
+    )
+
+
+def _write(out_dir: str, arch: ModelArch, *, seed: int, dtype: torch.dtype, router_std: float,
+           bias_std: float = 0.0) -> str:
+    """Tokenizer + transformers' random init of ``arch`` under ``seed`` (norms, biases, router and correction
+    bias redrawn, see :func:`make_tiny_model`) → ``out_dir``."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from megatron_tsync.model.hf_conversion import hf_config_dict
+
+    vocab = arch.vocab_size
+    if vocab % 8:
+        raise ValueError(f"vocab {vocab} must be divisible by 8")
+    os.makedirs(out_dir, exist_ok=True)
+    tok = train_tokenizer(vocab, seed=seed)
+    if tok.get_vocab_size() > vocab:
+        raise ValueError(f"tokenizer has {tok.get_vocab_size()} entries > vocab {vocab}")
+    ids = _save_tokenizer(tok, out_dir)
+    tokens = {"bos_token_id": ids[BOS], "eos_token_id": ids[EOS], "pad_token_id": ids[PAD]}
     cfg = AutoConfig.for_model(**hf_config_dict(arch, extra=tokens))
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
@@ -173,7 +214,10 @@ def make_tiny_model(
             elif name.endswith(".bias"):
                 p.copy_(0.02 * torch.randn_like(p))
             elif name.endswith("mlp.gate.weight") and arch.num_experts:  # the MoE router
-                p.copy_(0.5 * torch.randn_like(p))
+                p.copy_(router_std * torch.randn_like(p))
+        for name, b in model.named_buffers():  # sigmoid routing's correction bias: non-zero, so selection uses it
+            if name.endswith("e_score_correction_bias") and bias_std:
+                b.copy_(bias_std * torch.randn_like(b))
     state = {k: v for k, v in model.state_dict().items()}
     if arch.num_experts:  # transformers >= 5 fuses the experts in memory; checkpoints keep one tensor each
         from megatron_tsync.model.moe import unfuse_hf_experts

@@ -138,6 +138,11 @@ class StreamExecutor:
         self._tp_align = gpt.config.tensor_model_parallel_size if gpt.config.sequence_parallel else 1
         self._align = math.lcm(self._align, self._tp_align)
         self.shared_prefix_tokens = shared_prefix_tokens
+        if (max_packed_tokens or shared_prefix_tokens) and getattr(gpt.config, "multi_latent_attention", False):
+            raise ValueError("--sequence-packing / --shared-prefix are not built for multi-latent attention "
+                             "(glm4_moe_lite): megatron-core's MLA rotates positions 0..S-1 of the whole microbatch, "
+                             "so a packed or shared-prefix segment would get the wrong RoPE positions "
+                             "(megatron_tsync/model/mla.py)")
         if shared_prefix_tokens:
             cores = {type(m).__name__ for m in gpt.modules() if "DotProductAttention" in type(m).__name__
                      or type(m).__name__ == "SDPAttention"}

@@ -60,15 +60,17 @@ def set_rng_tracker_states(states: dict) -> None:
     tensor_parallel.get_cuda_rng_tracker().set_states(states)
 
 
-def make_transformer_config(**kwargs):
-    """``TransformerConfig`` dropping fields the installed version does not know (logged by the caller)."""
+def make_transformer_config(config_class: str | None = None, **kwargs):
+    """``TransformerConfig`` (``config_class`` "mla": ``MLATransformerConfig``) dropping fields the installed
+    version does not know (logged by the caller)."""
     import dataclasses
 
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
-    names = {f.name for f in dataclasses.fields(TransformerConfig)}
+    cls = MLATransformerConfig if config_class == "mla" else TransformerConfig
+    names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(kwargs) - names)
-    return TransformerConfig(**{k: v for k, v in kwargs.items() if k in names}), unknown
+    return cls(**{k: v for k, v in kwargs.items() if k in names}), unknown
 
 
 def make_ddp_config(**kwargs):
@@ -136,7 +138,8 @@ def _fix_moe_without_te() -> None:
 
 
 class _Float64Softmax(TorchFunctionMode):
-    """Inside megatron's top-k routing: a softmax of float64 scores asked for in float32 stays float64."""
+    """Inside megatron's top-k routing: a softmax of float64 scores asked for in float32 stays float64, and so
+    does the sigmoid router's ``logits.float()`` (``score_function="sigmoid"``, model/mla.py)."""
 
     _SOFTMAX = (torch.softmax, torch.Tensor.softmax, torch.nn.functional.softmax)
 
@@ -144,6 +147,8 @@ class _Float64Softmax(TorchFunctionMode):
         kwargs = kwargs or {}
         if func in self._SOFTMAX and kwargs.get("dtype") == torch.float32 and args and args[0].dtype == torch.float64:
             kwargs = {**kwargs, "dtype": torch.float64}
+        if func is torch.Tensor.float and args and args[0].dtype == torch.float64 and len(args) == 1 and not kwargs:
+            return args[0]
         return func(*args, **kwargs)
 
 
