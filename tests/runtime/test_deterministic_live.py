@@ -49,7 +49,7 @@ def _run(tmp, name, model, iters, extra, nproc=1):
     launch = [sys.executable, "-m", "megatron_tsync.train"] if nproc == 1 else [
         sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone", "-m",
         "megatron_tsync.train"]
-    args = [*launch, "--config", CONFIG, "--model", str(model),
+    args = [*launch, "--config", CONFIG, "--model", str(model), "--init-tiny-model",
             "--train-iters", str(iters), "--group-size", "4", "--global-batch-size", "16", "--rollout-workers", "1",
             "--save", str(out / "ck"), "--save-interval", str(iters), "--dump-rollouts", str(out / "dump"),
             "--no-progress", "--eval-interval", "0", *extra]
