@@ -50,27 +50,33 @@ def calculator(expression: str) -> str:
         return f"error: {e}"
 
 
+async def converse(client: "openai.AsyncOpenAI", task: dict, model: str) -> list[dict]:
+    """Ask, run the calculator calls, until a reply without a tool call or ``max_turns`` replies: the messages."""
+    messages: list[dict] = [{"role": "user", "content": task["prompt"]}]
+    for _ in range(task.get("max_turns", 3)):
+        try:
+            reply = (await client.chat.completions.create(model=model, messages=messages,
+                                                          tools=[CALCULATOR_TOOL])).choices[0].message
+        except openai.BadRequestError as e:
+            if e.code == "context_length_exceeded":  # no room for another reply: the episode is over
+                break
+            raise
+        messages.append(reply.model_dump(exclude_none=True))
+        if not reply.tool_calls:
+            break
+        for call in reply.tool_calls:
+            args = json.loads(call.function.arguments or "{}")
+            messages.append({"role": "tool", "tool_call_id": call.id,
+                             "content": calculator(str(args.get("input", "")))})
+    return messages
+
+
 async def run_episode(base_url: str, episode_id: str, task: dict, model: str, api_key: str = "tsync") -> None:
-    """One episode: ask, run the calculator calls, until a reply without a tool call or ``max_turns`` replies."""
+    """One episode: :func:`converse`, then finish without a reward (the run's verifier scores the answer)."""
     client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=120.0,
                                 default_headers={"X-Episode-Id": episode_id})
     try:
-        messages: list[dict] = [{"role": "user", "content": task["prompt"]}]
-        for _ in range(task.get("max_turns", 3)):
-            try:
-                reply = (await client.chat.completions.create(model=model, messages=messages,
-                                                              tools=[CALCULATOR_TOOL])).choices[0].message
-            except openai.BadRequestError as e:
-                if e.code == "context_length_exceeded":  # no room for another reply: the episode is over
-                    break
-                raise
-            messages.append(reply.model_dump(exclude_none=True))
-            if not reply.tool_calls:
-                break
-            for call in reply.tool_calls:
-                args = json.loads(call.function.arguments or "{}")
-                messages.append({"role": "tool", "tool_call_id": call.id,
-                                 "content": calculator(str(args.get("input", "")))})
+        await converse(client, task, model)
         # cast_to=str: the reply's text, the same in every openai release (1.x on httpx, 3.x on httpx2)
         await client.post(f"/episodes/{episode_id}/finish", body={}, cast_to=str)
     finally:

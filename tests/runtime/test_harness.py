@@ -104,23 +104,38 @@ def test_trained_tokens_are_sampled_and_replay_sync_equals_live_float64(harness_
 @pytest.mark.slow
 def test_example_agent_drives_the_tiny_agent(tmp_path):
     """examples/openai_harness as configured (--harness-fn: the agent as coroutines in the worker), one step of 2
-    prompts x 8 after the warm start: the calculator runs as an OpenAI tool, the verifier scores the answers, the
-    episodes' requests share engine calls, nothing fails."""
+    prompts x 8 after the warm start: the calculator runs as an OpenAI tool, the episodes' requests share engine
+    calls, nothing fails. The episodes score themselves the documented way (tests/runtime/parsing_harness.py: the
+    example's conversation, the last ``<answer>...</answer>`` of the final reply's content): the warm-started agent's
+    correct answers get reward 1 (with the stop string stripped from the content, as before issue 50, every reward
+    was 0), and every reward equals the task's own verifier on the trained transcript."""
     ck, dump = tmp_path / "ck", tmp_path / "dump"
     _train(["--config", os.path.join(ROOT, "examples", "openai_harness", "config.yaml"), "--model",
             str(tmp_path / "model"), "--init-tiny-model", "--train-iters", "1", "--global-batch-size", "16", "--eval-interval", "0",
+            "--harness-fn", "tests.runtime.parsing_harness:run_episode",
             "--save", str(ck), "--dump-rollouts", str(dump), "--no-progress"], ROOT)
     (row,) = json.loads((ck / "history.json").read_text())
     assert all(row[f"harness_{r}"] == 0 for r in ("crash", "timeout", "bad_request", "no_finish", "bad_reward"))
     assert row["trajectories"] == 16 and row["success_rate"] > 0, row
+    import asyncio
+    import re
+
     from transformers import AutoTokenizer
 
+    from megatron_tsync.rollout.verifiers import get_verifier
     from megatron_tsync.runtime.rollout_io import load_rollouts
+    from tests.runtime.parsing_harness import calculator
 
     tok = AutoTokenizer.from_pretrained(str(tmp_path / "model"))
     samples, _ = load_rollouts(str(dump), 0)
     texts = [tok.decode(s.token_ids.tolist()) for s in samples]
     assert any("</tool><result>" in t and "<answer>" in t for t in texts), texts[:4]  # a tool turn, then the answer
+    verifier = get_verifier("exact_answer")
+    for s, text in zip(samples, texts):
+        prompt, generated = re.match(r"<s>Q: (\S+) (.*)", text, re.DOTALL).groups()
+        want = {"answer": int(calculator(prompt))}
+        assert s.reward == asyncio.run(verifier.score(generated, want)), (s.reward, text)
+    assert sum(s.reward for s in samples) > 0
     log = (ck / "rollout_plane" / "worker_logs" / "worker0.log").read_text()
     line = next(ln for ln in log.splitlines() if "harness step 0: 16 episodes" in ln)
     assert float(line.split("mean batch ")[1].split(")")[0]) > 1.0, line  # concurrent episodes, one engine call
