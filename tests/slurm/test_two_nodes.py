@@ -20,7 +20,7 @@ import pytest
 from tests.slurm.test_sbatch import (  # noqa: F401  (fixtures)
     KILLWAIT, _cancel_leftover_jobs, _job_env, _read, _tracker, _wait_for, slurm_lock,
 )
-from tests.slurm.test_stop_requeue import _assert_clean_save, _finish, _job_state, _logged_steps, _stop_record, _submit
+from tests.slurm.test_stop_requeue import IDLING, _assert_clean_save, _finish, _job_state, _logged_steps, _stop_record, _submit
 
 pytestmark = pytest.mark.slow
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -83,7 +83,7 @@ def test_rollout_node_worker_killed_is_redispatched(slurm2, tmp_path):
     log = str(tmp_path / "job.log")
     hb = 10.0
     t0 = time.perf_counter()
-    p, job = _submit(_job_env(slurm2, runs, TRAIN_ITERS=10_000, SAVE_INTERVAL=1000, ROLLOUT_NODES=1,
+    p, job = _submit(_job_env(slurm2, runs, **IDLING, ROLLOUT_NODES=1,
                               ROLLOUT_WORKERS=2, EXTRA_ARGS=f"--rollout-heartbeat-timeout {hb:g}"),
                      log, "--nodes=2", name="two-node")
     _wait_for(r"\[tsync\] step 3 ", log, p, 300)
@@ -126,7 +126,7 @@ def test_two_node_torchrun_stops_on_usr1_and_term(slurm2, tmp_path):
     for sig, cancel in (("USR1", ["--signal=USR1", "--batch"]), ("TERM", [])):
         log = str(tmp_path / f"{sig}.log")
         t0 = time.perf_counter()
-        p, job = _submit(_job_env(slurm2, runs, TRAIN_ITERS=10_000, SAVE_INTERVAL=1000, TRAINER_NODES=2),
+        p, job = _submit(_job_env(slurm2, runs, **IDLING, TRAINER_NODES=2),
                          log, "--nodes=2", name="ddp")
         first = _tracker(save) if os.path.exists(os.path.join(save, "latest_checkpointed_iteration.txt")) else 0
         _wait_for(rf"\[tsync\] step {first + 2} ", log, p, 300)
