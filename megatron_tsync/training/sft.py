@@ -29,6 +29,7 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 import dataclasses
+import math
 
 import torch
 import torch.distributed as dist
@@ -36,6 +37,7 @@ import torch.distributed as dist
 from megatron_tsync.model.builder import unwrap
 from megatron_tsync.model.logprobs import token_logprobs
 from megatron_tsync.model.tokenizer import Rendered, TokenizerCodec, encode_observation
+from megatron_tsync.training.barrier import all_finite
 from megatron_tsync.training.optimizer import OptimConfig, build_optimizer, finalize_and_scale
 
 __all__ = ["demonstration_tokens", "collate", "sft_warmup", "as_codec", "WARM_START_OPTIM", "build_sft_optimizer"]
@@ -215,12 +217,20 @@ def sft_warmup(
                 dist.all_reduce(stats, group=dp_group)
             num.backward()
             finalize_and_scale(ddp_model, float(stats[1]))
+            loss = float(stats[0] / stats[1])
+            if not all_finite(ddp_model, math.isfinite(loss)):  # every rank agrees: none applies the step
+                ddp_model.zero_grad_buffer()
+                optimizer.zero_grad()
+                raise FloatingPointError(
+                    f"supervised warm start step {step}: non-finite loss ({loss}) or gradient on some rank; the "
+                    f"step was not applied ({step} steps were): lower --sft-warmup-lr, or check the model's "
+                    "weights and the task's demonstrations")
             if clip_grad > 0:
                 _clip(ddp_model, clip_grad)
             optimizer.step()
             ddp_model.zero_grad_buffer()
             optimizer.zero_grad()
-            losses.append(float(stats[0] / stats[1]))
+            losses.append(loss)
             if log is not None:
                 log(step, losses[-1])
     finally:
