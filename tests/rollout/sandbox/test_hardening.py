@@ -25,7 +25,9 @@ pytestmark = pytest.mark.timeout(300)
 
 @pytest.fixture(scope="module")
 def sb() -> Sandbox:
-    return Sandbox(SandboxConfig(wall_timeout_s=5.0, cpu_seconds=5, memory_bytes=512 << 20, max_processes=16,
+    """A 60 s wall timeout: no call here is about the timeout (the hostile calls get their own 0.5 s one), so none
+    depends on how busy the machine is; the CPU, memory, disk and task limits stop the hostile ones."""
+    return Sandbox(SandboxConfig(wall_timeout_s=60.0, cpu_seconds=5, memory_bytes=512 << 20, max_processes=16,
                                  max_file_bytes=64 << 20, disk_bytes=32 << 20, max_files=1000,
                                  total_memory_bytes=384 << 20))
 

@@ -20,7 +20,8 @@ pytestmark = pytest.mark.timeout(300)
 
 @pytest.fixture(scope="module")
 def sb() -> Sandbox:
-    return Sandbox(SandboxConfig(wall_timeout_s=5.0, cpu_seconds=5, memory_bytes=512 << 20, max_processes=16,
+    """A 60 s wall timeout: no call here is about the timeout, so none depends on how busy the machine is."""
+    return Sandbox(SandboxConfig(wall_timeout_s=60.0, cpu_seconds=5, memory_bytes=512 << 20, max_processes=16,
                                  max_file_bytes=8 << 20, disk_bytes=16 << 20, max_files=2000))
 
 
