@@ -24,6 +24,31 @@ def run_policy(env, tasks, policy, concurrency: int = 4):
     return asyncio.run(main())
 
 
+def run_policies(env, tasks, policies, concurrency: int = 4):
+    """{policy: run_policy's list} for several policies in ONE pass: every (policy, task) episode goes through the
+    same `concurrency` slots, so the slowest episodes of one policy overlap the others' (no idle tail per policy)."""
+
+    async def one(task, policy, sem):
+        async with sem:
+            t0 = time.monotonic()
+            verdict, _ = await run_scripted(env, task, policy(env, task))
+            return task, verdict, time.monotonic() - t0
+
+    async def main():
+        sem = asyncio.Semaphore(concurrency)
+        return await asyncio.gather(*(one(t, p, sem) for p in policies for t in tasks))
+
+    out = asyncio.run(main())
+    return {p: out[i * len(tasks):(i + 1) * len(tasks)] for i, p in enumerate(policies)}
+
+
+def full_sweeps() -> bool:
+    """TSYNC_FULL_SWEEPS=1: the exhaustive sweeps (every generated task) instead of CI's covering subsets."""
+    import os
+
+    return os.environ.get("TSYNC_FULL_SWEEPS", "") not in ("", "0")
+
+
 def known_fix(env, task):
     return env.render_solution(task)
 
