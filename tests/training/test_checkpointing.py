@@ -187,22 +187,19 @@ def test_latest_step_and_meta(tmp_path):
 # integrity: checksums, damaged checkpoints, --load-fallback, a full disk, --keep-last-checkpoints
 # ---------------------------------------------------------------------------------------------------------------------
 
-def _integrity(args, tmp_path, prefix=()):
-    import json
+def _integrity(args, tmp_path, prefix):
+    """The integrity worker under a wrapper (unshare + mount, as run_isolated runs a process, with the wrapper in
+    front); the other integrity cases run in the resume launches (``ckpt_runs``)."""
     import subprocess
     import sys
 
     out = tmp_path / "res.json"
-    if prefix:  # run under a wrapper (unshare + mount): as run_isolated does, but with the wrapper in front
-        env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(common.free_port()), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-        cmd = " ".join([*prefix, "&&", "exec", sys.executable, INTEGRITY, *args, "--out", str(out)])
-        p = subprocess.run(["unshare", "-rm", "sh", "-c", cmd], cwd=common.REPO, env=env, capture_output=True,
-                           text=True, timeout=300)
-        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    else:
-        rc, log, _ = common.run_isolated([INTEGRITY, *args, "--out", str(out)])
-        assert rc == 0, log[-4000:]
+    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(common.free_port()), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    cmd = " ".join([*prefix, "&&", "exec", sys.executable, INTEGRITY, *args, "--out", str(out)])
+    p = subprocess.run(["unshare", "-rm", "sh", "-c", cmd], cwd=common.REPO, env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return json.loads(out.read_text())
 
 
