@@ -2,9 +2,16 @@
 process resumes from the checkpoint; its steps k+1..k+n must be bitwise equal (losses and every parameter,
 torch.equal) to the reference. Adam, fp32, clip_grad 1, weight decay,
 data drawn from the restored RNG streams. DP=2 with the distributed optimizer: one first run saves the same step
-in both shardings (two checkpoints), one resume launch resumes from each in turn."""
+in both shardings (two checkpoints), one resume launch resumes from each in turn.
+
+Launches (the ``ckpt_runs`` fixture): one first launch and one resume launch per group of tests (``GROUPS``: one
+process; TP=2; DP=2 with the distributed optimizer) for every selected test of the group: its resume job, and then,
+in the resume launch's processes, the group's integrity cases (damaged checkpoints at TP 1 and TP 2, the injected
+ENOSPC) on their own model and folders, in place of a launch each. The real-tmpfs full-disk test has a launch of its own
+(it runs under unshare + mount)."""
 
 import importlib.util
+import json
 import os
 import signal
 
@@ -21,6 +28,25 @@ common = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(common)
 
 WORKER = os.path.join(common.WORKERS, "ckpt_resume_worker.py")
+INTEGRITY = os.path.join(common.WORKERS, "ckpt_integrity_worker.py")
+SHARDINGS = ["dp_reshardable", "fully_reshardable"]
+
+# test -> (processes, what it reads): the resume jobs and integrity cases that one pair of launches runs
+PLAN = {
+    "test_resume_is_bitwise_single_process": (1, "resume"),
+    "test_a_damaged_latest_checkpoint_names_the_file_and_falls_back": (1, "damage"),
+    "test_an_injected_enospc_during_save_says_so_and_keeps_the_previous_checkpoint": (1, "enospc-inject"),
+    "test_resume_is_bitwise_tp2": (2, "tp2"),
+    "test_resume_is_bitwise_dp2_distributed_optimizer": (2, "dp2"),
+    "test_a_damaged_checkpoint_is_refused_on_every_rank_at_tp2": (2, "damage-tp2"),
+}
+
+
+def _planned(item):
+    name = getattr(item, "originalname", item.name)
+    if name not in PLAN:
+        return None
+    return PLAN[name] + (item_param(item, "sharding"),)
 
 
 @pytest.fixture(scope="module")
@@ -30,33 +56,99 @@ def hf_dir(tmp_path_factory):
     return make_tiny_model(str(tmp_path_factory.mktemp("tiny") / "llama"), family="llama", seed=3)
 
 
-def _first_and_resume(hf_dir, tmp_path, nproc, extra, shardings=None):
-    """The first run (saves at step 3, one checkpoint per sharding, then SIGKILLed) and one resume launch that
-    resumes from each checkpoint in turn; checks what both launches must do. Returns {sharding: (ckpt, out)}."""
-    names = shardings or [None]
-    ckpts = [str(tmp_path / ("ckpt" if s is None else f"ckpt-{s}")) for s in names]
-    outs = [str(tmp_path / ("res" if s is None else f"res-{s}")) for s in names]
-    base = [WORKER, "--hf", hf_dir, "--save-step", "3", "--extra-steps", "3"] + extra
-    save = ["--ckpt", *ckpts] + (["--optim-sharding", *shardings] if shardings else [])
-    rc, log, t_first = common.run_isolated(base + ["--mode", "first", *save, "--out", str(tmp_path / "full")],
-                                           nproc=nproc)
-    assert rc != 0, "the first run must die by SIGKILL"
-    if nproc == 1:
-        assert rc == -signal.SIGKILL, log[-4000:]
-    for r in range(nproc):
-        assert os.path.exists(tmp_path / f"full.rank{r}"), log[-4000:]
-    for ckpt in ckpts:
-        assert ck.latest_step(ckpt) == 3
-        assert not any(n.endswith(".tmp") for n in os.listdir(ckpt))
-    rc, log, t_res = common.run_isolated(base + ["--mode", "resume", "--ckpt", *ckpts, "--out", *outs], nproc=nproc)
+@pytest.fixture(scope="module")
+def small_hf(tmp_path_factory):
+    from megatron_tsync.model.tiny_model import make_tiny_model
+
+    return make_tiny_model(str(tmp_path_factory.mktemp("tiny") / "small"), seed=3, hidden=64, layers=1, heads=2,
+                           kv_heads=1)
+
+
+def _first_and_resume(hf_dir, tmp_path, nproc, jobs, integrity):
+    """The first run (one process group: every job saves at step 3, one checkpoint per sharding, and runs on to step
+    6; then the launch is SIGKILLed) and one resume launch that resumes every job from each of its checkpoints in
+    turn, then runs the integrity cases; checks what both launches must do. ``jobs``: {name: (tp, dist_opt,
+    shardings or None)}. Returns {name: {sharding: (full prefix, resumed prefix)}}."""
+    first, resume, got = [], [], {}
+    for name, (tp, dist_opt, shardings) in jobs.items():
+        names = shardings or [None]
+        ckpts = [str(tmp_path / (f"ckpt-{name}" if s is None else f"ckpt-{name}-{s}")) for s in names]
+        outs = [str(tmp_path / (f"res-{name}" if s is None else f"res-{name}-{s}")) for s in names]
+        full = str(tmp_path / f"full-{name}")
+        job = {"tp": tp, "dist_opt": dist_opt, "ckpt": ckpts, **({"sharding": shardings} if shardings else {})}
+        first += ["--job", json.dumps({**job, "out": [full]})]
+        resume += ["--job", json.dumps({**job, "out": outs})]
+        got[name] = {s: (full, o) for s, o in zip(names, outs)}
+    base = [WORKER, "--hf", hf_dir, "--save-step", "3", "--extra-steps", "3"]
+    if jobs:
+        rc, log, t_first = common.run_isolated(base + ["--mode", "first", *first], nproc=nproc, timeout=900)
+        assert rc != 0, "the first run must die by SIGKILL"
+        if nproc == 1:
+            assert rc == -signal.SIGKILL, log[-4000:]
+        for by_sharding in got.values():
+            for full, _ in by_sharding.values():
+                for r in range(nproc):
+                    assert os.path.exists(f"{full}.rank{r}"), log[-4000:]
+        for arg in first[1::2]:
+            for ckpt in json.loads(arg)["ckpt"]:
+                assert ck.latest_step(ckpt) == 3
+                assert not any(n.endswith(".tmp") for n in os.listdir(ckpt))
+    for spec in integrity:
+        resume += ["--integrity", json.dumps(spec)]
+    rc, log, t_res = common.run_isolated(base + ["--mode", "resume", *resume], nproc=nproc, timeout=900)
     assert rc == 0, log[-4000:]
-    print(f"wall s: first {t_first:.1f} resume {t_res:.1f} ({len(ckpts)} checkpoint(s))")
-    return dict(zip(names, outs))
+    print(f"wall s: first {t_first if jobs else 0:.1f} resume {t_res:.1f} ({len(jobs)} job(s), {len(integrity)} "
+          "integrity case(s))")
+    return got
 
 
-def _same_as_uninterrupted(tmp_path, nproc, res):
+# what one pair of launches (first, resume) runs: the one-process work together; at two processes TP=2 with the TP=2
+# integrity case, and DP=2 on its own (all three in one pair took the first test near the 90 s cap under CI load)
+GROUPS = [("resume", "damage", "enospc-inject"), ("tp2", "damage-tp2"), ("dp2",)]
+
+
+@pytest.fixture(scope="module")
+def ckpt_runs(request, hf_dir, small_hf, tmp_path_factory):
+    """runs(what): the results of one first launch and one resume launch for every selected test of what's group
+    (GROUPS: the resume jobs, then the integrity cases in the resume launch's processes). Returns {what: result}: a
+    resume job's {sharding: (full, resumed)} prefixes, an integrity case's result file prefix."""
+    planned = selected_params(request, _planned)
+    done = {}
+
+    def runs(what):
+        gi = next(i for i, g in enumerate(GROUPS) if what in g)
+        if gi not in done:
+            done[gi] = None
+            nproc = 1 if gi == 0 else 2
+            tmp = tmp_path_factory.mktemp(f"ckpt{gi}")
+            mine = [p for p in planned if p[1] in GROUPS[gi]]
+            whats = {w for _, w, _ in mine} | {what}
+            jobs, integrity, out = {}, [], {}
+            if "resume" in whats:
+                jobs["resume"] = (1, False, None)
+            if "tp2" in whats:
+                jobs["tp2"] = (2, False, None)
+            if "dp2" in whats:
+                jobs["dp2"] = (1, True, [s for _, w, s in mine if w == "dp2"] or SHARDINGS)
+            for case in ("damage", "enospc-inject", "damage-tp2"):
+                if case in whats:
+                    root = tmp / case
+                    root.mkdir()
+                    out[case] = str(tmp / f"{case}.json")
+                    integrity.append({"case": case.split("-")[0], "inject": case == "enospc-inject",
+                                      "tp": 2 if case.endswith("tp2") else 1, "hf": small_hf, "root": str(root),
+                                      "out": out[case]})
+            out.update(_first_and_resume(hf_dir, tmp, nproc, jobs, integrity))
+            done[gi] = out
+        assert done[gi] is not None, "the launches of this group failed (see the first test's error)"
+        return done[gi][what]
+
+    return runs
+
+
+def _same_as_uninterrupted(nproc, full, res):
     for r in range(nproc):
-        a = torch.load(str(tmp_path / f"full.rank{r}"))
+        a = torch.load(f"{full}.rank{r}")
         b = torch.load(f"{res}.rank{r}")
         assert len(a["losses"]) == len(b["losses"]) == 3
         for x, y in zip(a["losses"], b["losses"]):
@@ -67,36 +159,21 @@ def _same_as_uninterrupted(tmp_path, nproc, res):
     print(f"losses {[float(x) for x in a['losses']]}")
 
 
-def _resume_case(hf_dir, tmp_path, nproc, extra):
-    _same_as_uninterrupted(tmp_path, nproc, _first_and_resume(hf_dir, tmp_path, nproc, extra)[None])
-
-
-def test_resume_is_bitwise_single_process(hf_dir, tmp_path):
-    _resume_case(hf_dir, tmp_path, 1, [])
+def test_resume_is_bitwise_single_process(ckpt_runs):
+    _same_as_uninterrupted(1, *ckpt_runs("resume")[None])
 
 
 @pytest.mark.slow
-def test_resume_is_bitwise_tp2(hf_dir, tmp_path):
-    _resume_case(hf_dir, tmp_path, 2, ["--tp", "2"])
-
-
-SHARDINGS = ["dp_reshardable", "fully_reshardable"]
-
-
-@pytest.fixture(scope="module")
-def dp2_dist_opt(request, hf_dir, tmp_path_factory):
-    """DP=2 with the distributed optimizer: one first run saving a checkpoint in every selected sharding, one
-    resume launch for all of them."""
-    tmp = tmp_path_factory.mktemp("dp2_dist_opt")
-    shardings = selected_params(request, lambda item: item_param(item, "sharding")) or SHARDINGS
-    return tmp, _first_and_resume(hf_dir, tmp, 2, ["--dist-opt"], shardings)
+def test_resume_is_bitwise_tp2(ckpt_runs):
+    _same_as_uninterrupted(2, *ckpt_runs("tp2")[None])
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sharding", SHARDINGS)
-def test_resume_is_bitwise_dp2_distributed_optimizer(dp2_dist_opt, sharding):
-    tmp, res = dp2_dist_opt
-    _same_as_uninterrupted(tmp, 2, res[sharding])
+def test_resume_is_bitwise_dp2_distributed_optimizer(ckpt_runs, sharding):
+    """DP=2 with the distributed optimizer: the first launch saves the same step in every selected sharding, the
+    resume launch resumes from each in turn."""
+    _same_as_uninterrupted(2, *ckpt_runs("dp2")[sharding])
 
 
 def test_latest_step_and_meta(tmp_path):
@@ -110,42 +187,29 @@ def test_latest_step_and_meta(tmp_path):
 # integrity: checksums, damaged checkpoints, --load-fallback, a full disk, --keep-last-checkpoints
 # ---------------------------------------------------------------------------------------------------------------------
 
-INTEGRITY = os.path.join(common.WORKERS, "ckpt_integrity_worker.py")
-
-
-@pytest.fixture(scope="module")
-def small_hf(tmp_path_factory):
-    from megatron_tsync.model.tiny_model import make_tiny_model
-
-    return make_tiny_model(str(tmp_path_factory.mktemp("tiny") / "small"), seed=3, hidden=64, layers=1, heads=2,
-                           kv_heads=1)
-
-
-def _integrity(args, tmp_path, prefix=()):
-    import json
+def _integrity(args, tmp_path, prefix):
+    """The integrity worker under a wrapper (unshare + mount, as run_isolated runs a process, with the wrapper in
+    front); the other integrity cases run in the resume launches (``ckpt_runs``)."""
     import subprocess
     import sys
 
     out = tmp_path / "res.json"
-    if prefix:  # run under a wrapper (unshare + mount): as run_isolated does, but with the wrapper in front
-        env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(common.free_port()), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-        cmd = " ".join([*prefix, "&&", "exec", sys.executable, INTEGRITY, *args, "--out", str(out)])
-        p = subprocess.run(["unshare", "-rm", "sh", "-c", cmd], cwd=common.REPO, env=env, capture_output=True,
-                           text=True, timeout=300)
-        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    else:
-        rc, log, _ = common.run_isolated([INTEGRITY, *args, "--out", str(out)])
-        assert rc == 0, log[-4000:]
+    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(common.free_port()), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    cmd = " ".join([*prefix, "&&", "exec", sys.executable, INTEGRITY, *args, "--out", str(out)])
+    p = subprocess.run(["unshare", "-rm", "sh", "-c", cmd], cwd=common.REPO, env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return json.loads(out.read_text())
 
 
 @pytest.mark.slow
-def test_a_damaged_latest_checkpoint_names_the_file_and_falls_back(small_hf, tmp_path):
+def test_a_damaged_latest_checkpoint_names_the_file_and_falls_back(ckpt_runs):
     """A flipped bit, a truncated file, a missing file in the latest checkpoint: each is refused before anything is
     loaded, naming the file; with fallback the previous checkpoint loads bitwise. keep_last 2 kept steps 2 and 3.
-    Control: the undamaged checkpoint loads step 3."""
-    r = _integrity(["--case", "damage", "--hf", small_hf, "--root", str(tmp_path)], tmp_path)
+    Control: the undamaged checkpoint loads step 3. (Run in the one-process resume launch, after its resume.)"""
+    with open(ckpt_runs("damage")) as f:
+        r = json.load(f)
     assert r["kept"] == [2, 3] and r["manifest_complete"]
     assert r["control_step"] == 3 and r["control_equal"]
     for how, words in (("bitflip", "SHA-256 differs"), ("truncate", "truncated"), ("missing", "missing")):
@@ -156,16 +220,15 @@ def test_a_damaged_latest_checkpoint_names_the_file_and_falls_back(small_hf, tmp
 
 
 @pytest.mark.slow
-def test_a_damaged_checkpoint_is_refused_on_every_rank_at_tp2(small_hf, tmp_path):
+def test_a_damaged_checkpoint_is_refused_on_every_rank_at_tp2(ckpt_runs):
     """TP=2 (two processes, files hashed and checked round-robin over the ranks): both ranks raise the same error
-    naming the file, and both fall back to step 2 bitwise."""
-    import json
-
-    out = tmp_path / "res.json"
-    rc, log, _ = common.run_isolated([INTEGRITY, "--case", "damage", "--hf", small_hf, "--root", str(tmp_path),
-                                      "--out", str(out), "--tp", "2"], nproc=2, timeout=900)
-    assert rc == 0, log[-4000:]
-    ranks = [json.loads((tmp_path / f"res.json.rank{r}").read_text()) for r in (0, 1)]
+    naming the file, and both fall back to step 2 bitwise. (Run in the two-process resume launch, after its
+    resumes.)"""
+    out = ckpt_runs("damage-tp2")
+    ranks = []
+    for r in (0, 1):
+        with open(f"{out}.rank{r}") as f:
+            ranks.append(json.load(f))
     for r in ranks:
         assert r["kept"] == [2, 3] and r["control_step"] == 3 and r["control_equal"]
         for how in ("bitflip", "truncate", "missing"):
@@ -202,10 +265,11 @@ def test_a_full_disk_during_save_says_so_and_keeps_the_previous_checkpoint(small
 
 
 @pytest.mark.slow  # the tmpfs test above needs a mount; this one does not
-def test_an_injected_enospc_during_save_says_so_and_keeps_the_previous_checkpoint(small_hf, tmp_path):
-    """torch.save writes half its file, then raises OSError(ENOSPC) (what a full disk does to a plain write)."""
-    _check_full_disk(_integrity(["--case", "enospc", "--inject", "--hf", small_hf, "--root", str(tmp_path)],
-                                tmp_path))
+def test_an_injected_enospc_during_save_says_so_and_keeps_the_previous_checkpoint(ckpt_runs):
+    """torch.save writes half its file, then raises OSError(ENOSPC) (what a full disk does to a plain write). (Run
+    in the one-process resume launch, after its resume.)"""
+    with open(ckpt_runs("enospc-inject")) as f:
+        _check_full_disk(json.load(f))
 
 
 def test_prune_and_saved_steps(tmp_path):

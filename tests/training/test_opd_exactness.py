@@ -7,15 +7,19 @@ trajectory), ``stream-turn`` with ``head_first`` and ``stream-trajectory`` equal
 PP=2 and TP=2 × PP=2 under torchrun. Under PP, stream-turn runs the per-chunk p2p path (``training.opd_pipeline``) on
 every rank (no fallback: the mode that ran and the p2p message count are checked per rank), and each rank's own
 gradient shard is exact, not only the whole.
+
+Two launches serve the parallel tests (the ``parallel_reports`` fixture): 2 processes run tp2, then pp2 with
+recomputation off, full-uniform-1 and selective (one sync reference per case for the three); 4 processes run tp2pp2.
 """
 
+import json
 import os
 import sys
 
 import pytest
 import torch
 
-from ._launch import torchrun
+from ._launch import item_param, selected_params, torchrun
 
 WORKER = os.path.join(os.path.dirname(__file__), "_workers", "opd_worker.py")
 sys.path.insert(0, os.path.dirname(WORKER))
@@ -86,12 +90,46 @@ def test_timeline_model_orders_tails():
     assert abs(r["sync"]["tail_s"] - (4 * 0.24 + 0.01)) < 1e-9
 
 
+def _run(item):
+    """The worker run (LAYOUT[/RECOMPUTE]) a parallel test of this module reads, or None."""
+    name = getattr(item, "originalname", item.name)
+    if name == "test_stream_turn_exact_parallel":
+        return item_param(item, "layout")
+    if name == "test_stream_turn_exact_pp2_with_recompute":
+        return f"pp2/{item_param(item, 'recompute')}"
+    return None
+
+
+@pytest.fixture(scope="module")
+def parallel_reports(request, tmp_path_factory):
+    """report(run): the worker's JSON for that run. Two launches for the module: one with 2 processes for every
+    selected 2-process run (tp2, then pp2 with recomputation off and with each selected setting, which share each
+    case's sync reference) and one with 4 processes for tp2pp2; a run asked for outside that plan gets its own."""
+    out = tmp_path_factory.mktemp("opd_parallel")
+    planned = selected_params(request, _run)
+    launched: set[int] = set()
+
+    def report(run):
+        nproc = 4 if run.startswith("tp2pp2") else 2
+        if nproc not in launched:
+            launched.add(nproc)
+            mine = [r for r in planned if (4 if r.startswith("tp2pp2") else 2) == nproc]
+            if mine:
+                torchrun(WORKER, ["--runs", *mine, "--out-dir", str(out)], nproc=nproc)
+        path = out / (run.replace("/", "+") + ".json")
+        if not path.exists():
+            torchrun(WORKER, ["--runs", run, "--out-dir", str(out)], nproc=nproc)
+        with open(path) as f:
+            return json.load(f)
+
+    return report
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["tp2", "pp2", "tp2pp2"])
-def test_stream_turn_exact_parallel(layout, tmp_path):
-    tp, pp = {"tp2": (2, 1), "pp2": (1, 2), "tp2pp2": (2, 2)}[layout]
-    rep = torchrun(WORKER, ["--tp", str(tp), "--pp", str(pp), "--out", str(tmp_path / "r.json")], nproc=tp * pp,
-                   out_json=str(tmp_path / "r.json"))
+def test_stream_turn_exact_parallel(layout, parallel_reports):
+    pp = 2 if "pp2" in layout else 1
+    rep = parallel_reports(layout)
     _check(rep, pp=pp)
     if pp > 1:  # the kept activations of each stage (stream-turn keeps all open trajectories' graphs)
         peak = rep["token-mean"]["stream-turn"]["peak_graph_bytes"]
@@ -100,12 +138,10 @@ def test_stream_turn_exact_parallel(layout, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("recompute", ["full-uniform-1", "selective"])
-def test_stream_turn_exact_pp2_with_recompute(recompute, tmp_path):
+def test_stream_turn_exact_pp2_with_recompute(recompute, parallel_reports):
     """--recompute-granularity on the learner's model under PP 2: every streamed mode (stream-turn's per-chunk p2p
     path included) == sync without recomputation ≤ 1e-12 on every rank."""
-    rep = torchrun(WORKER, ["--pp", "2", "--recompute", recompute, "--out", str(tmp_path / "r.json")], nproc=2,
-                   out_json=str(tmp_path / "r.json"))
-    _check(rep, pp=2)
+    _check(parallel_reports(f"pp2/{recompute}"), pp=2)
 
 
 def test_pp_stream_turn_without_group_falls_back(megatron_single, caplog):

@@ -3,8 +3,9 @@ per-token log-probs, the gradient (under HF names, after the DP reduction and no
 after one Adam step. Tolerances: log-probs 1e-5 absolute, gradient and weights 1e-5 relative (different
 reduction orders in float32).
 
-Two launches for the module: the one-process reference, and one 2-process torchrun that runs every selected
-layout one after the other (the ``runs`` fixture)."""
+One launch for the module: a 2-process torchrun that runs every selected layout one after the other (the ``runs``
+fixture); the one-process reference runs the same worker code in the test process (``megatron_single``: TP=1,
+PP=1, world 1), not in a launch of its own."""
 
 import os
 
@@ -18,15 +19,21 @@ LAYOUTS = ["tp2", "pp2", "dp2"]
 
 
 @pytest.fixture(scope="module")
-def runs(request, tmp_path_factory):
-    """(model dir, reference, load(layout)): the reference from 1 process; every layout the session selected from
-    one 2-process launch (a layout asked for outside that plan gets a launch of its own)."""
+def runs(request, tmp_path_factory, megatron_single):
+    """(model dir, reference, load(layout)): the reference from this process (the worker's ``run`` at world 1);
+    every layout the session selected from one 2-process launch (a layout asked for outside that plan gets a launch
+    of its own)."""
+    import importlib.util
+
     from megatron_tsync.model.tiny_model import make_tiny_model
 
     d = tmp_path_factory.mktemp("peq")
     model = str(d / "model")
     make_tiny_model(model, seed=0)
-    torchrun(WORKER, ["--model", model, "--out-dir", str(d), "--layouts", "single"], nproc=1)
+    spec = importlib.util.spec_from_file_location("parallel_equiv_worker", WORKER)
+    worker = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(worker)
+    worker.run(model, megatron_single, str(d / "single.pt"))
     planned = selected_params(request, lambda item: item_param(item, "layout"))
     if planned:
         torchrun(WORKER, ["--model", model, "--out-dir", str(d), "--layouts", *planned], nproc=2)

@@ -5,9 +5,11 @@ ratio ≠ 1, KL/entropy strategies; see ``_workers/stream_worker.py``). float32,
 streaming mode against sync is reported next to the permutation control, and every float32 run's distance to
 the float64 run from the same θ0 is asserted: streaming is as close to the exact update as float32 sync is.
 
-One torchrun per layout serves the whole module: the ``stream_reports`` fixture launches the worker once per layout,
-when a test first needs it, with every check of that layout that the selected tests need; each test reads its own
-report. (One launch for all three layouts took up to 114 s for the first test under three xdist workers.) The default tier (``-m "not slow"``) runs the float64 check on all three layouts; the
+Two torchruns serve the whole module: the ``stream_reports`` fixture launches the worker once for tp2 and once for
+pp2 then dp2 (``LAUNCHES``; the pair costs about what tp2 alone does, and one launch's start-up, imports and
+rendezvous of three processes, is saved), when a test first needs it, with every check of those layouts that the
+selected tests need; each test reads its own report. (One launch for all three layouts took up to 114 s for the first
+test under three xdist workers.) The default tier (``-m "not slow"``) runs the float64 check on all three layouts; the
 packing and float32 checks are ``slow`` and join the same launch when selected.
 """
 
@@ -20,6 +22,7 @@ from ._launch import item_param, selected_params, torchrun
 
 WORKER = os.path.join(os.path.dirname(__file__), "_workers", "stream_worker.py")
 LAYOUTS = ["tp2", "pp2", "dp2"]
+LAUNCHES = [["tp2"], ["pp2", "dp2"]]  # the layouts one launch runs (one after the other in the same 2 processes)
 CHECK_OF = {  # test function -> the worker check it reads (layout from its `layout` parameter, else dp2)
     "test_float64_stream_equals_sync": "f64",
     "test_float64_packed_equals_unpacked_sync": "packed",
@@ -37,17 +40,18 @@ def _pair(item):
 
 @pytest.fixture(scope="module")
 def stream_reports(request, tmp_path_factory):
-    """report(layout, check): the worker's JSON for that pair; one launch per layout for every pair of it the
-    session selected (a pair asked for outside that plan gets a launch of its own)."""
+    """report(layout, check): the worker's JSON for that pair; one launch per group of LAUNCHES for every pair of
+    its layouts that the session selected (a pair asked for outside that plan gets a launch of its own)."""
     out = tmp_path_factory.mktemp("stream_parallel")
     planned = selected_params(request, _pair)
-    launched: set[str] = set()
+    launched: set[int] = set()
 
     def report(layout, check):
         path = out / f"{layout}-{check}.json"
-        if layout not in launched:
-            launched.add(layout)
-            mine = [pair for pair in planned if pair.split(":", 1)[0] == layout]
+        group = next(i for i, g in enumerate(LAUNCHES) if layout in g)
+        if group not in launched:
+            launched.add(group)
+            mine = [pair for pair in planned if pair.split(":", 1)[0] in LAUNCHES[group]]
             if mine:
                 torchrun(WORKER, ["--out-dir", str(out), "--checks", *mine])
         if not path.exists():

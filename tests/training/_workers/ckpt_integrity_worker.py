@@ -172,14 +172,22 @@ def main():
     p.add_argument("--inject", action="store_true")
     p.add_argument("--tp", type=int, default=1, help="damage case under torchrun: tensor-parallel size")
     a = p.parse_args()
-    from megatron_tsync.model.parallel import destroy_parallel, initialize_parallel
+    from megatron_tsync.model.parallel import destroy_parallel
+
+    run_case(a)
+    destroy_parallel()
+
+
+def run_case(a):
+    """One case (``a``: case, hf, root, out, inject, tp) in this process (also run by ckpt_resume_worker's resume
+    launch, after its own jobs): layout TP = a.tp, seeds as in a launch of its own; writes the JSON result."""
+    from megatron_tsync.model.parallel import initialize_parallel
 
     dims = initialize_parallel(a.tp, 1, seed=1234)
     res = {}
     (case_damage if a.case == "damage" else case_enospc)(a, res)
     with open(a.out if dims.world_size == 1 else f"{a.out}.rank{dims.rank}", "w") as f:
         json.dump(res, f, indent=1)
-    destroy_parallel()
 
 
 if __name__ == "__main__":

@@ -6,18 +6,23 @@ Modes:
           shutdown). Its steps k .. k+n-1 are the uninterrupted reference (a save must not perturb training).
   resume  build a differently initialised model, load the latest checkpoint, run steps k .. k+n-1; write as `full`
 
-Several --ckpt at once (the distributed optimizer's shardings): `first` saves the same state into each (one format
-per checkpoint) and is SIGKILLed once; `resume` resumes from each in turn (a fresh model per checkpoint), one
---out per checkpoint.
+One launch serves several layouts of its processes: each ``--job`` (TP size, distributed optimizer or not) runs after
+the previous one (model parallelism re-initialised, seeds reset); `first` is SIGKILLed once, after the last job.
+Several checkpoints in one job (the distributed optimizer's shardings): `first` saves the same state into each (one
+format per checkpoint); `resume` resumes from each in turn (a fresh model per checkpoint), one out per checkpoint.
+``--integrity`` (resume only): after the resumes, the same processes run cases of ``ckpt_integrity_worker``
+(damaged checkpoints / a full disk, on their own model and folder), one launch fewer for the integrity tests.
 
 Each step draws its batch from torch's global RNG (and python/numpy random), so a resume that did not restore
 the RNG states would train on different data.
 """
 
 import argparse
+import json
 import os
 import random
 import signal
+import sys
 
 import numpy as np
 import torch
@@ -27,29 +32,40 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--mode", choices=["full", "first", "resume"], required=True)
     p.add_argument("--hf", required=True)
-    p.add_argument("--ckpt", nargs="+", required=True,
-                   help="first: save into each (one per --optim-sharding); resume: resume from each in turn")
-    p.add_argument("--out", nargs="+", default=None, help="output prefix (resume: one per --ckpt)")
     p.add_argument("--save-step", dest="k", type=int, default=3)
     p.add_argument("--extra-steps", dest="n", type=int, default=3)
-    p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--dist-opt", action="store_true")
-    p.add_argument("--optim-sharding", nargs="+", default=["dp_reshardable"])
+    p.add_argument("--job", action="append", default=[], type=json.loads, metavar="JSON",
+                   help='one layout of this launch\'s processes: {"tp": 1, "dist_opt": false, "ckpt": [...], '
+                        '"sharding": [...], "out": [...]}; jobs run one after the other (first: then one SIGKILL)')
+    p.add_argument("--integrity", action="append", default=[], metavar="JSON",
+                   help="resume only, after the jobs: ckpt_integrity_worker cases run in this launch's processes, "
+                        '{"case": "damage"|"enospc", "inject": bool, "tp": 1, "hf", "root", "out"}')
     a = p.parse_args()
 
     from megatron_tsync.model.parallel import destroy_parallel, initialize_parallel
 
-    dims = initialize_parallel(a.tp, 1, seed=1234)
-    if a.mode == "resume":  # one differently initialised model per checkpoint, one after the other
-        assert a.out and len(a.out) == len(a.ckpt), (a.out, a.ckpt)
-        for ckpt, out in zip(a.ckpt, a.out):
-            run(a, dims, load=ckpt, out=out)
-    else:
-        assert a.mode == "full" or len(a.optim_sharding) == len(a.ckpt), (a.optim_sharding, a.ckpt)
-        run(a, dims, save=list(zip(a.ckpt, a.optim_sharding)), out=a.out[0] if a.out else None)
+    for job in a.job:
+        job = argparse.Namespace(k=a.k, n=a.n, mode=a.mode, tp=job.get("tp", 1), dist_opt=job.get("dist_opt", False),
+                                 ckpt=job["ckpt"], out=job.get("out"), optim_sharding=job.get("sharding")
+                                 or ["dp_reshardable"] * len(job["ckpt"]), hf=a.hf)
+        dims = initialize_parallel(job.tp, 1, seed=1234)
+        if job.mode == "resume":  # one differently initialised model per checkpoint, one after the other
+            assert job.out and len(job.out) == len(job.ckpt), (job.out, job.ckpt)
+            for ckpt, out in zip(job.ckpt, job.out):
+                run(job, dims, load=ckpt, out=out)
+        else:
+            assert job.mode == "full" or len(job.optim_sharding) == len(job.ckpt), (job.optim_sharding, job.ckpt)
+            run(job, dims, save=list(zip(job.ckpt, job.optim_sharding)), out=job.out[0] if job.out else None)
     if a.mode == "first":
         torch.distributed.barrier()
         os.kill(os.getpid(), signal.SIGKILL)
+    if a.integrity:
+        assert a.mode == "resume", "integrity cases run in the resume launch (which ends cleanly)"
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import ckpt_integrity_worker as CI
+
+        for spec in map(json.loads, a.integrity):
+            CI.run_case(argparse.Namespace(**{"inject": False, "tp": 1, **spec}))
     destroy_parallel()
 
 

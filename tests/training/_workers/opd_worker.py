@@ -5,9 +5,10 @@ Float64 gradients after the barrier (finalize + explicit divisor) of the same ba
 trajectory one microbatch of megatron's schedule = the batch OPD gradient). ``cut`` is the control that detaches
 the prefix K/V at every turn boundary (per-turn backward; under PP on every stage): it must NOT match.
 
-As a script: ``python -m torch.distributed.run --nproc_per_node=2 opd_worker.py --tp 2 --out R.json`` (or --pp 2;
-4 processes for --tp 2 --pp 2); rank 0 writes {case: {mode: {"rel": whole-model relative error, and per-rank lists
-"ran", "rel_this_rank", "peak_graph_bytes", "p2p_messages"}}}.
+As a script: ``python -m torch.distributed.run --nproc_per_node=2 opd_worker.py --runs tp2 pp2 pp2/selective
+--out-dir D`` (layouts one after the other in the same processes; 4 processes for ``--runs tp2pp2``); per run rank 0
+writes D/LAYOUT[+RECOMPUTE].json = {case: {mode: {"rel": whole-model relative error, and per-rank lists "ran",
+"rel_this_rank", "peak_graph_bytes", "p2p_messages"}}}. Runs of one layout share each case's sync reference.
 """
 
 from __future__ import annotations
@@ -146,22 +147,30 @@ RECOMPUTE = {"full-uniform-1": dict(recompute_granularity="full", recompute_meth
 def run_cases(dims, modes=("stream-trajectory", "stream-turn", "stream-turn-head-first", "cut"),
               recompute=None) -> dict:
     """Each case's streamed modes (with ``recompute``, a RECOMPUTE entry, on the learner's model) vs sync without."""
-    report = {}
+    return run_cases_multi(dims, [recompute], modes)[recompute]
+
+
+def run_cases_multi(dims, recomputes, modes=("stream-trajectory", "stream-turn", "stream-turn-head-first", "cut")
+                    ) -> dict:
+    """{recompute: run_cases(dims, modes, recompute)} for several recompute settings (None: off) on one layout; each
+    case's sync reference (without recomputation) is computed once and serves every setting."""
+    reports = {rc: {} for rc in recomputes}
     for ci, (name, case) in enumerate(CASES.items()):
         S, E = make_trajectories(300 + ci, full_vocab=case.get("objective") == "full-vocab")
         ref, _ = grads("sync", case, S, E, dims)
-        row = {}
-        for m in modes:
-            hf = m.endswith("head-first")
-            if hf and case["loss"].aggregation == "seq-mean-token-mean":
-                continue
-            g, res = grads(m.replace("-head-first", ""), case, S, E, dims, head_first=hf, seed=11 + ci,
-                           recompute=RECOMPUTE.get(recompute))
-            row[m] = {"rel": rel(g, ref, dims), **_per_rank(ran=res.mode, rel_this_rank=rel(g, ref),
-                                                             peak_graph_bytes=res.peak_graph_bytes,
-                                                             p2p_messages=res.p2p_messages)}
-        report[name] = row
-    return report
+        for recompute in recomputes:
+            row = {}
+            for m in modes:
+                hf = m.endswith("head-first")
+                if hf and case["loss"].aggregation == "seq-mean-token-mean":
+                    continue
+                g, res = grads(m.replace("-head-first", ""), case, S, E, dims, head_first=hf, seed=11 + ci,
+                               recompute=RECOMPUTE.get(recompute))
+                row[m] = {"rel": rel(g, ref, dims), **_per_rank(ran=res.mode, rel_this_rank=rel(g, ref),
+                                                                 peak_graph_bytes=res.peak_graph_bytes,
+                                                                 p2p_messages=res.p2p_messages)}
+            reports[recompute][name] = row
+    return reports
 
 
 def _per_rank(**kw) -> dict:
@@ -173,21 +182,44 @@ def _per_rank(**kw) -> dict:
     return {k: [a[k] for a in allv] for k in kw}
 
 
+LAYOUTS = {"tp2": (2, 1), "pp2": (1, 2), "tp2pp2": (2, 2)}
+
+
+def parse_runs(runs: list[str]) -> dict[str, list]:
+    """["tp2", "pp2", "pp2/selective"] -> {"tp2": [None], "pp2": [None, "selective"]} (first-seen order)."""
+    plan: dict[str, list] = {}
+    for run in runs:
+        layout, _, rc = run.partition("/")
+        if layout not in LAYOUTS or (rc and rc not in RECOMPUTE):
+            raise SystemExit(f"unknown run {run!r}: LAYOUT[/RECOMPUTE], layouts {list(LAYOUTS)}, {list(RECOMPUTE)}")
+        plan.setdefault(layout, [])
+        if (rc or None) not in plan[layout]:
+            plan[layout].append(rc or None)
+    return plan
+
+
+def run_name(layout: str, recompute) -> str:
+    return layout if recompute is None else f"{layout}+{recompute}"
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--tp", type=int, default=1)
-    ap.add_argument("--pp", type=int, default=1)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--recompute", choices=sorted(RECOMPUTE), default=None)
+    ap.add_argument("--runs", nargs="+", required=True, metavar="LAYOUT[/RECOMPUTE]",
+                    help="layouts of the launch's processes (tp2, pp2: 2; tp2pp2: 4), run one after the other, each "
+                         "with recomputation off and/or with a RECOMPUTE setting")
+    ap.add_argument("--out-dir", required=True, help="rank 0 writes LAYOUT[+RECOMPUTE].json per run")
     a = ap.parse_args()
     from megatron_tsync.model.parallel import destroy_parallel, initialize_parallel
 
     torch.set_num_threads(1)
-    dims = initialize_parallel(a.tp, a.pp)
-    report = run_cases(dims, recompute=a.recompute)
-    if dims.rank == 0:
-        with open(a.out, "w") as f:
-            json.dump(report, f, indent=1)
+    for layout, recomputes in parse_runs(a.runs).items():
+        dims = initialize_parallel(*LAYOUTS[layout])
+        for rc, report in run_cases_multi(dims, recomputes).items():
+            if dims.rank == 0:
+                path = os.path.join(a.out_dir, run_name(layout, rc) + ".json")
+                with open(path + ".tmp", "w") as f:
+                    json.dump(report, f, indent=1)
+                os.replace(path + ".tmp", path)
     destroy_parallel()
 
 
