@@ -1,4 +1,6 @@
-"""KL to a reference model in live runs (``python -m megatron_tsync.train`` with rollout workers), as a user runs it.
+"""KL to a reference model in live runs (``python -m megatron_tsync.train`` with a rollout worker process), as a user
+runs it. One worker: each extra worker process is another start-up of torch and the engine, and how many workers
+deliver the trajectories does not change what the reference scores (several workers: tests/runtime/test_faults.py).
 
 - ``--kl-mode reward --ref-model DIR``: every trajectory is scored by the reference when it lands (``ref_forwards``
   = trajectories per step), the KL sums are logged (``kl_sum_mean`` ≠ 0), and the update differs from the same
@@ -15,7 +17,7 @@ import pytest
 
 from tests.runtime.test_train_e2e import _train
 
-COMMON = ["--group-size", "2", "--global-batch-size", "4", "--rollout-workers", "2", "--max-turns", "2",
+COMMON = ["--group-size", "2", "--global-batch-size", "4", "--rollout-workers", "1", "--max-turns", "2",
           "--max-new-tokens", "16", "--seq-length", "128", "--lr", "1e-4", "--rl-mode", "stream-trajectory",
           "--no-progress"]
 
