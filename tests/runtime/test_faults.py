@@ -55,11 +55,15 @@ def _beat(plane, w):
 
 
 def _wait(pred, timeout_s, what, proc=None, log=None):
+    """``pred()``'s first truthy value, looked at every 50 ms, at least once (a budget already spent by a loaded
+    machine's slow ``wait`` still gets its one look)."""
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    while True:
         got = pred()
         if got:
             return got
+        if time.monotonic() >= deadline:
+            break
         if proc is not None and proc.poll() is not None:
             raise AssertionError(f"trainer exited ({proc.returncode}) while waiting for {what}:\n{_read(log)[-4000:]}")
         time.sleep(0.05)

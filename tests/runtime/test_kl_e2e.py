@@ -7,11 +7,14 @@ deliver the trajectories does not change what the reference scores (several work
   run without KL: step 0's rollouts are the same (same seed, same θ0), so the gradient norms differ only through
   the KL term (on the random tiny model every reward is 0, so without KL most groups have no signal at all);
 - ``--kl-mode loss`` with the default reference (frozen initial weights): saved under ``SAVE/reference`` with the
-  first checkpoint; a resume with ``--load`` loads it, and its step 1 equals an uninterrupted run's.
+  first checkpoint; a resume with ``--load`` loads it, and its step 1 equals an uninterrupted run's. The resume starts
+  from the uninterrupted run's own step-1 checkpoint (``--save-interval 1``, copied without the later step: what a
+  run stopped after step 1 leaves), so two runs make the check instead of three.
 """
 
 import json
 import os
+import shutil
 
 import pytest
 
@@ -57,8 +60,9 @@ def test_live_kl_loss_frozen_reference_resume(models, tmp_path):
     policy, _ = models
     ck, full = tmp_path / "ck", tmp_path / "full"
     args = ["--model", policy, *COMMON, "--kl-mode", "loss", "--kl-coef", "0.1", "--kl-estimator", "k3"]
-    _train([*args, "--train-iters", "2", "--save", str(full)], tmp_path)
-    _train([*args, "--train-iters", "1", "--save", str(ck)], tmp_path)
+    _train([*args, "--train-iters", "2", "--save", str(full), "--save-interval", "1"], tmp_path)
+    shutil.copytree(full, ck, ignore=shutil.ignore_patterns("iter_0000002", "rollout_plane", "history.json"))
+    (ck / "latest_checkpointed_iteration.txt").write_text("1")  # the tracker as a 1-step run leaves it
     assert (ck / "reference" / "latest_checkpointed_iteration.txt").read_text().strip() == "0"
     out = _train([*args, "--train-iters", "2", "--save", str(ck), "--load", str(ck)], tmp_path)
     assert "at step 1" in out
