@@ -27,6 +27,9 @@ import sys
 import pytest
 import torch
 
+# each run may take its subprocess timeout (900 s) on a loaded machine: the test as a whole gets more than pytest.ini's
+# 600 s (the runs, not this figure, are what takes the time)
+pytestmark = pytest.mark.timeout(1800)
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIG = os.path.join(ROOT, "examples", "tiny_agent", "config.yaml")
 JITTER = {"kind": "lognormal", "mu": 0.0, "sigma": 1.0, "group_corr": 0.5, "traj_corr": 0.3, "scale": 0.1, "seed": 7}

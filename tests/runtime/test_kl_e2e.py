@@ -20,6 +20,9 @@ import pytest
 
 from tests.runtime.test_train_e2e import _train
 
+# each run may take its subprocess timeout (900 s) on a loaded machine: the test as a whole gets more than pytest.ini's
+# 600 s (the runs, not this figure, are what takes the time)
+pytestmark = pytest.mark.timeout(1800)
 COMMON = ["--group-size", "2", "--global-batch-size", "4", "--rollout-workers", "1", "--max-turns", "2",
           "--max-new-tokens", "16", "--seq-length", "128", "--lr", "1e-4", "--rl-mode", "stream-trajectory",
           "--no-progress"]
