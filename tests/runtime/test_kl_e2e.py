@@ -1,21 +1,29 @@
-"""KL to a reference model in live runs (``python -m megatron_tsync.train`` with rollout workers), as a user runs it.
+"""KL to a reference model in live runs (``python -m megatron_tsync.train`` with a rollout worker process), as a user
+runs it. One worker: each extra worker process is another start-up of torch and the engine, and how many workers
+deliver the trajectories does not change what the reference scores (several workers: tests/runtime/test_faults.py).
 
 - ``--kl-mode reward --ref-model DIR``: every trajectory is scored by the reference when it lands (``ref_forwards``
   = trajectories per step), the KL sums are logged (``kl_sum_mean`` ≠ 0), and the update differs from the same
   run without KL: step 0's rollouts are the same (same seed, same θ0), so the gradient norms differ only through
   the KL term (on the random tiny model every reward is 0, so without KL most groups have no signal at all);
 - ``--kl-mode loss`` with the default reference (frozen initial weights): saved under ``SAVE/reference`` with the
-  first checkpoint; a resume with ``--load`` loads it, and its step 1 equals an uninterrupted run's.
+  first checkpoint; a resume with ``--load`` loads it, and its step 1 equals an uninterrupted run's. The resume starts
+  from the uninterrupted run's own step-1 checkpoint (``--save-interval 1``, copied without the later step: what a
+  run stopped after step 1 leaves), so two runs make the check instead of three.
 """
 
 import json
 import os
+import shutil
 
 import pytest
 
 from tests.runtime.test_train_e2e import _train
 
-COMMON = ["--group-size", "2", "--global-batch-size", "4", "--rollout-workers", "2", "--max-turns", "2",
+# each run may take its subprocess timeout (900 s) on a loaded machine: the test as a whole gets more than pytest.ini's
+# 600 s (the runs, not this figure, are what takes the time)
+pytestmark = pytest.mark.timeout(1800)
+COMMON = ["--group-size", "2", "--global-batch-size", "4", "--rollout-workers", "1", "--max-turns", "2",
           "--max-new-tokens", "16", "--seq-length", "128", "--lr", "1e-4", "--rl-mode", "stream-trajectory",
           "--no-progress"]
 
@@ -55,8 +63,9 @@ def test_live_kl_loss_frozen_reference_resume(models, tmp_path):
     policy, _ = models
     ck, full = tmp_path / "ck", tmp_path / "full"
     args = ["--model", policy, *COMMON, "--kl-mode", "loss", "--kl-coef", "0.1", "--kl-estimator", "k3"]
-    _train([*args, "--train-iters", "2", "--save", str(full)], tmp_path)
-    _train([*args, "--train-iters", "1", "--save", str(ck)], tmp_path)
+    _train([*args, "--train-iters", "2", "--save", str(full), "--save-interval", "1"], tmp_path)
+    shutil.copytree(full, ck, ignore=shutil.ignore_patterns("iter_0000002", "rollout_plane", "history.json"))
+    (ck / "latest_checkpointed_iteration.txt").write_text("1")  # the tracker as a 1-step run leaves it
     assert (ck / "reference" / "latest_checkpointed_iteration.txt").read_text().strip() == "0"
     out = _train([*args, "--train-iters", "2", "--save", str(ck), "--load", str(ck)], tmp_path)
     assert "at step 1" in out

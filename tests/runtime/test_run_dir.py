@@ -8,6 +8,7 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -56,29 +57,43 @@ def test_run_config_diff_lists_fields():
     assert config_diff({"rl.seed": 1}, {"rl.seed": 1, "optim.lr": 3.0}) == []  # unrecorded fields are skipped
 
 
-@pytest.mark.slow  # 14 s: two trainer start-ups
-def test_second_trainer_on_a_locked_save_fails_at_once(tiny_model, dump, tmp_path):  # noqa: F811
-    ck = str(tmp_path / "ck")
+@pytest.fixture(scope="module")
+def locked_then_free(tiny_model, dump, tmp_path_factory):  # noqa: F811
+    """A 1-step run (``--lr 1e-3``) on a save folder first locked by this process (that attempt fails), then free:
+    ``(ck, first attempt, its leftovers check, second attempt)``. The second attempt's checkpoint is also the run that
+    ``test_resume_with_another_config_is_refused_unless_overridden`` resumes (a copy), one trainer start-up less."""
+    ck = str(tmp_path_factory.mktemp("locked") / "ck")
     holder = RunLock(ck)
     os.makedirs(os.path.join(ck, "iter_0000007.tmp"))  # a killed save's leftovers: removed by the next run, not this
-    args = ["--model", tiny_model, "--replay-rollouts", dump, *REPLAY, "--train-iters", "1", "--save", ck]
-    p = _run(args, tmp_path, SLURM_JOB_ID="99")
-    assert p.returncode == 1 and "is in use by another trainer" in p.stderr, p.stderr[-2000:]
-    assert f'"pid": {os.getpid()}' in p.stderr and os.path.isdir(os.path.join(ck, "iter_0000007.tmp"))
+    args = ["--model", tiny_model, "--replay-rollouts", dump, *REPLAY, "--train-iters", "1", "--lr", "1e-3",
+            "--save", ck]
+    first = _run(args, os.path.dirname(ck), SLURM_JOB_ID="99")
+    tmp_kept = os.path.isdir(os.path.join(ck, "iter_0000007.tmp"))
     holder.release()
-    p = _run(args, tmp_path, SLURM_JOB_ID="99")
-    assert p.returncode == 0, p.stderr[-3000:]
-    assert "removed 1 incomplete checkpoint folder(s)" in p.stdout and "iter_0000007.tmp" in p.stdout
+    return ck, first, tmp_kept, _run(args, os.path.dirname(ck), SLURM_JOB_ID="99")
+
+
+@pytest.mark.slow  # 14 s: two trainer start-ups
+def test_second_trainer_on_a_locked_save_fails_at_once(locked_then_free):
+    ck, p, tmp_kept, p2 = locked_then_free
+    assert p.returncode == 1 and "is in use by another trainer" in p.stderr, p.stderr[-2000:]
+    assert f'"pid": {os.getpid()}' in p.stderr and tmp_kept
+    assert p2.returncode == 0, p2.stderr[-3000:]
+    assert "removed 1 incomplete checkpoint folder(s)" in p2.stdout and "iter_0000007.tmp" in p2.stdout
     assert not os.path.exists(os.path.join(ck, "iter_0000007.tmp"))
     with open(os.path.join(ck, ".tsync.lock")) as f:
         assert json.load(f)["slurm_job_id"] == "99"  # the last holder's identity stays readable
 
 
 @pytest.mark.slow
-def test_resume_with_another_config_is_refused_unless_overridden(tiny_model, dump, tmp_path):  # noqa: F811
+def test_resume_with_another_config_is_refused_unless_overridden(tiny_model, dump, locked_then_free,  # noqa: F811
+                                                                  tmp_path):
+    """Resumes a copy of the 1-step ``--lr 1e-3`` run of ``locked_then_free`` (its saved run config: lr 1e-3, seed
+    1234)."""
     ck = str(tmp_path / "ck")
+    assert locked_then_free[3].returncode == 0, locked_then_free[3].stderr[-3000:]
+    shutil.copytree(locked_then_free[0], ck, ignore=shutil.ignore_patterns(".tsync.lock"))
     base = ["--model", tiny_model, "--replay-rollouts", dump, *REPLAY, "--save", ck]
-    assert _run([*base, "--train-iters", "1", "--lr", "1e-3"], tmp_path).returncode == 0
     p = _run([*base, "--train-iters", "2", "--load", ck, "--lr", "2e-3", "--seed", "7"], tmp_path)
     assert p.returncode == 1 and "another experiment" in p.stderr, p.stderr[-2000:]
     assert "optim.lr: 0.001 → 0.002" in p.stderr and "rl.seed: 1234 → 7" in p.stderr

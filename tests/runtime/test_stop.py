@@ -125,7 +125,8 @@ def test_worker_entry_scrubs_the_launcher_task_variables():
 def test_sigterm_mid_step_saves_the_last_finished_step_and_resumes(tiny_model, tmp_path):  # noqa: F811
     """Live run (2 embedded-engine workers, --save-interval 2, so megatron's checkpoint-writer helper process exists
     before the signal): killpg(SIGTERM) while a step k >= 3 is in flight (the first one the test sees a worker
-    mid-way through: the run is long enough that one is always seen, whatever the machine's speed)."""
+    mid-way through: the run is long enough that one is always seen, whatever the machine's speed). The resume
+    (one worker: the worker count is not run-defining) finishes step k."""
     ck, plane, log = (str(tmp_path / n) for n in ("ck", "plane", "train.log"))
     args = ["--model", tiny_model, *COMMON, "--global-batch-size", "4", "--rollout-workers", "2", "--train-iters",
             "1000", "--save", ck, "--save-interval", "2", "--rollout-dir", plane, "--rollout-gpus", "5,6"]
@@ -162,7 +163,7 @@ def test_sigterm_mid_step_saves_the_last_finished_step_and_resumes(tiny_model, t
 
     assert verify(os.path.join(ck, f"iter_{k:07d}")), "the SIGTERM save is complete (checksummed)"
     assert _tmp_left(ck) == []
-    out = _train(["--model", tiny_model, *COMMON, "--global-batch-size", "4", "--rollout-workers", "2",
+    out = _train(["--model", tiny_model, *COMMON, "--global-batch-size", "4", "--rollout-workers", "1",
                   "--train-iters", str(k + 1), "--load", ck, "--save", ck, "--rollout-dir", plane], tmp_path)
     assert "resumed from" in out and f"at step {k}" in out
     assert _stop_record(ck)["finished"] is True and _stop_record(ck)["step"] == k + 1
