@@ -36,7 +36,7 @@ _spec.loader.exec_module(common)
 
 LOGIT_TOL = 1e-5
 WORKER = os.path.join(common.WORKERS, "conv_logits_worker.py")
-TOOL = os.path.join(common.REPO, "tools", "convert_checkpoint.py")
+DRIVER = os.path.join(os.path.dirname(__file__), "_convert_driver.py")
 
 QWEN3_4B = {  # config.json of Qwen/Qwen3-4B (transformers 4.51 format)
     "architectures": ["Qwen3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 151643,
@@ -334,22 +334,42 @@ def test_logits_tp2_and_export_tp2_pp2(models, tmp_path):
     print(f"worker wall time {secs:.1f}s")
 
 
+@pytest.fixture(scope="module")
+def converted(models, tmp_path_factory, request):
+    """Every selected case of test_convert_checkpoint_bit_identical in one torchrun of two gloo processes
+    (tests/model/_convert_driver.py: the tool's main() under a launcher): each HF → Megatron save at its TP=2 or
+    PP=2, then each export at TP = PP = 1 (the two ranks data-parallel; rank 0 writes). Returns
+    {(name, tp, pp): (checkpoint, exported HF folder)}."""
+    from ..training._launch import item_param, selected_params
+
+    cases = selected_params(request, lambda item: (item_param(item, "name"), item_param(item, "tp"),
+                                                   item_param(item, "pp"))
+                            if item.name.startswith("test_convert_checkpoint_bit_identical") else None)
+    d = tmp_path_factory.mktemp("qwen3_convert")
+    out = {c: (str(d / "mcore-{}-{}-{}".format(*c)), str(d / "hf-{}-{}-{}".format(*c))) for c in cases}
+    saves = [["--direction", "hf-to-megatron", "--load", models[n], "--save", out[(n, tp, pp)][0],
+              "--target-tensor-parallel-size", str(tp), "--target-pipeline-model-parallel-size", str(pp)]
+             for n, tp, pp in cases]
+    exports = [["--direction", "megatron-to-hf", "--load", mc, "--save", dst] for mc, dst in out.values()]
+    with open(d / "jobs.json", "w") as f:
+        json.dump(saves + exports, f)
+    rc, log, _ = common.run_isolated([DRIVER, "--jobs", str(d / "jobs.json")], nproc=2, timeout=600)
+    assert rc == 0, log[-4000:]
+    return out
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name,tp,pp", [("qwen3", 2, 1), ("qwen3_tied", 1, 2), ("llama3", 2, 1)])
-def test_convert_checkpoint_bit_identical(models, tmp_path, name, tp, pp):
+def test_convert_checkpoint_bit_identical(models, converted, name, tp, pp):
     """HF → megatron (TP=2 or PP=2) → HF gives the same tensors and config. Llama 3 at TP=2 only: its own part is
     the rope-scaling config (checked here); the PP=2 split is the same code for every family (qwen3_tied here, llama
-    in tests/tools/test_convert_checkpoint.py)."""
+    in tests/tools/test_convert_checkpoint.py). The conversions of all cases run in one launch (``converted``)."""
     from megatron_tsync.training import checkpointing as ck
 
-    src, mc, dst = models[name], str(tmp_path / "mcore"), str(tmp_path / "hf")
-    rc, log, _ = common.run_isolated([TOOL, "--direction", "hf-to-megatron", "--load", src, "--save", mc,
-                                      "--target-tensor-parallel-size", str(tp),
-                                      "--target-pipeline-model-parallel-size", str(pp)], bare=True)
-    assert rc == 0, log[-4000:]
+    src, (mc, dst) = models[name], converted[(name, tp, pp)]
+    meta = ck.read_meta(mc)
+    assert meta["layout"]["tp"] == tp and meta["layout"]["pp"] == pp
     assert ck.arch_from_checkpoint(mc) == ModelArch.from_hf_dir(src)  # qk_layernorm / rope fields survive the meta
-    rc, log, _ = common.run_isolated([TOOL, "--direction", "megatron-to-hf", "--load", mc, "--save", dst], bare=True)
-    assert rc == 0, log[-4000:]
     arch0, s0 = hc.load_hf_dir(src)
     arch1, s1 = hc.load_hf_dir(dst)
     assert arch0 == arch1 and sorted(s0) == sorted(s1)
