@@ -1,4 +1,5 @@
-"""Several tools/convert_checkpoint.py conversions in one launch (tests/model/test_qwen3.py, test_qwen3_moe.py).
+"""Several tools/convert_checkpoint.py conversions in one launch (tests/model/test_qwen3.py, test_qwen3_moe.py,
+test_glm4_moe_lite.py).
 
 ``--jobs FILE``: a JSON list of the tool's argument lists, run in order through the tool's own ``main(argv)`` in
 this process: under torchrun (WORLD_SIZE set) that is the tool's launcher path (every rank converts, ``run``: the
@@ -7,8 +8,8 @@ then serves every conversion of a test module instead of a tool process (plus it
 the world process group stays up between conversions (a second init_process_group on torchrun's agent store
 finds the first one's keys), so the driver lets the tool's ``destroy_parallel`` tear down only the model-parallel
 groups until the last conversion; initialize_parallel re-creates them at the next layout as it does for any
-change of sizes. The tool's own spawning of local ranks stays covered by tests/tools/test_convert_checkpoint.py and
-tests/model/test_glm4_moe_lite.py, which run it as a command.
+change of sizes. The tool's own spawning of local ranks (and its command line) stays covered by
+tests/tools/test_convert_checkpoint.py, which runs it as a command.
 """
 
 import argparse

@@ -8,7 +8,8 @@
   things in float32 whatever the model's dtype (RMSNorm, the RoPE table, the router, the eager softmax): the
   reference lifts exactly those casts (:func:`float64_transformers`), nothing else of its code changes;
 - the correction bias is a buffer: no gradient, unchanged by a training step's finalize;
-- tools/convert_checkpoint.py --verify passes (float32, one process).
+- tools/convert_checkpoint.py --verify passes (float32, one process; both directions in one process through
+  tests/model/_convert_driver.py).
 """
 
 import json
@@ -291,12 +292,13 @@ def test_convert_checkpoint_tool_verify(tiny_glm, tmp_path):
         "conv_common", os.path.join(os.path.dirname(__file__), "..", "training", "_workers", "conv_common.py"))
     common = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(common)
-    tool = os.path.join(os.path.dirname(__file__), "..", "..", "tools", "convert_checkpoint.py")
+    driver = os.path.join(os.path.dirname(__file__), "_convert_driver.py")
     ck, back = str(tmp_path / "ck"), str(tmp_path / "back")
-    for args in (["--direction", "hf-to-megatron", "--load", tiny_glm, "--save", ck, "--verify"],
-                 ["--direction", "megatron-to-hf", "--load", ck, "--save", back, "--verify"]):
-        rc, out, _ = common.run_isolated([tool, *args], timeout=600, bare=True)
-        assert rc == 0 and "[tsync] verify:" in out, out[-3000:]
+    with open(tmp_path / "jobs.json", "w") as f:  # both directions in one process (the tool's one-process path)
+        json.dump([["--direction", "hf-to-megatron", "--load", tiny_glm, "--save", ck, "--verify"],
+                   ["--direction", "megatron-to-hf", "--load", ck, "--save", back, "--verify"]], f)
+    rc, out, _ = common.run_isolated([driver, "--jobs", str(tmp_path / "jobs.json")], timeout=600, bare=True)
+    assert rc == 0 and out.count("[tsync] verify:") == 2, out[-3000:]
     a, b = hc.load_hf_state(tiny_glm), hc.load_hf_state(back)
     assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
     assert _config(back)["model_type"] == "glm4_moe_lite"
