@@ -10,6 +10,9 @@ finds the first one's keys), so the driver lets the tool's ``destroy_parallel`` 
 groups until the last conversion; initialize_parallel re-creates them at the next layout as it does for any
 change of sizes. The tool's own spawning of local ranks (and its command line) stays covered by
 tests/tools/test_convert_checkpoint.py, which runs it as a command.
+
+``--then SCRIPT ARGS...``: afterwards run that worker script as ``__main__`` in the same processes (its own
+initialize_parallel / destroy_parallel), so a module's logits worker and its conversions share one launch.
 """
 
 import argparse
@@ -22,6 +25,7 @@ import sys
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--jobs", required=True)
+    p.add_argument("--then", nargs=argparse.REMAINDER, default=None, help="a worker script and its arguments")
     a = p.parse_args()
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tools", "convert_checkpoint.py")
     spec = importlib.util.spec_from_file_location("convert_checkpoint_tool", path)
@@ -41,6 +45,11 @@ def main():
             tool.main(argv)
     finally:
         parallel.destroy_parallel = destroy
+    if a.then:
+        import runpy
+
+        sys.argv = list(a.then)
+        runpy.run_path(a.then[0], run_name="__main__")
     destroy()
 
 

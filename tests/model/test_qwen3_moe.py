@@ -201,12 +201,10 @@ def test_megatron_matches_transformers_1proc(tiny_moe, tmp_path):
 
 
 @pytest.mark.slow
-def test_megatron_matches_transformers_tp2_ep2_pp2(tiny_moe, tmp_path):
-    """Two gloo processes: TP=2, EP=2 (DP=2 for the dense part, 2 experts per rank), PP=2; round trip at each."""
-    out = str(tmp_path / "rep.json")
-    rc, log, _ = _launcher(2, ["--hf", tiny_moe, "--out", out])
-    assert rc == 0, log[-4000:]
-    rep = _check(out, {(2, 1, 1), (1, 1, 2), (1, 2, 1)})
+def test_megatron_matches_transformers_tp2_ep2_pp2(two_procs):
+    """Two gloo processes: TP=2, EP=2 (DP=2 for the dense part, 2 experts per rank), PP=2; round trip at each.
+    Run in the two-process launch of ``two_procs`` (after the conversions)."""
+    rep = _check(two_procs[1], {(2, 1, 1), (1, 1, 2), (1, 2, 1)})
     assert {r["ep"]: r["local_experts"] for r in rep}[2] == 2
 
 
@@ -286,10 +284,12 @@ CONVERSIONS = {  # id: (layout the checkpoint is written at, layout it is export
 
 
 @pytest.fixture(scope="module")
-def converted(tiny_moe, tmp_path_factory, request):
-    """Every selected conversion of test_convert_checkpoint_tool_round_trip in one torchrun of two gloo
-    processes (tests/model/_convert_driver.py: the tool's main() under a launcher; all these layouts have two
-    ranks): first each HF → Megatron save, then each export. Returns {id: exported HF folder}."""
+def two_procs(tiny_moe, tmp_path_factory, request):
+    """One torchrun of two gloo processes (tests/model/_convert_driver.py) for every two-process test here: each
+    selected conversion of test_convert_checkpoint_tool_round_trip (the tool's main() under a launcher; all these
+    layouts have two ranks), first each HF → Megatron save, then each export; then (when
+    test_megatron_matches_transformers_tp2_ep2_pp2 is selected) _moe_worker.py at its two-process layouts.
+    Returns ({id: exported HF folder}, the worker's report or None)."""
     import importlib.util
 
     from ..training._launch import item_param, selected_params
@@ -308,18 +308,22 @@ def converted(tiny_moe, tmp_path_factory, request):
     with open(d / "jobs.json", "w") as f:
         json.dump(saves + exports, f)
     driver = os.path.join(os.path.dirname(__file__), "_convert_driver.py")
-    rc, log, _ = common.run_isolated([driver, "--jobs", str(d / "jobs.json")], nproc=2, timeout=600)
+    rep = str(d / "rep.json")
+    logits = bool(selected_params(request, lambda item: item.name == "test_megatron_matches_transformers_tp2_ep2_pp2"
+                                  or None))
+    then = ["--then", WORKER, "--hf", tiny_moe, "--out", rep] if logits else []
+    rc, log, _ = common.run_isolated([driver, "--jobs", str(d / "jobs.json"), *then], nproc=2, timeout=600)
     assert rc == 0, log[-4000:]
-    return {i: str(d / f"back-{i}") for i in ids}
+    return {i: str(d / f"back-{i}") for i in ids}, (rep if logits else None)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("conversion", list(CONVERSIONS))
-def test_convert_checkpoint_tool_round_trip(tiny_moe, converted, conversion):
+def test_convert_checkpoint_tool_round_trip(tiny_moe, two_procs, conversion):
     """tools/convert_checkpoint.py: HF → Megatron checkpoint written at one layout → HF read back at another
     (TP=2, PP=2, EP=2: each EP rank writes / reads its half of the experts), bit-identical per tensor. The
-    conversions of all cases run in one launch (``converted``)."""
-    a, b = hc.load_hf_state(tiny_moe), hc.load_hf_state(converted[conversion])
+    conversions of all cases run in one launch (``two_procs``)."""
+    a, b = hc.load_hf_state(tiny_moe), hc.load_hf_state(two_procs[0][conversion])
     assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
 
 
