@@ -322,24 +322,21 @@ def _check_report(path, expect_layouts, names):
 
 
 @pytest.mark.slow  # two processes: the full suite
-def test_logits_tp2_and_export_tp2_pp2(models, tmp_path):
+def test_logits_tp2_and_export_tp2_pp2(two_procs):
     """One torchrun (2 gloo processes): TP=2 logits vs transformers, and HF → Megatron → HF bitwise at TP=2 and
-    PP=2, for the three tiny models (the tied Qwen3 is MQA 4/1: TP=2 splits its KV group)."""
-    out = str(tmp_path / "rep.json")
-    names = ["qwen3", "qwen3_tied", "llama3"]
-    rc, log, secs = common.run_isolated([WORKER, "--hf", *(models[n] for n in names), "--out", out], nproc=2)
-    assert rc == 0, log[-4000:]
-    rep = _check_report(out, {(2, 1), (1, 2)}, names)
+    PP=2, for the three tiny models (the tied Qwen3 is MQA 4/1: TP=2 splits its KV group). The worker runs in the
+    two-process launch of ``two_procs`` (after the conversions)."""
+    rep = _check_report(two_procs[1], {(2, 1), (1, 2)}, ["qwen3", "qwen3_tied", "llama3"])
     assert {r["qk_layernorm"] for r in rep} == {True, False}
-    print(f"worker wall time {secs:.1f}s")
 
 
 @pytest.fixture(scope="module")
-def converted(models, tmp_path_factory, request):
-    """Every selected case of test_convert_checkpoint_bit_identical in one torchrun of two gloo processes
-    (tests/model/_convert_driver.py: the tool's main() under a launcher): each HF → Megatron save at its TP=2 or
-    PP=2, then each export at TP = PP = 1 (the two ranks data-parallel; rank 0 writes). Returns
-    {(name, tp, pp): (checkpoint, exported HF folder)}."""
+def two_procs(models, tmp_path_factory, request):
+    """One torchrun of two gloo processes (tests/model/_convert_driver.py) for every two-process test here: each
+    selected case of test_convert_checkpoint_bit_identical (the tool's main() under a launcher), each HF →
+    Megatron save at its TP=2 or PP=2, then each export at TP = PP = 1 (the two ranks data-parallel; rank 0
+    writes); then (when test_logits_tp2_and_export_tp2_pp2 is selected) conv_logits_worker.py on the three
+    models. Returns ({(name, tp, pp): (checkpoint, exported HF folder)}, the worker's report or None)."""
     from ..training._launch import item_param, selected_params
 
     cases = selected_params(request, lambda item: (item_param(item, "name"), item_param(item, "tp"),
@@ -353,20 +350,24 @@ def converted(models, tmp_path_factory, request):
     exports = [["--direction", "megatron-to-hf", "--load", mc, "--save", dst] for mc, dst in out.values()]
     with open(d / "jobs.json", "w") as f:
         json.dump(saves + exports, f)
-    rc, log, _ = common.run_isolated([DRIVER, "--jobs", str(d / "jobs.json")], nproc=2, timeout=600)
+    rep = str(d / "rep.json")
+    logits = bool(selected_params(request, lambda item: item.name == "test_logits_tp2_and_export_tp2_pp2" or None))
+    then = ["--then", WORKER, "--hf", *(models[n] for n in ("qwen3", "qwen3_tied", "llama3")), "--out", rep] \
+        if logits else []
+    rc, log, _ = common.run_isolated([DRIVER, "--jobs", str(d / "jobs.json"), *then], nproc=2, timeout=600)
     assert rc == 0, log[-4000:]
-    return out
+    return out, (rep if logits else None)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name,tp,pp", [("qwen3", 2, 1), ("qwen3_tied", 1, 2), ("llama3", 2, 1)])
-def test_convert_checkpoint_bit_identical(models, converted, name, tp, pp):
+def test_convert_checkpoint_bit_identical(models, two_procs, name, tp, pp):
     """HF → megatron (TP=2 or PP=2) → HF gives the same tensors and config. Llama 3 at TP=2 only: its own part is
     the rope-scaling config (checked here); the PP=2 split is the same code for every family (qwen3_tied here, llama
-    in tests/tools/test_convert_checkpoint.py). The conversions of all cases run in one launch (``converted``)."""
+    in tests/tools/test_convert_checkpoint.py). The conversions of all cases run in one launch (``two_procs``)."""
     from megatron_tsync.training import checkpointing as ck
 
-    src, (mc, dst) = models[name], converted[(name, tp, pp)]
+    src, (mc, dst) = models[name], two_procs[0][(name, tp, pp)]
     meta = ck.read_meta(mc)
     assert meta["layout"]["tp"] == tp and meta["layout"]["pp"] == pp
     assert ck.arch_from_checkpoint(mc) == ModelArch.from_hf_dir(src)  # qk_layernorm / rope fields survive the meta
