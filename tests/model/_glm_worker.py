@@ -3,6 +3,11 @@
 For each layout (TP=2, then EP=2): load the HF weights in float64 into a Megatron GPTModel, export them back with
 ``megatron_to_hf`` (bitwise per tensor) and compare Megatron's float64 logits (vocab shards gathered) with
 transformers' float64 logits (``_glm_reference``) on the same (B, S) input. Rank 0 writes a JSON report.
+
+``--stream-out PATH``: at each layout, also the float64 streaming cases of tests/training/_workers/moe_ep_worker.py
+(``STREAM_CASES``, the same modes that worker runs at that layout: EP = 2 is its ``ep2``, TP = 2 its ``tp2``), so
+one launch serves the logits test and the streaming test. Rank 0 torch.saves {"grads": {layout: {case: {mode: hf
+name → tensor}}}, "idle": {layout: {case: idle microbatches}}}.
 """
 
 import argparse
@@ -10,12 +15,52 @@ import json
 import os
 import sys
 
+STREAM_CASES = ("grpo-bounded-trainer", "rloo-binary-engine", "det-rloo-binary-engine")
+LAYOUT_NAMES = {(1, 1, 1): "single", (2, 1, 1): "tp2", (1, 1, 2): "ep2"}
+
+
+def _moe_ep_worker():
+    import importlib.util
+    import warnings
+
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "training", "_workers", "moe_ep_worker.py")
+    spec = importlib.util.spec_from_file_location("_tsync_moe_ep_worker", path)
+    mod = importlib.util.module_from_spec(spec)
+    saved = list(sys.path)
+    with warnings.catch_warnings():
+        spec.loader.exec_module(mod)
+    sys.path[:] = saved
+    return mod
+
+
+def stream_grads(model_dir, dims, layout, *, sync_only=False):
+    """moe_ep_worker's cases STREAM_CASES at ``layout`` (its name there), each in the modes that worker's main()
+    runs at that layout (``sync_only``: the sync gradient alone, the one-process reference). Returns
+    ({case: {mode: {hf name: tensor}}}, {case: idle microbatches})."""
+    w = _moe_ep_worker()
+    grads, idle = {}, {}
+    for name in STREAM_CASES:
+        case = w.CASES.get(name) or w.EP_CASES[name]
+        if name in w.CASES:
+            modes = range(len(w.MODES)) if layout in ("single", "ep2") else (0, 1, 3)
+        else:
+            modes = sorted({0, *case["modes"]}) if layout == "single" else case["modes"]
+        if sync_only:
+            modes = (0,)
+        grads[name], idle[name] = {}, 0
+        for mode, seed in (w.MODES[i] for i in modes):
+            g, _, n, _, _ = w.run_case(model_dir, dims, case, mode, seed)
+            grads[name][mode] = g
+            idle[name] += n
+    return grads, idle
+
 
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--hf", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--layouts", default="2:1:1,1:1:2", help="comma-separated tp:pp:ep")
+    p.add_argument("--stream-out", help="also run the streaming cases at each layout; torch.save them here")
     a = p.parse_args()
 
     import torch
@@ -34,7 +79,7 @@ def main():
     ids = torch.randint(0, arch.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))  # (B, S)
     with float64_transformers(), torch.no_grad():
         ref = hf64(a.hf)(ids).logits  # (B, S, V)
-    results = []
+    results, stream = [], {"grads": {}, "idle": {}}
     for spec in a.layouts.split(","):
         tp, pp, ep = (int(x) for x in spec.split(":"))
         dims = initialize_parallel(tp, pp, ep=ep, seed=1234)
@@ -56,9 +101,15 @@ def main():
                         "same_keys": all(x["same_keys"] for x in gathered)})
         if dims.rank == 0:
             print(json.dumps(results[-1]), flush=True)
+        del model, back
+        if a.stream_out:
+            name = LAYOUT_NAMES[(tp, pp, ep)]
+            stream["grads"][name], stream["idle"][name] = stream_grads(a.hf, dims, name)
     if dims.rank == 0:
         with open(a.out, "w") as f:
             json.dump(results, f, indent=1)
+        if a.stream_out:
+            torch.save(stream, a.stream_out)
     destroy_parallel()
 
 

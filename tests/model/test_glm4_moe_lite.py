@@ -8,7 +8,8 @@
   things in float32 whatever the model's dtype (RMSNorm, the RoPE table, the router, the eager softmax): the
   reference lifts exactly those casts (:func:`float64_transformers`), nothing else of its code changes;
 - the correction bias is a buffer: no gradient, unchanged by a training step's finalize;
-- tools/convert_checkpoint.py --verify passes (float32, one process).
+- tools/convert_checkpoint.py --verify passes (float32, one process; both directions in one process through
+  tests/model/_convert_driver.py).
 """
 
 import json
@@ -291,12 +292,13 @@ def test_convert_checkpoint_tool_verify(tiny_glm, tmp_path):
         "conv_common", os.path.join(os.path.dirname(__file__), "..", "training", "_workers", "conv_common.py"))
     common = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(common)
-    tool = os.path.join(os.path.dirname(__file__), "..", "..", "tools", "convert_checkpoint.py")
+    driver = os.path.join(os.path.dirname(__file__), "_convert_driver.py")
     ck, back = str(tmp_path / "ck"), str(tmp_path / "back")
-    for args in (["--direction", "hf-to-megatron", "--load", tiny_glm, "--save", ck, "--verify"],
-                 ["--direction", "megatron-to-hf", "--load", ck, "--save", back, "--verify"]):
-        rc, out, _ = common.run_isolated([tool, *args], timeout=600, bare=True)
-        assert rc == 0 and "[tsync] verify:" in out, out[-3000:]
+    with open(tmp_path / "jobs.json", "w") as f:  # both directions in one process (the tool's one-process path)
+        json.dump([["--direction", "hf-to-megatron", "--load", tiny_glm, "--save", ck, "--verify"],
+                   ["--direction", "megatron-to-hf", "--load", ck, "--save", back, "--verify"]], f)
+    rc, out, _ = common.run_isolated([driver, "--jobs", str(tmp_path / "jobs.json")], timeout=600, bare=True)
+    assert rc == 0 and out.count("[tsync] verify:") == 2, out[-3000:]
     a, b = hc.load_hf_state(tiny_glm), hc.load_hf_state(back)
     assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
     assert _config(back)["model_type"] == "glm4_moe_lite"
@@ -375,23 +377,38 @@ def test_float64_stream_equals_sync(glm_ddp, estimator, reward, old, terms):
 
 
 # ---------------------------------------------------------------------------------------------- TP = 2, EP = 2
-@pytest.mark.slow
-def test_float64_logits_tp2_ep2(tiny_glm, tmp_path):
-    """Two gloo processes: TP=2 (sequence parallel, as megatron's MoE layer needs), then EP=2 (8 experts a rank):
-    float64 logits equal transformers' ≤ 1e-12 relative, and the round trip through the sharded model is
-    bit-identical."""
+@pytest.fixture(scope="module")
+def glm_two_procs(tiny_glm, tmp_path_factory, request):
+    """One launch of _glm_worker.py (two gloo processes, TP = 2 then EP = 2) for both tests below: the float64
+    logits and round trip at each layout, and (when the streaming test is selected) the streaming cases of
+    tests/training/_workers/moe_ep_worker.py at each layout. Returns (logits report, streaming results or None)."""
     import importlib.util
+
+    from ..training._launch import selected_params
 
     spec = importlib.util.spec_from_file_location(
         "conv_common", os.path.join(os.path.dirname(__file__), "..", "training", "_workers", "conv_common.py"))
     common = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(common)
-    out = str(tmp_path / "rep.json")
+    d = tmp_path_factory.mktemp("glm_two_procs")
+    out, stream_out = str(d / "rep.json"), str(d / "stream.pt")
+    stream = bool(selected_params(request, lambda item: item.name == "test_streaming_ep2_tp2_equal_one_process"
+                                  or None))
     worker = os.path.join(os.path.dirname(__file__), "_glm_worker.py")
-    rc, log, _ = common.run_isolated([worker, "--hf", tiny_glm, "--out", out], nproc=2, timeout=600)
+    rc, log, _ = common.run_isolated([worker, "--hf", tiny_glm, "--out", out,
+                                      *(["--stream-out", stream_out] if stream else [])], nproc=2, timeout=600)
     assert rc == 0, log[-4000:]
     with open(out) as f:
         rep = json.load(f)
+    return rep, (torch.load(stream_out) if stream else None)
+
+
+@pytest.mark.slow
+def test_float64_logits_tp2_ep2(glm_two_procs):
+    """Two gloo processes: TP=2 (sequence parallel, as megatron's MoE layer needs), then EP=2 (8 experts a rank):
+    float64 logits equal transformers' ≤ 1e-12 relative, and the round trip through the sharded model is
+    bit-identical."""
+    rep = glm_two_procs[0]
     assert {(r["tp"], r["ep"]) for r in rep} == {(2, 1), (1, 2)}
     for r in rep:
         print(f"glm4_moe_lite tp={r['tp']} ep={r['ep']}: float64 logits rel diff {r['rel_logit_diff']:.3g}")
@@ -436,26 +453,21 @@ def test_router_replay_fixes_experts_weights_from_scores(tiny_glm, megatron_sing
 
 
 @pytest.mark.slow
-def test_streaming_ep2_tp2_equal_one_process(tiny_glm, tmp_path):
-    """tests/training/_workers/moe_ep_worker.py on the tiny GLM model: GRPO (π_old from the trainer), RLOO with a
-    dual clip (π_old from the engine) and its --deterministic variant, float64, in sync / stream-trajectory (two
-    orders at EP = 2) / stream-group, at EP = 2 (expert lockstep) and TP = 2 (sequence parallelism; the
-    down-projections duplicated, mla.py): every gradient ≤ 1e-12 from one process's sync gradient."""
-    from ..training._launch import torchrun
+def test_streaming_ep2_tp2_equal_one_process(tiny_glm, glm_two_procs, megatron_single):
+    """tests/training/_workers/moe_ep_worker.py's cases on the tiny GLM model: GRPO (π_old from the trainer), RLOO
+    with a dual clip (π_old from the engine) and its --deterministic variant, float64, in sync / stream-trajectory
+    (two orders at EP = 2) / stream-group, at EP = 2 (expert lockstep) and TP = 2 (sequence parallelism; the
+    down-projections duplicated, mla.py), run in the two-process launch of ``glm_two_procs``: every gradient
+    ≤ 1e-12 from one process's sync gradient (computed in this process, as that worker's ``single`` layout)."""
     from ..training.stream_cases import rel_error
+    from ._glm_worker import stream_grads
 
-    worker = os.path.join(os.path.dirname(__file__), "..", "training", "_workers", "moe_ep_worker.py")
-    only = ["--only", "grpo-bounded-trainer", "rloo-binary-engine", "det-rloo-binary-engine"]
-    got = {}
-    for layout, nproc in (("single", 1), ("ep2", 2), ("tp2", 2)):
-        out = str(tmp_path / f"{layout}.pt")
-        torchrun(worker, ["--model", tiny_glm, "--layout", layout, "--out", out, *only], nproc=nproc)
-        got[layout] = torch.load(out)
-    one = got["single"]["grads"]
+    got = glm_two_procs[1]
+    one, _ = stream_grads(tiny_glm, megatron_single, "single", sync_only=True)
     for layout in ("ep2", "tp2"):
-        assert set(got[layout]["grads"]) == set(one) and (got[layout]["idle"]["grpo-bounded-trainer"] > 0) == (
+        assert set(got["grads"][layout]) == set(one) and (got["idle"][layout]["grpo-bounded-trainer"] > 0) == (
             layout == "ep2")  # lockstep idle microbatches at EP only
-        for case, modes in got[layout]["grads"].items():
+        for case, modes in got["grads"][layout].items():
             ref = one[case]["sync"]
             assert all(ref[k].abs().max() > 0 for k in ref if ".experts." in k)
             for mode, g in modes.items():

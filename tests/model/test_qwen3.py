@@ -36,7 +36,7 @@ _spec.loader.exec_module(common)
 
 LOGIT_TOL = 1e-5
 WORKER = os.path.join(common.WORKERS, "conv_logits_worker.py")
-TOOL = os.path.join(common.REPO, "tools", "convert_checkpoint.py")
+DRIVER = os.path.join(os.path.dirname(__file__), "_convert_driver.py")
 
 QWEN3_4B = {  # config.json of Qwen/Qwen3-4B (transformers 4.51 format)
     "architectures": ["Qwen3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 151643,
@@ -322,34 +322,55 @@ def _check_report(path, expect_layouts, names):
 
 
 @pytest.mark.slow  # two processes: the full suite
-def test_logits_tp2_and_export_tp2_pp2(models, tmp_path):
+def test_logits_tp2_and_export_tp2_pp2(two_procs):
     """One torchrun (2 gloo processes): TP=2 logits vs transformers, and HF → Megatron → HF bitwise at TP=2 and
-    PP=2, for the three tiny models (the tied Qwen3 is MQA 4/1: TP=2 splits its KV group)."""
-    out = str(tmp_path / "rep.json")
-    names = ["qwen3", "qwen3_tied", "llama3"]
-    rc, log, secs = common.run_isolated([WORKER, "--hf", *(models[n] for n in names), "--out", out], nproc=2)
-    assert rc == 0, log[-4000:]
-    rep = _check_report(out, {(2, 1), (1, 2)}, names)
+    PP=2, for the three tiny models (the tied Qwen3 is MQA 4/1: TP=2 splits its KV group). The worker runs in the
+    two-process launch of ``two_procs`` (after the conversions)."""
+    rep = _check_report(two_procs[1], {(2, 1), (1, 2)}, ["qwen3", "qwen3_tied", "llama3"])
     assert {r["qk_layernorm"] for r in rep} == {True, False}
-    print(f"worker wall time {secs:.1f}s")
+
+
+@pytest.fixture(scope="module")
+def two_procs(models, tmp_path_factory, request):
+    """One torchrun of two gloo processes (tests/model/_convert_driver.py) for every two-process test here: each
+    selected case of test_convert_checkpoint_bit_identical (the tool's main() under a launcher), each HF →
+    Megatron save at its TP=2 or PP=2, then each export at TP = PP = 1 (the two ranks data-parallel; rank 0
+    writes); then (when test_logits_tp2_and_export_tp2_pp2 is selected) conv_logits_worker.py on the three
+    models. Returns ({(name, tp, pp): (checkpoint, exported HF folder)}, the worker's report or None)."""
+    from ..training._launch import item_param, selected_params
+
+    cases = selected_params(request, lambda item: (item_param(item, "name"), item_param(item, "tp"),
+                                                   item_param(item, "pp"))
+                            if item.name.startswith("test_convert_checkpoint_bit_identical") else None)
+    d = tmp_path_factory.mktemp("qwen3_convert")
+    out = {c: (str(d / "mcore-{}-{}-{}".format(*c)), str(d / "hf-{}-{}-{}".format(*c))) for c in cases}
+    saves = [["--direction", "hf-to-megatron", "--load", models[n], "--save", out[(n, tp, pp)][0],
+              "--target-tensor-parallel-size", str(tp), "--target-pipeline-model-parallel-size", str(pp)]
+             for n, tp, pp in cases]
+    exports = [["--direction", "megatron-to-hf", "--load", mc, "--save", dst] for mc, dst in out.values()]
+    with open(d / "jobs.json", "w") as f:
+        json.dump(saves + exports, f)
+    rep = str(d / "rep.json")
+    logits = bool(selected_params(request, lambda item: item.name == "test_logits_tp2_and_export_tp2_pp2" or None))
+    then = ["--then", WORKER, "--hf", *(models[n] for n in ("qwen3", "qwen3_tied", "llama3")), "--out", rep] \
+        if logits else []
+    rc, log, _ = common.run_isolated([DRIVER, "--jobs", str(d / "jobs.json"), *then], nproc=2, timeout=600)
+    assert rc == 0, log[-4000:]
+    return out, (rep if logits else None)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name,tp,pp", [("qwen3", 2, 1), ("qwen3_tied", 1, 2), ("llama3", 2, 1)])
-def test_convert_checkpoint_bit_identical(models, tmp_path, name, tp, pp):
+def test_convert_checkpoint_bit_identical(models, two_procs, name, tp, pp):
     """HF → megatron (TP=2 or PP=2) → HF gives the same tensors and config. Llama 3 at TP=2 only: its own part is
     the rope-scaling config (checked here); the PP=2 split is the same code for every family (qwen3_tied here, llama
-    in tests/tools/test_convert_checkpoint.py)."""
+    in tests/tools/test_convert_checkpoint.py). The conversions of all cases run in one launch (``two_procs``)."""
     from megatron_tsync.training import checkpointing as ck
 
-    src, mc, dst = models[name], str(tmp_path / "mcore"), str(tmp_path / "hf")
-    rc, log, _ = common.run_isolated([TOOL, "--direction", "hf-to-megatron", "--load", src, "--save", mc,
-                                      "--target-tensor-parallel-size", str(tp),
-                                      "--target-pipeline-model-parallel-size", str(pp)], bare=True)
-    assert rc == 0, log[-4000:]
+    src, (mc, dst) = models[name], two_procs[0][(name, tp, pp)]
+    meta = ck.read_meta(mc)
+    assert meta["layout"]["tp"] == tp and meta["layout"]["pp"] == pp
     assert ck.arch_from_checkpoint(mc) == ModelArch.from_hf_dir(src)  # qk_layernorm / rope fields survive the meta
-    rc, log, _ = common.run_isolated([TOOL, "--direction", "megatron-to-hf", "--load", mc, "--save", dst], bare=True)
-    assert rc == 0, log[-4000:]
     arch0, s0 = hc.load_hf_dir(src)
     arch1, s1 = hc.load_hf_dir(dst)
     assert arch0 == arch1 and sorted(s0) == sorted(s1)
@@ -367,7 +388,8 @@ REPLAY_SHARED_PREFIX = ["--shared-prefix", "--stream-coalesce-tokens", "1000000"
 @pytest.mark.parametrize("family, extra, replay", [("qwen3", ["--tie"], False), ("qwen3_moe", [], True)])
 def test_quickstart_trains_tiny_qwen3(tmp_path, family, extra, replay):
     """The quickstart's config (examples/tiny_agent/config.yaml) with ``--model`` a tiny Qwen3 / Qwen3-MoE made by the
-    tool; 2 RL steps after a short warm start (small batches: this checks that it runs, not that it learns). With
+    tool; 2 RL steps, no warm start, 2 evaluation prompts (small batches: this checks that it runs, not that it
+    learns: every assertion holds for an untrained model). With
     ``--moe-router-replay`` every trajectory of the live run arrives with the engine's routing (dumped), and with
     ``--shared-prefix`` (every arrival of a step coalesced, no zero-advantage skip) groups share their prompt. The MoE
     quickstart without replay runs in tests/runtime/test_deterministic_live.py's EP pair (at EP=2, --deterministic)."""
@@ -382,8 +404,8 @@ def test_quickstart_trains_tiny_qwen3(tmp_path, family, extra, replay):
     assert ModelArch.from_hf_dir(model).qk_layernorm
     args = ["--config", os.path.join(common.REPO, "examples", "tiny_agent", "config.yaml"), "--model", model,
             "--save", str(tmp_path / "ck"), "--tensorboard-dir", str(tmp_path / "tb"), "--train-iters", "2",
-            "--sft-warmup-steps", "5", "--group-size", "2", "--global-batch-size", "4", "--max-new-tokens", "16",
-            "--no-progress", "--eval-prompts", "8"]
+            "--sft-warmup-steps", "0", "--group-size", "2", "--global-batch-size", "4", "--max-new-tokens", "16",
+            "--no-progress", "--eval-prompts", "2"]
     if replay:
         args += ["--moe-router-replay", "--dump-rollouts", str(tmp_path / "dump"), *REPLAY_SHARED_PREFIX]
     p = subprocess.run([sys.executable, "-m", "megatron_tsync.train", *args], cwd=tmp_path, env=env,

@@ -201,12 +201,10 @@ def test_megatron_matches_transformers_1proc(tiny_moe, tmp_path):
 
 
 @pytest.mark.slow
-def test_megatron_matches_transformers_tp2_ep2_pp2(tiny_moe, tmp_path):
-    """Two gloo processes: TP=2, EP=2 (DP=2 for the dense part, 2 experts per rank), PP=2; round trip at each."""
-    out = str(tmp_path / "rep.json")
-    rc, log, _ = _launcher(2, ["--hf", tiny_moe, "--out", out])
-    assert rc == 0, log[-4000:]
-    rep = _check(out, {(2, 1, 1), (1, 1, 2), (1, 2, 1)})
+def test_megatron_matches_transformers_tp2_ep2_pp2(two_procs):
+    """Two gloo processes: TP=2, EP=2 (DP=2 for the dense part, 2 experts per rank), PP=2; round trip at each.
+    Run in the two-process launch of ``two_procs`` (after the conversions)."""
+    rep = _check(two_procs[1], {(2, 1, 1), (1, 1, 2), (1, 2, 1)})
     assert {r["ep"]: r["local_experts"] for r in rep}[2] == 2
 
 
@@ -278,27 +276,54 @@ def test_float64_stream_equals_sync(moe64, estimator, reward, old):
     assert rel < TOL
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("save_at, export_at", [
-    (["--target-tensor-parallel-size", "2"], ["--target-pipeline-model-parallel-size", "2"]),
-    (["--target-expert-model-parallel-size", "2"], ["--target-pipeline-model-parallel-size", "2"]),
-    (["--target-pipeline-model-parallel-size", "2"], ["--target-expert-model-parallel-size", "2"]),
-], ids=["tp2-to-pp2", "ep2-to-pp2", "pp2-to-ep2"])
-def test_convert_checkpoint_tool_round_trip(tiny_moe, tmp_path, save_at, export_at):
-    """tools/convert_checkpoint.py: HF → Megatron checkpoint written at one layout → HF read back at another
-    (TP=2, PP=2, EP=2: each EP rank writes / reads its half of the experts), bit-identical per tensor."""
-    import subprocess
-    import sys
+CONVERSIONS = {  # id: (layout the checkpoint is written at, layout it is exported at)
+    "tp2-to-pp2": (["--target-tensor-parallel-size", "2"], ["--target-pipeline-model-parallel-size", "2"]),
+    "ep2-to-pp2": (["--target-expert-model-parallel-size", "2"], ["--target-pipeline-model-parallel-size", "2"]),
+    "pp2-to-ep2": (["--target-pipeline-model-parallel-size", "2"], ["--target-expert-model-parallel-size", "2"]),
+}
 
-    tool = os.path.join(os.path.dirname(__file__), "..", "..", "tools", "convert_checkpoint.py")
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    ck, back = str(tmp_path / "ck"), str(tmp_path / "back")
-    for args in (["--direction", "hf-to-megatron", "--load", tiny_moe, "--save", ck, *save_at],
-                 ["--direction", "megatron-to-hf", "--load", ck, "--save", back, *export_at]):
-        p = subprocess.run([sys.executable, tool, *args], env=env, capture_output=True, text=True, timeout=600)
-        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    a, b = hc.load_hf_state(tiny_moe), hc.load_hf_state(back)
+
+@pytest.fixture(scope="module")
+def two_procs(tiny_moe, tmp_path_factory, request):
+    """One torchrun of two gloo processes (tests/model/_convert_driver.py) for every two-process test here: each
+    selected conversion of test_convert_checkpoint_tool_round_trip (the tool's main() under a launcher; all these
+    layouts have two ranks), first each HF → Megatron save, then each export; then (when
+    test_megatron_matches_transformers_tp2_ep2_pp2 is selected) _moe_worker.py at its two-process layouts.
+    Returns ({id: exported HF folder}, the worker's report or None)."""
+    import importlib.util
+
+    from ..training._launch import item_param, selected_params
+
+    ids = selected_params(request, lambda item: item_param(item, "conversion")
+                          if item.name.startswith("test_convert_checkpoint_tool_round_trip") else None)
+    spec = importlib.util.spec_from_file_location(
+        "conv_common", os.path.join(os.path.dirname(__file__), "..", "training", "_workers", "conv_common.py"))
+    common = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(common)
+    d = tmp_path_factory.mktemp("moe_convert")
+    saves = [["--direction", "hf-to-megatron", "--load", tiny_moe, "--save", str(d / f"ck-{i}"), *CONVERSIONS[i][0]]
+             for i in ids]
+    exports = [["--direction", "megatron-to-hf", "--load", str(d / f"ck-{i}"), "--save", str(d / f"back-{i}"),
+                *CONVERSIONS[i][1]] for i in ids]
+    with open(d / "jobs.json", "w") as f:
+        json.dump(saves + exports, f)
+    driver = os.path.join(os.path.dirname(__file__), "_convert_driver.py")
+    rep = str(d / "rep.json")
+    logits = bool(selected_params(request, lambda item: item.name == "test_megatron_matches_transformers_tp2_ep2_pp2"
+                                  or None))
+    then = ["--then", WORKER, "--hf", tiny_moe, "--out", rep] if logits else []
+    rc, log, _ = common.run_isolated([driver, "--jobs", str(d / "jobs.json"), *then], nproc=2, timeout=600)
+    assert rc == 0, log[-4000:]
+    return {i: str(d / f"back-{i}") for i in ids}, (rep if logits else None)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("conversion", list(CONVERSIONS))
+def test_convert_checkpoint_tool_round_trip(tiny_moe, two_procs, conversion):
+    """tools/convert_checkpoint.py: HF → Megatron checkpoint written at one layout → HF read back at another
+    (TP=2, PP=2, EP=2: each EP rank writes / reads its half of the experts), bit-identical per tensor. The
+    conversions of all cases run in one launch (``two_procs``)."""
+    a, b = hc.load_hf_state(tiny_moe), hc.load_hf_state(two_procs[0][conversion])
     assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
 
 
