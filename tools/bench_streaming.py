@@ -459,17 +459,17 @@ def _args(argv):
     ap.add_argument("--profile", default="swe-like",
                     help="uniform | swe-like | independent | at-once (every reward at t=0)")
     ap.add_argument("--latency-profile", default=None, help="JSON latency profile (overrides --profile)")
-    ap.add_argument("--groups", type=int, default=8)
-    ap.add_argument("--group-size", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--groups", type=int, default=None)
+    ap.add_argument("--group-size", type=int, default=None)
+    ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--calls", type=int, default=3, help="tool calls per trajectory")
     ap.add_argument("--min-len", type=int, default=48)
-    ap.add_argument("--max-len", type=int, default=160)
+    ap.add_argument("--max-len", type=int, default=None)
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--makespan-ratio", default="0.25,1,4",
                     help="comma-separated rollout makespan / learner work ratios, reported side by side")
-    ap.add_argument("--repeats", type=int, default=3, help="interleaved repeats of the whole sweep (spread)")
+    ap.add_argument("--repeats", type=int, default=None, help="interleaved repeats of the whole sweep (spread; default 3)")
     ap.add_argument("--rollout-cpu-frac", type=float, default=0.0,
                     help="share of each rollout's in-flight time its worker burns CPU (0: sleeps, disjoint resources)")
     ap.add_argument("--rollout-cpu-procs", type=int, default=1, help="busy rollout worker processes (with frac > 0)")
@@ -478,12 +478,16 @@ def _args(argv):
     ap.add_argument("--max-staleness", type=int, default=1)
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--quick", action="store_true", help="reduced run (4 groups x 4, 2 steps, 2 repeats; < 1 min on 2 cores), same JSON")
+    ap.add_argument("--quick", action="store_true", help="reduced run (defaults 4 groups x 4, 2 steps, max-len 96, 2 repeats; < 1 min on 2 cores; "
+                    "those flags given explicitly still win), same JSON")
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None, help="PNG timeline of learner busy/idle per mode (reference ratio)")
     a = ap.parse_args(argv)
-    if a.quick:
-        a.groups, a.group_size, a.steps, a.max_len, a.repeats = 4, 4, 2, 96, 2
+    sizes = dict(groups=4, group_size=4, steps=2, max_len=96, repeats=2) if a.quick else \
+        dict(groups=8, group_size=8, steps=3, max_len=160, repeats=3)
+    for k, v in sizes.items():  # --quick sets the defaults; a flag given explicitly wins
+        if getattr(a, k) is None:
+            setattr(a, k, v)
     try:
         a.ratios = [float(x) for x in a.makespan_ratio.split(",") if x.strip()]
     except ValueError:

@@ -129,3 +129,12 @@ def test_bench_quick_json(tmp_path):
     assert r["delta_k"]["stream-trajectory"] < 1e-3
     assert r["bound_violations"] == []
     assert (tmp_path / "t.png").exists()
+
+
+def test_quick_sets_defaults_and_explicit_flags_win():
+    """``--quick`` sets the reduced sizes as defaults; ``--steps 1`` beside it is 1 step (it was overridden to 2)."""
+    from tools.bench_streaming import _args
+
+    a = _args(["--quick", "--steps", "1"])
+    assert (a.groups, a.group_size, a.steps, a.max_len, a.repeats) == (4, 4, 1, 96, 2)
+    assert (_args([]).groups, _args([]).steps, _args([]).repeats, _args(["--quick"]).steps) == (8, 3, 3, 2)
