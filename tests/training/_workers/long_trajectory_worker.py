@@ -78,7 +78,8 @@ def main() -> None:
     S = samples(tokens)
     models, report, grads = {}, {}, {}
     for rec in ("on", "off"):
-        ddp = wrap_ddp(build_model(LONG, PrecisionConfig(params_dtype=torch.float64), seed=0, **(FULL if rec == "on" else {})))
+        recompute = FULL if rec == "on" else {}
+        ddp = wrap_ddp(build_model(LONG, PrecisionConfig(params_dtype=torch.float64), seed=0, **recompute))
         models[rec] = (ddp, build_optimizer(ddp, OptimConfig(optimizer="sgd", lr=0.0, clip_grad=0)))
     for rec in ("on", "off"):  # "on" first: see the docstring
         t0 = time.process_time()
