@@ -43,15 +43,25 @@ TOL = 1e-12
 
 
 @pytest.fixture(scope="module")
-def single(tmp_path_factory):
+def single(tmp_path_factory, megatron_single):
+    """The worker's ``single`` layout, run in this process (megatron_single: TP 1, PP 1, EP 1, world 1)."""
+    import argparse
+    import importlib.util
+
     from megatron_tsync.model.tiny_model import make_tiny_model
 
     d = tmp_path_factory.mktemp("moe_layouts")
     model = make_tiny_model(str(d / "moe"), family="qwen3_moe", seed=3)
     ref = make_tiny_model(str(d / "ref"), family="qwen3_moe", seed=4)  # the KL reference: other weights
-    torchrun(WORKER, ["--model", model, "--ref-model", ref, "--layout", "single", "--out", str(d / "single.pt")],
-             nproc=1)
-    return model, ref, torch.load(str(d / "single.pt"))
+    spec = importlib.util.spec_from_file_location("moe_ep_worker", WORKER)
+    worker = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(worker)
+    before = torch.are_deterministic_algorithms_enabled()  # the --deterministic cases turn torch's on
+    try:
+        _, one = worker.run_layout(argparse.Namespace(model=model, ref_model=ref, only=None), "single", megatron_single)
+    finally:
+        torch.use_deterministic_algorithms(before)
+    return model, ref, one
 
 
 @pytest.fixture(scope="module")
