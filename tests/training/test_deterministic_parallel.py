@@ -1,4 +1,4 @@
-"""--deterministic at TP=2, PP=2 and DP=2 (two gloo processes, one torchrun per layout).
+"""--deterministic at TP=2, PP=2 and DP=2 (two gloo processes; one torchrun for TP=2, one for PP=2 then DP=2).
 
 float32, 2 Adam steps: sync (a second order), stream-trajectory (three orders) and stream-group give weights
 torch.equal to sync's on every rank's shard, for GRPO, ratio ≠ 1 with dual clip and a KL term, and Dr.GRPO with 2
@@ -15,17 +15,31 @@ from ._launch import torchrun
 
 WORKER = os.path.join(os.path.dirname(__file__), "_workers", "deterministic_worker.py")
 LAYOUTS = ["tp2", "pp2", "dp2"]
+LAUNCHES = [("tp2",), ("pp2", "dp2")]  # the layouts of one torchrun, one after the other on its 2 processes
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """{layout: report}, filled a launch at a time (all three layouts in one launch: 92-157 s for one test on two
+    busy cores, past the suite's 120 s per test; TP=2 costs about as much as PP=2 and DP=2 together)."""
+    reports = {}
+
+    def get(layout):
+        if layout not in reports:
+            group = next(g for g in LAUNCHES if layout in g)
+            out = tmp_path_factory.mktemp(f"det_parallel_{'_'.join(group)}") / "report.json"
+            torchrun(WORKER, ["--out", str(out), "--layouts", *group])
+            with open(out) as f:
+                reports.update(json.load(f))
+        return reports[layout]
+
+    return get
 
 
 @pytest.fixture(scope="module", params=LAYOUTS)
-def report(request, tmp_path_factory):
-    """One torchrun per layout, shared by both tests of the layout (all three layouts in one launch: 92-157 s for
-    one test on two busy cores, past the suite's 120 s per test)."""
-    layout = request.param
-    out = tmp_path_factory.mktemp(f"det_parallel_{layout}") / "report.json"
-    torchrun(WORKER, ["--out", str(out), "--layouts", layout])
-    with open(out) as f:
-        return layout, json.load(f)[layout]
+def report(request, launched):
+    """One layout's report, shared by both tests of the layout."""
+    return request.param, launched(request.param)
 
 
 @pytest.mark.slow

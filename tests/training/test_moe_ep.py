@@ -43,15 +43,35 @@ TOL = 1e-12
 
 
 @pytest.fixture(scope="module")
-def single(tmp_path_factory):
+def single(tmp_path_factory, megatron_single):
+    """The worker's ``single`` layout, run in this process (megatron_single: TP 1, PP 1, EP 1, world 1)."""
+    import argparse
+    import importlib.util
+
     from megatron_tsync.model.tiny_model import make_tiny_model
 
     d = tmp_path_factory.mktemp("moe_layouts")
     model = make_tiny_model(str(d / "moe"), family="qwen3_moe", seed=3)
     ref = make_tiny_model(str(d / "ref"), family="qwen3_moe", seed=4)  # the KL reference: other weights
-    torchrun(WORKER, ["--model", model, "--ref-model", ref, "--layout", "single", "--out", str(d / "single.pt")],
-             nproc=1)
-    return model, ref, torch.load(str(d / "single.pt"))
+    spec = importlib.util.spec_from_file_location("moe_ep_worker", WORKER)
+    worker = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(worker)
+    before = torch.are_deterministic_algorithms_enabled()  # the --deterministic cases turn torch's on
+    try:
+        _, one = worker.run_layout(argparse.Namespace(model=model, ref_model=ref, only=None), "single", megatron_single)
+    finally:
+        torch.use_deterministic_algorithms(before)
+    return model, ref, one
+
+
+@pytest.fixture(scope="module")
+def four(single, tmp_path_factory):
+    """EP 2 × TP 2 and EP 2 × PP 2: one 4-process launch, the layouts one after the other (4 processes starting on 2
+    cores cost more than either layout's one case)."""
+    model, ref_model, _ = single
+    out = tmp_path_factory.mktemp("moe_four") / "got.pt"
+    torchrun(WORKER, ["--model", model, "--ref-model", ref_model, "--layout", *FOUR, "--out", str(out)], nproc=4)
+    return torch.load(str(out))
 
 
 def _bitwise(a, b):
@@ -77,18 +97,22 @@ def test_one_process_deterministic_kl_offload(single):
 
 EP_ONLY = ("det", "kl", "offload")  # the worker's EP_CASES (every 2-process layout)
 NPROC = {"ep2": 2, "tp2": 2, "pp2": 2, "tp2ep2": 4, "pp2ep2": 4}
+FOUR = [k for k, n in NPROC.items() if n == 4]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(NPROC))
-def test_layout_streaming_equals_one_process(single, tmp_path, layout):
+def test_layout_streaming_equals_one_process(single, request, tmp_path, layout):
     """EP=2 (lockstep) and TP=2 (sequence parallelism, padded to even lengths). EP=2 also: --deterministic (every
     mode bitwise equal to the others, stream-trajectory's deferrals agreed over the EP ranks) and a KL reference model
     (loss and reward), each against one process's sync gradient of the same case."""
     model, ref_model, one = single
-    torchrun(WORKER, ["--model", model, "--ref-model", ref_model, "--layout", layout, "--out",
-                      str(tmp_path / "got.pt")], nproc=NPROC[layout])
-    ep = torch.load(str(tmp_path / "got.pt"))
+    if layout in FOUR:  # the 4-process layouts share one launch
+        ep = request.getfixturevalue("four")[layout]
+    else:
+        torchrun(WORKER, ["--model", model, "--ref-model", ref_model, "--layout", layout, "--out",
+                          str(tmp_path / "got.pt")], nproc=NPROC[layout])
+        ep = torch.load(str(tmp_path / "got.pt"))
     expect = {"grpo-bounded-trainer"} if NPROC[layout] == 4 else set(one["grads"])  # 4 processes: 1 case
     assert set(ep["grads"]) == expect
     for case, modes in ep["grads"].items():

@@ -1,5 +1,5 @@
-"""On-policy distillation of a tiny Qwen3-MoE student at expert parallelism 2 (gloo, 2 processes, one launch), and
-MoE router replay in the OPD learner.
+"""On-policy distillation of a tiny Qwen3-MoE student at expert parallelism 2 (gloo, 2 processes, one launch that
+runs the TP 2 layout after it), and MoE router replay in the OPD learner.
 
 At EP = 2 each rank holds half the experts and every MoE layer's all-to-all carries the other rank's tokens, while
 the two data-parallel replicas learn different trajectories; here each rank also gets the turns in its own order.
@@ -54,27 +54,41 @@ def reference(model, data):
     return {case: W.run(model, case, "sync", S, E)[0] for case in W.CASES}
 
 
-def _launch(model, tmp_path_factory, pp: int, tp: int = 1):
-    out = tmp_path_factory.mktemp("opd_ep2") / f"tp{tp}pp{pp}.pt"
-    torchrun(WORKER, ["--model", model, "--out", str(out), "--pp", str(pp), "--tp", str(tp)], nproc=2 * pp)
+def _launch(model, tmp_path_factory, pp: int, tp=(1,)):
+    out = tmp_path_factory.mktemp("opd_ep2") / f"pp{pp}.pt"
+    torchrun(WORKER, ["--model", model, "--out", str(out), "--pp", str(pp), "--tp", *map(str, tp)],
+             nproc=2 * pp)
     return torch.load(str(out))
 
 
 @pytest.fixture(scope="module")
-def ep2(model, tmp_path_factory):
-    return _launch(model, tmp_path_factory, 1)
+def two(model, tmp_path_factory):
+    """EP 2, then TP 2 (sequence parallel, one data-parallel replica: every mode of W.TP_MODES and the teacher): one
+    2-process launch."""
+    return _launch(model, tmp_path_factory, 1, tp=(1, 2))
 
 
 @pytest.fixture(scope="module")
-def tp2(model, tmp_path_factory):
-    """TP 2 (sequence parallel), one data-parallel replica: every mode of W.TP_MODES and the teacher."""
-    return _launch(model, tmp_path_factory, 1, tp=2)
+def ep2(two):
+    return two[1]
+
+
+@pytest.fixture(scope="module")
+def tp2(two):
+    return two[2]
 
 
 @pytest.fixture(scope="module")
 def ep2pp2(model, tmp_path_factory):
     """PP 2 × EP 2 (4 processes): the streaming modes."""
     return _launch(model, tmp_path_factory, 2)
+
+
+@pytest.fixture(scope="module")
+def teacher_one(model, data):
+    """The one-process MoE teacher's scores (the EP 2 and TP 2 tests' reference)."""
+    S, E = data
+    return W.teacher_scores(model, S, E)
 
 
 def test_router_replay_stream_turn_one_process(model, data, reference):
@@ -124,18 +138,17 @@ def test_ep2_pp2_streaming_equals_one_process_sync(ep2pp2, reference, data):
 
 
 @pytest.mark.slow
-def test_ep2_moe_teacher(ep2, model, data):
+def test_ep2_moe_teacher(ep2, teacher_one):
     """A MoE teacher's turn-by-turn scores at EP = 2 (every rank scores every chunk in one order, as the OPD runtime
     does) equal one process's."""
-    S, E = data
-    one = W.teacher_scores(model, S, E)
+    one = teacher_one
     err = max(float((one[k] - ep2["teacher"][k]).abs().max()) for k in one)
     print(f"MoE teacher at EP=2 vs one process: max |Δ log-prob| {err:.2g}")
     assert err < 1e-12
 
 
 @pytest.mark.slow
-def test_tp2_opd_and_teacher_equal_one_process(tp2, reference, model, data):
+def test_tp2_opd_and_teacher_equal_one_process(tp2, reference, teacher_one, data):
     """TP 2 with sequence parallelism (a MoE model at TP > 1 is built with it): the stream-turn forwards and the
     teacher go through ``IncrementalGPT``, which pads each chunk to a multiple of TP (its padding's K/V are not
     kept, its logits dropped) and shards the chunk's replayed routing alike; sync / stream-trajectory go through the
@@ -146,7 +159,7 @@ def test_tp2_opd_and_teacher_equal_one_process(tp2, reference, model, data):
     S, E = data
     sizes = {(c.end - c.start) % 2 for c in W.all_chunks(S, E, 11)}
     assert sizes == {0, 1}, sizes  # some chunks were padded to a multiple of TP, some not
-    one = W.teacher_scores(model, S, E)
+    one = teacher_one
     err = max(float((one[k] - tp2["teacher"][k]).abs().max()) for k in one)
     print(f"MoE teacher at TP=2 vs one process: max |Δ log-prob| {err:.2g}")
     assert err < 1e-12

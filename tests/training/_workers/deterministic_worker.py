@@ -51,7 +51,7 @@ def weights(dims, case, mode, seed, det, steps=2):
                         deterministic=det)
     learner = Learner(ddp, opt, cfg, dp_rank=dims.dp_rank, pp_size=dims.pp)
     for k in range(steps):
-        samples = make_samples(60 + k, num_groups=4, reward_kind=case["reward"], with_ref=True)
+        samples = make_samples(60 + k, num_groups=3, reward_kind=case["reward"], with_ref=True)
         order = samples if seed is None else arrival_order(samples, 100 * seed + k)
         sizes, shape = shape_for(samples)
         DataParallelAssigner(dims.dp, list(sizes) if det else None).assign_samples(order)

@@ -5,7 +5,8 @@ one-process reference imports these functions).
 DP 2, EP 2 (each rank holds half the experts; every MoE all-to-all spans both ranks, which learn different
 trajectories); ``--nproc_per_node=4 ... --pp 2``: PP 2 × EP 2 (the streaming modes only). Each rank gets every chunk (multi-turn trajectories, tool output between turns) but in its OWN
 interleaving of the trajectories' turns; trajectory i is learned by rank i mod 2. ``--tp 2``: TP 2 (sequence
-parallel, one data-parallel replica, no EP): every mode of ``TP_MODES``, and the teacher at TP 2. float64, router weights × 25
+parallel, one data-parallel replica, no EP): every mode of ``TP_MODES``, and the teacher at TP 2; ``--tp 1 2``: both
+layouts one after the other on the same 2 processes (the result: {tp: ...}). float64, router weights × 25
 (decisive routing). Rank 0 writes {"grads": {case: {mode: {hf name: tensor}}}, "idle": {case: {mode: idle
 forwards, both ranks}}, "replay": {mode: [tokens checked, tokens whose experts differ from the recorded ones]},
 "teacher": {traj_id: teacher log-probs}} (torch.save).
@@ -148,33 +149,26 @@ def teacher_scores(model_dir: str, S, E) -> dict:
     return out
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--pp", type=int, default=1)
-    ap.add_argument("--tp", type=int, default=1)
-    a = ap.parse_args()
-    from megatron_tsync.model.parallel import destroy_parallel, initialize_parallel
+def run_layout(model_dir: str, tp: int, pp: int) -> dict:
+    from megatron_tsync.model.parallel import initialize_parallel
 
-    torch.set_num_threads(1)
-    ep = 2 if a.tp == 1 else 1
-    dims = initialize_parallel(a.tp, a.pp, ep=ep)
-    assert dims.ep == ep and dims.dp == 2 // a.tp and dims.pp == a.pp and dims.tp == a.tp, dims
-    pp_group = dims.pp_group() if a.pp > 1 else None
-    arch, _ = load_hf_dir(a.model)
+    ep = 2 if tp == 1 else 1
+    dims = initialize_parallel(tp, pp, ep=ep)
+    assert dims.ep == ep and dims.dp == 2 // tp and dims.pp == pp and dims.tp == tp, dims
+    pp_group = dims.pp_group() if pp > 1 else None
+    arch, _ = load_hf_dir(model_dir)
     S, E = trajectories(arch)
     out = {"grads": {}, "idle": {}, "replay": {}}
     seed = 11 + 7 * dims.dp_rank  # each rank its own arrival order
     for case, (_, modes, replay) in CASES.items():
-        if a.tp > 1:
+        if tp > 1:
             if case not in TP_MODES:
                 continue
             modes = TP_MODES[case]
         out["grads"][case], out["idle"][case] = {}, {}
-        for mode in modes if a.pp == 1 else [m for m in modes if m != "sync"]:
+        for mode in modes if pp == 1 else [m for m in modes if m != "sync"]:
             check = [0, 0] if replay and mode == "stream-turn" else None
-            g, idle = run(a.model, case, mode, S, E, dp_rank=dims.dp_rank, dp=dims.dp, order_seed=seed,
+            g, idle = run(model_dir, case, mode, S, E, dp_rank=dims.dp_rank, dp=dims.dp, order_seed=seed,
                           check=check, pp_group=pp_group)
             both = [None] * dims.world_size
             dist.all_gather_object(both, (idle, check))
@@ -182,9 +176,24 @@ def main():
             out["idle"][case][mode] = [b[0] for b in both]
             if check is not None:
                 out["replay"][mode] = [sum(b[1][i] for b in both) for i in range(2)]
-    out["teacher"] = teacher_scores(a.model, S, E)
-    if dims.rank == 0:
-        torch.save(out, a.out)
+    out["teacher"] = teacher_scores(model_dir, S, E)
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--tp", type=int, nargs="+", default=[1],
+                    help="one or more TP sizes (1: EP 2), one after the other on these processes")
+    a = ap.parse_args()
+    from megatron_tsync.model.parallel import destroy_parallel
+
+    torch.set_num_threads(1)
+    got = {tp: run_layout(a.model, tp, a.pp) for tp in a.tp}
+    if dist.get_rank() == 0:
+        torch.save(got if len(a.tp) > 1 else got[a.tp[0]], a.out)
     destroy_parallel()
 
 

@@ -99,24 +99,21 @@ def run_case(model_dir, dims, case, mode, order_seed, dtype=torch.float64, oc=No
     return got["g"], megatron_to_hf(ddp), idle, res.planner_stats.get("deferred", 0), (res.offload or {})
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--layout", choices=list(LAYOUTS), required=True)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--ref-model", help="the KL reference of EP_CASES (single and ep2)")
-    ap.add_argument("--only", nargs="*", help="run only these cases (debugging)")
-    a = ap.parse_args()
-    tp, pp, ep = LAYOUTS[a.layout]
-    dims = initialize_parallel(tp, pp, ep=ep)
+def run_layout(a, layout, dims=None):
+    """{"grads", "weights", "idle", "deferred", "to_host"} of ``layout`` (initialized here unless ``dims`` is given:
+    the test runs ``single`` in its own process, on its megatron_single)."""
+    if dims is None:
+        tp, pp, ep = LAYOUTS[layout]
+        dims = initialize_parallel(tp, pp, ep=ep)
     out = {"grads": {}, "weights": {}, "idle": {}, "deferred": {}, "to_host": {}}
-    # the second arrival order matters where ranks interleave (EP); TP = 2 and PP = 2 run one streamed order
-    cases = {k: dict(c, modes=range(len(MODES)) if a.layout in ("single", "ep2") else (0, 1, 3))
+    # the second arrival order matters where ranks interleave (EP); TP = 2 and PP = 2 run one streamed order; one
+    # process: sync, the layouts' reference (its streamed modes of EP_CASES below are checked in one process)
+    cases = {k: dict(c, modes=(0,) if layout == "single" else range(len(MODES)) if layout == "ep2" else (0, 1, 3))
              for k, c in CASES.items()}
-    if a.layout in FOUR:  # 4 processes on CI's 2 cores: one case, sync and one streamed order
+    if layout in FOUR:  # 4 processes on CI's 2 cores: one case, sync and one streamed order
         cases = {"grpo-bounded-trainer": dict(CASES["grpo-bounded-trainer"], modes=(0, 1))}
-    if a.layout not in FOUR:
-        cases.update({k: dict(c, modes=sorted({0, *c["modes"]})) if a.layout == "single" else c
+    if layout not in FOUR:
+        cases.update({k: dict(c, modes=sorted({0, *c["modes"]})) if layout == "single" else c
                       for k, c in EP_CASES.items()})
     for name, case in cases.items():
         if a.only is not None and name not in a.only:
@@ -130,11 +127,26 @@ def main():
             out["to_host"][name] = out["to_host"].get(name, 0) + off.get("to_host", 0)
     adam = OptimConfig(optimizer="adam", lr=1e-3, clip_grad=1.0)
     adam_layouts = ("single", "ep2", "tp2")  # float32, one Adam step on the first case
-    for mode, seed in MODES if a.only is None and a.layout in adam_layouts else ():
+    for mode, seed in MODES if a.only is None and layout in adam_layouts else ():
         _, w, _, _, _ = run_case(a.model, dims, CASES["grpo-bounded-trainer"], mode, seed, torch.float32, adam)
         out["weights"][mode] = w
+    return dims, out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--layout", nargs="+", choices=list(LAYOUTS), required=True,
+                    help="one or more layouts of the same process count, one after the other on these processes")
+    ap.add_argument("--out", required=True, help="the result (torch.save); {layout: result} for several layouts")
+    ap.add_argument("--ref-model", help="the KL reference of EP_CASES (single and ep2)")
+    ap.add_argument("--only", nargs="*", help="run only these cases (debugging)")
+    a = ap.parse_args()
+    everything = {}
+    for layout in a.layout:
+        dims, everything[layout] = run_layout(a, layout)
     if dims.rank == 0:
-        torch.save(out, a.out)
+        torch.save(everything if len(a.layout) > 1 else everything[a.layout[0]], a.out)
     destroy_parallel()
 
 
