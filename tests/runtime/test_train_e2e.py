@@ -79,48 +79,52 @@ def test_live_stream_trajectory_checkpoint_and_resume(tiny_model, tmp_path):
 
 @pytest.mark.slow
 def test_live_weight_sync_broadcast_equals_file(tiny_model, tmp_path):
-    """--weight-sync broadcast with two rollout workers started separately (--rollout-launch external, as srun
-    would: they find the trainer's weight-sync store in their spec) vs the same run with --weight-sync file. Step 0
-    starts from the same weights with the same seeds, so its trajectories must be token-for-token those of the file
-    hand-off (the broadcast delivers the weights bit-identically); every event carries the policy version it was
-    sampled with and none is rejected; nothing goes through the weights directory."""
+    """--weight-sync broadcast vs --weight-sync file, each run with two rollout workers started separately
+    (--rollout-launch external, as srun would on a rollout node: the trainer only writes specs/secret (and, with
+    file, the weights) to --rollout-dir, and says it waits for them; each worker picks up its spec, finds the
+    trainer's weight-sync store in it when broadcasting, and serves the run to its end). Step 0 starts from the same
+    weights with the same seeds, so its trajectories must be token-for-token those of the file hand-off (the
+    broadcast delivers the weights bit-identically); every event carries the policy version it was sampled with and
+    none is rejected; nothing goes through the broadcast run's weights directory. (The external launch with file
+    weights had a test of its own, test_external_rollout_workers: the file run here is that run.)"""
     from tests.conftest import free_port
 
     common = ["--model", tiny_model, "--group-size", "2", "--global-batch-size", "4", "--rollout-workers", "2",
               "--max-turns", "2", "--max-new-tokens", "16", "--seq-length", "128", "--lr", "1e-4",
-              "--rl-mode", "stream-trajectory", "--no-progress"]
+              "--rl-mode", "stream-trajectory", "--no-progress", "--rollout-launch", "external", "--train-iters", "2"]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", MASTER_PORT=str(free_port()))
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         env.pop(k, None)
-    plane = tmp_path / "plane_broadcast"
-    logs = [open(tmp_path / f"worker{w}.log", "w") for w in (0, 1)]
-    workers = [subprocess.Popen([sys.executable, "-m", "megatron_tsync.runtime.worker", str(plane / f"worker{w}.json")],
-                                cwd=tmp_path, env=env, stdout=logs[w], stderr=subprocess.STDOUT) for w in (0, 1)]
     runs = {}
-    try:
-        for sync, iters, launch in (("broadcast", 2, ["--rollout-launch", "external", "--rollout-dir", str(plane)]),
-                                    ("file", 1, [])):
+    for sync in ("broadcast", "file"):
+        plane = tmp_path / f"plane_{sync}"
+        logs = [open(tmp_path / f"worker{w}_{sync}.log", "w") for w in (0, 1)]
+        workers = [subprocess.Popen([sys.executable, "-m", "megatron_tsync.runtime.worker",
+                                     str(plane / f"worker{w}.json")], cwd=tmp_path, env=env, stdout=logs[w],
+                                    stderr=subprocess.STDOUT) for w in (0, 1)]
+        try:
             ck, dump = tmp_path / f"ck_{sync}", tmp_path / f"dump_{sync}"
-            out = _train([*common, *launch, "--weight-sync", sync, "--weight-sync-bucket-mb", "1", "--train-iters",
-                          str(iters), "--save", str(ck), "--dump-rollouts", str(dump)], tmp_path)
-            assert f"summary: mode stream-trajectory, {iters} steps" in out
+            out = _train([*common, "--rollout-dir", str(plane), "--weight-sync", sync, "--weight-sync-bucket-mb", "1",
+                          "--save", str(ck), "--dump-rollouts", str(dump)], tmp_path)
+            assert "waiting for 2 external rollout worker(s)" in out and \
+                "summary: mode stream-trajectory, 2 steps" in out, out[-3000:]
             hist = json.loads((ck / "history.json").read_text())
             assert all(h["events_rejected"] == 0 and h["staleness"] == 0 for h in hist), hist
             runs[sync] = dump
-            if sync == "broadcast":
-                for w, p in enumerate(workers):
-                    assert p.wait(timeout=120) == 0, (tmp_path / f"worker{w}.log").read_text()[-3000:]
-    finally:
-        for w, f in zip(workers, logs):
-            if w.poll() is None:
-                w.kill()
-            f.close()
-    assert not os.listdir(plane / "weights")  # nothing went through files
-    spec = json.loads((plane / "worker1.json").read_text())
-    assert spec["rollout"]["weight_sync"] == "broadcast" and spec["rollout"]["num_workers"] == 2 and spec["weight_sync_addr"]
-    for k in (0, 1):
-        meta = json.loads((runs["broadcast"] / f"step_{k:07d}" / "rollouts.json").read_text())
-        assert len(meta["trajectories"]) == 4 and all(t["policy_version"] == k for t in meta["trajectories"])
+            for w, p in enumerate(workers):
+                assert p.wait(timeout=120) == 0, (tmp_path / f"worker{w}_{sync}.log").read_text()[-3000:]
+        finally:
+            for w, f in zip(workers, logs):
+                if w.poll() is None:
+                    w.kill()
+                f.close()
+        spec = json.loads((plane / "worker1.json").read_text())
+        assert spec["rollout"]["weight_sync"] == sync and spec["rollout"]["num_workers"] == 2
+        assert bool(spec.get("weight_sync_addr")) == (sync == "broadcast"), spec.get("weight_sync_addr")
+        for k in (0, 1):
+            meta = json.loads((dump / f"step_{k:07d}" / "rollouts.json").read_text())
+            assert len(meta["trajectories"]) == 4 and all(t["policy_version"] == k for t in meta["trajectories"])
+    assert not os.listdir(tmp_path / "plane_broadcast" / "weights")  # nothing went through files
 
     def tokens(dump):
         from megatron_tsync.runtime.rollout_io import load_rollouts
@@ -243,29 +247,6 @@ def test_live_rollouts_with_two_trainer_ranks(tiny_model, tmp_path):
     assert p.returncode == 0, p.stderr[-4000:]
     assert "summary: mode stream-trajectory, 2 steps" in p.stdout
     assert (tmp_path / "ck" / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
-
-
-@pytest.mark.slow
-def test_external_rollout_workers(tiny_model, tmp_path):
-    """--rollout-launch external: the trainer only writes specs/secret/weights to --rollout-dir; a worker started
-    separately (as srun would on a rollout node) picks up its spec and serves the run."""
-    from tests.conftest import free_port
-
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", MASTER_PORT=str(free_port()))
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
-        env.pop(k, None)
-    rdir = tmp_path / "plane"
-    worker = subprocess.Popen([sys.executable, "-m", "megatron_tsync.runtime.worker", str(rdir / "worker0.json")],
-                              cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        out = _train(["--model", tiny_model, "--group-size", "2", "--global-batch-size", "4", "--rollout-workers", "1",
-                      "--rollout-launch", "external", "--rollout-dir", str(rdir), "--max-turns", "2",
-                      "--max-new-tokens", "16", "--seq-length", "128", "--train-iters", "2", "--no-progress"], tmp_path)
-        assert "waiting for 1 external rollout worker" in out and "summary: mode stream-trajectory, 2 steps" in out
-        assert worker.wait(timeout=120) == 0
-    finally:
-        if worker.poll() is None:
-            worker.kill()
 
 
 @pytest.mark.slow
