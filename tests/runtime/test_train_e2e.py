@@ -43,7 +43,8 @@ def tiny_model(tmp_path_factory):
 @pytest.mark.slow
 def test_live_stream_trajectory_checkpoint_and_resume(tiny_model, tmp_path):
     ck, tb, dump = tmp_path / "ck", tmp_path / "tb", tmp_path / "dump"
-    common = ["--model", tiny_model, "--group-size", "2", "--global-batch-size", "4", "--rollout-workers", "2",
+    # one rollout worker: two (and their shares of a step) are the weight-sync test's
+    common = ["--model", tiny_model, "--group-size", "2", "--global-batch-size", "4", "--rollout-workers", "1",
               "--max-turns", "2", "--max-new-tokens", "16", "--seq-length", "128", "--lr", "1e-4",
               "--rl-mode", "stream-trajectory", "--save", str(ck), "--save-interval", "1", "--no-progress"]
     out = _train([*common, "--train-iters", "2", "--tensorboard-dir", str(tb), "--dump-rollouts", str(dump),
@@ -79,34 +80,37 @@ def test_live_stream_trajectory_checkpoint_and_resume(tiny_model, tmp_path):
 
 @pytest.mark.slow
 def test_live_weight_sync_broadcast_equals_file(tiny_model, tmp_path):
-    """--weight-sync broadcast vs --weight-sync file, each run with two rollout workers started separately
-    (--rollout-launch external, as srun would on a rollout node: the trainer only writes specs/secret (and, with
-    file, the weights) to --rollout-dir, and says it waits for them; each worker picks up its spec, finds the
-    trainer's weight-sync store in it when broadcasting, and serves the run to its end). Step 0 starts from the same
-    weights with the same seeds, so its trajectories must be token-for-token those of the file hand-off (the
-    broadcast delivers the weights bit-identically); every event carries the policy version it was sampled with and
-    none is rejected; nothing goes through the broadcast run's weights directory. (The external launch with file
-    weights had a test of its own, test_external_rollout_workers: the file run here is that run.)"""
+    """--weight-sync broadcast with two rollout workers vs --weight-sync file with one, each run's workers started
+    separately (--rollout-launch external, as srun would on a rollout node: the trainer only writes specs/secret
+    (and, with file, the weights) to --rollout-dir and says it waits for them; each worker picks up its spec, finds
+    the trainer's weight-sync store in it when broadcasting, and serves the run to its end). Step 0 starts from the
+    same weights with the same seeds, so its trajectories must be token-for-token those of the file hand-off: the
+    broadcast delivers the weights bit-identically, and sampling seeds do not depend on the rollout plane's shape
+    (each trajectory is seeded by its global index, not by its position in a worker's prompt list: two workers
+    really share the step here, so that bug changes worker 1's trajectories). Every event carries the policy version
+    it was sampled with and none is rejected; nothing goes through the broadcast run's weights directory.
+    (This pair of runs replaces test_external_rollout_workers, the external launch with file weights, and
+    tests/runtime/test_rollout_seeds.py, one vs two workers on the same step.)"""
     from tests.conftest import free_port
 
-    common = ["--model", tiny_model, "--group-size", "2", "--global-batch-size", "4", "--rollout-workers", "2",
-              "--max-turns", "2", "--max-new-tokens", "16", "--seq-length", "128", "--lr", "1e-4",
-              "--rl-mode", "stream-trajectory", "--no-progress", "--rollout-launch", "external", "--train-iters", "2"]
+    common = ["--model", tiny_model, "--group-size", "2", "--global-batch-size", "4", "--max-turns", "2",
+              "--max-new-tokens", "16", "--seq-length", "128", "--lr", "1e-4", "--rl-mode", "stream-trajectory",
+              "--no-progress", "--rollout-launch", "external", "--train-iters", "2"]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", MASTER_PORT=str(free_port()))
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         env.pop(k, None)
     runs = {}
-    for sync in ("broadcast", "file"):
+    for sync, n in (("broadcast", 2), ("file", 1)):
         plane = tmp_path / f"plane_{sync}"
-        logs = [open(tmp_path / f"worker{w}_{sync}.log", "w") for w in (0, 1)]
+        logs = [open(tmp_path / f"worker{w}_{sync}.log", "w") for w in range(n)]
         workers = [subprocess.Popen([sys.executable, "-m", "megatron_tsync.runtime.worker",
                                      str(plane / f"worker{w}.json")], cwd=tmp_path, env=env, stdout=logs[w],
-                                    stderr=subprocess.STDOUT) for w in (0, 1)]
+                                    stderr=subprocess.STDOUT) for w in range(n)]
         try:
             ck, dump = tmp_path / f"ck_{sync}", tmp_path / f"dump_{sync}"
-            out = _train([*common, "--rollout-dir", str(plane), "--weight-sync", sync, "--weight-sync-bucket-mb", "1",
-                          "--save", str(ck), "--dump-rollouts", str(dump)], tmp_path)
-            assert "waiting for 2 external rollout worker(s)" in out and \
+            out = _train([*common, "--rollout-workers", str(n), "--rollout-dir", str(plane), "--weight-sync", sync,
+                          "--weight-sync-bucket-mb", "1", "--save", str(ck), "--dump-rollouts", str(dump)], tmp_path)
+            assert f"waiting for {n} external rollout worker(s)" in out and \
                 "summary: mode stream-trajectory, 2 steps" in out, out[-3000:]
             hist = json.loads((ck / "history.json").read_text())
             assert all(h["events_rejected"] == 0 and h["staleness"] == 0 for h in hist), hist
@@ -118,21 +122,21 @@ def test_live_weight_sync_broadcast_equals_file(tiny_model, tmp_path):
                 if w.poll() is None:
                     w.kill()
                 f.close()
-        spec = json.loads((plane / "worker1.json").read_text())
-        assert spec["rollout"]["weight_sync"] == sync and spec["rollout"]["num_workers"] == 2
+        spec = json.loads((plane / f"worker{n - 1}.json").read_text())
+        assert spec["rollout"]["weight_sync"] == sync and spec["rollout"]["num_workers"] == n
         assert bool(spec.get("weight_sync_addr")) == (sync == "broadcast"), spec.get("weight_sync_addr")
         for k in (0, 1):
             meta = json.loads((dump / f"step_{k:07d}" / "rollouts.json").read_text())
             assert len(meta["trajectories"]) == 4 and all(t["policy_version"] == k for t in meta["trajectories"])
     assert not os.listdir(tmp_path / "plane_broadcast" / "weights")  # nothing went through files
 
-    def tokens(dump):
-        from megatron_tsync.runtime.rollout_io import load_rollouts
+    from megatron_tsync.runtime.rollout_io import load_rollouts
 
-        samples, _ = load_rollouts(str(dump), 0)
-        return {s.traj_id: s.token_ids.tolist() for s in samples}
-
-    assert tokens(runs["broadcast"]) == tokens(runs["file"])
+    got = {sync: {s.traj_id: s for s in load_rollouts(str(runs[sync]), 0)[0]} for sync in runs}
+    assert {s.meta["worker"] for s in got["broadcast"].values()} == {0, 1}  # the two workers really shared step 0
+    assert len(got["file"]) == 4 and sorted(got["broadcast"]) == sorted(got["file"])
+    for tid, s in got["file"].items():
+        assert torch.equal(s.token_ids, got["broadcast"][tid].token_ids), tid
 
 
 def _synthetic_dump(root, model_dir, steps=2, groups=3, G=4, seed=0):
