@@ -1,7 +1,8 @@
 """The main job end to end, as a user runs it: ``python -m megatron_tsync.train`` in a subprocess.
 
 - live rollouts (worker processes, sandboxed calculator, signed events) with stream-trajectory; checkpoints,
-  TensorBoard, rollout dump; then a restart with ``--load`` continues at the saved step;
+  TensorBoard, rollout dump; then a restart with ``--load`` continues at the saved step (as a TP=2 trainer under
+  torchrun: the checkpoint reshards, rank 0 owns the rollout plane);
 - replaying a dump in ``sync`` and in ``stream-trajectory`` with a shuffled arrival order gives the same
   weights in float64 (≤ 1e-12 relative), read from the checkpoints (tests/conftest.py::checkpoint_tensors).
 """
@@ -18,14 +19,18 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _train(args, tmp, timeout=900):
+def _train(args, tmp, timeout=900, nproc=1):
+    """``python -m megatron_tsync.train ARGS`` in ``tmp``; ``nproc`` > 1: under torchrun (--standalone)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
         env.pop(k, None)
     from tests.conftest import free_port
 
-    env["MASTER_PORT"] = str(free_port())
-    p = subprocess.run([sys.executable, "-m", "megatron_tsync.train", *args], cwd=tmp, env=env,
+    launch = ["-m"] if nproc == 1 else ["-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone",
+                                        "-m"]
+    if nproc == 1:
+        env["MASTER_PORT"] = str(free_port())
+    p = subprocess.run([sys.executable, *launch, "megatron_tsync.train", *args], cwd=tmp, env=env,
                        capture_output=True, text=True, timeout=timeout)
     assert p.returncode == 0, f"train failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
     return p.stdout
@@ -68,9 +73,15 @@ def test_live_stream_trajectory_checkpoint_and_resume(tiny_model, tmp_path):
     assert len(meta["trajectories"]) == 4 and all(t["policy_version"] == 1 for t in meta["trajectories"])
     hist = json.loads((ck / "history.json").read_text())
     assert [h["step"] for h in hist] == [0, 1] and all(h["events_rejected"] == 0 for h in hist)
-    out = _train([*common, "--train-iters", "3", "--load", str(ck)], tmp_path)
-    assert "resumed from" in out and "at step 2" in out
+    # the resume is a TP=2 trainer under torchrun (the checkpoint reshards on load): rank 0 owns the rollout plane
+    # and broadcasts what lands; the worker is not a member of the trainer's process group (the launcher's
+    # rendezvous variables are stripped). (This run replaces test_live_rollouts_with_two_trainer_ranks.)
+    out = _train([*common, "--train-iters", "3", "--load", str(ck), "--tensor-model-parallel-size", "2"], tmp_path,
+                 nproc=2)
+    assert "resumed from" in out and "at step 2" in out and "TP 2, PP 1" in out, out[-3000:]
+    assert "summary: mode stream-trajectory" in out, out[-3000:]
     assert (ck / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
+    assert [h["step"] for h in json.loads((ck / "history.json").read_text())][-1] == 2
     saved = sorted(os.listdir(ck))
     out = _train([*common, "--train-iters", "3", "--load", str(ck)], tmp_path)  # finished: started again
     assert "nothing to do" in out and "at step 3 and --train-iters is 3" in out and "summary" not in out
@@ -233,24 +244,6 @@ def test_replay_sync_equals_stream_float64(tiny_model, tmp_path, extra):
     for ra, rb in zip(*rows):
         assert abs(ra["loss"] - rb["loss"]) <= 1e-12 * max(1.0, abs(ra["loss"])), (ra["loss"], rb["loss"])
     assert any(ra["loss_surrogate"] != rb["loss_surrogate"] for ra, rb in zip(*rows))
-
-
-@pytest.mark.slow
-def test_live_rollouts_with_two_trainer_ranks(tiny_model, tmp_path):
-    """TP=2 trainer under torchrun: rank 0 owns the rollout plane and broadcasts what lands; workers are not
-    members of the trainer's process group (the launcher's rendezvous variables are stripped)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
-        env.pop(k, None)
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                        "--standalone", "-m", "megatron_tsync.train", "--model", tiny_model,
-                        "--tensor-model-parallel-size", "2", "--group-size", "2", "--global-batch-size", "4",
-                        "--rollout-workers", "1", "--max-turns", "2", "--max-new-tokens", "16", "--seq-length", "128",
-                        "--train-iters", "2", "--save", str(tmp_path / "ck"), "--no-progress"],
-                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
-    assert p.returncode == 0, p.stderr[-4000:]
-    assert "summary: mode stream-trajectory, 2 steps" in p.stdout
-    assert (tmp_path / "ck" / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
 
 
 @pytest.mark.slow
