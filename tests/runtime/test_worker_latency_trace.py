@@ -44,7 +44,7 @@ def test_training_run_writes_a_replayable_latency_trace(tiny_dir, tmp_path):
     # modes compared here at the reference makespan ratio; the other modes and ratios replay the same profile)
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     bench = tmp_path / "bench.json"
-    p = subprocess.run([sys.executable, os.path.join(root, "tools", "bench_streaming.py"), "--quick",
+    p = subprocess.run([sys.executable, os.path.join(root, "tools", "bench_streaming.py"), "--quick", "--steps", "1",
                         "--modes", "sync,stream-trajectory", "--makespan-ratio", "1",
                         "--latency-profile", str(out), "--json", str(bench)],
                        env=dict(env, MASTER_PORT=str(free_port())), capture_output=True, text=True, timeout=900)
