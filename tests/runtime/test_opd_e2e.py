@@ -33,11 +33,20 @@ def _run(cmd, cwd, timeout=900):
     return p.stdout
 
 
-@pytest.mark.slow
-def test_opd_stream_turn_reverse_kl_falls(tmp_path):
-    root = tmp_path / "models"
+@pytest.fixture(scope="module")
+def opd_models(tmp_path_factory):
+    """examples/opd/make_models.py once for the module: a teacher after 150 supervised steps, a student after 10 (the
+    live tests' teacher and student: the same tokenizer, the student well behind)."""
+    tmp = tmp_path_factory.mktemp("opd_models")
+    root = tmp / "models"
     _run([os.path.join(ROOT, "examples", "opd", "make_models.py"), str(root), "--teacher-steps", "150",
-          "--student-steps", "10"], tmp_path)
+          "--student-steps", "10"], tmp)
+    return root
+
+
+@pytest.mark.slow
+def test_opd_stream_turn_reverse_kl_falls(opd_models, tmp_path):
+    root = opd_models
     tb = tmp_path / "tb"
     out = _run(["-m", "megatron_tsync.train", "--rl-algorithm", "opd", "--teacher-model", str(root / "teacher"),
                 "--model", str(root / "student"), "--rl-mode", "stream-turn", "--group-size", "2",
@@ -63,12 +72,11 @@ def test_opd_stream_turn_reverse_kl_falls(tmp_path):
 
 
 @pytest.mark.slow
-def test_opd_full_vocab_stream_turn_pp2_matches_one_process(tmp_path):
+def test_opd_full_vocab_stream_turn_pp2_matches_one_process(opd_models, tmp_path):
     """``--opd-objective full-vocab --rl-mode stream-turn``, live rollouts: one process and PP=2 (torchrun, gloo: rank 0
-    owns the rollout plane and broadcasts the chunks, each stage runs its layers per turn) train the same first step."""
-    root = tmp_path / "models"
-    _run([os.path.join(ROOT, "examples", "opd", "make_models.py"), str(root), "--teacher-steps", "30",
-          "--student-steps", "5"], tmp_path)
+    owns the rollout plane and broadcasts the chunks, each stage runs its layers per turn) train the same first step
+    (from the module's teacher and student: the runs only need the same θ0, not a particular one)."""
+    root = opd_models
     flags = ["megatron_tsync.train", "--rl-algorithm", "opd", "--teacher-model", str(root / "teacher"), "--model",
              str(root / "student"), "--rl-mode", "stream-turn", "--opd-objective", "full-vocab", "--group-size", "2",
              "--global-batch-size", "4", "--rollout-workers", "1", "--max-turns", "3", "--max-new-tokens", "16",

@@ -1,7 +1,8 @@
 """The main job end to end, as a user runs it: ``python -m megatron_tsync.train`` in a subprocess.
 
 - live rollouts (worker processes, sandboxed calculator, signed events) with stream-trajectory; checkpoints,
-  TensorBoard, rollout dump; then a restart with ``--load`` continues at the saved step;
+  TensorBoard, rollout dump; then a restart with ``--load`` continues at the saved step (as a TP=2 trainer under
+  torchrun: the checkpoint reshards, rank 0 owns the rollout plane);
 - replaying a dump in ``sync`` and in ``stream-trajectory`` with a shuffled arrival order gives the same
   weights in float64 (≤ 1e-12 relative), read from the checkpoints (tests/conftest.py::checkpoint_tensors).
 """
@@ -18,14 +19,18 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _train(args, tmp, timeout=900):
+def _train(args, tmp, timeout=900, nproc=1):
+    """``python -m megatron_tsync.train ARGS`` in ``tmp``; ``nproc`` > 1: under torchrun (--standalone)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
         env.pop(k, None)
     from tests.conftest import free_port
 
-    env["MASTER_PORT"] = str(free_port())
-    p = subprocess.run([sys.executable, "-m", "megatron_tsync.train", *args], cwd=tmp, env=env,
+    launch = ["-m"] if nproc == 1 else ["-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone",
+                                        "-m"]
+    if nproc == 1:
+        env["MASTER_PORT"] = str(free_port())
+    p = subprocess.run([sys.executable, *launch, "megatron_tsync.train", *args], cwd=tmp, env=env,
                        capture_output=True, text=True, timeout=timeout)
     assert p.returncode == 0, f"train failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
     return p.stdout
@@ -43,7 +48,8 @@ def tiny_model(tmp_path_factory):
 @pytest.mark.slow
 def test_live_stream_trajectory_checkpoint_and_resume(tiny_model, tmp_path):
     ck, tb, dump = tmp_path / "ck", tmp_path / "tb", tmp_path / "dump"
-    common = ["--model", tiny_model, "--group-size", "2", "--global-batch-size", "4", "--rollout-workers", "2",
+    # one rollout worker: two (and their shares of a step) are the weight-sync test's
+    common = ["--model", tiny_model, "--group-size", "2", "--global-batch-size", "4", "--rollout-workers", "1",
               "--max-turns", "2", "--max-new-tokens", "16", "--seq-length", "128", "--lr", "1e-4",
               "--rl-mode", "stream-trajectory", "--save", str(ck), "--save-interval", "1", "--no-progress"]
     out = _train([*common, "--train-iters", "2", "--tensorboard-dir", str(tb), "--dump-rollouts", str(dump),
@@ -67,9 +73,15 @@ def test_live_stream_trajectory_checkpoint_and_resume(tiny_model, tmp_path):
     assert len(meta["trajectories"]) == 4 and all(t["policy_version"] == 1 for t in meta["trajectories"])
     hist = json.loads((ck / "history.json").read_text())
     assert [h["step"] for h in hist] == [0, 1] and all(h["events_rejected"] == 0 for h in hist)
-    out = _train([*common, "--train-iters", "3", "--load", str(ck)], tmp_path)
-    assert "resumed from" in out and "at step 2" in out
+    # the resume is a TP=2 trainer under torchrun (the checkpoint reshards on load): rank 0 owns the rollout plane
+    # and broadcasts what lands; the worker is not a member of the trainer's process group (the launcher's
+    # rendezvous variables are stripped). (This run replaces test_live_rollouts_with_two_trainer_ranks.)
+    out = _train([*common, "--train-iters", "3", "--load", str(ck), "--tensor-model-parallel-size", "2"], tmp_path,
+                 nproc=2)
+    assert "resumed from" in out and "at step 2" in out and "TP 2, PP 1" in out, out[-3000:]
+    assert "summary: mode stream-trajectory" in out, out[-3000:]
     assert (ck / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
+    assert [h["step"] for h in json.loads((ck / "history.json").read_text())][-1] == 2
     saved = sorted(os.listdir(ck))
     out = _train([*common, "--train-iters", "3", "--load", str(ck)], tmp_path)  # finished: started again
     assert "nothing to do" in out and "at step 3 and --train-iters is 3" in out and "summary" not in out
@@ -79,56 +91,63 @@ def test_live_stream_trajectory_checkpoint_and_resume(tiny_model, tmp_path):
 
 @pytest.mark.slow
 def test_live_weight_sync_broadcast_equals_file(tiny_model, tmp_path):
-    """--weight-sync broadcast with two rollout workers started separately (--rollout-launch external, as srun
-    would: they find the trainer's weight-sync store in their spec) vs the same run with --weight-sync file. Step 0
-    starts from the same weights with the same seeds, so its trajectories must be token-for-token those of the file
-    hand-off (the broadcast delivers the weights bit-identically); every event carries the policy version it was
-    sampled with and none is rejected; nothing goes through the weights directory."""
+    """--weight-sync broadcast with two rollout workers vs --weight-sync file with one, each run's workers started
+    separately (--rollout-launch external, as srun would on a rollout node: the trainer only writes specs/secret
+    (and, with file, the weights) to --rollout-dir and says it waits for them; each worker picks up its spec, finds
+    the trainer's weight-sync store in it when broadcasting, and serves the run to its end). Step 0 starts from the
+    same weights with the same seeds, so its trajectories must be token-for-token those of the file hand-off: the
+    broadcast delivers the weights bit-identically, and sampling seeds do not depend on the rollout plane's shape
+    (each trajectory is seeded by its global index, not by its position in a worker's prompt list: two workers
+    really share the step here, so that bug changes worker 1's trajectories). Every event carries the policy version
+    it was sampled with and none is rejected; nothing goes through the broadcast run's weights directory.
+    (This pair of runs replaces test_external_rollout_workers, the external launch with file weights, and
+    tests/runtime/test_rollout_seeds.py, one vs two workers on the same step.)"""
     from tests.conftest import free_port
 
-    common = ["--model", tiny_model, "--group-size", "2", "--global-batch-size", "4", "--rollout-workers", "2",
-              "--max-turns", "2", "--max-new-tokens", "16", "--seq-length", "128", "--lr", "1e-4",
-              "--rl-mode", "stream-trajectory", "--no-progress"]
+    common = ["--model", tiny_model, "--group-size", "2", "--global-batch-size", "4", "--max-turns", "2",
+              "--max-new-tokens", "16", "--seq-length", "128", "--lr", "1e-4", "--rl-mode", "stream-trajectory",
+              "--no-progress", "--rollout-launch", "external", "--train-iters", "2"]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", MASTER_PORT=str(free_port()))
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         env.pop(k, None)
-    plane = tmp_path / "plane_broadcast"
-    logs = [open(tmp_path / f"worker{w}.log", "w") for w in (0, 1)]
-    workers = [subprocess.Popen([sys.executable, "-m", "megatron_tsync.runtime.worker", str(plane / f"worker{w}.json")],
-                                cwd=tmp_path, env=env, stdout=logs[w], stderr=subprocess.STDOUT) for w in (0, 1)]
     runs = {}
-    try:
-        for sync, iters, launch in (("broadcast", 2, ["--rollout-launch", "external", "--rollout-dir", str(plane)]),
-                                    ("file", 1, [])):
+    for sync, n in (("broadcast", 2), ("file", 1)):
+        plane = tmp_path / f"plane_{sync}"
+        logs = [open(tmp_path / f"worker{w}_{sync}.log", "w") for w in range(n)]
+        workers = [subprocess.Popen([sys.executable, "-m", "megatron_tsync.runtime.worker",
+                                     str(plane / f"worker{w}.json")], cwd=tmp_path, env=env, stdout=logs[w],
+                                    stderr=subprocess.STDOUT) for w in range(n)]
+        try:
             ck, dump = tmp_path / f"ck_{sync}", tmp_path / f"dump_{sync}"
-            out = _train([*common, *launch, "--weight-sync", sync, "--weight-sync-bucket-mb", "1", "--train-iters",
-                          str(iters), "--save", str(ck), "--dump-rollouts", str(dump)], tmp_path)
-            assert f"summary: mode stream-trajectory, {iters} steps" in out
+            out = _train([*common, "--rollout-workers", str(n), "--rollout-dir", str(plane), "--weight-sync", sync,
+                          "--weight-sync-bucket-mb", "1", "--save", str(ck), "--dump-rollouts", str(dump)], tmp_path)
+            assert f"waiting for {n} external rollout worker(s)" in out and \
+                "summary: mode stream-trajectory, 2 steps" in out, out[-3000:]
             hist = json.loads((ck / "history.json").read_text())
             assert all(h["events_rejected"] == 0 and h["staleness"] == 0 for h in hist), hist
             runs[sync] = dump
-            if sync == "broadcast":
-                for w, p in enumerate(workers):
-                    assert p.wait(timeout=120) == 0, (tmp_path / f"worker{w}.log").read_text()[-3000:]
-    finally:
-        for w, f in zip(workers, logs):
-            if w.poll() is None:
-                w.kill()
-            f.close()
-    assert not os.listdir(plane / "weights")  # nothing went through files
-    spec = json.loads((plane / "worker1.json").read_text())
-    assert spec["rollout"]["weight_sync"] == "broadcast" and spec["rollout"]["num_workers"] == 2 and spec["weight_sync_addr"]
-    for k in (0, 1):
-        meta = json.loads((runs["broadcast"] / f"step_{k:07d}" / "rollouts.json").read_text())
-        assert len(meta["trajectories"]) == 4 and all(t["policy_version"] == k for t in meta["trajectories"])
+            for w, p in enumerate(workers):
+                assert p.wait(timeout=120) == 0, (tmp_path / f"worker{w}_{sync}.log").read_text()[-3000:]
+        finally:
+            for w, f in zip(workers, logs):
+                if w.poll() is None:
+                    w.kill()
+                f.close()
+        spec = json.loads((plane / f"worker{n - 1}.json").read_text())
+        assert spec["rollout"]["weight_sync"] == sync and spec["rollout"]["num_workers"] == n
+        assert bool(spec.get("weight_sync_addr")) == (sync == "broadcast"), spec.get("weight_sync_addr")
+        for k in (0, 1):
+            meta = json.loads((dump / f"step_{k:07d}" / "rollouts.json").read_text())
+            assert len(meta["trajectories"]) == 4 and all(t["policy_version"] == k for t in meta["trajectories"])
+    assert not os.listdir(tmp_path / "plane_broadcast" / "weights")  # nothing went through files
 
-    def tokens(dump):
-        from megatron_tsync.runtime.rollout_io import load_rollouts
+    from megatron_tsync.runtime.rollout_io import load_rollouts
 
-        samples, _ = load_rollouts(str(dump), 0)
-        return {s.traj_id: s.token_ids.tolist() for s in samples}
-
-    assert tokens(runs["broadcast"]) == tokens(runs["file"])
+    got = {sync: {s.traj_id: s for s in load_rollouts(str(runs[sync]), 0)[0]} for sync in runs}
+    assert {s.meta["worker"] for s in got["broadcast"].values()} == {0, 1}  # the two workers really shared step 0
+    assert len(got["file"]) == 4 and sorted(got["broadcast"]) == sorted(got["file"])
+    for tid, s in got["file"].items():
+        assert torch.equal(s.token_ids, got["broadcast"][tid].token_ids), tid
 
 
 def _synthetic_dump(root, model_dir, steps=2, groups=3, G=4, seed=0):
@@ -225,47 +244,6 @@ def test_replay_sync_equals_stream_float64(tiny_model, tmp_path, extra):
     for ra, rb in zip(*rows):
         assert abs(ra["loss"] - rb["loss"]) <= 1e-12 * max(1.0, abs(ra["loss"])), (ra["loss"], rb["loss"])
     assert any(ra["loss_surrogate"] != rb["loss_surrogate"] for ra, rb in zip(*rows))
-
-
-@pytest.mark.slow
-def test_live_rollouts_with_two_trainer_ranks(tiny_model, tmp_path):
-    """TP=2 trainer under torchrun: rank 0 owns the rollout plane and broadcasts what lands; workers are not
-    members of the trainer's process group (the launcher's rendezvous variables are stripped)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
-        env.pop(k, None)
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                        "--standalone", "-m", "megatron_tsync.train", "--model", tiny_model,
-                        "--tensor-model-parallel-size", "2", "--group-size", "2", "--global-batch-size", "4",
-                        "--rollout-workers", "1", "--max-turns", "2", "--max-new-tokens", "16", "--seq-length", "128",
-                        "--train-iters", "2", "--save", str(tmp_path / "ck"), "--no-progress"],
-                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
-    assert p.returncode == 0, p.stderr[-4000:]
-    assert "summary: mode stream-trajectory, 2 steps" in p.stdout
-    assert (tmp_path / "ck" / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
-
-
-@pytest.mark.slow
-def test_external_rollout_workers(tiny_model, tmp_path):
-    """--rollout-launch external: the trainer only writes specs/secret/weights to --rollout-dir; a worker started
-    separately (as srun would on a rollout node) picks up its spec and serves the run."""
-    from tests.conftest import free_port
-
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", MASTER_PORT=str(free_port()))
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
-        env.pop(k, None)
-    rdir = tmp_path / "plane"
-    worker = subprocess.Popen([sys.executable, "-m", "megatron_tsync.runtime.worker", str(rdir / "worker0.json")],
-                              cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        out = _train(["--model", tiny_model, "--group-size", "2", "--global-batch-size", "4", "--rollout-workers", "1",
-                      "--rollout-launch", "external", "--rollout-dir", str(rdir), "--max-turns", "2",
-                      "--max-new-tokens", "16", "--seq-length", "128", "--train-iters", "2", "--no-progress"], tmp_path)
-        assert "waiting for 1 external rollout worker" in out and "summary: mode stream-trajectory, 2 steps" in out
-        assert worker.wait(timeout=120) == 0
-    finally:
-        if worker.poll() is None:
-            worker.kill()
 
 
 @pytest.mark.slow

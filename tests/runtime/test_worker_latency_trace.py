@@ -40,12 +40,15 @@ def test_training_run_writes_a_replayable_latency_trace(tiny_dir, tmp_path):
     key = next(iter(json.loads(out.read_text())["groups"]))  # groups replay in first-seen order
     first = next(r for r in recs if r["group"] == key)
     assert profile.sample(0, 0, len(first["tool_s"])) == pytest.approx(first["verify_s"])
-    # the benchmark replays the run's own latencies: sync vs streaming vs the ideal bound on this workload
+    # the benchmark replays the run's own latencies: sync vs streaming vs the ideal bound on this workload (the two
+    # modes compared here at the reference makespan ratio; the other modes and ratios replay the same profile)
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     bench = tmp_path / "bench.json"
     p = subprocess.run([sys.executable, os.path.join(root, "tools", "bench_streaming.py"), "--quick", "--steps", "1",
+                        "--modes", "sync,stream-trajectory", "--makespan-ratio", "1",
                         "--latency-profile", str(out), "--json", str(bench)],
                        env=dict(env, MASTER_PORT=str(free_port())), capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]
     r = json.loads(bench.read_text())
     assert r["ideal_step_s"] > 0 and all(r["modes"][m]["step_s"] > 0 for m in ("sync", "stream-trajectory"))
+    assert r["reference_ratio"] == 1.0 and r["profile"] == str(out), (r["reference_ratio"], r["profile"])
