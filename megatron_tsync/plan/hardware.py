@@ -53,53 +53,99 @@ MODELS: dict[str, dict] = {
                     "num_hidden_layers": 50, "num_attention_heads": 32, "num_key_value_heads": 4,
                     "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
                     "norm_topk_prob": True},
+    # the seed paper's two models, their Hugging Face configs (the fields the planner reads): GLM-4.7-Flash
+    # (zai-org/GLM-4.7-Flash: multi-latent attention, 64 routed experts top-4 + 1 shared, the first layer dense) and
+    # Qwen3.5-27B (Qwen/Qwen3.5-27B's text config: 48 Gated DeltaNet + 16 gated full-attention layers)
+    "glm-4.7-flash": {"model_type": "glm4_moe_lite", "vocab_size": 154880, "hidden_size": 2048,
+                      "intermediate_size": 10240, "moe_intermediate_size": 1536, "num_hidden_layers": 47,
+                      "num_attention_heads": 20, "num_key_value_heads": 20, "n_routed_experts": 64,
+                      "n_shared_experts": 1, "num_experts_per_tok": 4, "n_group": 1, "topk_group": 1,
+                      "routed_scaling_factor": 1.8, "norm_topk_prob": True, "first_k_dense_replace": 1,
+                      "q_lora_rank": 768, "kv_lora_rank": 512, "qk_nope_head_dim": 192, "qk_rope_head_dim": 64,
+                      "v_head_dim": 256, "rope_theta": 1e6, "rope_interleave": True, "rms_norm_eps": 1e-5,
+                      "tie_word_embeddings": False, "max_position_embeddings": 202752},
+    "qwen3.5-27b": {"model_type": "qwen3_5_text", "vocab_size": 248320, "hidden_size": 5120,
+                    "intermediate_size": 17408, "num_hidden_layers": 64, "num_attention_heads": 24,
+                    "num_key_value_heads": 4, "head_dim": 256, "full_attention_interval": 4, "attn_output_gate": True,
+                    "linear_num_key_heads": 16, "linear_num_value_heads": 48, "linear_key_head_dim": 128,
+                    "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "tie_word_embeddings": False,
+                    "max_position_embeddings": 262144},
     # the benchmark's tiny learner (tools/bench_streaming.py's Harness, hidden 128, 2 layers): the CPU calibration
     "bench-tiny": {"model_type": "llama", "vocab_size": 512, "hidden_size": 128, "intermediate_size": 256,
                    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32},
 }
 
 
-def load_arch(name_or_path: str) -> ModelArch:
-    """A named size (:data:`MODELS`), a Hugging Face ``config.json`` or a folder holding one."""
+# families the learner cannot build yet: the planner counts them from the config (plan/shapes.py)
+PLANNER_ONLY = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "deepseek_v3")
+
+
+def _arch(cfg: dict):
+    if cfg.get("model_type") in PLANNER_ONLY:
+        from megatron_tsync.plan.shapes import shape_of
+
+        return shape_of(cfg)
+    return ModelArch.from_hf_config(cfg)
+
+
+def load_arch(name_or_path: str):
+    """A named size (:data:`MODELS`), a Hugging Face ``config.json`` or a folder holding one: a ModelArch where the
+    learner builds the family, else the planner's :class:`~megatron_tsync.plan.shapes.ModelShape` (it only counts)."""
     if name_or_path in MODELS:
-        return ModelArch.from_hf_config(MODELS[name_or_path])
-    if os.path.isdir(name_or_path):
-        return ModelArch.from_hf_dir(name_or_path)
-    if os.path.isfile(name_or_path):
-        with open(name_or_path) as f:
-            return ModelArch.from_hf_config(json.load(f))
+        return _arch(MODELS[name_or_path])
+    path = os.path.join(name_or_path, "config.json") if os.path.isdir(name_or_path) else name_or_path
+    if os.path.isdir(name_or_path) and not os.path.isfile(path):
+        return ModelArch.from_hf_dir(name_or_path)  # its error names the missing file
+    if os.path.isfile(path):
+        with open(path) as f:
+            try:
+                cfg = json.load(f)
+            except ValueError as e:
+                raise ValueError(f"{path}: not valid JSON ({e})") from None
+        if cfg.get("model_type") not in PLANNER_ONLY and os.path.isdir(name_or_path):
+            return ModelArch.from_hf_dir(name_or_path)
+        return _arch(cfg)
     raise ValueError(f"--model {name_or_path!r}: neither a named size ({', '.join(MODELS)}) nor a config.json")
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelCost:
-    """Sizes of one model that the cost formulas need (module docstring)."""
+    """Sizes of one model that the cost formulas need (module docstring; counted by ``plan/shapes.py``)."""
 
     total_params: int
     active_params: int  # without the embedding / output layer, experts counted top-k of E
     embed_params: int
-    layers: int
-    q_dim: int
-    kv_bytes_per_token: int  # bf16 K and V of every layer
+    layers: int  # softmax-attention layers (the T² term; a hybrid's linear-attention layers have none)
+    q_dim: float  # their attention width (heads × head_dim; MLA: heads × the mean of the qk and v head dims)
+    kv_bytes_per_token: int  # bf16 KV cache of every attention layer (MLA: the latent and the RoPE key)
     expert_params: int  # all experts of all layers (0 for dense)
     num_experts: int
     topk: int
+    state_bytes_per_seq: int = 0  # linear-attention layers' recurrent state (read and written every decode step)
+    mixer_flops_per_token: float = 0.0  # linear-attention layers' recurrence, forward, all layers
 
     @classmethod
-    def of(cls, arch: ModelArch) -> "ModelCost":
-        total = sum(stage_params(arch, 1, 1))
-        h, e = arch.hidden_size, arch.num_experts
-        embed = arch.vocab_size * h * (1 if arch.tie_word_embeddings else 2)
-        experts = arch.num_layers * e * 3 * h * arch.moe_ffn_hidden_size if e else 0
-        active = total - embed - experts + (experts * arch.moe_router_topk // e if e else 0)
-        return cls(total_params=total, active_params=active, embed_params=embed, layers=arch.num_layers,
-                   q_dim=arch.num_attention_heads * arch.head_dim,
-                   kv_bytes_per_token=2 * 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim,
-                   expert_params=experts, num_experts=e, topk=arch.moe_router_topk)
+    def of(cls, arch) -> "ModelCost":
+        """``arch``: a ModelArch, a ``plan.shapes.ModelShape`` or a Hugging Face config dict."""
+        from megatron_tsync.plan.shapes import shape_of
+
+        shape = shape_of(arch)
+        total = sum(shape.stage_params(1, 1))
+        embed = shape.vocab_size * shape.hidden_size * (1 if shape.tie_word_embeddings else 2)
+        experts = sum(ly.experts for ly in shape.layers)
+        e = shape.num_experts
+        active = total - embed - experts + (experts * shape.topk // e if e else 0)
+        attn = [ly for ly in shape.layers if ly.kind in ("attention", "mla")]
+        return cls(total_params=total, active_params=active, embed_params=embed, layers=len(attn),
+                   q_dim=attn[0].attn_width if attn else 0.0,
+                   kv_bytes_per_token=sum(ly.kv_bytes_per_token for ly in attn),
+                   expert_params=experts, num_experts=e, topk=shape.topk,
+                   state_bytes_per_seq=sum(ly.state_bytes for ly in shape.layers),
+                   mixer_flops_per_token=sum(ly.mixer_flops_per_token for ly in shape.layers))
 
     def train_flops(self, tokens: int) -> float:
         """Forward + backward of one trajectory of ``tokens`` tokens (output layer included)."""
-        per_tok = 6.0 * (self.active_params + self.embed_params / 2)
+        per_tok = 6.0 * (self.active_params + self.embed_params / 2) + 3.0 * self.mixer_flops_per_token
         return per_tok * tokens + 6.0 * self.layers * self.q_dim * tokens * tokens
 
     def weight_bytes_read(self, batch: int) -> float:

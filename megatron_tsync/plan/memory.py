@@ -32,16 +32,12 @@ def layer_params(arch: ModelArch, tp: int = 1, ep: int = 1) -> int:
     return split // tp + replicated
 
 
-def stage_params(arch: ModelArch, tp: int, pp: int, ep: int = 1) -> list[int]:
-    """Parameters of one rank of each pipeline stage (embedding on stage 0, final norm and output layer on the last)."""
-    if arch.num_layers % pp:
-        raise ValueError(f"{arch.num_layers} layers do not split over PP={pp}")
-    h = arch.hidden_size
-    emb = arch.vocab_size * h // tp
-    stages = [(arch.num_layers // pp) * layer_params(arch, tp, ep) for _ in range(pp)]
-    stages[0] += emb
-    stages[-1] += h + (emb if not arch.tie_word_embeddings or pp > 1 else 0)
-    return stages
+def stage_params(arch, tp: int, pp: int, ep: int = 1) -> list[int]:
+    """Parameters of one rank of each pipeline stage (embedding on stage 0, final norm and output layer on the last);
+    ``arch``: a ModelArch, a ``plan.shapes.ModelShape`` or a Hugging Face config dict (``plan/shapes.py``)."""
+    from megatron_tsync.plan.shapes import shape_of
+
+    return shape_of(arch).stage_params(tp, pp, ep)
 
 
 def params_per_rank(arch: ModelArch, tp: int, pp: int, ep: int = 1) -> int:

@@ -2,7 +2,7 @@
 
 Each engine (``rollout_tp`` GPUs) decodes the sequences it holds in one continuous batch: every decode step advances
 each of them by one token and takes ``τ(b, C)`` seconds (``hardware.py``'s roofline: weights and KV cache read once
-per step at ``hbm_eff`` of the bandwidth, or ``2·N_act·b`` FLOPs at ``decode_mfu``, whichever is longer, plus a
+per step, a linear-attention layer's recurrent state read and written, at ``hbm_eff`` of the bandwidth, or ``2·N_act·b`` FLOPs at ``decode_mfu``, whichever is longer, plus a
 fixed step overhead), b = sequences decoding, C = their summed context. Between events τ is constant (the contexts
 are updated at every event). A turn's prefill (its prompt or the previous tool's output) takes
 ``2·N_act·tokens / (peak·decode_tp·prefill_mfu)`` and holds only that sequence; tool calls and the verifier hold no
@@ -29,7 +29,8 @@ class EngineModel:
         self.prefill_rate = layout.peak * tp * layout.prefill_mfu
 
     def step_s(self, batch: int, ctx_sum: float) -> float:
-        mem = (self.cost.weight_bytes_read(batch) + self.cost.kv_bytes_per_token * ctx_sum) / self.bw
+        mem = (self.cost.weight_bytes_read(batch) + self.cost.kv_bytes_per_token * ctx_sum
+               + 2 * self.cost.state_bytes_per_seq * batch) / self.bw
         comp = 2.0 * self.cost.active_params * batch / self.flops
         return max(mem, comp) + self.layout.decode_overhead_s
 
