@@ -56,7 +56,10 @@ class Traj:
 class WorkloadSpec:
     prompts: int = 32
     group_size: int = 8
-    calls: int = 3  # tool calls per trajectory (turns = calls + 1)
+    calls: int = 3  # tool calls per trajectory (turns = calls + 1); the median when calls_sigma > 0
+    calls_sigma: float = 0.0  # log-sd of the tool calls per trajectory (lognormal, per trajectory; 0 = fixed)
+    max_calls: int = 0  # at most this many tool calls (0: no cap)
+    max_context: int = 0  # a trajectory ends when its next turn would pass this many tokens (0: no cap)
     prompt_tokens: int = 512
     gen_tokens: int = 256  # median generated tokens per turn
     gen_sigma: float = 0.5
@@ -71,6 +74,8 @@ class WorkloadSpec:
             raise ValueError("prompts and group size must be >= 1, tool calls >= 0")
         if min(self.prompt_tokens, self.gen_tokens) < 1 or self.tool_output_tokens < 0 or self.gen_sigma < 0:
             raise ValueError("token counts must be >= 1 (tool output >= 0), gen_sigma >= 0")
+        if self.calls_sigma < 0 or self.max_calls < 0 or self.max_context < 0:
+            raise ValueError("calls_sigma, max_calls and max_context must be >= 0")
 
 
 def _trace_rows(path: str) -> list[list[dict]]:
@@ -98,12 +103,33 @@ def build_batch(spec: WorkloadSpec, step: int = 0) -> list[Traj]:
                 verify = row["verify_s"] * spec.latency_scale
                 given = row["gen_tokens"]
             else:
-                tools = [prof.sample(g, i, t) for t in range(spec.calls)]
+                tools = [prof.sample(g, i, t) for t in range(_calls(spec, rnd))]
                 verify, given = spec.verify_s, []
             n = len(tools) + 1
             gens = given if len(given) == n else [
                 max(1, round(spec.gen_tokens * math.exp(spec.gen_sigma * rnd.gauss(0.0, 1.0)))) for _ in range(n)]
-            turns = tuple(Turn(spec.prompt_tokens if t == 0 else spec.tool_output_tokens, gens[t],
-                               tools[t] if t < n - 1 else 0.0) for t in range(n))
+            turns = _cap(spec, tuple(Turn(spec.prompt_tokens if t == 0 else spec.tool_output_tokens, gens[t],
+                                          tools[t] if t < n - 1 else 0.0) for t in range(n)))
             out.append(Traj(g, i, turns, verify, float(rnd.random() < p), step))
     return out
+
+
+def _calls(spec: WorkloadSpec, rnd: random.Random) -> int:
+    """Tool calls of one trajectory: ``calls``, or lognormal around it (``calls_sigma``), at most ``max_calls``."""
+    n = spec.calls if spec.calls_sigma == 0 else round(spec.calls * math.exp(spec.calls_sigma * rnd.gauss(0.0, 1.0)))
+    return min(n, spec.max_calls) if spec.max_calls else n
+
+
+def _cap(spec: WorkloadSpec, turns: tuple[Turn, ...]) -> tuple[Turn, ...]:
+    """The turns that fit in ``max_context`` tokens (at least the first); the last kept turn calls no tool."""
+    if not spec.max_context:
+        return turns
+    total, keep = 0, 0
+    for t in turns:
+        total += t.prefill_tokens + t.gen_tokens
+        if keep and total > spec.max_context:
+            break
+        keep += 1
+    if keep == len(turns):
+        return turns
+    return turns[:keep - 1] + (dataclasses.replace(turns[keep - 1], tool_s=0.0),)

@@ -69,3 +69,24 @@ def test_learner_cost_scales_with_the_layout():
     one, four = learner_cost(arch, Layout(tp=1)), learner_cost(arch, Layout(tp=4))
     assert one.per_token_s == pytest.approx(4 * four.per_token_s)
     assert LearnerCost(0.5, 0.01, 1e-6).microbatch_s(100) == pytest.approx(0.5 + 1.0 + 0.01)
+
+
+def test_paper_fit_recovers_a_known_step(monkeypatch):
+    """``--scenario paper`` fits the learner's MFU and the tool-latency scale to the paper's sync step and idle share
+    (plan/scenarios.py): on a small workload whose step at (0.3, 0.5) is known, the fit finds a point with that step
+    and idle share again, and the long-horizon workload's turns and context caps hold."""
+    from megatron_tsync.plan import scenarios
+
+    small = dict(scenarios.PAPER_WORKLOAD, prompts=4, group_size=4, calls=12, max_calls=40, max_context=6000)
+    monkeypatch.setattr(scenarios, "PAPER_WORKLOAD", small)
+    monkeypatch.setattr(scenarios, "_batches", lambda scale, workload=small, **kw: [
+        build_batch(WorkloadSpec(**{**workload, **kw}, latency_scale=scale), k) for k in range(scenarios.STEPS)])
+    known = scenarios._sync("qwen3.5-27b", 0.3, 0.5)
+    monkeypatch.setitem(scenarios.PAPER, "grpo", {"sync": known["step_s"], "idle": known["idle_frac"]})
+    mfu, scale = scenarios.fit("qwen3.5-27b")
+    got = scenarios._sync("qwen3.5-27b", mfu, scale)
+    assert got["step_s"] == pytest.approx(known["step_s"], rel=0.02)
+    assert got["idle_frac"] == pytest.approx(known["idle_frac"], abs=0.02)
+    trajs = scenarios._batches(scale)[0]
+    assert max(len(t.turns) for t in trajs) <= 41 and max(t.tokens for t in trajs) <= 6000
+    assert len({len(t.turns) for t in trajs}) > 3  # turns vary per trajectory
