@@ -20,7 +20,7 @@ EXPECTED_FLAGS = [
     "--global-batch-size", "--group-size", "--groups-per-step", "--help", "--init-tiny-model", "--kl-coef",
     "--keep-last-checkpoints", "--kl-estimator", "--kl-mode", "--latency-profile", "--latency-scale", "--load",
     "--load-fallback", "--log-interval",
-    "--loss-aggregation", "--lr", "--max-consecutive-skipped-steps", "--max-device-buckets", "--max-new-tokens", "--max-open-groups", "--max-staleness", "--max-turns",
+    "--dp-assignment", "--loss-aggregation", "--lr", "--max-consecutive-skipped-steps", "--max-device-buckets", "--max-new-tokens", "--max-open-groups", "--max-staleness", "--max-turns",
     "--micro-batch-size", "--min-lr", "--model", "--moe-aux-loss-coeff", "--moe-router-replay", "--no-progress", "--num-minibatches", "--num-samples-per-prompt", "--old-logprobs", "--opd-objective",
     "--optimizer", "--override-loaded-config", "--params-dtype", "--pipeline-model-parallel-size", "--policy-loss", "--ppo-epochs", "--replay-rollouts",
     "--replay-shuffle-seed",

@@ -147,6 +147,8 @@ ELSEWHERE = {
     "--deterministic": "tests/training/test_deterministic.py::test_control_default_mode_is_not_bitwise",
     # needs groups that share a prompt (the harness's trajectories do not): microbatches and shared items change there
     "--shared-prefix": "tests/training/test_shared_prefix.py::test_shared_equals_unshared_sync",
+    # which DP rank trains a trajectory: no effect on one process; the trainer's assigner and its float64 DP=2 check
+    "--dp-assignment": "tests/streaming/test_dp_assigner.py::test_flag_reaches_the_trainers_assigner",
     # the runtime's arrival source, not the learner: fewer microbatches for the same update there
     "--stream-coalesce-ms": "tests/streaming/test_coalescing.py::test_learner_update_unchanged_with_fewer_microbatches",
     "--stream-coalesce-tokens": "tests/streaming/test_coalescing.py::test_token_target_fills_polls_and_update_unchanged",

@@ -75,6 +75,11 @@ class TrainConfig:
         _check(pr.params_dtype in (torch.float32, torch.float64),
                f"precision.params_dtype must be float32 or float64 (bfloat16 is precision.bf16), got {pr.params_dtype}",
                "precision.params_dtype")
+        _check(lr.dp_assignment in ("arrival", "group"), f"learner.dp_assignment must be 'arrival' or 'group', got "
+               f"{lr.dp_assignment!r}", "learner.dp_assignment")
+        _check(not (lr.dp_assignment == "group" and self.rl.algorithm == "opd"), "learner.dp_assignment 'group' keeps a "
+               "GRPO group's buckets on one rank; OPD has no group buckets (it would do nothing there)",
+               "learner.dp_assignment", "rl.algorithm")
         _check(lr.max_open_groups is None or lr.max_open_groups >= 1,
                f"learner.max_open_groups must be >= 1, got {lr.max_open_groups}", "learner.max_open_groups")
         _check(lr.max_device_buckets is None or lr.max_device_buckets >= 2,

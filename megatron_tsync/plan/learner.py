@@ -3,7 +3,7 @@
 Per simulated data-parallel rank, the loop follows ``training/learner.py`` (``_consume`` / ``_feed`` / ``_drain``):
 when the learner is free it takes every reward that has landed (all of them while it was busy), hands them to the
 planner in one ``on_ready_batch`` (each rank's planner sees every arrival, trains only its own: the i-th arrival
-goes to rank i mod DP, ``DataParallelAssigner``), runs the items, then ``closable()``'s held items and group closes;
+goes to rank i mod DP, or by group with ``--dp-assignment group``: ``DataParallelAssigner``), runs the items, then ``closable()``'s held items and group closes;
 when nothing is pending it waits for the next arrival. At the end, ``finish()``'s held items and closes, then the
 barrier (gradient all-reduce and the optimizer). Items cost :class:`LearnerCost` seconds each (one microbatch per
 trajectory, or packed microbatches of at most ``max_packed_tokens``); one schedule call on PP stages pays the
@@ -22,6 +22,7 @@ import time
 from megatron_tsync.algorithms.advantages import get_advantage_estimator
 from megatron_tsync.algorithms.streamability import RewardSpec
 from megatron_tsync.streaming.planner import StepPlanner, TrajMeta, WorkItem
+from megatron_tsync.streaming.ready_queue import DataParallelAssigner
 from megatron_tsync.plan.workload import Traj
 
 
@@ -54,6 +55,14 @@ class PlannerSettings:
     sequence_packing: bool = False
     max_packed_tokens: int = 4096
     coalesce_tokens: int = 0
+    dp_assignment: str = "arrival"  # --dp-assignment: "arrival" or "group" (DataParallelAssigner)
+
+
+def dp_ranks(settings: PlannerSettings, arrivals: list[tuple[float, Traj]], dp: int) -> dict[str, int]:
+    """traj_id -> the DP rank that trains it, as the trainer's :class:`DataParallelAssigner` decides in landing order
+    (``arrivals`` sorted by landing time)."""
+    a = DataParallelAssigner(dp, by_group=settings.dp_assignment == "group")
+    return {tr.traj_id: a.assign(tr.traj_id, tr.group_id, tr.tokens) for _, tr in arrivals}
 
 
 @dataclasses.dataclass
@@ -129,6 +138,7 @@ def simulate_rank(cost: LearnerCost, settings: PlannerSettings, arrivals: list[t
     for _, tr in arr:
         sizes[tr.group_id] = sizes.get(tr.group_id, 0) + 1
     planner = make_planner(settings, sizes, mode, rank)
+    ranks = dp_ranks(settings, arr, dp)
     R = _Rank(cost, settings, trajs, {tr.traj_id: t for t, tr in arr})
     R.now = 0.0
     i, n = 0, len(arr)
@@ -141,8 +151,7 @@ def simulate_rank(cost: LearnerCost, settings: PlannerSettings, arrivals: list[t
             while j < n and sum(tr.tokens for _, tr in arr[i:j]) < settings.coalesce_tokens:
                 R.now = max(R.now, arr[j][0])
                 j += 1
-        metas = [TrajMeta(tr.traj_id, tr.group_id, tr.reward, tr.tokens, k % dp) for k, (_, tr) in
-                 zip(range(i, j), arr[i:j])]
+        metas = [TrajMeta(tr.traj_id, tr.group_id, tr.reward, tr.tokens, ranks[tr.traj_id]) for _, tr in arr[i:j]]
         i = j
         t0 = time.perf_counter()
         items = planner.on_ready_batch(metas)

@@ -25,7 +25,8 @@ import dataclasses
 import statistics
 
 from megatron_tsync.plan.hardware import Layout, ModelCost
-from megatron_tsync.plan.learner import LearnerCost, PlannerSettings, lower_bound, ranks_to_simulate, simulate_rank
+from megatron_tsync.plan.learner import (LearnerCost, PlannerSettings, dp_ranks, lower_bound, ranks_to_simulate,
+                                         simulate_rank)
 from megatron_tsync.plan.rollout import EngineModel, simulate_batch
 from megatron_tsync.plan.workload import Traj
 
@@ -80,11 +81,12 @@ def _rank_bounds(sc: Scenario, arrivals: list[tuple[float, Traj]], dp: int) -> d
         groups.setdefault(tr.group_id, set()).add(tr.reward)
     skip = settings.skip_zero_advantage and not sc.opd
     per_rank: dict[int, list] = {}
-    for k, (t, tr) in enumerate(arr):
+    rank = dp_ranks(settings, arr, dp)
+    for t, tr in arr:
         if skip and len(groups[tr.group_id]) == 1:
             continue
         w = lc.per_token_s * tr.tokens + lc.per_token2_s * tr.tokens ** 2
-        per_rank.setdefault(k % dp, []).append((t, w))
+        per_rank.setdefault(rank[tr.traj_id], []).append((t, w))
     return {r: lower_bound(j, 0.0) for r, j in per_rank.items()}
 
 

@@ -68,15 +68,22 @@ def batch_shape(cfg, sizes: dict[str, int]) -> BatchShape:
     return BatchShape(num_sequences=sum(sizes.values()), max_len=cfg.rl.max_action_tokens)
 
 
+def dp_assigner(cfg, dp: int, group_order: list[str]) -> DataParallelAssigner:
+    """Who trains which trajectory (``DataParallelAssigner``): by group in batch order with ``--deterministic``, by
+    group on the least-loaded rank with ``--dp-assignment group``, else round-robin by arrival."""
+    return DataParallelAssigner(dp, group_order if cfg.learner.deterministic else None,
+                                by_group=cfg.learner.dp_assignment == "group")
+
+
 class BroadcastSource:
     """Several trainer ranks: global rank 0 owns the receiver; every poll it broadcasts the newly landed samples (and
     whether the step is complete) to all ranks, which feed identical inputs to their planners; the DP rank of each
     sample is the :class:`DataParallelAssigner`'s. The broadcast is the trainer's own torch.distributed group (a
     trusted channel between trainer ranks), not a socket exposed to workers."""
 
-    def __init__(self, inner: TransportSource | None, dp: int, group_order: list[str] | None = None):
+    def __init__(self, inner: TransportSource | None, assigner: DataParallelAssigner):
         self.inner = inner
-        self.assigner = DataParallelAssigner(dp, group_order)  # group_order: by group (--deterministic)
+        self.assigner = assigner
         self._done = False
         self.samples: list[Sample] = []
 
@@ -109,13 +116,13 @@ class GRPO:
             samples, groups = load_rollouts(cfg.logging.replay_rollouts, k)
             if cfg.logging.replay_shuffle_seed is not None:
                 random.Random(cfg.logging.replay_shuffle_seed * 1_000_003 + k).shuffle(samples)
-            DataParallelAssigner(dims.dp, list(groups) if cfg.learner.deterministic else None).assign_samples(samples)
+            dp_assigner(cfg, dims.dp, list(groups)).assign_samples(samples)
             return ListSource(samples), {g: samples[0].group_size for g in groups}, lambda: samples
         source = fleet.source(k, cfg.rl.seq_length) if fleet is not None else None
         source = coalesced(source, cfg.learner)  # rank 0, before the broadcast
         sizes = {g: cfg.rl.group_size for g in group_ids(k, cfg.rl.groups_per_step)}
         if dims.world_size > 1:
-            source = BroadcastSource(source, dims.dp, list(sizes) if cfg.learner.deterministic else None)
+            source = BroadcastSource(source, dp_assigner(cfg, dims.dp, list(sizes)))
         return source, sizes, lambda: source.samples
 
     def step(self, k: int, fleet: RolloutFleet | None) -> StepOutcome:

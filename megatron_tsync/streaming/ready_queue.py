@@ -164,26 +164,42 @@ class DataParallelAssigner:
     chunk of the same trajectory (turn-level OPD) gets the same rank. Arrival order, not group index, so the ranks'
     loads stay balanced however the rewards land.
 
+    ``by_group`` (``--dp-assignment group``): every trajectory of a group goes to one rank, chosen when the group's
+    first trajectory arrives: the rank with the fewest tokens assigned so far in this step (ties: the lowest rank).
+    A rank then holds gradient buckets only for its own groups (about 1/DP of the open ones) instead of one per open
+    group; the sum over ranks, and so the update, is the same. Balance is by tokens, so a group of long trajectories
+    does not leave the other ranks idle at the barrier more than one group's worth.
+
     ``group_order`` (the step's group ids in batch order; ``--deterministic``): group k's trajectories all go to rank
     ``k mod dp`` instead, whatever the arrival order, so each rank's partial gradient sum is the same in every run."""
 
-    def __init__(self, dp: int, group_order: list[str] | None = None):
+    def __init__(self, dp: int, group_order: list[str] | None = None, by_group: bool = False):
         if dp < 1:
             raise ValueError(f"data-parallel size must be >= 1, got {dp}")
         self.dp = dp
         self._rank: dict[str, int] = {}
         self._group_pos = None if group_order is None else {g: k for k, g in enumerate(group_order)}
+        self.by_group = by_group and group_order is None
+        self._group_rank: dict[str, int] = {}
+        self.tokens = [0] * dp  # tokens assigned per rank (by_group's balance)
 
-    def assign(self, traj_id: str, group_id: str | None = None) -> int:
+    def assign(self, traj_id: str, group_id: str | None = None, tokens: int = 0) -> int:
         r = self._rank.get(traj_id)
         if r is None:
-            if self._group_pos is None:
-                r = len(self._rank) % self.dp
-            elif group_id not in self._group_pos:
-                raise ValueError(f"trajectory {traj_id}: group {group_id!r} is not in this step's group order")
-            else:
+            if self._group_pos is not None:
+                if group_id not in self._group_pos:
+                    raise ValueError(f"trajectory {traj_id}: group {group_id!r} is not in this step's group order")
                 r = self._group_pos[group_id] % self.dp
+            elif self.by_group:
+                if group_id is None:
+                    raise ValueError(f"trajectory {traj_id}: assignment by group needs its group id")
+                r = self._group_rank.get(group_id)
+                if r is None:
+                    r = self._group_rank[group_id] = min(range(self.dp), key=lambda k: (self.tokens[k], k))
+            else:
+                r = len(self._rank) % self.dp
             self._rank[traj_id] = r
+            self.tokens[r] += int(tokens)
         return r
 
     def rank_of(self, traj_id: str, default: int = 0) -> int:
@@ -193,4 +209,4 @@ class DataParallelAssigner:
     def assign_samples(self, samples: Iterable[Sample]) -> None:
         """Set ``dp_rank`` on each sample, in order."""
         for s in samples:
-            s.dp_rank = self.assign(s.traj_id, s.group_id)
+            s.dp_rank = self.assign(s.traj_id, s.group_id, int(s.token_ids.shape[0]))

@@ -26,6 +26,7 @@ CASES = [
     dict(pp=2, settings=PlannerSettings(sequence_packing=True, coalesce_tokens=4000)),
     dict(learner_gpus=64, tp=2, settings=PlannerSettings(max_open_groups=2)),
     dict(opd=True, gpu="b200"),
+    dict(learner_gpus=4, settings=PlannerSettings(dp_assignment="group")),
 ]
 
 
@@ -90,3 +91,15 @@ def test_paper_fit_recovers_a_known_step(monkeypatch):
     trajs = scenarios._batches(scale)[0]
     assert max(len(t.turns) for t in trajs) <= 41 and max(t.tokens for t in trajs) <= 6000
     assert len({len(t.turns) for t in trajs}) > 3  # turns vary per trajectory
+
+
+def test_group_assignment_opens_fewer_groups_per_rank():
+    """--dp-assignment group in the planner (the trainer's DataParallelAssigner): at DP 4 on the swe-like profile a
+    rank holds buckets for about a quarter of the open groups instead of all of them, at about the same step."""
+    batches = [build_batch(WorkloadSpec(prompts=32, group_size=8, latency_scale=3.0), k) for k in range(3)]
+    out = {}
+    for how in ("arrival", "group"):
+        sc = _scenario(learner_gpus=4, settings=PlannerSettings(dp_assignment=how))
+        out[how] = simulate(sc, batches, ("sync", "stream-trajectory"))["stream-trajectory"]["summary"]
+    assert out["group"]["peak_open_groups"] * 2 <= out["arrival"]["peak_open_groups"]
+    assert out["group"]["step_s"] <= 1.1 * out["arrival"]["step_s"]

@@ -25,3 +25,53 @@ def test_every_rank_replays_the_same_assignment():
 def test_bad_size():
     with pytest.raises(ValueError, match="data-parallel size"):
         DataParallelAssigner(0)
+
+
+def test_by_group_keeps_a_group_on_the_least_loaded_rank():
+    """--dp-assignment group: every member of a group on one rank, the one with the fewest tokens assigned when the
+    group's first member lands; a later group of long trajectories does not pile onto a loaded rank."""
+    a = DataParallelAssigner(2, by_group=True)
+    got = [a.assign(t, g, n) for t, g, n in [("g0t0", "g0", 100), ("g1t0", "g1", 10), ("g0t1", "g0", 100),
+                                             ("g2t0", "g2", 5), ("g1t1", "g1", 10), ("g3t0", "g3", 1)]]
+    assert got == [0, 1, 0, 1, 1, 1]  # g2 to rank 1 (10 < 200 tokens), g3 too (25 < 200)
+    assert a.tokens == [200, 26]
+    assert a.assign("g0t0", "g0", 999) == 0 and a.tokens == [200, 26]  # sticky: a repeat adds nothing
+    with pytest.raises(ValueError, match="needs its group id"):
+        a.assign("x", None)
+
+
+def test_by_group_lowers_open_groups_per_rank_and_balances():
+    """Interleaved arrivals of 7 groups × 4: round-robin spreads every group over both ranks (each rank opens a
+    bucket for all 7), by group each rank sees 3 or 4; token loads stay within one group's tokens."""
+    order = [(f"g{g}t{i}", f"g{g}", 10 + g) for i in range(4) for g in range(7)]
+    rr, bg = DataParallelAssigner(2), DataParallelAssigner(2, by_group=True)
+    groups = {"rr": [set(), set()], "bg": [set(), set()]}
+    for t, g, n in order:
+        groups["rr"][rr.assign(t, g, n)].add(g)
+        groups["bg"][bg.assign(t, g, n)].add(g)
+    assert [len(s) for s in groups["rr"]] == [7, 7] and sorted(len(s) for s in groups["bg"]) == [3, 4]
+    assert groups["bg"][0].isdisjoint(groups["bg"][1]) and abs(bg.tokens[0] - bg.tokens[1]) <= 4 * 16
+
+
+def test_deterministic_group_order_wins_over_by_group():
+    a = DataParallelAssigner(2, group_order=["g0", "g1"], by_group=True)
+    assert [a.assign("g1t0", "g1", 5), a.assign("g0t0", "g0", 5)] == [1, 0]
+
+
+def test_flag_reaches_the_trainers_assigner(capsys):
+    """--dp-assignment group → runtime.grpo.dp_assigner by group (least-loaded rank); --deterministic keeps its
+    batch-order rule; the default is round-robin by arrival. OPD refuses the flag (no group buckets there)."""
+    from megatron_tsync.arguments import parse_args
+    from megatron_tsync.runtime.grpo import dp_assigner
+
+    base = ["--model", "m", "--train-iters", "1"]
+    groups = ["g0", "g1", "g2"]
+    order = [("g2t0", "g2", 5), ("g2t1", "g2", 5), ("g0t0", "g0", 5), ("g1t0", "g1", 5)]
+    got = {}
+    for name, extra in (("default", []), ("group", ["--dp-assignment", "group"]), ("det", ["--deterministic"])):
+        a = dp_assigner(parse_args(base + extra), 2, groups)
+        got[name] = [a.assign(*x) for x in order]
+    assert got == {"default": [0, 1, 0, 1], "group": [0, 0, 1, 1], "det": [0, 0, 0, 1]}
+    with pytest.raises(SystemExit):
+        parse_args(base + ["--dp-assignment", "group", "--rl-algorithm", "opd", "--teacher-model", "t"])
+    assert "OPD has no group buckets" in capsys.readouterr().err

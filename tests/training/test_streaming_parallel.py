@@ -69,6 +69,7 @@ def test_float64_stream_equals_sync(layout, stream_reports):
     for row in rep["result"]:
         assert row["stream-trajectory"] < 1e-12, row
         assert row["stream-group"] < 1e-12, row
+    assert any(row.get("by_group") for row in rep["result"])  # --dp-assignment group (every group on one DP rank)
 
 
 def test_float64_objective_equal_in_every_mode_and_layout(stream_reports):

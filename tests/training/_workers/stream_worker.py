@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from stream_cases import TINY, arrival_order, make_samples, prompt_groups, spec_for  # noqa: E402
 
 from megatron_tsync.algorithms.policy_loss import PolicyLossConfig  # noqa: E402
-from megatron_tsync.streaming.ready_queue import ListSource  # noqa: E402
+from megatron_tsync.streaming.ready_queue import DataParallelAssigner, ListSource  # noqa: E402
 from megatron_tsync.training.learner import Learner, LearnerConfig, shape_for  # noqa: E402
 from megatron_tsync.model.builder import PrecisionConfig, build_model  # noqa: E402
 from megatron_tsync.training.optimizer import OptimConfig, build_optimizer, wrap_ddp  # noqa: E402
@@ -59,7 +59,11 @@ PACKED_CASES = [
 PACK_TOKENS = 72
 
 
-def assign_dp(samples, dp):
+def assign_dp(samples, dp, by_group=False):
+    """Round-robin by arrival (the default), or the trainer's --dp-assignment group (DataParallelAssigner)."""
+    if by_group:
+        DataParallelAssigner(dp, by_group=True).assign_samples(samples)
+        return samples
     for i, s in enumerate(samples):
         s.dp_rank = i % dp
     return samples
@@ -95,13 +99,13 @@ def run_f64(dims):
             ddp, L = make_learner(dims, torch.float64, OptimConfig(optimizer="sgd", lr=0.0, clip_grad=0), mode, case)
             S = make_samples(100 + ci, reward_kind=case["reward"], with_ref=True)
             order = S if order_seed is None else arrival_order(S, order_seed)
-            assign_dp(order, dims.dp)
+            assign_dp(order, dims.dp, by_group=ci % 2 == 1)  # odd cases: a group's members on one rank
             got = {}
             L.grad_hook = lambda d: got.setdefault("g", torch.cat([b.grad_data.clone() for b in d.buffers]))
             sizes, shape = shape_for(S)
             res = L.train_step(ListSource(order), sizes, shape)
             grads[mode] = (got["g"], res)
-        row = {"case": ci, "estimator": case["estimator"], "reward": case["reward"],
+        row = {"case": ci, "estimator": case["estimator"], "reward": case["reward"], "by_group": ci % 2 == 1,
                "peak_vectors": grads["stream-trajectory"][1].peak_bucket_vectors,
                "stats": grads["stream-trajectory"][1].planner_stats,
                "loss_keys": sorted(case["loss"]),  # train/loss (training/objective.py) of each mode:
@@ -165,7 +169,7 @@ def run_packed(dims):
                                   packing=packing, mix="mixed" in name, full=name.endswith("full"))
             S = make_samples(300 + ci, num_groups=4, reward_kind=case["reward"], with_ref=True)
             order = S if order_seed is None else arrival_order(S, order_seed)
-            assign_dp(order, dims.dp)
+            assign_dp(order, dims.dp, by_group=ci % 2 == 1)  # odd cases: a group's members on one rank
             got = {}
             L.grad_hook = lambda d: got.setdefault("g", torch.cat([b.grad_data.clone() for b in d.buffers]))
             sizes, shape = shape_for(S)
