@@ -4,15 +4,18 @@ gradient, so the equality is not that of two runs that never moved).
 
 The quickstart config (``examples/tiny_agent/config.yaml``: tiny Llama made locally, supervised warm start, embedded
 engine in a rollout worker process, sandboxed calculator, stream-trajectory) with 16 trajectories a step (4 groups
-of 4) to keep it short. The arrival order is changed by tool-latency jitter: run A keeps the config's uniform
-latency, run B a lognormal profile with another seed (``--latency-profile FILE.json``); the tokens and rewards are
-the same (asserted from the rollout dumps), the arrival orders are not (asserted too). Control: the same pair
+of 4) to keep it short; the warm start is made once for the module (``_warm_start.py``: the run's start-up, saved at
+step 0) and each of the four runs loads it (``--load DIR --finetune``). The arrival order is changed by tool-latency
+jitter: run A keeps the config's uniform latency, run B a lognormal profile with another seed (``--latency-profile
+FILE.json``); the tokens and rewards are the same (asserted from the rollout dumps), the arrival orders are not
+(asserted too). Control: the same pair
 without --deterministic (1 step: later steps' rollouts would already differ) does not end with equal weights.
 
 Expert parallelism: the same pair with two trainer ranks at EP = 2 on a tiny Qwen3-MoE, with a KL reference
 (``--ref-model``, another tiny Qwen3-MoE) and an entropy bonus (a non-zero gradient through the experts whatever the
 rewards), 2 steps: torch.equal weights too (every MoE forward — policy, π_ref — in lockstep over the EP ranks; one
-trajectory per slot in deterministic mode, ``training/stream_fb.py``).
+trajectory per slot in deterministic mode, ``training/stream_fb.py``). Its own 60-step warm start in each run (the
+loss must fall at EP = 2); run A is a module fixture, so each of the pair's two tests holds one two-rank run.
 
 Not used here: 1 vs 2 rollout workers. The rollouts themselves differ then (the agent loop seeds a trajectory's
 sampling with its position in the worker's own prompt list, ``derive_seed(seed, traj.index, turn)``), so that
