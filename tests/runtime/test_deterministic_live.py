@@ -4,15 +4,18 @@ gradient, so the equality is not that of two runs that never moved).
 
 The quickstart config (``examples/tiny_agent/config.yaml``: tiny Llama made locally, supervised warm start, embedded
 engine in a rollout worker process, sandboxed calculator, stream-trajectory) with 16 trajectories a step (4 groups
-of 4) to keep it short. The arrival order is changed by tool-latency jitter: run A keeps the config's uniform
-latency, run B a lognormal profile with another seed (``--latency-profile FILE.json``); the tokens and rewards are
-the same (asserted from the rollout dumps), the arrival orders are not (asserted too). Control: the same pair
+of 4) to keep it short; the warm start is made once for the module (``_warm_start.py``: the run's start-up, saved at
+step 0) and each of the four runs loads it (``--load DIR --finetune``). The arrival order is changed by tool-latency
+jitter: run A keeps the config's uniform latency, run B a lognormal profile with another seed (``--latency-profile
+FILE.json``); the tokens and rewards are the same (asserted from the rollout dumps), the arrival orders are not
+(asserted too). Control: the same pair
 without --deterministic (1 step: later steps' rollouts would already differ) does not end with equal weights.
 
 Expert parallelism: the same pair with two trainer ranks at EP = 2 on a tiny Qwen3-MoE, with a KL reference
 (``--ref-model``, another tiny Qwen3-MoE) and an entropy bonus (a non-zero gradient through the experts whatever the
 rewards), 2 steps: torch.equal weights too (every MoE forward — policy, π_ref — in lockstep over the EP ranks; one
-trajectory per slot in deterministic mode, ``training/stream_fb.py``).
+trajectory per slot in deterministic mode, ``training/stream_fb.py``). Its own 60-step warm start in each run (the
+loss must fall at EP = 2); run A is a module fixture, so each of the pair's two tests holds one two-rank run.
 
 Not used here: 1 vs 2 rollout workers. The rollouts themselves differ then (the agent loop seeds a trajectory's
 sampling with its position in the worker's own prompt list, ``derive_seed(seed, traj.index, turn)``), so that
@@ -101,16 +104,29 @@ def _pair(tmp, model, tag, iters, extra, nproc=1, runs=None, spec=JITTER):
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    """The tiny model folder: made by the first run that uses it (init-tiny-model in the config), reused after."""
-    return tmp_path_factory.mktemp("det_live") / "model"
+def warm(tmp_path_factory):
+    """(model folder, flags): the tiny model (init-tiny-model in the config) and the config's supervised warm start,
+    made once for the module by ``_warm_start.py`` (the run's own start-up, saved at step 0); each run of the dense
+    pair and its control loads it with ``--load DIR --finetune`` and skips the warm start (the saved state says it is
+    done) instead of repeating it: the same starting weights in every run, as when each made them itself."""
+    tmp = tmp_path_factory.mktemp("det_live")
+    model, ws = tmp / "model", tmp / "warm_start"
+    args = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "_warm_start.py"), "--config",
+            CONFIG, "--model", str(model), "--init-tiny-model", "--rollout-workers", "1", "--save", str(ws),
+            "--no-progress", "--eval-interval", "0"]
+    p = subprocess.run(args, cwd=tmp, env=_env(), capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, f"warm start failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
+    assert "supervised warm start: 175 steps" in p.stdout, p.stdout[-3000:]
+    return model, ["--load", str(ws), "--finetune"]
 
 
 @pytest.mark.slow
-def test_live_runs_bitwise_equal_with_deterministic(tmp_path, model):
+def test_live_runs_bitwise_equal_with_deterministic(tmp_path, warm):
+    model, load = warm
     runs = []
-    wa, wb = _pair(tmp_path, model, "det", 2, ["--deterministic", "--no-sequence-packing"], runs=runs)
+    wa, wb = _pair(tmp_path, model, "det", 2, [*load, "--deterministic", "--no-sequence-packing"], runs=runs)
     for run in runs:  # a real update in each step (the warm-started model's groups have reward variance)
+        assert "supervised warm start" not in (run / "stdout.txt").read_text()  # loaded, not redone
         hist = json.loads((run / "ck" / "history.json").read_text())
         assert len(hist) == 2 and all(h["grad_norm"] > 0 for h in hist), hist
     assert set(wa) == set(wb)
@@ -119,44 +135,89 @@ def test_live_runs_bitwise_equal_with_deterministic(tmp_path, model):
 
 
 @pytest.mark.slow
-def test_control_default_mode_differs_for_different_arrival_orders(tmp_path, model):
+def test_control_default_mode_differs_for_different_arrival_orders(tmp_path, warm):
     """The control of the test above: the same pair without --deterministic ends with different weights (so the
     check above can fail)."""
-    ca, cb = _pair(tmp_path, model, "default", 1, [])
+    model, load = warm
+    ca, cb = _pair(tmp_path, model, "default", 1, load)
     differ = [n for n in ca if not torch.equal(ca[n], cb[n])]
     assert differ, "the default mode gave equal weights for different arrival orders: the control cannot fail"
     print(f"default mode after 1 step: {len(differ)}/{len(ca)} tensors differ, max "
           f"{max(float((ca[n] - cb[n]).abs().max()) for n in differ):.2e}")
 
 
-@pytest.mark.slow
-def test_live_runs_bitwise_equal_at_ep2_with_kl_reference(tmp_path):
-    """Two trainer ranks at EP = 2 (torchrun, live rollouts, tiny Qwen3-MoE), --deterministic with a KL reference and
-    an entropy bonus: the two arrival orders end with torch.equal weights and optimizer state after 2 steps. Also what
-    the live EP = 2 run must do: the warm start's loss falls (a real gradient through the all-to-alls), every step
-    accounts for its 8 trajectories (2 groups: one per rank, one per minibatch, so π_θ0 runs on one rank beside idle
-    forwards) and has a non-zero gradient."""
+EP2_ITERS = 2
+
+
+def _ep2_extra(ref):
+    return ["--deterministic", "--no-sequence-packing", "--expert-model-parallel-size", "2", "--sft-warmup-steps", "60",
+            "--max-new-tokens", "24", "--global-batch-size", "8", "--kl-mode", "loss", "--kl-coef", "0.1",
+            "--ref-model", ref, "--entropy-coef", "0.01"]
+
+
+def _check_ep2_run(run):
+    """What the live EP = 2 run must do: the layout, the warm start's loss falls (a real gradient through the
+    all-to-alls), every step accounts for its 8 trajectories (2 groups: one per rank, one per minibatch, so π_θ0 runs
+    on one rank beside idle forwards) and has a non-zero gradient."""
     import re
 
+    out = (run / "stdout.txt").read_text()
+    assert "TP 1, PP 1, DP 2, CP 1, EP 2" in out
+    first, last = map(float, re.search(r"warm start: 60 steps, loss ([\d.]+) → ([\d.]+)", out).groups())
+    assert last < 0.8 * first
+    hist = json.loads((run / "ck" / "history.json").read_text())
+    assert [h["trajectories"] for h in hist] == [8, 8] and all(h["grad_norm"] > 0 for h in hist)
+    return hist
+
+
+@pytest.fixture(scope="module")
+def ep2(tmp_path_factory):
+    """The EP = 2 pair's models and its run A (the uniform latency), made by the first test that asks and shared by
+    both (each test then holds one two-rank run, not two: under the suite's 90 s per test on two busy cores)."""
     from megatron_tsync.model.tiny_model import make_tiny_model
 
-    model = make_tiny_model(str(tmp_path / "moe"), family="qwen3_moe", seed=3)
-    ref = make_tiny_model(str(tmp_path / "ref"), family="qwen3_moe", seed=4)
-    runs = []
-    wa, wb = _pair(tmp_path, model, "ep2", 2, ["--deterministic", "--no-sequence-packing", "--expert-model-parallel-size",
-                                               "2", "--sft-warmup-steps", "60", "--max-new-tokens", "24",
-                                               "--global-batch-size", "8",
-                                               "--kl-mode", "loss", "--kl-coef", "0.1", "--ref-model", ref,
-                                               "--entropy-coef", "0.01"], nproc=2, runs=runs, spec=EP_JITTER)
-    for run in runs:
-        out = (run / "stdout.txt").read_text()
-        assert "TP 1, PP 1, DP 2, CP 1, EP 2" in out
-        first, last = map(float, re.search(r"warm start: 60 steps, loss ([\d.]+) → ([\d.]+)", out).groups())
-        assert last < 0.8 * first
-        hist = json.loads((run / "ck" / "history.json").read_text())
-        assert [h["trajectories"] for h in hist] == [8, 8] and all(h["grad_norm"] > 0 for h in hist)
-    ha, hb = (json.loads((r / "ck" / "history.json").read_text()) for r in runs)
+    tmp = tmp_path_factory.mktemp("det_live_ep2")
+    model = make_tiny_model(str(tmp / "moe"), family="qwen3_moe", seed=3)
+    ref = make_tiny_model(str(tmp / "ref"), family="qwen3_moe", seed=4)
+    runs = {}
+
+    def get(name):
+        if name not in runs:
+            extra = _ep2_extra(ref)
+            if name == "b":  # tool calls of 0-1 s: other engine batches, other arrival orders
+                jitter = tmp / "ep2_jitter.json"
+                jitter.write_text(json.dumps(EP_JITTER))
+                extra += ["--latency-profile", str(jitter)]
+            runs[name] = _run(tmp, f"ep2_{name}", model, EP2_ITERS, extra, nproc=2)
+        return runs[name]
+
+    return get
+
+
+@pytest.mark.slow
+def test_live_run_at_ep2_warm_starts_and_updates(ep2):
+    """Run A of the pair below (two trainer ranks at EP = 2, live rollouts, tiny Qwen3-MoE, --deterministic, KL
+    reference, entropy bonus): the layout, the warm start's loss falls, 8 trajectories and a non-zero gradient a
+    step (its weights are compared with run B's below)."""
+    _check_ep2_run(ep2("a"))
+
+
+@pytest.mark.slow
+def test_live_runs_bitwise_equal_at_ep2_with_kl_reference(ep2, tmp_path):
+    """Two trainer ranks at EP = 2 (torchrun, live rollouts, tiny Qwen3-MoE), --deterministic with a KL reference and
+    an entropy bonus: the two arrival orders (run A: the config's uniform latency, run B: ``EP_JITTER``) end with
+    torch.equal weights and optimizer state after 2 steps, both runs having done what the test above asserts of A
+    (a falling warm start, real updates in both steps)."""
+    a, b = ep2("a"), ep2("b")
+    ha, hb = _check_ep2_run(a), _check_ep2_run(b)
+    orders_differ = 0
+    for k in range(EP2_ITERS):
+        (ta, oa), (tb, ob) = _rollouts(a, k), _rollouts(b, k)
+        assert ta == tb, f"step {k}: the two runs sampled different trajectories (not an arrival-order test)"
+        orders_differ += oa != ob
+    assert orders_differ >= max(1, EP2_ITERS // 2), f"arrival orders differ in only {orders_differ}/{EP2_ITERS} steps"
     assert [(h["loss"], h["grad_norm"]) for h in ha] == [(h["loss"], h["grad_norm"]) for h in hb]
+    wa, wb = _weights(a, tmp_path), _weights(b, tmp_path)
     assert set(wa) == set(wb)
     differ = [n for n in wa if not torch.equal(wa[n], wb[n])]
     assert not differ, f"{len(differ)}/{len(wa)} tensors differ: {differ[:5]}"

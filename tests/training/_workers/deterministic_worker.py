@@ -7,6 +7,7 @@ without, as the live sources do). Rank 0 writes ``--out``: {layout: {case: {"det
 "equal" meaning torch.equal to the first sync run on every rank's shard (all-reduced).
 
 ``python -m torch.distributed.run --nproc_per_node=2 deterministic_worker.py --out R.json --layouts tp2 dp2``
+(``--layouts tp2:grpo-bounded,engine-dual-clip-kl``: some cases of a layout)
 """
 
 import argparse
@@ -65,9 +66,10 @@ def all_true(flag: bool) -> bool:
     return bool(t.item())
 
 
-def run_layout(dims):
+def run_layout(dims, cases):
     out = {}
-    for name, case in CASES.items():
+    for name in cases:
+        case = CASES[name]
         row = {}
         for det in (True, False):
             ref = weights(dims, case, *RUNS[0], det)
@@ -81,16 +83,20 @@ def run_layout(dims):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
-    ap.add_argument("--layouts", nargs="+", default=["tp2", "dp2"], choices=list(LAYOUTS))
+    ap.add_argument("--layouts", nargs="+", default=["tp2", "dp2"],
+                    help="LAYOUT (every case) or LAYOUT:CASE,CASE (those cases); the report's keys are these words")
     a = ap.parse_args()
     report = {}
-    for layout in a.layouts:
+    for part in a.layouts:
+        layout, _, cases = part.partition(":")
+        cases = cases.split(",") if cases else list(CASES)
+        assert layout in LAYOUTS and set(cases) <= set(CASES), part
         t0 = time.time()
         dims = initialize_parallel(*LAYOUTS[layout])
-        report[layout] = {"tp": dims.tp, "pp": dims.pp, "dp": dims.dp, "cases": run_layout(dims),
-                          "seconds": round(time.time() - t0, 1)}
+        report[part] = {"tp": dims.tp, "pp": dims.pp, "dp": dims.dp, "cases": run_layout(dims, cases),
+                        "seconds": round(time.time() - t0, 1)}
         if dims.rank == 0:
-            print(layout, report[layout]["seconds"], "s", flush=True)
+            print(part, report[part]["seconds"], "s", flush=True)
     if dist.get_rank() == 0:
         with open(a.out + ".tmp", "w") as f:
             json.dump(report, f, indent=1)
