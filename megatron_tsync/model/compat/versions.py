@@ -94,6 +94,9 @@ def make_optimizer_config(**kwargs):
 def get_megatron_optimizer(opt_config, model_chunks):
     from megatron.core.optimizer import get_megatron_optimizer as _get
 
+    from megatron_tsync.model.compat.startup import defer_optimizer_dynamo_import
+
+    defer_optimizer_dynamo_import()  # torch.optim's wrappers stop importing torch._dynamo (compat/startup.py)
     return _get(opt_config, model_chunks)
 
 
