@@ -32,8 +32,8 @@ class _DeferTorchCompile(importlib.abc.MetaPathFinder):
     unless the process already imported it: megatron-core's package body imports it only for optional hooks this
     project never calls (``megatron.core.timers``' wandb writer, the dynamic inference engine's metrics; they see
     wandb as absent), and the import costs 0.65 CPU-s per process where wandb is installed. This project's own W&B
-    logging (``runtime/wandb_log.py``, ``--wandb-project``) imports wandb afterwards as usual. ``torch.utils.tensorboard``
-    is hidden the same way (``megatron.core.timers``' ``SummaryWriter`` is None; 0.3-0.4 CPU-s per process: it imports
+    logging (``runtime/wandb_log.py``, ``--wandb-project``) imports wandb afterwards as usual.
+    ``torch.utils.tensorboard`` is hidden the same way (``megatron.core.timers``' ``SummaryWriter`` is None; 0.3-0.4 CPU-s per process: it imports
     tensorboard and its protobufs); ``--tensorboard-dir`` (``runtime/context.py``) imports it afterwards as usual."""
 
     def find_spec(self, name, path=None, target=None):
@@ -81,8 +81,8 @@ class _CompileDeferringLoader(importlib.abc.Loader):
 
 
 # Hidden (``import`` raises ImportError) while megatron.core's package body runs, unless already imported: see
-# _DeferTorchCompile. Both are imported by ``megatron.core.timers`` only (``try: import ... except ImportError``), for its
-# optional metric writers, which this project never calls.
+# _DeferTorchCompile. Both are imported by ``megatron.core.timers`` only (``try: import ... except ImportError``), for
+# its optional metric writers, which this project never calls.
 _HIDDEN_WHILE_IMPORTING = ("wandb", "torch.utils.tensorboard")
 
 
