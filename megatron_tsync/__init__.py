@@ -33,8 +33,9 @@ class _DeferTorchCompile(importlib.abc.MetaPathFinder):
     project never calls (``megatron.core.timers``' wandb writer, the dynamic inference engine's metrics; they see
     wandb as absent), and the import costs 0.65 CPU-s per process where wandb is installed. This project's own W&B
     logging (``runtime/wandb_log.py``, ``--wandb-project``) imports wandb afterwards as usual.
-    ``torch.utils.tensorboard`` is hidden the same way (``megatron.core.timers``' ``SummaryWriter`` is None; 0.3-0.4 CPU-s per process: it imports
-    tensorboard and its protobufs); ``--tensorboard-dir`` (``runtime/context.py``) imports it afterwards as usual."""
+    ``torch.utils.tensorboard`` is hidden the same way (``megatron.core.timers``' ``SummaryWriter`` is None; 0.3-0.4
+    CPU-s per process: it imports tensorboard and its protobufs); ``--tensorboard-dir`` (``runtime/context.py``)
+    imports it afterwards as usual."""
 
     def find_spec(self, name, path=None, target=None):
         if name != "megatron.core":
