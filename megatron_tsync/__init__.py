@@ -1,8 +1,8 @@
 """megatron_tsync: exact streaming-gradient RL post-training on Megatron-Core.
 
 Importing the package does one thing besides defining ``__version__``: it makes the first import of ``megatron.core``
-in this process cheaper (:func:`_defer_torch_compile_in_megatron_import`: torch's compiler stack and wandb are not
-loaded by it). Everything else that touches megatron-core versions or patches it lives in
+in this process cheaper (:func:`_defer_torch_compile_in_megatron_import`: torch's compiler stack, wandb and
+TensorBoard are not loaded by it). Everything else that touches megatron-core versions or patches it lives in
 ``megatron_tsync/model/compat/``; this one hook cannot, because it has to be in
 place before any module imports ``megatron.core`` and this file is the only one every such module runs first.
 """
@@ -32,7 +32,10 @@ class _DeferTorchCompile(importlib.abc.MetaPathFinder):
     unless the process already imported it: megatron-core's package body imports it only for optional hooks this
     project never calls (``megatron.core.timers``' wandb writer, the dynamic inference engine's metrics; they see
     wandb as absent), and the import costs 0.65 CPU-s per process where wandb is installed. This project's own W&B
-    logging (``runtime/wandb_log.py``, ``--wandb-project``) imports wandb afterwards as usual."""
+    logging (``runtime/wandb_log.py``, ``--wandb-project``) imports wandb afterwards as usual.
+    ``torch.utils.tensorboard`` is hidden the same way (``megatron.core.timers``' ``SummaryWriter`` is None; 0.3-0.4
+    CPU-s per process: it imports tensorboard and its protobufs); ``--tensorboard-dir`` (``runtime/context.py``)
+    imports it afterwards as usual."""
 
     def find_spec(self, name, path=None, target=None):
         if name != "megatron.core":
@@ -66,15 +69,22 @@ class _CompileDeferringLoader(importlib.abc.Loader):
 
         real = torch.compile
         torch.compile = functools.partial(_compile_at_first_call, real)
-        hide_wandb = "wandb" not in sys.modules
-        if hide_wandb:
-            sys.modules["wandb"] = None
+        hidden = [m for m in _HIDDEN_WHILE_IMPORTING if m not in sys.modules]
+        for m in hidden:
+            sys.modules[m] = None
         try:
             self._inner.exec_module(module)
         finally:
             torch.compile = real
-            if hide_wandb and "wandb" in sys.modules and sys.modules["wandb"] is None:
-                del sys.modules["wandb"]
+            for m in hidden:
+                if m in sys.modules and sys.modules[m] is None:
+                    del sys.modules[m]
+
+
+# Hidden (``import`` raises ImportError) while megatron.core's package body runs, unless already imported: see
+# _DeferTorchCompile. Both are imported by ``megatron.core.timers`` only (``try: import ... except ImportError``), for
+# its optional metric writers, which this project never calls.
+_HIDDEN_WHILE_IMPORTING = ("wandb", "torch.utils.tensorboard")
 
 
 def _compile_at_first_call(compile_fn, model=None, **kwargs):

@@ -33,9 +33,9 @@ warnings.filterwarnings("ignore")
 
 def _model(variant: str):
     import torch
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-    from megatron_tsync.model import compat
+    from megatron_tsync.model import compat  # before megatron.core: its import then skips torch's compiler stack
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron_tsync.model.builder import ModelArch, build_model
     from megatron_tsync.model.parallel import initialize_parallel
 

@@ -37,6 +37,11 @@ import sys
 
 import torch
 
+# first, before anything imports megatron.core: its import then skips torch's compiler stack, wandb and TensorBoard
+# (megatron_tsync/__init__.py; ~2.5 CPU-s per process). Also for tests/model/_convert_driver.py, which imports
+# megatron.core itself right after loading this tool.
+import megatron_tsync  # noqa: F401
+
 VERIFY_SEQUENCES, VERIFY_TOKENS = 2, 16
 _SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}

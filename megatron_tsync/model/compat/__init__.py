@@ -27,7 +27,9 @@ The package, one module per concern (every name re-exported here: ``from megatro
   forward / backward outside the mode, the MoE dispatcher's split sizes on CPU);
 - :mod:`.versions`: concern 2, the version differences and the fixes of megatron-core bugs (layer specs, configs,
   MoE without TE, float64 routing, RoPE, distributed-optimizer loads);
-- :mod:`.attention`: ``SDPAttention``, the local layer spec's core attention by torch SDPA (the CPU path).
+- :mod:`.attention`: ``SDPAttention``, the local layer spec's core attention by torch SDPA (the CPU path);
+- :mod:`.startup`: torch.optim's optimizers without importing ``torch._dynamo`` while nothing compiles (a torch
+  version detail: 0.5-0.7 CPU-s per process that builds an optimizer).
 
 Nothing outside this package may patch megatron or test ``megatron.core.__version__``. Its modules import one
 another by their own path, never this ``__init__``.
@@ -40,6 +42,7 @@ from megatron_tsync.model.compat.attention import (_causal_segments, PREFIX_TREE
                                                    use_sdpa_attention)
 from megatron_tsync.model.compat.cpu import (cuda_available, ensure_cpu_mode_in_thread, forward_without_cpu_mode,
                                              install_backward_without_cpu_mode, install_cpu_support)
+from megatron_tsync.model.compat.startup import defer_optimizer_dynamo_import
 from megatron_tsync.model.compat.versions import (allow_sequence_parallel_torch_norm, dist_checkpointing_load,
                                                   dist_checkpointing_save, finalize_model_grads, fix_loaded_adam_steps,
                                                   get_megatron_optimizer, _install_float64_routing,
@@ -51,13 +54,13 @@ from megatron_tsync.model.compat.versions import (allow_sequence_parallel_torch_
                                                   te_layer_spec)
 
 __all__ = ["PREFIX_TREE_ATTR", "allow_sequence_parallel_torch_norm", "cuda_available", "dist_checkpointing_load",
-           "dist_checkpointing_save", "ensure_cpu_mode_in_thread", "finalize_model_grads", "fix_loaded_adam_steps",
-           "forward_without_cpu_mode", "get_megatron_optimizer", "install_backward_without_cpu_mode",
-           "install_cpu_support", "install_per_token_rope", "llama3_inv_freq", "local_layer_spec",
-           "local_moe_layer_spec", "make_ddp_config", "make_optimizer_config", "make_transformer_config",
-           "megatron_core_version", "model_parallel_seed", "prepare_distributed_optimizer_load", "rng_tracker_states",
-           "rope_inv_freq", "rope_positions", "set_rng_tracker_states", "set_rope_inv_freq", "te_layer_spec",
-           "use_sdpa_attention", "SDPAttention"]
+           "defer_optimizer_dynamo_import", "dist_checkpointing_save", "ensure_cpu_mode_in_thread",
+           "finalize_model_grads", "fix_loaded_adam_steps", "forward_without_cpu_mode", "get_megatron_optimizer",
+           "install_backward_without_cpu_mode", "install_cpu_support", "install_per_token_rope", "llama3_inv_freq",
+           "local_layer_spec", "local_moe_layer_spec", "make_ddp_config", "make_optimizer_config",
+           "make_transformer_config", "megatron_core_version", "model_parallel_seed",
+           "prepare_distributed_optimizer_load", "rng_tracker_states", "rope_inv_freq", "rope_positions",
+           "set_rng_tracker_states", "set_rope_inv_freq", "te_layer_spec", "use_sdpa_attention", "SDPAttention"]
 
 
 def __getattr__(name: str):

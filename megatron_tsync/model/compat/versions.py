@@ -7,6 +7,7 @@ norm under sequence parallelism, per-token RoPE, RoPE frequencies in the model's
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 
 import torch
@@ -94,6 +95,9 @@ def make_optimizer_config(**kwargs):
 def get_megatron_optimizer(opt_config, model_chunks):
     from megatron.core.optimizer import get_megatron_optimizer as _get
 
+    from megatron_tsync.model.compat.startup import defer_optimizer_dynamo_import
+
+    defer_optimizer_dynamo_import()  # torch.optim's wrappers stop importing torch._dynamo (compat/startup.py)
     return _get(opt_config, model_chunks)
 
 
@@ -135,6 +139,30 @@ def _fix_moe_without_te() -> None:
         _install_cpu_moe_splits()
         _install_gloo_uneven_sequence_collectives()
     _install_float64_routing()
+    _skip_idle_expert_bias()
+
+
+def _skip_idle_expert_bias() -> None:
+    """megatron-core's ``TopKRouter._apply_expert_bias`` is a ``jit_fuser`` (``torch.compile``) function called at
+    every routing; its body does something only with ``moe_router_enable_expert_bias`` (``if
+    self.enable_expert_bias and torch.is_grad_enabled(): ...``). Without expert bias the call is skipped here: the same
+    nothing it computed, but a MoE process no longer imports torch._dynamo / torch._inductor and traces the function
+    at its first forward (CPU seconds per MoE trainer, rank and rollout worker). With expert bias the compiled
+    function runs as before. Idempotent."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    original = TopKRouter.__dict__.get("_apply_expert_bias")
+    if original is None or getattr(original, "_tsync_skip_idle", False):
+        return
+
+    @functools.wraps(original)
+    def _apply_expert_bias(self, *args, **kwargs):
+        if not self.enable_expert_bias:
+            return None
+        return original(self, *args, **kwargs)
+
+    _apply_expert_bias._tsync_skip_idle = True
+    TopKRouter._apply_expert_bias = _apply_expert_bias
 
 
 class _Float64Softmax(TorchFunctionMode):
