@@ -67,3 +67,14 @@ def test_deferred_compile_builds_once_at_the_first_call_and_matches():
     assert torch.equal(lazy(x), f(x)) and torch.equal(lazy(2 * x), f(2 * x))
     assert torch.equal(as_decorator(x), f(x))
     assert built == [{"backend": "eager"}, {"backend": "eager"}]  # once per wrapper, with the caller's options
+
+
+def test_exit_freezes_gc_after_the_other_exit_handlers():
+    """megatron_tsync/__init__.py: at exit every object goes to gc's permanent generation, so the interpreter's
+    shutdown skips its full collections (seconds per trainer process); it runs after handlers registered later
+    (LIFO), e.g. gloo's destroy_parallel, and before those registered earlier (here: the probe, which sees it)."""
+    code = ("import atexit, gc; atexit.register(lambda: print('frozen', gc.get_freeze_count() > 0)); "
+            "atexit.register(lambda: None); import megatron_tsync; "
+            "atexit.register(lambda: print('later', gc.get_freeze_count() > 0))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["later", "False", "frozen", "True"]
