@@ -281,7 +281,7 @@ def test_exit_duration_self_requeue(slurm, exit_duration_job):
     _assert_clean_save(save_a, k + 1, out)
     assert os.listdir(os.path.join(save_a, "slurm-jobs")) == [ja]  # two allocations: one dir
     assert _job_state(ja, slurm) == "COMPLETED"
-    print(f"exit-duration self-requeue: job over {time.perf_counter() - e.t_submit:.0f}s after its submission "
+    print(f"exit-duration self-requeue: checked {time.perf_counter() - e.t_submit:.0f}s after its submission "
           f"({k} + 1 steps)", file=sys.stderr)
 
 
@@ -295,4 +295,4 @@ def test_time_limit_sigterm(slurm, limit_job):
     assert "got SIGTERM" in out and "got SIGUSR1" not in out, out[-3000:]
     _sigterm_stop(e.save, out)
     assert "not requeued by this script" in out
-    print(f"time limit: job over {time.perf_counter() - e.t_submit:.0f}s after its submission", file=sys.stderr)
+    print(f"time limit: checked {time.perf_counter() - e.t_submit:.0f}s after its submission", file=sys.stderr)
