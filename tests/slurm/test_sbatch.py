@@ -80,6 +80,9 @@ def _slurm_cluster():
     # the jobs at nice -5 (slurmd's; tools/slurm_cluster.sh): they are timed by SLURM's clocks while the other xdist
     # workers keep both cores busy, so their start-ups go first (their steps mostly wait: IDLING)
     env.setdefault("TSYNC_SLURMD_NICE", "-5")
+    # 4 CPU slots on the 2-core node: the clock-bound jobs of test_stop_requeue.py run beside the other tests' jobs
+    # (one CPU each; with 2 slots a third job pends until one ends)
+    env.setdefault("TSYNC_SLURM_NODE_CPUS", "4")
     was_up = subprocess.run(["bash", CLUSTER, "status"], env=env, capture_output=True).returncode == 0
     if not was_up:
         if os.geteuid() != 0:
