@@ -27,6 +27,8 @@
 # 1 s (SLURM's defaults 60 s / 30 s: a job that becomes eligible without an event, e.g. a requeued one whose hold
 # ended, waits for the next pass; $TSYNC_SLURM_SCHED_PARAMS replaces the SchedulerParameters). Not configurable:
 # slurmctld enforces time limits every 30 s (PERIODIC_TIMEOUT, compiled in), so a job ends 0-30 s after its limit.
+# TSYNC_SLURM_NODE_CPUS=N (N above the cores): N CPU slots per node (SlurmdParameters=config_overrides), more one-CPU
+# jobs side by side than there are cores (the tests use 4: their jobs mostly wait).
 set -euo pipefail
 
 BASE=${TSYNC_SLURM_DIR:-/tmp/tsync-slurm}
