@@ -27,6 +27,8 @@
 # 1 s (SLURM's defaults 60 s / 30 s: a job that becomes eligible without an event, e.g. a requeued one whose hold
 # ended, waits for the next pass; $TSYNC_SLURM_SCHED_PARAMS replaces the SchedulerParameters). Not configurable:
 # slurmctld enforces time limits every 30 s (PERIODIC_TIMEOUT, compiled in), so a job ends 0-30 s after its limit.
+# TSYNC_SLURM_NODE_CPUS=N (N above the cores): N CPU slots per node (SlurmdParameters=config_overrides), more one-CPU
+# jobs side by side than there are cores (the tests use 4: their jobs mostly wait).
 set -euo pipefail
 
 BASE=${TSYNC_SLURM_DIR:-/tmp/tsync-slurm}
@@ -69,6 +71,12 @@ install_pkgs() {
 write_conf() {
   local cpus mem_mb
   cpus=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)  # GNU nproc caps itself at OMP_NUM_THREADS (tools/test.sh sets 1)
+  # TSYNC_SLURM_NODE_CPUS: CPU slots per node above the machine's (slurmd told to trust slurm.conf: config_overrides),
+  # so more one-CPU jobs run side by side than there are cores (the tests' jobs mostly wait)
+  local over=
+  if [ -n "${TSYNC_SLURM_NODE_CPUS:-}" ] && [ "${TSYNC_SLURM_NODE_CPUS}" -gt "$cpus" ]; then
+    cpus=$TSYNC_SLURM_NODE_CPUS over=1
+  fi
   # RealMemory above what slurmd detects drains the node ("Low RealMemory"): ~80% of MemTotal
   mem_mb=$(awk '/MemTotal/ {printf "%d", $2/1024*0.8}' /proc/meminfo)
   mkdir -p "$BASE"/{etc,state,spool,log,run}
@@ -111,6 +119,7 @@ KillWait=${TSYNC_SLURM_KILLWAIT:-30}
 AuthInfo=cred_expire=${TSYNC_SLURM_CRED_EXPIRE:-30}
 MinJobAge=300
 EOF
+  if [ -n "$over" ]; then echo "SlurmdParameters=config_overrides" >>"$CONF.tmp"; fi
   local i names=()
   for i in $(seq "$NNODES"); do
     names+=("$(node_name "$i")")

@@ -80,6 +80,9 @@ def _slurm_cluster():
     # the jobs at nice -5 (slurmd's; tools/slurm_cluster.sh): they are timed by SLURM's clocks while the other xdist
     # workers keep both cores busy, so their start-ups go first (their steps mostly wait: IDLING)
     env.setdefault("TSYNC_SLURMD_NICE", "-5")
+    # 4 CPU slots on the 2-core node: the clock-bound jobs of test_stop_requeue.py run beside the other tests' jobs
+    # (one CPU each; with 2 slots a third job pends until one ends)
+    env.setdefault("TSYNC_SLURM_NODE_CPUS", "4")
     was_up = subprocess.run(["bash", CLUSTER, "status"], env=env, capture_output=True).returncode == 0
     if not was_up:
         if os.geteuid() != 0:
@@ -194,15 +197,22 @@ def _opd_available() -> bool:
 
 
 # ------------------------------------------------------------------------------------------------ the lifecycle
-def _lifecycle(script: str, slurm_conf: str, tmp_path, name: str) -> dict:
-    """Two jobs: a long job from scratch (the job creates the tiny model) stopped after its first step with SIGUSR1 to
-    the batch script, then a resubmit that resumes from the stop's checkpoint, finishes its step and exits 0."""
-    runs = str(tmp_path / "runs")
-    save = os.path.join(runs, name)  # default SAVE = $TSYNC_RUNS/$SLURM_JOB_NAME, LOAD = SAVE
-    times = {}
+# Two jobs per script, two tests: a long job from scratch (the job creates the tiny model) stopped after its first
+# step with SIGUSR1 to the batch script (``_stop``), then a resubmit that resumes from the stop's checkpoint, finishes
+# its step and exits 0 (``_resume``; it fails, not skips, when its script's stop test left no checkpoint).
+_STOPPED: dict[str, tuple[str, str, int]] = {}  # script → (runs, save, step) of its stopped job
 
-    # 1. a long job from scratch, stopped after its first step with SIGUSR1 to the batch script
-    log1 = str(tmp_path / "job1.log")
+
+@pytest.fixture(scope="module")
+def lifecycle_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("lifecycle")
+
+
+def _stop(script: str, slurm_conf: str, base, name: str) -> None:
+    (base / script).mkdir()
+    runs = str(base / script / "runs")
+    save = os.path.join(runs, name)  # default SAVE = $TSYNC_RUNS/$SLURM_JOB_NAME, LOAD = SAVE
+    log1 = str(base / script / "job1.log")
     t0 = time.perf_counter()
     proc = _sbatch(script, _job_env(slurm_conf, runs, TRAIN_ITERS=10_000, SAVE_INTERVAL=1000), log1, wait=False)
     job_id = proc.job_id
@@ -215,8 +225,6 @@ def _lifecycle(script: str, slurm_conf: str, tmp_path, name: str) -> dict:
     except subprocess.TimeoutExpired:
         proc.kill()
         pytest.fail(f"job {job_id} did not stop within 300 s of SIGUSR1; log:\n{_read(log1)[-4000:]}")
-    times["signal → job end"] = time.perf_counter() - t_sig
-    times["stopped job total"] = time.perf_counter() - t0
     out = _read(log1)
     assert proc.returncode == 0, f"stopped job exit code {proc.returncode}; log:\n{out[-4000:]}"
     assert "got SIGUSR1" in out and "sent SIGUSR1 to the trainer ranks" in out, out[-4000:]
@@ -228,30 +236,46 @@ def _lifecycle(script: str, slurm_conf: str, tmp_path, name: str) -> dict:
     jobdirs = os.listdir(os.path.join(save, "slurm-jobs"))
     secret = os.path.join(save, "slurm-jobs", jobdirs[0], "secret.hex")
     assert os.stat(secret).st_mode & 0o777 == 0o600
+    _STOPPED[script] = (runs, save, stopped_at)
+    print(f"{script}: signal → job end {time.perf_counter() - t_sig:.0f}s, stopped job total "
+          f"{time.perf_counter() - t0:.0f}s", file=sys.stderr)
 
-    # 2. the checkpoint left by the stop loads: a resubmit resumes from it, runs its one step and ends with exit 0
-    log2 = str(tmp_path / "job2.log")
+
+def _resume(script: str, slurm_conf: str, base) -> None:
+    """The checkpoint left by the stop loads: a resubmit resumes from it, runs its one step and ends with exit 0."""
+    if script not in _STOPPED:
+        pytest.fail(f"no stopped {script} job to resume (its stop test failed or did not run)")
+    runs, save, stopped_at = _STOPPED[script]
+    log2 = str(base / script / "job2.log")
     t0 = time.perf_counter()
     rc = _sbatch(script, _job_env(slurm_conf, runs, TRAIN_ITERS=stopped_at + 1), log2)
-    times["resume after stop"] = time.perf_counter() - t0
     out = _read(log2)
     assert rc == 0, f"job 2 exit code {rc}; log:\n{out[-4000:]}"
     assert f"[tsync] resumed from {save} at step {stopped_at}" in out, out[-4000:]
     assert re.search(r"\[tsync\] (opd )?summary: .*, 1 steps,", out), out[-4000:]  # opd: "[tsync] opd summary:"
     assert "trainer exited with code 0" in out
     assert _tracker(save) == stopped_at + 1 and os.path.isdir(os.path.join(save, f"iter_{stopped_at + 1:07d}"))
-    print(f"{script}: " + ", ".join(f"{k} {v:.0f}s" for k, v in times.items()), file=sys.stderr)
-    return times
+    print(f"{script}: resume after stop {time.perf_counter() - t0:.0f}s", file=sys.stderr)
 
 
-def test_grpo_sbatch_lifecycle(slurm, tmp_path):
-    _lifecycle("train_grpo.sh", slurm, tmp_path, "tsync-grpo")
+def test_grpo_sbatch_usr1_stop(slurm, lifecycle_dir):
+    _stop("train_grpo.sh", slurm, lifecycle_dir, "tsync-grpo")
 
 
-def test_opd_sbatch_lifecycle(slurm, tmp_path):
+def test_grpo_sbatch_resume(slurm, lifecycle_dir):
+    _resume("train_grpo.sh", slurm, lifecycle_dir)
+
+
+def test_opd_sbatch_usr1_stop(slurm, lifecycle_dir):
     if not _opd_available():
         pytest.skip("OPD trainer not available (megatron_tsync.runtime.opd is missing)")
-    _lifecycle("train_opd.sh", slurm, tmp_path, "tsync-opd")
+    _stop("train_opd.sh", slurm, lifecycle_dir, "tsync-opd")
+
+
+def test_opd_sbatch_resume(slurm, lifecycle_dir):
+    if not _opd_available():
+        pytest.skip("OPD trainer not available (megatron_tsync.runtime.opd is missing)")
+    _resume("train_opd.sh", slurm, lifecycle_dir)
 
 
 # ------------------------------------------------------------------------------------------------ refusals

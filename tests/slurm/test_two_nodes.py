@@ -119,34 +119,46 @@ def test_rollout_node_worker_killed_is_redispatched(slurm2, tmp_path):
           f"job {time.perf_counter() - t0:.0f}s", file=sys.stderr)
 
 
-def test_two_node_torchrun_stops_on_usr1_and_term(slurm2, tmp_path):
-    runs = str(tmp_path / "runs")
+@pytest.fixture(scope="module")
+def ddp_runs(tmp_path_factory) -> str:
+    """The run folder of the 2-node torchrun run: the TERM test's job resumes from the USR1 test's save."""
+    return str(tmp_path_factory.mktemp("ddp") / "runs")
+
+
+def _two_node_torchrun_stop(slurm2, runs: str, tmp_path, sig: str, cancel: list[str]) -> None:
+    """A 2-node torchrun trainer (resuming from the run's last save, if any) trains 2 steps, then `scancel CANCEL`:
+    a clean save of the last finished step, the stop record names SIG."""
     save = os.path.join(runs, "ddp")
-    times = {}
-    for sig, cancel in (("USR1", ["--signal=USR1", "--batch"]), ("TERM", [])):
-        log = str(tmp_path / f"{sig}.log")
-        t0 = time.perf_counter()
-        p, job = _submit(_job_env(slurm2, runs, **IDLING, TRAINER_NODES=2),
-                         log, "--nodes=2", name="ddp")
-        first = _tracker(save) if os.path.exists(os.path.join(save, "latest_checkpointed_iteration.txt")) else 0
-        _wait_for(rf"\[tsync\] step {first + 2} ", log, p, 300)
-        out = _read(log)
-        assert "trainer: 2 node(s) × 1 rank(s)" in out and "master tsn1:" in out, out[-3000:]
-        assert "world size 2" in out, out[-3000:]
-        pids = glob.glob(os.path.join(save, "slurm-jobs", job, "pids", "*.pid"))
-        assert sorted(os.path.basename(f).split(".")[0] for f in pids) == ["tsn1", "tsn2"], pids
-        subprocess.run(["scancel", *cancel, job], env=_job_env(slurm2, runs), check=True)
-        rc = _finish(p, log, 300)
-        times[sig] = time.perf_counter() - t0
-        out = _read(log)
-        rec = _stop_record(save)
-        assert rec["reason"] == f"SIG{sig}" and rec["finished"] is False, (rec, out[-3000:])
-        assert rec["step"] == _logged_steps(out)[-1] > first, (rec, _logged_steps(out)[-3:])
-        _assert_clean_save(save, rec["step"], out)
-        if sig == "USR1":
-            assert rc == 0, out[-3000:]
-        else:
-            assert _job_state(job, slurm2) == "CANCELLED"
-            assert "trainer exited with code 0" in out, out[-3000:]
-            assert "has expired" not in out  # no signal-forwarding job step tried in an ending job
-    print("2-node torchrun: " + ", ".join(f"{k} job {v:.0f}s" for k, v in times.items()), file=sys.stderr)
+    log = str(tmp_path / f"{sig}.log")
+    t0 = time.perf_counter()
+    p, job = _submit(_job_env(slurm2, runs, **IDLING, TRAINER_NODES=2), log, "--nodes=2", name="ddp")
+    first = _tracker(save) if os.path.exists(os.path.join(save, "latest_checkpointed_iteration.txt")) else 0
+    _wait_for(rf"\[tsync\] step {first + 2} ", log, p, 300)
+    out = _read(log)
+    assert "trainer: 2 node(s) × 1 rank(s)" in out and "master tsn1:" in out, out[-3000:]
+    assert "world size 2" in out, out[-3000:]
+    pids = glob.glob(os.path.join(save, "slurm-jobs", job, "pids", "*.pid"))
+    assert sorted(os.path.basename(f).split(".")[0] for f in pids) == ["tsn1", "tsn2"], pids
+    subprocess.run(["scancel", *cancel, job], env=_job_env(slurm2, runs), check=True)
+    rc = _finish(p, log, 300)
+    out = _read(log)
+    rec = _stop_record(save)
+    assert rec["reason"] == f"SIG{sig}" and rec["finished"] is False, (rec, out[-3000:])
+    assert rec["step"] == _logged_steps(out)[-1] > first, (rec, _logged_steps(out)[-3:])
+    _assert_clean_save(save, rec["step"], out)
+    if sig == "USR1":
+        assert rc == 0, out[-3000:]
+    else:
+        assert _job_state(job, slurm2) == "CANCELLED"
+        assert "trainer exited with code 0" in out, out[-3000:]
+        assert "has expired" not in out  # no signal-forwarding job step tried in an ending job
+    print(f"2-node torchrun: {sig} job {time.perf_counter() - t0:.0f}s (from step {first})", file=sys.stderr)
+
+
+def test_two_node_torchrun_stops_on_usr1(slurm2, ddp_runs, tmp_path):
+    _two_node_torchrun_stop(slurm2, ddp_runs, tmp_path, "USR1", ["--signal=USR1", "--batch"])
+
+
+def test_two_node_torchrun_stops_on_term(slurm2, ddp_runs, tmp_path):
+    """After the USR1 test (it resumes from that save when there is one; a run from scratch otherwise)."""
+    _two_node_torchrun_stop(slurm2, ddp_runs, tmp_path, "TERM", [])
