@@ -2,7 +2,8 @@
 
 Importing the package does two things besides defining ``__version__``: it makes the first import of ``megatron.core``
 in this process cheaper (:func:`_defer_torch_compile_in_megatron_import`: torch's compiler stack, wandb and
-TensorBoard are not loaded by it), and it makes the process's exit cheaper (:func:`_freeze_gc_at_exit`). Everything else that touches megatron-core versions or patches it lives in
+TensorBoard are not loaded by it), and it makes the process's exit cheaper (:func:`_freeze_gc_at_exit`).
+Everything else that touches megatron-core versions or patches it lives in
 ``megatron_tsync/model/compat/``; this one hook cannot, because it has to be in
 place before any module imports ``megatron.core`` and this file is the only one every such module runs first.
 """

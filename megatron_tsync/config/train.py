@@ -77,8 +77,9 @@ class TrainConfig:
                "precision.params_dtype")
         _check(lr.dp_assignment in ("arrival", "group"), f"learner.dp_assignment must be 'arrival' or 'group', got "
                f"{lr.dp_assignment!r}", "learner.dp_assignment")
-        _check(not (lr.dp_assignment == "group" and self.rl.algorithm == "opd"), "learner.dp_assignment 'group' keeps a "
-               "GRPO group's buckets on one rank; OPD has no group buckets (it would do nothing there)",
+        _check(not (lr.dp_assignment == "group" and self.rl.algorithm == "opd"),
+               "learner.dp_assignment 'group' keeps a GRPO group's buckets on one rank; OPD has no group buckets (it "
+               "would do nothing there)",
                "learner.dp_assignment", "rl.algorithm")
         _check(lr.max_open_groups is None or lr.max_open_groups >= 1,
                f"learner.max_open_groups must be >= 1, got {lr.max_open_groups}", "learner.max_open_groups")

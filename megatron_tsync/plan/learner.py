@@ -3,7 +3,8 @@
 Per simulated data-parallel rank, the loop follows ``training/learner.py`` (``_consume`` / ``_feed`` / ``_drain``):
 when the learner is free it takes every reward that has landed (all of them while it was busy), hands them to the
 planner in one ``on_ready_batch`` (each rank's planner sees every arrival, trains only its own: the i-th arrival
-goes to rank i mod DP, or by group with ``--dp-assignment group``: ``DataParallelAssigner``), runs the items, then ``closable()``'s held items and group closes;
+goes to rank i mod DP, or by group with ``--dp-assignment group``: ``DataParallelAssigner``), runs the items, then
+``closable()``'s held items and group closes;
 when nothing is pending it waits for the next arrival. At the end, ``finish()``'s held items and closes, then the
 barrier (gradient all-reduce and the optimizer). Items cost :class:`LearnerCost` seconds each (one microbatch per
 trajectory, or packed microbatches of at most ``max_packed_tokens``); one schedule call on PP stages pays the

@@ -2,7 +2,8 @@
 
 Each engine (``rollout_tp`` GPUs) decodes the sequences it holds in one continuous batch: every decode step advances
 each of them by one token and takes ``τ(b, C)`` seconds (``hardware.py``'s roofline: weights and KV cache read once
-per step, a linear-attention layer's recurrent state read and written, at ``hbm_eff`` of the bandwidth, or ``2·N_act·b`` FLOPs at ``decode_mfu``, whichever is longer, plus a
+per step, a linear-attention layer's recurrent state read and written, at ``hbm_eff`` of the bandwidth, or
+``2·N_act·b`` FLOPs at ``decode_mfu``, whichever is longer, plus a
 fixed step overhead), b = sequences decoding, C = their summed context. Between events τ is constant (the contexts
 are updated at every event). A turn's prefill (its prompt or the previous tool's output) takes
 ``2·N_act·tokens / (peak·decode_tp·prefill_mfu)`` and holds only that sequence; tool calls and the verifier hold no

@@ -11,7 +11,8 @@ calls lognormal around 60 (log-sd 0.8, at most 299), 2,048 prompt tokens, 60 gen
 turn, ended at 131,072 tokens; swe-like tool latencies) and two numbers are fitted per model to the paper's GRPO sync
 step: the learner's MFU so that the learner works 50.5 % of 1313.6 s, then the tool-latency scale so that the sync
 step is 1313.6 s. Everything else is predicted: stream-trajectory, stream-group and async(1) under GRPO, and all four
-modes under OPD (the same learner, MFU and workload, the teacher's forward on the learner GPUs, or its log-probs from the rollout engines). Beside each prediction: its per-step
+modes under OPD (the same learner, MFU and workload, the teacher's forward on the learner GPUs, or its log-probs
+from the rollout engines). Beside each prediction: its per-step
 lower bound (``simulate.py``: no schedule of that work ends earlier) and the tail (learner seconds after the last
 reward), which is what separates a streaming step from the rollout makespan.
 
@@ -143,8 +144,8 @@ def scaling(gpus=(8, 64, 512, 1024), models=SCALING_MODELS, scale: float = 5.0, 
             dp = n // 2 // kw.get("tp", 1)
             lay = Layout(gpu="h100", rollout_gpus=n // 2, learner_gpus=n // 2, **{**kw, "ep": min(kw.get("ep", 1), dp)})
             arch, sc = _scenario(model, lay)
-            batches = _batches(scale, SCALING_WORKLOAD, prompts=max(32, per_gpu * n), group_size=8, prompt_tokens=512, gen_tokens=256,
-                               tool_output_tokens=128)
+            batches = _batches(scale, SCALING_WORKLOAD, prompts=max(32, per_gpu * n), group_size=8,
+                               prompt_tokens=512, gen_tokens=256, tool_output_tokens=128)
             s = {m: v["summary"] for m, v in simulate(sc, batches, ("sync", "stream-trajectory", "async")).items()}
             mem = bucket_memory(arch, sc, s["stream-trajectory"]["peak_open_groups"])
             free = 0.75 * mem["gpu_gib"] - mem["model_state_gib"]

@@ -9,7 +9,8 @@ term and the KV cache) and, for linear-attention layers, their recurrent state. 
   Qwen3's QK-norm ``2·head_dim``); SwiGLU ``3·H·ffn``; MoE experts ``E × 3·H·moe_ffn`` and a router ``H × E``.
 - ``glm4_moe_lite`` / ``deepseek_v3`` (multi-latent attention): q ``H × q_lora + q_lora + q_lora × n·(nope+rope)``
   (or ``H × n·(nope+rope)`` without a q LoRA), kv ``H × (kv_lora + rope) + kv_lora + kv_lora × n·(nope + v)``,
-  output ``n·v × H``; the first ``first_k_dense_replace`` layers dense; shared experts ``3·H·n_shared·moe_ffn``. The
+  output ``n·v × H``; the first ``first_k_dense_replace`` layers dense; shared experts ``3·H·n_shared·moe_ffn``.
+  The
   KV cache holds the latent and the RoPE key, ``kv_lora + rope`` bf16 values per token and layer (vLLM's MLA cache).
 - ``qwen3_5`` / ``qwen3_5_text`` (Gated DeltaNet hybrid, ``layer_types``): full-attention layers GQA with an output
   gate (q projection ``2·q``) and QK-norm; linear-attention layers ``H × (2·nk·dk + 2·nv·dv + 2·nv)`` in,
@@ -169,7 +170,7 @@ def _qwen3_5(cfg: dict[str, Any]) -> ModelShape:
 
 
 def _deepseek_v3(cfg: dict[str, Any]) -> ModelShape:
-    """``deepseek_v3`` (and ``glm4_moe_lite`` where the learner's checks refuse a config the planner can count)."""
+    """``deepseek_v3`` (MLA + MoE; ``glm4_moe_lite`` goes through ModelArch, which the learner builds)."""
     h, n = int(cfg["hidden_size"]), int(cfg["num_hidden_layers"])
     k = int(cfg.get("first_k_dense_replace", 1))
     types = cfg.get("mlp_layer_types") or ["dense"] * k + ["sparse"] * (n - k)
