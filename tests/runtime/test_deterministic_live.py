@@ -94,13 +94,18 @@ def _pair(tmp, model, tag, iters, extra, nproc=1, runs=None, spec=JITTER):
     b = _run(tmp, f"{tag}_b", model, iters, [*extra, "--latency-profile", str(jitter)], nproc)
     if runs is not None:
         runs += [a, b]
+    _same_trajectories_other_orders(a, b, iters)
+    return _weights(a, tmp), _weights(b, tmp)
+
+
+def _same_trajectories_other_orders(a, b, iters):
+    """Both runs sampled the same trajectories every step, and their arrival orders differ in at least half."""
     orders_differ = 0
     for k in range(iters):
         (ta, oa), (tb, ob) = _rollouts(a, k), _rollouts(b, k)
         assert ta == tb, f"step {k}: the two runs sampled different trajectories (not an arrival-order test)"
         orders_differ += oa != ob
     assert orders_differ >= max(1, iters // 2), f"arrival orders differ in only {orders_differ}/{iters} steps"
-    return _weights(a, tmp), _weights(b, tmp)
 
 
 @pytest.fixture(scope="module")
@@ -210,12 +215,7 @@ def test_live_runs_bitwise_equal_at_ep2_with_kl_reference(ep2, tmp_path):
     (a falling warm start, real updates in both steps)."""
     a, b = ep2("a"), ep2("b")
     ha, hb = _check_ep2_run(a), _check_ep2_run(b)
-    orders_differ = 0
-    for k in range(EP2_ITERS):
-        (ta, oa), (tb, ob) = _rollouts(a, k), _rollouts(b, k)
-        assert ta == tb, f"step {k}: the two runs sampled different trajectories (not an arrival-order test)"
-        orders_differ += oa != ob
-    assert orders_differ >= max(1, EP2_ITERS // 2), f"arrival orders differ in only {orders_differ}/{EP2_ITERS} steps"
+    _same_trajectories_other_orders(a, b, EP2_ITERS)
     assert [(h["loss"], h["grad_norm"]) for h in ha] == [(h["loss"], h["grad_norm"]) for h in hb]
     wa, wb = _weights(a, tmp_path), _weights(b, tmp_path)
     assert set(wa) == set(wb)
