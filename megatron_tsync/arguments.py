@@ -155,8 +155,16 @@ _FLAGS: tuple[_Flag, ...] = (
             "the fewest tokens assigned when its first member lands: each rank holds buckets only for its own groups, "
             "about 1/DP of them; the same update). GRPO; --deterministic always assigns by group"),
     _f("--max-device-buckets", "learner.max_device_buckets", _G_RL, type=int, metavar="N",
-       help="bucket vectors kept on the accelerator (>= 2); idle ones beyond N move to pinned host memory "
+       help="bucket residency: a device cache of N preallocated bucket-vector slots (>= 2); the vectors beyond N "
+            "live in a pinned host arena, moved on a side stream and prefetched for the next microbatch "
             "(default: all on the accelerator)"),
+    _f("--bucket-device-gib", "learner.bucket_device_gib", _G_RL, type=float, metavar="GIB",
+       help="bucket residency: a device cache of as many bucket vectors as GIB GiB holds (at least 2; with "
+            "--max-device-buckets the smaller of the two)"),
+    _f("--bucket-host-gib", "learner.bucket_host_gib", _G_RL, type=float, metavar="GIB",
+       help="bucket residency: the host arena's size, allocated once in slabs (default: what each step's open groups "
+            "can need beyond the device cache, refused if host memory cannot hold it); a step needing more stops "
+            "with an error"),
     _f("--skip-zero-advantage", "learner.skip_zero_advantage", _G_RL, action=argparse.BooleanOptionalAction,
        help="no forward/backward for trajectories whose advantage is exactly 0 (all-equal groups) when no KL/entropy "
             "term needs them; their tokens still count in the denominators; exact (default on)"),

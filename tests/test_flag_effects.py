@@ -72,7 +72,13 @@ def _early_work(res) -> int:
     return sum(1 for _, end in res.busy_intervals if end <= res.last_arrival_s)
 
 
-RESULT_OBSERVABLES: dict[str, Callable] = {"early_work": _early_work}
+def _arena(tier: str) -> Callable:
+    """Bytes of bucket residency's device cache or host arena (``streaming/offload.py``)."""
+    return lambda res: res.offload[f"{tier}_arena_bytes"]
+
+
+RESULT_OBSERVABLES: dict[str, Callable] = {"early_work": _early_work, "device_arena": _arena("device"),
+                                           "host_arena": _arena("host")}
 CONFIG_OBSERVABLES: dict[str, Callable] = {"sampling_max_new_tokens": _sampling_max_new,
                                            "version_window": _version_window, "train_spec": _train_spec}
 
@@ -106,6 +112,12 @@ CASES: dict[str, Case] = {
     "--old-logprobs": Case([], [ENGINE]),
     "--max-open-groups": Case(STREAM, [[*STREAM, "--max-open-groups", "1"]], "stat:overflow_groups"),
     "--max-device-buckets": Case(STREAM, [[*STREAM, "--max-device-buckets", "2"]], "result:offload"),
+    # a vector of the tiny float64 model is ~0.9 MiB: 0.002 GiB holds 2 of the 4 slots --max-device-buckets asks for
+    "--bucket-device-gib": Case([*STREAM, "--max-device-buckets", "4"],
+                                [[*STREAM, "--max-device-buckets", "4", "--bucket-device-gib", "0.002"]],
+                                "result:device_arena"),
+    "--bucket-host-gib": Case([*STREAM, "--max-device-buckets", "2"],
+                              [[*STREAM, "--max-device-buckets", "2", "--bucket-host-gib", "0.02"]], "result:host_arena"),
     "--skip-zero-advantage": Case(["--no-skip-zero-advantage"], [["--skip-zero-advantage"]],
                                   "stat:skipped_zero_advantage"),
     "--stream-wait-for-variance": Case([*STREAM, "--no-stream-wait-for-variance"],

@@ -1,4 +1,4 @@
-"""GPU smoke test: the checks only a GPU can run, in one script (≤ 8 minutes on one GPU), table printed last.
+"""GPU smoke test: the checks only a GPU can run, in one script (≤ 9 minutes on one GPU), table printed last.
 
     python tools/gpu_smoke.py [--json out.json] [--hf-model DIR]
 
@@ -34,6 +34,13 @@ Transformer Engine or vLLM's CUDA build is skipped, and the script still exits 0
    not a multiple of its chunk) and ``fused_recurrent_gated_delta_rule`` (one decode step from the carried state)
    vs ``megatron_tsync.model.gated_delta`` in float64: outputs and final state ≤ 5e-3 relative, the chunked form's
    gradients (q, k, v, g, β, initial state) ≤ 2e-2 (TF32 dots). Skipped without CUDA or ``fla``. Never run yet.
+12. ``bucket-residency``: bucket residency's arenas and copy engine (``streaming/arena.py``, ``mover.py``): the host
+   arena's slabs are pinned; a 256 MiB device→host and host→device copy on the side stream, issued before a chain of
+   matmuls on the compute stream, overlaps them (pass: ≥ 50% of each copy's time inside the matmuls' interval, from
+   CUDA timing events) and round-trips bit-exactly; GB/s each way. Then stream-trajectory (float32, 4 groups × 4
+   interleaved) under a 2-slot device cache (``--max-device-buckets 2``) against the same run without residency:
+   relative gradient difference ≤ 1e-6 (bitwise where the kernels are deterministic), vectors moved, prefetches and
+   the compute stream's copy-wait seconds reported. Never run yet (no GPU where it was written).
 """
 
 from __future__ import annotations
@@ -90,7 +97,7 @@ def _arch():
                      num_attention_heads=16, num_kv_heads=4, head_dim=64, max_position_embeddings=4096)
 
 
-def _grad(mode, precision, samples, order, packing=None):
+def _grad(mode, precision, samples, order, packing=None, **learner):
     import torch
 
     from megatron_tsync.streaming.ready_queue import ListSource
@@ -102,7 +109,7 @@ def _grad(mode, precision, samples, order, packing=None):
     ddp = wrap_ddp(m)
     opt = build_optimizer(ddp, OptimConfig(optimizer="sgd", lr=0.0, clip_grad=0.0))
     L = Learner(ddp, opt, LearnerConfig(mode=mode, sequence_packing=packing is not None,
-                                        max_packed_tokens=packing or 4096))
+                                        max_packed_tokens=packing or 4096, **learner))
     got = {}
     L.grad_hook = lambda d: got.setdefault("g", torch.cat([b.grad_data.float().clone() for b in d.buffers]))
     sizes, shape = shape_for(samples)
@@ -517,6 +524,70 @@ def vllm_routing():
     return ("pass" if frac >= 0.99 else "fail"), f"{frac:.2%} of {total} (position, layer) expert sets equal megatron's"
 
 
+def _timed_copy(mover, dst, src, a, reps):
+    """Issue dst ← src on the mover's side stream, then ``reps`` matmuls a @ a on the compute stream; returns
+    (copy seconds, fraction of the copy inside the matmuls' interval)."""
+    import torch
+
+    ev = [torch.cuda.Event(enable_timing=True) for _ in range(5)]
+    cur = torch.cuda.current_stream()
+    torch.cuda.synchronize()
+    ev[0].record(cur)
+    mover.mark_used(src)
+    ev[1].record(mover.stream)
+    mover.copy(dst, src)
+    ev[2].record(mover.stream)
+    ev[3].record(cur)
+    for _ in range(reps):
+        a = (a @ a).mul_(1e-3)  # (N, N); scaled to stay finite
+    ev[4].record(cur)
+    torch.cuda.synchronize()
+    cs, ce, ms, me = (ev[0].elapsed_time(e) for e in ev[1:])
+    inside = max(0.0, min(ce, me) - max(cs, ms))
+    return (ce - cs) / 1e3, inside / max(ce - cs, 1e-9)
+
+
+@check("bucket-residency")
+def bucket_residency():
+    if not _cuda():
+        return "skip", "no CUDA device"
+    import random
+
+    import torch
+
+    from megatron_tsync.model.builder import PrecisionConfig
+    from megatron_tsync.streaming.arena import SlotArena, SlotLayout
+    from megatron_tsync.streaming.mover import Mover
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    lay = SlotLayout([torch.empty(64 << 20, dtype=torch.float32, device=dev)])  # one 256 MiB vector
+    host, cache = SlotArena(lay, 1, torch.device("cpu"), pin=True), SlotArena(lay, 2, dev)
+    if not all(s.is_pinned() for s in host.slabs):
+        return "fail", "the host arena's slabs are not pinned"
+    src, back, h = cache.take(), cache.take(), host.take()
+    src.parts[0].normal_()
+    mover, a = Mover(dev), torch.randn(8192, 8192, device=dev)
+    d2h_s, d2h_in = _timed_copy(mover, h, src, a, 12)
+    h2d_s, h2d_in = _timed_copy(mover, back, h, a, 12)
+    mover.ready(back)
+    exact = torch.equal(back.parts[0], src.parts[0])
+    gb = lay.vector_bytes / 1e9
+    detail = (f"pinned arena; D2H {gb / d2h_s:.1f} GB/s ({d2h_in:.0%} overlapped), H2D {gb / h2d_s:.1f} GB/s "
+              f"({h2d_in:.0%} overlapped), round trip {'exact' if exact else 'NOT exact'}")
+    S = _samples(n_groups=4, G=4, T=512, seed=5)
+    order = [S[g * 4 + i] for i in range(4) for g in range(4)]  # every group open at once
+    random.Random(3).shuffle(order[4:])
+    g_ref, _ = _grad("stream-trajectory", PrecisionConfig(), S, order)
+    g_res, res = _grad("stream-trajectory", PrecisionConfig(), S, order, max_device_buckets=2)
+    rel = float((g_res - g_ref).norm() / g_ref.norm())
+    off = res.offload
+    detail += (f"; stream-trajectory with 2 device slots vs without: {rel:.1e}{' (bitwise)' if rel == 0 else ''}, "
+               f"{off['to_host']} out / {off['to_device']} in ({off['prefetched']} prefetched, "
+               f"{off['prefetch_hits']} hits), {off['bytes_moved'] / 1e9:.2f} GB moved, copy wait {off['wait_s']:.3f} s")
+    ok = exact and d2h_in >= 0.5 and h2d_in >= 0.5 and rel <= 1e-6 and off["to_host"] > 0
+    return ("pass" if ok else "fail"), detail
+
+
 def _gdn_inputs(B=2, T=300, Hk=2, Hv=4, D=64):
     import torch
 
@@ -585,6 +656,7 @@ def main(argv=None):
     vllm_native_sparse(a.hf_model)
     vllm_routing()
     gated_delta_fla()
+    bucket_residency()
     import torch
 
     dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU only"

@@ -86,6 +86,13 @@ class TrainConfig:
         _check(lr.max_device_buckets is None or lr.max_device_buckets >= 2,
                f"learner.max_device_buckets must be >= 2 (an origin shift touches P and Q at once), got "
                f"{lr.max_device_buckets}", "learner.max_device_buckets")
+        for path, gib in (("learner.bucket_device_gib", lr.bucket_device_gib),
+                          ("learner.bucket_host_gib", lr.bucket_host_gib)):
+            _check(gib is None or gib > 0, f"{path} must be > 0, got {gib}", path)
+        _check(lr.bucket_host_gib is None or lr.max_device_buckets is not None or lr.bucket_device_gib is not None,
+               "learner.bucket_host_gib sizes the host arena of bucket residency, which is on with "
+               "learner.max_device_buckets or learner.bucket_device_gib (neither is set)",
+               "learner.bucket_host_gib", "learner.max_device_buckets", "learner.bucket_device_gib")
         _check(lr.estimator_eps >= 0, f"learner.estimator_eps must be >= 0, got {lr.estimator_eps}",
                "learner.estimator_eps")
         _check(lr.coalesce_ms >= 0, f"learner.coalesce_ms must be >= 0, got {lr.coalesce_ms}", "learner.coalesce_ms")
@@ -107,10 +114,11 @@ class TrainConfig:
                "microbatch: learner.sequence_packing is refused (--no-sequence-packing overrides a config's)",
                "learner.deterministic", "learner.sequence_packing")
         _check(not lr.pack_across_groups or (lr.sequence_packing and lr.mode == "stream-trajectory"
-                                              and self.rl.algorithm == "grpo" and lr.max_device_buckets is None),
+                                              and self.rl.algorithm == "grpo" and lr.max_device_buckets is None
+                                              and lr.bucket_device_gib is None),
                "learner.pack_across_groups mixes bucket destinations in packed microbatches: it needs "
                "learner.sequence_packing and learner.mode stream-trajectory (the only mode with bucket work), "
-               "rl.algorithm grpo, and no learner.max_device_buckets", "learner.pack_across_groups",
+               "rl.algorithm grpo, and no bucket residency (learner.max_device_buckets, learner.bucket_device_gib)", "learner.pack_across_groups",
                "learner.sequence_packing", "learner.mode")
         _check(not lr.full_microbatches or (lr.sequence_packing and lr.mode in ("stream-group", "stream-trajectory")
                                              and self.rl.algorithm == "grpo"),

@@ -10,7 +10,8 @@ says it shortens the step or is needed to fit):
 - ``--sequence-packing``: on when packed microbatches (``--max-packed-tokens``) shorten the step;
 - ``--max-device-buckets N`` / offload: when the bucket peak does not fit next to the model state (``costs.py``) in
   ``mem_frac`` of the GPU's memory (the rest for activations and the allocator), keep N vectors on the GPU and the
-  rest in host memory (``streaming/offload.py``); ``--max-open-groups`` when not even that fits.
+  rest in host memory (``streaming/offload.py``; N >= 2, the residency's smallest device cache); ``--max-open-groups``
+  when not even that fits.
 
 The printed advice (:func:`options`) ranks every zero-staleness way to run within the GPU's memory by its predicted
 step: ``stream-group`` (no bucket vectors: a group trains once it is complete), ``stream-trajectory`` as it is (if
@@ -65,18 +66,18 @@ def recommend(arch: ModelArch, sc: Scenario, batches, base_step_s: float, mem: d
     if mem["bucket_vectors"] <= fit:
         out["max_device_buckets"] = {"value": None, "why": f"the peak {mem['bucket_vectors']} vectors fit "
                                      f"({fit} would, {free:.1f} GiB free of {mem['gpu_gib']:.0f} GiB × {mem_frac})"}
-    elif fit >= per_group:
+    elif fit >= MIN_DEVICE_VECTORS:
         out["max_device_buckets"] = {"value": fit, "why": f"{mem['bucket_vectors']} vectors at the peak, {fit} fit on "
                                      f"the GPU: offload the rest to host memory"}
     else:
-        groups = max(1, fit // per_group)
-        out["max_device_buckets"] = {"value": 0, "why": f"not one group's {per_group} vectors fit next to the model "
-                                     f"state ({free:.1f} GiB free): offload every bucket, or raise TP/PP",
-                                     "max_open_groups": groups}
+        out["max_device_buckets"] = {"value": None, "why": f"bucket residency keeps {MIN_DEVICE_VECTORS} vectors on "
+                                     f"the GPU, {fit} fit next to the model state ({free:.1f} GiB free): stream-group, "
+                                     "or raise TP/PP", "max_open_groups": fit // per_group or None}
     return out
 
 
 GPUS_PER_NODE = 8
+MIN_DEVICE_VECTORS = 2  # bucket residency's smallest device cache (an origin shift touches P and Q at once)
 HOST_BW_GBS = 25.0
 """Host ↔ GPU bandwidth per GPU (GB/s) the residency transfer time assumes (PCIe Gen4 x16 in practice, ~Gen5 half)."""
 
@@ -110,9 +111,11 @@ def options(arch: ModelArch, sc: Scenario, batches, out: dict, mem: dict, mem_fr
         step = simulate(s2, batches, modes=("stream-trajectory",))["stream-trajectory"]["summary"]["step_s"]
         add(f"--rl-mode stream-trajectory --max-open-groups {cap}", step, cap * per_group, True)
     if peak > fit:
-        host = (peak - fit) * vec  # GiB per GPU
+        n = max(fit, MIN_DEVICE_VECTORS)
+        host = (peak - n) * vec  # GiB per GPU
         transfer = 2 * host * GIB / (HOST_BW_GBS * 1e9)
-        add(f"--rl-mode stream-trajectory --max-device-buckets {fit}", st + transfer, fit, True, host_gib=host,
+        add(f"--rl-mode stream-trajectory --max-device-buckets {n}", st + transfer, n, fit >= n,
+            "" if fit >= n else f"bucket residency keeps {n} vectors on the GPU, {fit} fit", host_gib=host,
             transfer_s=transfer)
     return sorted(rows, key=lambda r: (not r["fits"], round(r["step_s"], 2), r["bucket_gib"]))  # ties: less memory
 

@@ -22,6 +22,7 @@ from megatron_tsync.runtime.fleet import LEDGER_TB_NAMES, RolloutFleet, Transpor
 from megatron_tsync.runtime.rollout_io import grad_dump_hook, load_rollouts
 from megatron_tsync.runtime.spec import StepOutcome, TrainSpec
 from megatron_tsync.runtime.validation import REJECTION_TB_NAMES, rejection_row
+from megatron_tsync.streaming.offload import TB_NAMES as RESIDENCY_TB_NAMES
 from megatron_tsync.streaming.ready_queue import CoalescingSource, DataParallelAssigner, ListSource, Sample
 from megatron_tsync.training.learner import Learner, LearnerConfig
 from megatron_tsync.training.reference import KL_SUM
@@ -36,6 +37,7 @@ TB_NAMES = {"reward": "rollout/reward", "success_rate": "rollout/success_rate", 
             "kl_sum_mean": "train/kl_sum_mean"}
 TB_NAMES |= REJECTION_TB_NAMES  # transport/rejected_<reason>
 TB_NAMES |= HARNESS_TB_NAMES  # rollout/harness_<reason>: failed harness episodes (--harness-cmd / --harness-fn)
+TB_NAMES |= {f"offload_{k}": tag for k, tag in RESIDENCY_TB_NAMES.items()}  # stream/*: bucket residency
 
 
 def learner_config(cfg, task) -> LearnerConfig:
@@ -165,7 +167,8 @@ class GRPO:
         bar = progress_bar(done, total) if self.ctx.cfg.logging.progress else f"step {done}"
         return (f"[tsync] {bar} reward {row['reward']:.3f} success {row['success_rate']:.2f} "
                 f"step {row['step_time_s']:5.2f}s idle {row['idle_frac']:4.0%} grad-norm {grad_norm_text(row)} "
-                f"rejected {row['events_rejected']} failed {row.get('failed', 0)}{skipped_text(row)} ETA {eta_s:5.0f}s")
+                f"rejected {row['events_rejected']} failed {row.get('failed', 0)}{skipped_text(row)}{_residency_text(row)} "
+                f"ETA {eta_s:5.0f}s")
 
     def summary(self, h: list[dict]) -> str:
         n = max(1, min(10, len(h) // 3))  # first / last third (≤ 10 steps): one step's batch is noisy
@@ -178,6 +181,15 @@ class GRPO:
                 f"{mean('success_rate', h[-n:]):.2f}, reward {mean('reward', h[:n]):.3f} → {mean('reward', h[-n:]):.3f} "
                 f"(means of the first/last {n} steps), mean step {mean('step_time_s', h):.2f}s, learner idle "
                 f"{mean('idle_frac', h):.0%}")
+
+
+def _residency_text(row: dict) -> str:
+    """Bucket residency in the progress line: peak bytes per tier, bytes moved, seconds waited on copies."""
+    if "offload_bytes_moved" not in row:
+        return ""
+    mib = 2 ** 20
+    return (f" buckets dev {row['offload_peak_device_bytes'] / mib:.0f}/host {row['offload_peak_host_bytes'] / mib:.0f} "
+            f"MiB moved {row['offload_bytes_moved'] / mib:.0f} MiB wait {row['offload_wait_s']:.2f}s")
 
 
 def _speculation_row(samples: list[Sample], on: bool) -> dict:

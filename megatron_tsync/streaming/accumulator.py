@@ -29,7 +29,8 @@ class _Bucket:
 
 
 class GroupBuckets(ResidentVectors):
-    """``residency``: optional host offload of idle vectors (``streaming/offload.py``); None keeps all on the device."""
+    """``residency``: optional device cache + host arena of the vectors (``streaming/offload.py``); None keeps all on
+    the device."""
 
     def __init__(self, router: GradRouter, pool: BucketPool, residency: Residency | None = None):
         super().__init__(router, pool, residency)
@@ -43,17 +44,19 @@ class GroupBuckets(ResidentVectors):
         """The group's bucket; a new one has Q and its origin at ``reward`` (P comes with :meth:`_p`)."""
         b = self.buckets.get(group_id)
         if b is None:
-            b = _Bucket(q=self._acquire(f"Q:{group_id}"), p=None, rho=float(reward), alpha_known=alpha_known)
+            b = _Bucket(q=self._acquire(f"Q:{group_id}", group_id), p=None, rho=float(reward), alpha_known=alpha_known)
             self.buckets[group_id] = b
         return b
 
     def _p(self, group_id: str, b: _Bucket) -> GradVector:
         if b.p is None:
-            b.p = self._acquire(f"P:{group_id}", keep=(b.q,))
+            b.p = self._acquire(f"P:{group_id}", group_id, keep=(b.q,))
         return b.p
 
     def enter(self, group_id: str, reward: float, alpha_known: float | None) -> None:
         """Prepare for a backward of a trajectory of ``group_id`` with ``reward`` and route grads into Q."""
+        if self.residency is not None:  # the previous backward is complete: the vector it wrote may move now
+            self.router.route_to_accumulator()
         b = self._open(group_id, reward, alpha_known)
         if reward != b.rho:
             shift = b.rho - float(reward)

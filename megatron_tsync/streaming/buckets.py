@@ -75,12 +75,16 @@ class BucketPool:
 
     def __init__(self, accumulator: GradVector, *, keep_free: bool = True):
         self.accumulator = accumulator
-        self.keep_free = keep_free  # False with host offload: released vectors go back to the allocator
+        self.keep_free = keep_free  # False under residency: released vectors' slots go back to its arenas
         self._free: list[GradVector] = []
         self.stats = BucketStats(bytes_per_vector=accumulator.nbytes())
 
-    def acquire(self, tag: str = "") -> GradVector:
-        if self._free:
+    def acquire(self, tag: str = "", parts: list[torch.Tensor] | None = None) -> GradVector:
+        """A zero vector: recycled, newly allocated, or over ``parts`` (a residency slot the caller zeroed; nothing
+        is allocated then)."""
+        if parts is not None:
+            v = GradVector(parts)
+        elif self._free:
             v = self._free.pop().zero_()
         else:
             v = GradVector([torch.zeros_like(p) for p in self.accumulator.parts])

@@ -13,8 +13,8 @@ canonical order, k_i its KL/entropy gradient (a second backward of its own, when
 vectors are held from its backward until its group is complete; C_g is held until every earlier group has been
 folded. Memory: one gradient-sized vector per trajectory that has run and whose group is open (two with KL/entropy
 terms), plus one per complete group waiting for an earlier one — against 2 per open group (P, Q) in the default
-mode. ``--max-device-buckets`` keeps at most N of them on the accelerator (``streaming/offload.py``); the moves are
-exact copies. Data parallelism: the DP rank of a trajectory must not depend on arrival order either
+mode. Bucket residency (``--max-device-buckets`` / ``--bucket-device-gib``) keeps at most N of them on the accelerator
+and the rest in its host arena (``streaming/offload.py``); the moves are exact copies. Data parallelism: the DP rank of a trajectory must not depend on arrival order either
 (``DataParallelAssigner(dp, group_order=...)``); each rank folds its own trajectories, then the one DP all-reduce
 of the barrier adds the ranks' sums in a fixed order. Expert parallelism: a rank also holds and folds a vector for
 each trajectory of its EP peers (the gradient its tokens left on this rank's experts, zeros elsewhere;
@@ -96,7 +96,7 @@ class CanonicalSum(ResidentVectors):
         parts = self._held.setdefault(group_id, {}).setdefault(traj_id, {})
         if part in parts:
             raise AssertionError(f"trajectory {traj_id}: its {part} gradient was already computed")
-        v = parts[part] = self._acquire(f"{part}:{traj_id}")
+        v = parts[part] = self._acquire(f"{part}:{traj_id}", group_id)
         self.router.route(v)
         self._count()
 

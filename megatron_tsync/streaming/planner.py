@@ -458,6 +458,12 @@ class StepPlanner:
         vals = [r for g in self.groups.values() for r in self._rewards(g)]
         return torch.tensor(vals, dtype=torch.float64)
 
+    def queued_groups(self) -> list[str]:
+        """Open groups with landed trajectories of this rank that the planner still holds (waiting for variance, for
+        their group, or deferred): their buckets will be written again (bucket residency keeps them on the device)."""
+        return [gid for gid, g in self.groups.items()
+                if not g.closed and (g.local_pending or g.deferred or g.equal_held)]
+
     # ---------------------------------------------------------------- deterministic mode
     def closed_groups(self) -> list[str]:
         """Groups whose work has all been released (their held items run before the caller folds them)."""

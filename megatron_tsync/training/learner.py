@@ -33,7 +33,7 @@ from megatron_tsync.algorithms.streamability import RewardSpec, describe_config
 from megatron_tsync.streaming.accumulator import GroupBuckets
 from megatron_tsync.streaming.buckets import BucketPool, GradRouter
 from megatron_tsync.streaming.canonical import CanonicalSum
-from megatron_tsync.streaming.offload import Residency
+from megatron_tsync.streaming.offload import Residency, ResidencyConfig
 from megatron_tsync.streaming.planner import StepPlanner, TrajMeta
 from megatron_tsync.streaming.ready_queue import ArrivalSource, Sample
 from megatron_tsync.training.barrier import barrier_step
@@ -55,7 +55,10 @@ class LearnerConfig:
     reward_spec: RewardSpec = RewardSpec.binary()
     aux_strategy: str = "second-backward"  # how KL/entropy loss terms stream: "second-backward" | "defer"
     max_open_groups: int | None = None
-    max_device_buckets: int | None = None  # bucket vectors kept on the accelerator; idle ones beyond go to host memory
+    max_device_buckets: int | None = None  # bucket residency (streaming/offload.py): device cache slots; the vectors
+    # beyond go to the host arena
+    bucket_device_gib: float | None = None  # bucket residency: device cache size in GiB (with the above: the smaller)
+    bucket_host_gib: float | None = None  # bucket residency: host arena size in GiB (None: sized per step)
     poll_timeout_s: float = 0.05
     num_minibatches: int = 1  # optimizer steps per batch, minibatches fixed by group index (design note §5)
     epochs: int = 1  # passes over the batch; epochs after the first are synchronous
@@ -91,7 +94,7 @@ class StepResult:
     busy_intervals: list  # (start, end) seconds since step start
     last_arrival_s: float
     work_after_last_arrival_s: float
-    offload: dict | None = None  # host offload of bucket vectors (--max-device-buckets): peaks and moves
+    offload: dict | None = None  # bucket residency (streaming/offload.OffloadStats): bytes per tier, moves, waits
     objective: float | None = None  # the objective's true value, mean over the step's optimizer steps
     # (training/objective.py): the same in every mode and arrival order
     skipped_updates: int = 0  # optimizer steps of this batch skipped for a non-finite loss / gradient (training/barrier)
@@ -138,8 +141,13 @@ class Learner:
         self.pp_size = pp_size
         self.estimator = get_advantage_estimator(cfg.estimator, eps=cfg.estimator_eps)
         self.router = GradRouter(ddp_model)
-        self.pool = BucketPool(self.router.accumulator, keep_free=cfg.max_device_buckets is None)
-        residency = None if cfg.max_device_buckets is None else Residency(self.router, cfg.max_device_buckets)
+        rc = ResidencyConfig(max_device_vectors=cfg.max_device_buckets, device_gib=cfg.bucket_device_gib,
+                             host_gib=cfg.bucket_host_gib)
+        if cfg.bucket_host_gib is not None and not rc.on:
+            raise ValueError("--bucket-host-gib sizes the host arena of bucket residency: it needs "
+                             "--max-device-buckets or --bucket-device-gib")
+        self.pool = BucketPool(self.router.accumulator, keep_free=not rc.on)
+        residency = Residency(self.router, rc) if rc.on else None
         self.buckets = GroupBuckets(self.router, self.pool, residency)
         self.canonical = _deterministic_sum(cfg, self.router, self.pool, residency)
         self.exec = StreamExecutor(ddp_model, self.buckets, cfg.loss,
@@ -266,10 +274,31 @@ class Learner:
         expected = [sum(n for g, n in group_sizes.items() if mb_of[g] == j) for j in range(M)]
         self.exec.begin_step(None, BatchShape(shape.num_sequences, shape.max_len))
         self.pool.reset_peak()
+        if self.buckets.residency is not None:
+            self.buckets.residency.begin_step(self._vector_bound(group_sizes, mb_of))
         t_start = time.perf_counter()
         return _Batch(group_sizes=group_sizes, mb_of=mb_of, expected=expected, theta0=theta0, later_lc=later_lc,
                       buffered=[[] for _ in range(M)], seen=[[] for _ in range(M)],
                       t_start=t_start, last_arrival=t_start)
+
+    def _vector_bound(self, group_sizes: dict[str, int], mb_of: dict[str, int]) -> int:
+        """Bucket vectors this rank can hold at once in this step (what bucket residency's automatic host arena is
+        sized for): per minibatch, 2 per open group (1 when α is known in advance: Dr.GRPO, RLOO), open groups capped
+        by ``max_open_groups``; deterministic mode: one per trajectory part and one partial sum per group (EP peers'
+        trajectories included, so every trajectory of the minibatch)."""
+        cfg = self.cfg
+        bound = 0
+        for j in range(cfg.num_minibatches):
+            sizes = [n for g, n in group_sizes.items() if mb_of[g] == j]
+            if self.canonical is not None:
+                n = sum(sizes) * (2 if cfg.loss.has_aux else 1) + len(sizes)
+            else:
+                coupled = getattr(self.estimator, "needs_batch_rewards", False)
+                per = max((1 if not coupled and self.estimator.alpha_known_in_advance(G) is not None else 2)
+                          for G in sizes) if sizes else 0
+                n = per * min(len(sizes), cfg.max_open_groups or len(sizes))
+            bound = max(bound, n)
+        return bound
 
     def _consume(self, st: _Batch, source: ArrivalSource, planner: StepPlanner, j: int, *, replay: bool) -> None:
         """Minibatch j: feed what already landed for it, then poll until all its trajectories have landed.
@@ -386,7 +415,7 @@ class Learner:
             busy_intervals=busy,
             last_arrival_s=la,
             work_after_last_arrival_s=step_s - la,
-            offload=None if self.buckets.residency is None else dataclasses.asdict(self.buckets.residency.stats),
+            offload=None if self.buckets.residency is None else self.buckets.residency.step_stats(),
             objective=sum(st.objective) / len(st.objective) if st.objective else None,
             skipped_updates=st.skipped,
         )

@@ -174,6 +174,7 @@ class StreamExecutor:
         self.prefix_routing_split = 0  # members kept from their group's shared prefix: their prompt routes otherwise
         self._waited: set[tuple[str, bool]] = set()  # items that waited for a fuller microbatch (full_microbatches)
         self.keep_theta0 = False  # store π_θ0 of each forward at θ0 in Sample.meta[THETA0_LOGP]
+        self._fw = 0  # index of the next forward in the running schedule call (bucket residency's plan)
 
     def begin_step(self, planner: StepPlanner, shape: BatchShape) -> None:
         self.planner, self.shape = planner, shape
@@ -224,6 +225,7 @@ class StreamExecutor:
             packs = self._lockstep_slots(packs)
         if not packs:
             return
+        self._plan_residency(packs)
         seq = max(max(self._pack_tokens(p) for p in packs), _IDLE_TOKENS)
         self.fb(
             forward_step_func=self._forward_step,
@@ -278,12 +280,17 @@ class StreamExecutor:
         t0 = time.perf_counter()
         closes = list(closes) + self._peer_bucket_closes(closes)
         closing = {op.group_id for op in closes}
+        res = self.buckets.residency
+        if res is not None and closes:  # the closes' vectors, in order (prefetched one close ahead)
+            res.plan([op.group_id for op in closes] + self._queued_groups())
         if self.waiting and closing:
             self.waiting = [new for it in self.waiting for new in
                             (self.planner.redirect(it) if it.group_id in closing and it.dest is Dest.BUCKET
                              and it.policy else [it])]
-        for op in closes:
+        for i, op in enumerate(closes):
             self.buckets.close(op.group_id, op.alpha, op.q_coefficient)
+            if res is not None:
+                res.advance(i + 1)
         if closes:
             self.busy.append((t0, time.perf_counter()))
 
@@ -299,8 +306,9 @@ class StreamExecutor:
 
     def _forward_step(self, data_iterator, model):
         pack: list[WorkItem] = next(data_iterator)
+        idx, self._fw = self._fw, self._fw + 1  # this microbatch's place in the schedule (_before_backward)
         if isinstance(pack, _IdleSlot):
-            return self._idle_forward(model, pack.key)
+            return self._idle_forward(model, pack.key, idx)
         samples = [self.samples[it.traj_id] for it in pack]
         states = [{"deferred": False} for _ in pack]
         dev = _device()
@@ -338,7 +346,7 @@ class StreamExecutor:
                 out.grad_fn.register_prehook(functools.partial(self._before_mixed_backward, pack, states, layout, plan))
                 return out, functools.partial(self._loss, pack, samples, states, layout)
         if out.grad_fn is not None:
-            out.grad_fn.register_prehook(functools.partial(self._before_backward, pack[0], states))
+            out.grad_fn.register_prehook(functools.partial(self._before_backward, pack[0], states, idx))
         return out, functools.partial(self._loss, pack, samples, states, layout)
 
     def _slot_key(self, pack: list[WorkItem]) -> tuple:
@@ -374,7 +382,7 @@ class StreamExecutor:
         else:
             self.buckets.route_accumulator()
 
-    def _idle_forward(self, model, key: tuple):
+    def _idle_forward(self, model, key: tuple, idx: int):
         """An expert-lockstep idle microbatch (``_lockstep_slots``): 2 tokens through the model, loss 0·Σ logits;
         its backward runs the all-to-alls and brings the other ranks' tokens' expert gradients to its slot's
         destination (its own tokens add exact zeros)."""
@@ -382,7 +390,7 @@ class StreamExecutor:
         ids = torch.zeros(1, _IDLE_TOKENS, dtype=torch.long, device=dev)
         out = model(ids, torch.arange(_IDLE_TOKENS, device=dev).unsqueeze(0), None)
         if out.grad_fn is not None:
-            out.grad_fn.register_prehook(lambda grad_outputs: self._route_slot(key))
+            out.grad_fn.register_prehook(functools.partial(self._before_idle_backward, key, idx))
 
         def loss(logits):
             zero = 0.0 * logits.sum()
@@ -390,7 +398,39 @@ class StreamExecutor:
 
         return out, loss
 
-    def _before_backward(self, item: WorkItem, states: list[dict], grad_outputs):
+    def _before_idle_backward(self, key: tuple, idx: int, grad_outputs):
+        self._route_slot(key)
+        self._prefetch_after(idx)
+        return None
+
+    def _before_backward(self, item: WorkItem, states: list[dict], idx: int, grad_outputs):
+        """Route microbatch ``idx``'s gradient (:meth:`_route_backward`), then let bucket residency prefetch what the
+        next microbatch writes, so the copy overlaps with this backward and the next forward."""
+        self._route_backward(item, states)
+        self._prefetch_after(idx)
+        return None
+
+    def _plan_residency(self, packs: list) -> None:
+        """Bucket residency (``streaming/offload.py``): the groups these microbatches write, in order, then the groups
+        the planner still holds landed trajectories of: its eviction order and prefetches follow them."""
+        self._fw = 0
+        res = self.buckets.residency
+        if res is not None:
+            res.plan([self._dest_group(p) for p in packs] + self._queued_groups())
+
+    def _queued_groups(self) -> list[str]:
+        return self.planner.queued_groups() if self.planner is not None else []
+
+    def _dest_group(self, pack) -> str | None:
+        """The group whose vectors a microbatch writes (None: the accumulator)."""
+        key = pack.key if isinstance(pack, _IdleSlot) else self._slot_key(pack)
+        return key[2] if key[0] == "canon" else key[1] if key[0] == "bucket" else None
+
+    def _prefetch_after(self, idx: int) -> None:
+        if self.buckets.residency is not None:
+            self.buckets.residency.advance(idx + 1)
+
+    def _route_backward(self, item: WorkItem, states: list[dict]):
         """Route the microbatch's gradient. Items of one microbatch share the destination (``packing.share_key``):
         an accumulator pack, or bucket items of one group with one reward. A bucket pack whose items all deferred
         contributes zero and enters no bucket (as an unpacked deferred item). Deterministic mode: the trajectory's own

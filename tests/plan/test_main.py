@@ -47,20 +47,27 @@ def test_bad_input_is_one_line():
 def test_advice_ranks_the_ways_to_fit_not_only_the_offload(capsys):
     """Qwen3-32B at TP 8 on H100s: the stream-trajectory bucket peak cannot fit. The advice lists what does fit,
     fastest first: stream-group (no buckets) before host residency, whose host RAM per node and transfer time per
-    step are stated (it used to print only --max-device-buckets 0)."""
+    step are stated (it used to print only --max-device-buckets 0) where 2 vectors fit on the GPU."""
     out = main(["--prompts", "8", "--group-size", "4", "--steps", "2", "--model", "qwen3-32b", "--gpu", "h100",
                 "--learner-gpus", "8", "--rollout-gpus", "8", "--tp", "8"])
     opts = out["options"]
     fits = [o for o in opts if o["fits"]]
     assert fits[0]["flags"] == "--rl-mode stream-group" and fits[0]["bucket_gib"] == 0
     assert [o["step_s"] for o in fits] == sorted(o["step_s"] for o in fits)
-    res = next(o for o in fits if "--max-device-buckets" in o["flags"])
-    assert res["host_gib_per_node"] > 0 and res["transfer_s"] > 0
     assert any(not o["fits"] and o["flags"] == "--rl-mode stream-trajectory" for o in opts)
+    # not 2 vectors fit next to the model state: residency (its device cache holds >= 2) does not fit either (it
+    # used to be advised as --max-device-buckets 0, which the trainer refuses)
+    res = next(o for o in opts if "--max-device-buckets" in o["flags"])
+    assert not res["fits"] and res["flags"].endswith("--max-device-buckets 2") and "keeps 2 vectors" in res["why"]
+    assert out["recommended"]["max_device_buckets"]["value"] is None
     text = capsys.readouterr().out
     assert "options within memory, fastest predicted step first:\n  1. --rl-mode stream-group: step" in text
-    assert "GiB per 8-GPU node, up to" in text and "does not fit: --rl-mode stream-trajectory" in text
+    assert "does not fit: --rl-mode stream-trajectory" in text
     out = main(["--prompts", "8", "--group-size", "4", "--steps", "2", "--model", "qwen3-32b", "--gpu", "h200",
                 "--learner-gpus", "8", "--rollout-gpus", "8", "--tp", "8"])  # room for one open group's 2 vectors
-    flags = [o["flags"] for o in out["options"] if o["fits"]]
+    fits = [o for o in out["options"] if o["fits"]]
+    flags = [o["flags"] for o in fits]
     assert flags[0] == "--rl-mode stream-group" and "--rl-mode stream-trajectory --max-open-groups 1" in flags
+    res = next(o for o in fits if "--max-device-buckets" in o["flags"])
+    assert res["host_gib_per_node"] > 0 and res["transfer_s"] > 0
+    assert "GiB per 8-GPU node, up to" in capsys.readouterr().out

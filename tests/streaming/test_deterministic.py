@@ -15,7 +15,7 @@ from megatron_tsync.algorithms.streamability import RewardSpec
 from megatron_tsync.model.builder import PrecisionConfig, build_model
 from megatron_tsync.streaming.buckets import BucketPool, GradRouter
 from megatron_tsync.streaming.canonical import CanonicalSum, canonical_key
-from megatron_tsync.streaming.offload import Residency
+from megatron_tsync.streaming.offload import Residency, ResidencyConfig
 from megatron_tsync.streaming.planner import StepPlanner, TrajMeta, exact_sign
 from megatron_tsync.streaming.ready_queue import DataParallelAssigner
 from megatron_tsync.training.optimizer import wrap_ddp
@@ -110,7 +110,7 @@ def test_canonical_sum_with_host_offload_is_bit_identical(router):
     contribs = _contribs(router, 1)
     order = [t for i in range(12) for ts in GROUPS.values() for t in ts[i:i + 1]]  # every group open at once
     ref, _ = _run(router, contribs, order)
-    res = Residency(router, 3)
+    res = Residency(router, ResidencyConfig(max_device_vectors=3))
     got, _ = _run(router, contribs, order, residency=res)
     assert torch.equal(got, ref)
     assert res.stats.to_host > 0 and res.stats.peak_device <= 3

@@ -3,8 +3,9 @@
 One launch runs several checks on several layouts of the same 2 processes (``--checks LAYOUT:CHECK ...``, layouts
 tp2 / pp2 / dp2, run one after the other: model parallelism is re-initialised between layouts):
 
-f64: for several configs, streamed vs sync gradient (after the barrier) in float64 on this layout; and
-several minibatches / epochs per batch (weights after the whole step, π_θ0 kept by the trainer).
+f64: for several configs, streamed vs sync gradient (after the barrier) in float64 on this layout (two of them also
+in stream-trajectory under bucket residency, 3 device slots: bitwise equal to without); and several minibatches /
+epochs per batch (weights after the whole step, π_θ0 kept by the trainer).
 packed: sequence packing on (sync, stream-trajectory — also with --pack-across-groups, and with it
 --stream-full-microbatches —, stream-group) vs unpacked
 sync, float64.
@@ -69,14 +70,16 @@ def assign_dp(samples, dp, by_group=False):
     return samples
 
 
-def make_learner(dims, dtype, oc, mode, case, seed=0, packing=None, mix=False, full=False, recompute=None):
+def make_learner(dims, dtype, oc, mode, case, seed=0, packing=None, mix=False, full=False, recompute=None,
+                 resident=None):
     model = build_model(TINY, PrecisionConfig(params_dtype=dtype), seed=seed, **(recompute or {}))
     ddp = wrap_ddp(model)
     opt = build_optimizer(ddp, oc)
     lc = LossConfig(**case.get("loss", {}))
     cfg = LearnerConfig(mode=mode, estimator=case["estimator"], loss=lc, reward_spec=spec_for(case["reward"]),
                         aux_strategy=case.get("aux", "second-backward"), sequence_packing=packing is not None,
-                        max_packed_tokens=packing or 4096, pack_across_groups=mix, full_microbatches=full)
+                        max_packed_tokens=packing or 4096, pack_across_groups=mix, full_microbatches=full,
+                        max_device_buckets=resident)
     return ddp, Learner(ddp, opt, cfg, dp_rank=dims.dp_rank, pp_size=dims.pp)
 
 
@@ -91,12 +94,19 @@ def params_flat(ddp):
     return torch.cat([p.detach().reshape(-1).double() for p in ddp.parameters()])
 
 
+RESIDENT_CASES = (0, 2)  # F64_CASES also run in stream-trajectory under bucket residency (3 device slots)
+
+
 def run_f64(dims):
     out = []
     for ci, case in enumerate(F64_CASES):
         grads = {}
-        for mode, order_seed in (("sync", None), ("stream-trajectory", 11 + ci), ("stream-group", 23 + ci)):
-            ddp, L = make_learner(dims, torch.float64, OptimConfig(optimizer="sgd", lr=0.0, clip_grad=0), mode, case)
+        runs = [("sync", None), ("stream-trajectory", 11 + ci), ("stream-group", 23 + ci)]
+        runs += [("stream-trajectory-resident", 11 + ci)] if ci in RESIDENT_CASES else []
+        for name, order_seed in runs:
+            mode = name.removesuffix("-resident")
+            ddp, L = make_learner(dims, torch.float64, OptimConfig(optimizer="sgd", lr=0.0, clip_grad=0), mode, case,
+                                  resident=3 if name.endswith("-resident") else None)
             S = make_samples(100 + ci, reward_kind=case["reward"], with_ref=True)
             order = S if order_seed is None else arrival_order(S, order_seed)
             assign_dp(order, dims.dp, by_group=ci % 2 == 1)  # odd cases: a group's members on one rank
@@ -104,7 +114,7 @@ def run_f64(dims):
             L.grad_hook = lambda d: got.setdefault("g", torch.cat([b.grad_data.clone() for b in d.buffers]))
             sizes, shape = shape_for(S)
             res = L.train_step(ListSource(order), sizes, shape)
-            grads[mode] = (got["g"], res)
+            grads[name] = (got["g"], res)
         row = {"case": ci, "estimator": case["estimator"], "reward": case["reward"], "by_group": ci % 2 == 1,
                "peak_vectors": grads["stream-trajectory"][1].peak_bucket_vectors,
                "stats": grads["stream-trajectory"][1].planner_stats,
@@ -112,6 +122,11 @@ def run_f64(dims):
                "objective": {mode: r.objective for mode, (_, r) in grads.items()}}
         for mode in ("stream-trajectory", "stream-group"):
             row[mode] = global_rel(grads[mode][0], grads["sync"][0], dims)
+        if ci in RESIDENT_CASES:  # vectors through the host arena: the same bits as without (exact copies)
+            g, r = grads["stream-trajectory-resident"]
+            row["resident"] = {"vs_sync": global_rel(g, grads["sync"][0], dims),
+                               "bitwise": bool(torch.equal(g, grads["stream-trajectory"][0])),
+                               **{k: r.offload[k] for k in ("to_host", "to_device", "prefetched", "bytes_moved")}}
         out.append(row)
     return out + run_f64_minibatches(dims)
 
