@@ -112,12 +112,13 @@ CASES: dict[str, Case] = {
     "--old-logprobs": Case([], [ENGINE]),
     "--max-open-groups": Case(STREAM, [[*STREAM, "--max-open-groups", "1"]], "stat:overflow_groups"),
     "--max-device-buckets": Case(STREAM, [[*STREAM, "--max-device-buckets", "2"]], "result:offload"),
-    # a vector of the tiny float64 model is ~0.9 MiB: 0.002 GiB holds 2 of the 4 slots --max-device-buckets asks for
+    # a vector of the tiny float64 model is 0.81 MiB: 0.002 GiB holds 2 of the 4 slots --max-device-buckets asks for
     "--bucket-device-gib": Case([*STREAM, "--max-device-buckets", "4"],
                                 [[*STREAM, "--max-device-buckets", "4", "--bucket-device-gib", "0.002"]],
                                 "result:device_arena"),
     "--bucket-host-gib": Case([*STREAM, "--max-device-buckets", "2"],
-                              [[*STREAM, "--max-device-buckets", "2", "--bucket-host-gib", "0.02"]], "result:host_arena"),
+                              [[*STREAM, "--max-device-buckets", "2", "--bucket-host-gib", "0.02"]],
+                              "result:host_arena"),
     "--skip-zero-advantage": Case(["--no-skip-zero-advantage"], [["--skip-zero-advantage"]],
                                   "stat:skipped_zero_advantage"),
     "--stream-wait-for-variance": Case([*STREAM, "--no-stream-wait-for-variance"],

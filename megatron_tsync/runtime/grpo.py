@@ -188,8 +188,9 @@ def _residency_text(row: dict) -> str:
     if "offload_bytes_moved" not in row:
         return ""
     mib = 2 ** 20
-    return (f" buckets dev {row['offload_peak_device_bytes'] / mib:.0f}/host {row['offload_peak_host_bytes'] / mib:.0f} "
-            f"MiB moved {row['offload_bytes_moved'] / mib:.0f} MiB wait {row['offload_wait_s']:.2f}s")
+    dev, host = row["offload_peak_device_bytes"] / mib, row["offload_peak_host_bytes"] / mib
+    moved = row["offload_bytes_moved"] / mib
+    return f" buckets dev {dev:.0f}/host {host:.0f} MiB moved {moved:.0f} MiB wait {row['offload_wait_s']:.2f}s"
 
 
 def _speculation_row(samples: list[Sample], on: bool) -> dict:

@@ -44,7 +44,7 @@ class SlotLayout:
         """The parts of the slot at byte ``start`` of ``slab`` (views: no memory of their own)."""
         out = []
         for shape, dtype, off in zip(self.shapes, self.dtypes, self.offsets):
-            n = _numel(shape) * _itemsize(dtype)
+            n = _numel(shape) * dtype.itemsize
             out.append(slab[start + off: start + off + n].view(dtype).view(shape))
         return out
 
@@ -52,11 +52,12 @@ class SlotLayout:
 class Slot:
     """One vector's worth of arena memory: ``parts`` (views into a slab) and its pending orderings."""
 
-    __slots__ = ("index", "parts", "side", "compute")
+    __slots__ = ("index", "parts", "raw", "side", "compute")
 
-    def __init__(self, index: int, parts: list[torch.Tensor]):
+    def __init__(self, index: int, parts: list[torch.Tensor], raw: torch.Tensor):
         self.index = index
         self.parts = parts
+        self.raw = raw  # (slot_bytes,) uint8: the whole slot, for swaps
         self.side = None  # CUDA event: the last side-stream copy that read or wrote this slot (None: idle / CPU)
         self.compute = None  # CUDA event: the compute stream after this slot's last use there (None: no wait)
 
@@ -106,7 +107,8 @@ class SlotArena:
                                pin_memory=self.pin and self.device.type == "cpu")
             self.slabs.append(slab)
             for i in range(m):
-                slot = Slot(len(self.slots), self.layout.carve(slab, i * self.layout.slot_bytes))
+                start = i * self.layout.slot_bytes
+                slot = Slot(len(self.slots), self.layout.carve(slab, start), slab[start: start + self.layout.slot_bytes])
                 self.slots.append(slot)
                 self._free.append(slot)
             n_slots -= m
@@ -154,7 +156,3 @@ def _numel(shape: tuple[int, ...]) -> int:
     for d in shape:
         n *= d
     return n
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()

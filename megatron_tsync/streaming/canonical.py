@@ -14,8 +14,8 @@ vectors are held from its backward until its group is complete; C_g is held unti
 folded. Memory: one gradient-sized vector per trajectory that has run and whose group is open (two with KL/entropy
 terms), plus one per complete group waiting for an earlier one — against 2 per open group (P, Q) in the default
 mode. Bucket residency (``--max-device-buckets`` / ``--bucket-device-gib``) keeps at most N of them on the accelerator
-and the rest in its host arena (``streaming/offload.py``); the moves are exact copies. Data parallelism: the DP rank of a trajectory must not depend on arrival order either
-(``DataParallelAssigner(dp, group_order=...)``); each rank folds its own trajectories, then the one DP all-reduce
+and the rest in its host arena (``streaming/offload.py``); the moves are exact copies. Data parallelism: the DP rank
+of a trajectory must not depend on arrival order either (``DataParallelAssigner(dp, group_order=...)``); each rank folds its own trajectories, then the one DP all-reduce
 of the barrier adds the ranks' sums in a fixed order. Expert parallelism: a rank also holds and folds a vector for
 each trajectory of its EP peers (the gradient its tokens left on this rank's experts, zeros elsewhere;
 ``training.stream_fb``), so the members of a group are those of every DP rank of the EP group; the barrier's dense

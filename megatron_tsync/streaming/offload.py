@@ -46,6 +46,7 @@ from megatron_tsync.streaming.buckets import BucketPool, GradRouter, GradVector
 from megatron_tsync.streaming.mover import Mover
 
 HOST_FRACTION = 0.8  # the automatic host arena may take at most this fraction of the available host memory
+STAGING_BYTES = 16 << 20  # CUDA: the swap's device staging buffer is at most this (and at most 1/8 of a slot)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,13 +68,14 @@ class ResidencyConfig:
     def on(self) -> bool:
         return self.max_device_vectors is not None or self.device_gib is not None
 
-    def device_slots(self, slot_bytes: int) -> int:
-        """The device cache's slot count for vectors of ``slot_bytes``; one clear error below 2."""
+    def device_slots(self, slot_bytes: int, staging_bytes: int = 0) -> int:
+        """The device cache's slot count for vectors of ``slot_bytes`` (``device_gib`` also holds the copy engine's
+        ``staging_bytes``); one clear error below 2."""
         n = math.inf if self.max_device_vectors is None else self.max_device_vectors
         if self.max_device_vectors is not None and self.max_device_vectors < 2:
             raise ValueError(f"max_device_buckets must be >= 2 (a shift touches P and Q at once), got {n}")
         if self.device_gib is not None:
-            fit = int(self.device_gib * GIB // slot_bytes)
+            fit = int((self.device_gib * GIB - staging_bytes) // slot_bytes)
             if fit < 2:
                 raise ValueError(f"--bucket-device-gib {self.device_gib:g} holds {fit} bucket vector(s) of "
                                  f"{slot_bytes / 2**20:.1f} MiB; at least 2 are needed (a shift touches P and Q)")
@@ -107,8 +109,9 @@ class OffloadStats:
 
 
 TB_NAMES = {"device_bytes": "stream/resident_device_bytes", "host_bytes": "stream/resident_host_bytes",
-            "peak_device_bytes": "stream/resident_device_bytes_peak", "peak_host_bytes": "stream/resident_host_bytes_peak",
-            "bytes_moved": "stream/bytes_moved", "wait_s": "stream/copy_wait_s", "prefetch_hits": "stream/prefetch_hits"}
+            "peak_device_bytes": "stream/resident_device_bytes_peak",
+            "peak_host_bytes": "stream/resident_host_bytes_peak", "bytes_moved": "stream/bytes_moved",
+            "wait_s": "stream/copy_wait_s", "prefetch_hits": "stream/prefetch_hits"}
 """TensorBoard tags of the residency statistics (keys of :class:`OffloadStats`)."""
 
 
@@ -133,16 +136,17 @@ class Residency:
         if cfg.host_gib is not None and cfg.host_gib <= 0:
             raise ValueError(f"--bucket-host-gib must be > 0, got {cfg.host_gib}")
         layout = SlotLayout(router.accumulator.parts)
-        n_dev = cfg.device_slots(layout.slot_bytes)
+        self.device = router.accumulator.parts[0].device
+        staging = min(STAGING_BYTES, -(-layout.slot_bytes // 8)) if self.device.type == "cuda" else 0
+        n_dev = cfg.device_slots(layout.slot_bytes, staging)
         self.router = router
         self.cfg = cfg
-        self.device = router.accumulator.parts[0].device
         slab = int(cfg.slab_gib * GIB)
         self.device_arena = SlotArena(layout, n_dev, self.device, slab_bytes=slab, name="bucket device cache")
         n_host = 0 if cfg.host_gib is None else int(cfg.host_gib * GIB // layout.slot_bytes)
         self.host_arena = SlotArena(layout, n_host, torch.device("cpu"), pin=self.device.type == "cuda",
                                     slab_bytes=slab, name="bucket host arena")
-        self.mover = Mover(self.device)
+        self.mover = Mover(self.device, staging)
         self._held: dict[int, _Held] = {}
         self._clock = 0
         self._upcoming: list[str | None] = []
@@ -248,8 +252,9 @@ class Residency:
                 victim = self._victim(exclude={id(x.v) for x in self._held.values() if x.group == group})
                 if victim is None or self._pos.get(victim.group, math.inf) <= pos:
                     break
-                self._evict(victim)
-            self._to_device(h)
+                self._exchange(h, victim)
+            else:
+                self._to_device(h)
             h.prefetched = True
             self.stats.prefetched += 1
         self._count()
@@ -296,8 +301,24 @@ class Residency:
             if victim is None:
                 raise AssertionError(f"cannot keep {self.device_arena.capacity} bucket vectors on the device: all "
                                      "are in use")
+            self._exchange(h, victim)
+        else:
+            self._to_device(h)
+
+    def _exchange(self, h: _Held, victim: _Held) -> None:
+        """``h`` (on the host) in, ``victim`` (on the device) out: through a free host slot if there is one, else by
+        swapping the two slots' contents (``Mover.swap``: no spare slot needed)."""
+        if self.host_arena.free > 0:
             self._evict(victim)
-        self._to_device(h)
+            self._to_device(h)
+            return
+        self.mover.mark_used(victim.slot)
+        dev, host = victim.slot, h.slot
+        self.mover.swap(dev, host)
+        self._place(victim, host, on_device=False)
+        self._place(h, dev, on_device=True)
+        self.stats.to_host += 1
+        self.stats.to_device += 1
 
     def _to_device(self, h: _Held) -> None:
         slot = self.device_arena.take()

@@ -5,8 +5,8 @@ bucket vectors sit on the device. Each residency setting — the tightest device
 vectors), a cache of 4 with room to prefetch the next microbatch's group, the cache sized by ``bucket_device_gib``,
 a fixed host arena (``bucket_host_gib``) — gives a streamed gradient ``torch.equal`` to the no-residency run and
 ≤ 1e-12 from sync, with vectors really moved to the host and back. float32: the memory bound of the issue, peak host
-bytes ≤ 4(2k+1)P per rank (k = 6 open groups; on a CPU machine the device cache is host memory too, so everything counts) and device
-bytes ≤ the cap, allocated once over two steps.
+bytes ≤ 4(2k+1)P per rank (k = 6 open groups; on a CPU machine the device cache is host memory too, so everything
+counts) and device bytes ≤ the cap, allocated once over two steps.
 """
 
 import pytest
@@ -44,7 +44,7 @@ def _interleaved(num_groups=6):
     return samples, [grp[i] for i in range(5) for grp in by_group.values() if i < len(grp)], len(by_group)
 
 
-VECTOR_MIB = 0.9  # one float64 vector of TINY (checked below)
+VECTOR_MIB = 0.815  # one float64 vector of TINY (checked below)
 SETTINGS = {
     "cap2": dict(max_device_buckets=2),
     "cap4-prefetch": dict(max_device_buckets=4),
@@ -76,7 +76,7 @@ def test_residency_is_exact_and_bounded(model64, references, estimator, per_grou
     assert float((g - g_sync).norm() / g_sync.norm()) <= 1e-12
     off = r.offload
     res = learner.buckets.residency
-    assert abs(res.device_arena.layout.vector_bytes / 2**20 - VECTOR_MIB) < 0.05
+    assert abs(res.device_arena.layout.vector_bytes / 2**20 - VECTOR_MIB) < 0.01
     print(estimator, setting, "peak vectors", r_ref.peak_bucket_vectors, off)
     cap = {"cap2": 2, "cap4-prefetch": 4, "device-gib": 3, "host-gib": 3}[setting]
     assert off["device_slots"] == cap and off["peak_device"] <= cap
