@@ -202,11 +202,12 @@ class Residency:
 
     def release(self, v: GradVector) -> None:
         """The vector was folded on the device and goes back to the pool: its slot is free again."""
-        h = self._held.pop(id(v), None)
+        h = self._held.get(id(v))
         if h is None:
             return
         if not h.on_device:
             raise AssertionError("a bucket vector was released while offloaded")
+        del self._held[id(v)]
         self.mover.mark_used(h.slot)
         self.device_arena.give(h.slot)
         self._count()
