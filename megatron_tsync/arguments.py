@@ -239,6 +239,12 @@ _FLAGS: tuple[_Flag, ...] = (
        help="rollout-plane directory on a shared filesystem: worker specs, secret, weight versions, logs"),
     _f("--secret-file", "rollout.secret_file", _G_ROLL, metavar="FILE",
        help="shared transport key (default: a fresh key per run)"),
+    _f("--rollout-max-num-seqs", "rollout.max_num_seqs", _G_ROLL, type=int, metavar="N",
+       help="requests one rollout engine call takes at most (vLLM's max_num_seqs; 0: the engine's default: vLLM 256, "
+            "the embedded engine every waiting request)"),
+    _f("--rollout-frontier-first", "rollout.frontier_first", _G_ROLL, **_SWITCH,
+       help="serve earlier groups' trajectories first (vLLM: priority scheduling; embedded engine: needs "
+            "--rollout-max-num-seqs), so the oldest open groups close first (docs/streaming.md)"),
     _f("--sandbox-timeout", "rollout.sandbox_timeout_s", _G_ROLL, type=float, metavar="S",
        help="wall-clock limit of one sandboxed tool call, seconds"),
     _f("--harness-cmd", "rollout.harness_cmd", _G_ROLL, metavar="CMD",

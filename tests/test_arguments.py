@@ -26,6 +26,7 @@ EXPECTED_FLAGS = [
     "--replay-shuffle-seed",
     "--reward-kind", "--reward-range", "--rl-algorithm", "--rl-mode", "--rollout-endpoint", "--rollout-engine",
     "--rollout-dir", "--rollout-gpus", "--rollout-heartbeat-timeout", "--rollout-launch", "--rollout-retries", "--rollout-stall-timeout", "--rollout-tensor-parallel-size", "--rollout-cpus", "--trainer-cpus",
+    "--rollout-max-num-seqs", "--rollout-frontier-first", "--no-rollout-frontier-first",
     "--recompute-granularity", "--recompute-method", "--recompute-num-layers",
     "--ref-model", "--rollout-workers", "--sandbox-timeout", "--save", "--save-interval", "--secret-file", "--seed", "--seq-length",
     "--sequence-packing", "--no-sequence-packing", "--max-packed-tokens", "--skip-zero-advantage",

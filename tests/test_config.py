@@ -64,6 +64,9 @@ def test_defaults_valid_and_frozen(cls):
     (RolloutConfig, dict(engine_tensor_parallel_size=0, engine="vllm"), "rollout.engine_tensor_parallel_size"),
     (RolloutConfig, dict(engine_tensor_parallel_size=2), "rollout.engine_tensor_parallel_size"),
     (RolloutConfig, dict(stall_timeout_s=0.0), "rollout.stall_timeout_s"),
+    (RolloutConfig, dict(max_num_seqs=-1), "rollout.max_num_seqs"),
+    (RolloutConfig, dict(frontier_first=True), "rollout.frontier_first"),  # embedded: needs max_num_seqs
+    (RolloutConfig, dict(frontier_first=True, max_num_seqs=4, harness_cmd="x"), "rollout.frontier_first"),
     (RLConfig, dict(max_new_tokens=0), "rl.max_new_tokens"),
     (CheckpointConfig, dict(save_interval=0), "checkpoint.save_interval"),
     (CheckpointConfig, dict(finetune=True), "checkpoint.load"),

@@ -336,6 +336,14 @@ class RolloutConfig(_Section):
     """ZeroMQ endpoint trajectories arrive on; None = an ipc:// socket in the run directory."""
     secret_file: str | None = None
     """File holding the transport's shared HMAC key; None = generate a fresh key per run."""
+    max_num_seqs: int = 0
+    """Requests one engine call of a rollout worker takes at most (vLLM's ``max_num_seqs``; the embedded engine
+    batches every waiting request when 0). 0: the engine's default (vLLM: 256)."""
+    frontier_first: bool = False
+    """Frontier-first rollouts: the engine serves the trajectories of earlier groups ahead of later ones, so the
+    oldest open groups close first and the learner holds fewer open buckets. vLLM: its ``priority`` scheduling
+    policy with each request's group order; the embedded engine: the earliest requests when more wait than
+    ``max_num_seqs`` (which it needs)."""
     sandbox_timeout_s: float = 10.0
     """Wall-clock limit of one sandboxed tool call, seconds."""
     teacher_model: str | None = None
@@ -426,6 +434,15 @@ class RolloutConfig(_Section):
                "rollout.sandbox_timeout_s")
         _check(self.weight_sync in WEIGHT_SYNCS, f"rollout.weight_sync must be one of {WEIGHT_SYNCS}, got "
                f"{self.weight_sync!r}", "rollout.weight_sync")
+        _check(self.max_num_seqs >= 0, f"rollout.max_num_seqs must be >= 0 (0: the engine's default), got "
+               f"{self.max_num_seqs}", "rollout.max_num_seqs")
+        _check(not self.frontier_first or self.engine == "vllm" or self.max_num_seqs > 0,
+               "rollout.frontier_first orders the requests an engine call takes when more wait than it takes: the "
+               "embedded engine takes every waiting request unless rollout.max_num_seqs caps it (give "
+               "--rollout-max-num-seqs N)", "rollout.frontier_first", "rollout.max_num_seqs")
+        _check(not (self.frontier_first and (self.harness_cmd or self.harness_fn)),
+               "rollout.frontier_first orders the built-in agent loop's requests; a harness sends its own",
+               "rollout.frontier_first", "rollout.harness_cmd")
         _check(self.speculative_draft_tokens >= 0, f"rollout.speculative_draft_tokens must be >= 0, got "
                f"{self.speculative_draft_tokens}", "rollout.speculative_draft_tokens")
         _check(not self.speculative or (self.engine == "embedded" and self.weight_sync == "file"),

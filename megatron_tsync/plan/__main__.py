@@ -58,6 +58,8 @@ def parser() -> argparse.ArgumentParser:
                  "sync-bw-gbs", "peak-tflops", "hbm-tbs", "mem-gib"):
         h.add_argument(f"--{name}", type=float, default=None,
                        help=f"overrides the layout's {name.replace('-', '_')} (plan/hardware.py: Layout, GPUS)")
+    h.add_argument("--frontier-first", action="store_true",
+                   help="engines admit earlier groups' sequences first (the trainer's --rollout-frontier-first)")
     s = ap.add_argument_group("trainer settings")
     s.add_argument("--max-staleness", type=int, default=1, help="async(K)")
     s.add_argument("--max-open-groups", type=int, default=None)

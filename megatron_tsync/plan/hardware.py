@@ -178,6 +178,7 @@ class Layout:
     dp_bw_gbs: float = 100.0  # gradient all-reduce bandwidth per GPU (GB/s)
     sync_bw_gbs: float = 50.0  # learner → engines weight broadcast (GB/s)
     max_concurrency: int = 256  # sequences per engine at most (the engine's batch cap)
+    frontier_first: bool = False  # engines admit waiting sequences of earlier groups first (--rollout-frontier-first)
     peak_tflops: float | None = None  # overrides the GPU type's
     hbm_tbs: float | None = None
     mem_gib: float | None = None

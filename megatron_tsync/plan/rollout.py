@@ -7,7 +7,8 @@ per step, a linear-attention layer's recurrent state read and written, at ``hbm_
 fixed step overhead), b = sequences decoding, C = their summed context. Between events τ is constant (the contexts
 are updated at every event). A turn's prefill (its prompt or the previous tool's output) takes
 ``2·N_act·tokens / (peak·decode_tp·prefill_mfu)`` and holds only that sequence; tool calls and the verifier hold no
-engine. An engine decodes at most ``max_concurrency`` sequences; the others wait in arrival order. Trajectories are
+engine. An engine decodes at most ``max_concurrency`` sequences; the others wait in arrival order, or with
+``frontier_first`` (``--rollout-frontier-first``) earlier groups' first (admission only: no preemption). Trajectories are
 spread over engines round-robin by group (a group's samples share a prompt and its prefix cache; by trajectory
 when there are fewer groups than engines). An engine's worker serves one batch at a time: it starts batch j once its
 share of batch j − 1 has landed and weights new enough for batch j were published (``simulate.py``).
@@ -48,7 +49,7 @@ class _Seq:
 
 def simulate_engine(model: EngineModel, jobs: list[tuple[float, Traj]]) -> dict[str, float]:
     """traj_id -> the time its reward lands, for the trajectories one engine serves (``jobs``: (start, traj))."""
-    cap = model.layout.max_concurrency
+    cap, frontier = model.layout.max_concurrency, model.layout.frontier_first
     away: list[tuple[float, int, _Seq]] = []  # (time it wants to decode, tiebreak, seq)
     done: dict[str, float] = {}
     n = 0
@@ -64,6 +65,8 @@ def simulate_engine(model: EngineModel, jobs: list[tuple[float, Traj]]) -> dict[
     while away or decoding or queue:
         while away and away[0][0] <= now + 1e-12:
             queue.append(heapq.heappop(away)[2])
+        if frontier and len(queue) > cap - len(decoding) > 0:
+            queue.sort(key=lambda s: s.traj.group)  # stable: arrival order within a group
         while queue and len(decoding) < cap:
             decoding.append(queue.pop(0))
         if not decoding:

@@ -224,12 +224,21 @@ class AgentConfig:
     """Tool-result tokens kept per call (the rest is cut, keeping the closing tag)."""
     batch_wait_s: float = 0.005
     """How long the batcher waits for more requests while some trajectories are still in tools."""
+    max_num_seqs: int = 0
+    """Requests one engine call takes at most (vLLM's ``max_num_seqs`` for the embedded engine); 0: every waiting
+    one. The others wait for the next call."""
+    frontier_first: bool = False
+    """Serve the oldest open groups first: when more requests wait than one call takes, the earlier trajectories
+    (metadata ``priority``, else prompt index; a step's groups are contiguous, so earlier groups) go first, and an
+    engine that schedules by priority itself (vLLM's ``priority`` policy) gets each request's priority."""
 
     def __post_init__(self):
         if not self.sampling.tool_token_ids:
             raise ValueError("AgentConfig.sampling.tool_token_ids must contain the id of </tool>")
         if self.max_turns < 1 or self.max_total_tokens < 2:
             raise ValueError("max_turns ≥ 1 and max_total_tokens ≥ 2 required")
+        if self.max_num_seqs < 0:
+            raise ValueError(f"max_num_seqs must be ≥ 0 (0: no cap), got {self.max_num_seqs}")
 
 
 # ------------------------------------------------------------------------------------------------ batching
@@ -241,25 +250,30 @@ class _Request:
     max_new: int
     seed: int | None
     future: asyncio.Future
+    priority: int = 0  # lower is served first under frontier_first
 
 
 class _Batcher:
     """Collects generation requests from concurrent trajectories into batched ``engine.generate`` calls."""
 
-    def __init__(self, engine: RolloutEngine, sampling: SamplingConfig, wait_s: float, idle_work=None):
+    def __init__(self, engine: RolloutEngine, sampling: SamplingConfig, wait_s: float, idle_work=None, *,
+                 max_num_seqs: int = 0, frontier_first: bool = False):
         self.engine = engine
         self.idle_work = idle_work  # () -> job(interrupt) or None: engine work for when no trajectory needs it
         self.sampling = sampling
         self.wait_s = wait_s
+        self.max_num_seqs, self.frontier_first = max_num_seqs, frontier_first
+        self.engine_priority = frontier_first and getattr(engine, "schedules_by_priority", False)
+        self.served: list[list[int]] = []  # per engine call, the requests' priorities in the order taken (tests)
         self.pending: list[_Request] = []
         self.live = 0  # trajectories not finished yet
         self.wake = asyncio.Event()
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self.batches: list[int] = []  # batch sizes, for metrics/tests
 
-    async def generate(self, prompt: list[int], max_new: int, seed: int | None) -> Completion:
+    async def generate(self, prompt: list[int], max_new: int, seed: int | None, priority: int = 0) -> Completion:
         fut = asyncio.get_running_loop().create_future()
-        self.pending.append(_Request(prompt, max_new, seed, fut))
+        self.pending.append(_Request(prompt, max_new, seed, fut, priority))
         self.wake.set()
         return await fut
 
@@ -287,8 +301,9 @@ class _Batcher:
                     await asyncio.wait_for(self.wake.wait(), max(0.0, deadline - loop.time()))
                 except asyncio.TimeoutError:
                     break
-            batch, self.pending = self.pending, []
+            batch, self.pending = self._take(self.pending)
             self.batches.append(len(batch))
+            self.served.append([r.priority for r in batch])
             try:
                 outs = await loop.run_in_executor(self.pool, self._generate, batch)
             except Exception as e:  # fail the waiting trajectories, keep serving the others
@@ -300,6 +315,14 @@ class _Batcher:
                 if not r.future.done():
                     r.future.set_result(comp)
 
+    def _take(self, pending: list[_Request]) -> tuple[list[_Request], list[_Request]]:
+        """(this call's requests, those left waiting): at most ``max_num_seqs``, earliest priority first under
+        ``frontier_first`` (stable: arrival order among equals), else in arrival order."""
+        if self.frontier_first:
+            pending = sorted(pending, key=lambda r: r.priority)
+        cap = self.max_num_seqs or len(pending)
+        return pending[:cap], pending[cap:]
+
     def _generate(self, batch: list[_Request]) -> list[Completion]:
         """One engine call for the whole batch (on the engine thread); each request gets its own cap."""
         cap = max(r.max_new for r in batch)
@@ -309,7 +332,8 @@ class _Batcher:
             seeds = [r.seed for r in batch]
         else:
             cfg = dataclasses.replace(cfg, seed=None)
-        outs = self.engine.generate([r.prompt for r in batch], cfg, n=1, seeds=seeds)
+        extra = {"priorities": [r.priority for r in batch]} if self.engine_priority else {}
+        outs = self.engine.generate([r.prompt for r in batch], cfg, n=1, seeds=seeds, **extra)
         return [_truncate(o[0], r.max_new) for o, r in zip(outs, batch)]
 
 
@@ -366,6 +390,7 @@ class AgentLoop:
         self.on_turn = on_turn
         self.on_finish = on_finish
         self.last_batch_sizes: list[int] = []
+        self.last_served: list[list[int]] = []  # per engine call of the last run, its requests' priorities
 
     def run(self, prompts: Sequence[Sequence[int]], *, metadata: Sequence[dict] | None = None) -> list[Trajectory]:
         """Roll out every prompt (blocking); trajectories in prompt order."""
@@ -379,7 +404,9 @@ class AgentLoop:
         for i, p in enumerate(prompts):
             if not 0 < len(p) < self.config.max_total_tokens:
                 raise ValueError(f"prompt {i} has {len(p)} tokens; need 1 ≤ len < max_total_tokens")
-        batcher = _Batcher(self.engine, self.config.sampling, self.config.batch_wait_s, self.idle_work)
+        batcher = _Batcher(self.engine, self.config.sampling, self.config.batch_wait_s, self.idle_work,
+                           max_num_seqs=self.config.max_num_seqs, frontier_first=self.config.frontier_first)
+        self.last_served = batcher.served
         batcher.live = len(prompts)
         trajs = [
             Trajectory(
@@ -414,7 +441,8 @@ class AgentLoop:
                 seed = None if cfg.sampling.seed is None else derive_seed(
                     cfg.sampling.seed, traj.metadata.get("seed_index", traj.index), turn)
                 try:
-                    comp = await batcher.generate(list(traj.token_ids), max_new, seed)
+                    comp = await batcher.generate(list(traj.token_ids), max_new, seed,
+                                                  int(traj.metadata.get("priority", traj.index)))
                 except Exception as e:
                     traj.finish_reason, traj.error = "error", f"engine: {type(e).__name__}: {e}"
                     break

@@ -136,6 +136,8 @@ class VLLMEngine:
         enforce_eager: None = True on CPU (no graph capture there), False elsewhere.
         max_model_len: context length; None = min(max_position_embeddings, 4096).
         max_num_seqs: concurrently scheduled sequences.
+        scheduling_policy: vLLM's scheduler policy, "fcfs" or "priority" (``generate(priorities=...)``: lower first;
+            the rollout plane's frontier-first order, ``AgentConfig.frontier_first``).
         max_num_batched_tokens: tokens per scheduler step; None = max(8192, max_model_len).
         kv_cache_space_gib: CPU KV cache (sets ``VLLM_CPU_KVCACHE_SPACE`` when unset).
         load_tokenizer: load the folder's tokenizer (enables ``stop_strings``).
@@ -160,6 +162,7 @@ class VLLMEngine:
         enforce_eager: bool | None = None,
         max_model_len: int | None = None,
         max_num_seqs: int = 256,
+        scheduling_policy: str = "fcfs",
         max_num_batched_tokens: int | None = None,
         kv_cache_space_gib: int = 1,
         load_tokenizer: bool = False,
@@ -182,6 +185,9 @@ class VLLMEngine:
         self.has_tokenizer = bool(load_tokenizer)
         self._version = int(version)
         self._lock = threading.Lock()
+        if scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {scheduling_policy!r}")
+        self.schedules_by_priority = scheduling_policy == "priority"
         self._tmp = tempfile.TemporaryDirectory(prefix="tsync-vllm-")
 
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(kv_cache_space_gib)))
@@ -222,6 +228,7 @@ class VLLMEngine:
             skip_tokenizer_init=not load_tokenizer,
             max_model_len=self.max_model_len,
             max_num_seqs=max_num_seqs,
+            scheduling_policy=scheduling_policy,
             max_num_batched_tokens=max_num_batched_tokens or max(8192, self.max_model_len),
             logprobs_mode="processed_logprobs",
             enable_prefix_caching=llm_kwargs.pop("enable_prefix_caching", True),
@@ -245,7 +252,10 @@ class VLLMEngine:
         n: int = 1,
         *,
         seeds: Sequence[int] | None = None,
+        priorities: Sequence[int] | None = None,
     ) -> list[list[Completion]]:
+        """``RolloutEngine.generate``; ``priorities`` (one per prompt, lower first) needs
+        ``scheduling_policy="priority"``."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -281,7 +291,11 @@ class VLLMEngine:
                 params.append(SamplingParams(seed=s, **common))
         with self._lock:
             version = self._version
-            outs = self.llm.generate(reqs, params, use_tqdm=False)
+            prio = {} if priorities is None else {"priority": [int(priorities[i]) for i in range(len(prompts))
+                                                                 for _ in range(n)]}
+            if prio and not self.schedules_by_priority:
+                raise ValueError("generate(priorities=...) needs a VLLMEngine built with scheduling_policy='priority'")
+            outs = self.llm.generate(reqs, params, use_tqdm=False, **prio)
             comps = [self._completion(o.outputs[0], sampling, version, self._moe_layers) for o in outs]
             if sampling.truncates:
                 self._fill_untruncated(reqs, comps, sampling)

@@ -126,6 +126,10 @@ def _make_engine(spec: WorkerSpec):
         # GPUs here)
         tp = spec.rollout.engine_tensor_parallel_size
         extra = {} if tp == 1 else {"tensor_parallel_size": tp, "in_process": False}
+        if spec.rollout.max_num_seqs:
+            extra["max_num_seqs"] = spec.rollout.max_num_seqs
+        if spec.rollout.frontier_first:
+            extra["scheduling_policy"] = "priority"
         return VLLMEngine.from_hf_dir(spec.model_dir, seed=spec.rl.seed, dtype=spec.engine_dtype,
                                       max_model_len=spec.rl.seq_length, record_routing=spec.record_routing, **extra)
     from megatron_tsync.rollout.embedded_engine import EmbeddedEngine
@@ -227,7 +231,9 @@ class RolloutWorker:
         self.verifier = None if has_env else get_verifier(self.task.verifier, **self.task.verifier_kwargs)
         self.config = AgentConfig(sampling=sampling_config(spec.rollout, spec.rl, tok, getattr(self.task, "tool_stop_text", "</tool>")),
                                   max_turns=spec.rl.max_turns,
-                                  max_total_tokens=spec.rl.seq_length)
+                                  max_total_tokens=spec.rl.seq_length,
+                                  max_num_seqs=spec.rollout.max_num_seqs if spec.rollout.engine == "embedded" else 0,
+                                  frontier_first=spec.rollout.frontier_first)
         self.step_holder = [spec.start_step]
         sandbox = Sandbox(SandboxConfig(wall_timeout_s=spec.rollout.sandbox_timeout_s))
         self.tools = RegistryTools(sandbox, delay_fn=_delay_fn(spec, self.step_holder))
@@ -390,7 +396,8 @@ class RolloutWorker:
                 encoded[g] = self.codec.encode(insts[g].prompt_text)
             prompts.append(encoded[g])
             meta.append({"group": g, "index": i, "group_id": gids[g], "inst": insts[g],
-                         "seed_index": g * spec.rl.group_size + i, **extra})  # sampling: same on any worker
+                         "seed_index": g * spec.rl.group_size + i,  # sampling: same on any worker
+                         "priority": g, **extra})  # frontier-first: the step's earlier groups first
         if self.env is not None:  # one episode (its own workspace) per trajectory; its prompt is the instance's
             for m in meta:
                 m["episode"] = await self.env.start(m["inst"].meta.get("env_task", m["inst"]))

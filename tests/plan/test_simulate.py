@@ -103,3 +103,18 @@ def test_group_assignment_opens_fewer_groups_per_rank():
         out[how] = simulate(sc, batches, ("sync", "stream-trajectory"))["stream-trajectory"]["summary"]
     assert out["group"]["peak_open_groups"] * 2 <= out["arrival"]["peak_open_groups"]
     assert out["group"]["step_s"] <= 1.1 * out["arrival"]["step_s"]
+
+
+def test_frontier_first_closes_groups_sooner_when_engines_are_full():
+    """--rollout-frontier-first in the planner: with engines at their concurrency cap (16 sequences, 64 trajectories
+    each), admitting earlier groups first lowers the learner's peak of open groups in stream-trajectory; without a
+    full engine (cap 256) it changes nothing."""
+    batches = [build_batch(WorkloadSpec(prompts=32, group_size=8, latency_scale=3.0), k) for k in range(3)]
+    out = {}
+    for cap in (16, 256):
+        for frontier in (False, True):
+            sc = _scenario(max_concurrency=cap, frontier_first=frontier)
+            out[cap, frontier] = simulate(sc, batches, ("stream-trajectory",))["stream-trajectory"]["summary"]
+    print({k: (v["peak_open_groups"], round(v["step_s"], 1)) for k, v in out.items()})
+    assert out[16, True]["peak_open_groups"] < out[16, False]["peak_open_groups"]
+    assert out[256, True] == out[256, False]

@@ -312,3 +312,24 @@ def test_idle_work_runs_only_while_no_trajectory_needs_the_engine(codec, ids):
     assert run(lambda: job if len(ran) < 3 else None) == plain
     # the first job started once both trajectories were in their tool call, and yielded when their second turn came
     assert ran and busy[0] == 1 and len(yielded) == len(ran) and yielded[0] - ran[0] > 0.2
+
+
+def test_frontier_first_serves_earlier_groups_first_under_a_cap(real, codec, ids):
+    """``max_num_seqs`` caps what one engine call takes; ``frontier_first`` takes the earliest groups' requests
+    (metadata ``priority``) among those waiting, where arrival order (the default) takes the first to ask. Same
+    trajectories either way (per-request seeds)."""
+    engine, _ = real
+    sampling = SamplingConfig(max_new_tokens=6, stop_token_ids=(ids["</s>"], ids["</answer>"]),
+                              tool_token_ids=(ids["</tool>"],), seed=3)
+    prompts = [codec.encode(f"Q: {a}+{a} ") for a in range(6)]
+    meta = [{"priority": 2 - i // 2} for i in range(6)]  # groups 2, 2, 1, 1, 0, 0 in prompt (= arrival) order
+    runs = {}
+    for frontier in (True, False):
+        cfg = AgentConfig(sampling=sampling, max_turns=1, max_total_tokens=64, max_num_seqs=2, frontier_first=frontier)
+        loop = AgentLoop(engine, codec, cfg)
+        runs[frontier] = ([t.token_ids for t in loop.run(prompts, metadata=meta)], loop.last_served)
+    assert runs[True][1] == [[0, 0], [1, 1], [2, 2]]
+    assert runs[False][1] == [[2, 2], [1, 1], [0, 0]]
+    assert runs[True][0] == runs[False][0]
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        AgentConfig(sampling=sampling, max_num_seqs=-1)

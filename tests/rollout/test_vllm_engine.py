@@ -43,7 +43,9 @@ def tiny_dir(tmp_path_factory):
 def engine(tiny_dir):
     from megatron_tsync.rollout.vllm_engine import VLLMEngine
 
-    eng = VLLMEngine(tiny_dir, dtype="float32", seed=0, in_process=True, max_model_len=256, max_num_seqs=64)
+    # vLLM's priority scheduler (frontier-first rollouts): every test of this module runs under it
+    eng = VLLMEngine(tiny_dir, dtype="float32", seed=0, in_process=True, max_model_len=256, max_num_seqs=64,
+                     scheduling_policy="priority")
     yield eng
     eng.close()
 
@@ -318,6 +320,19 @@ def test_stops_and_finish_reasons(engine):
     # EOS is not implicit: without stop ids every completion runs to the cap.
     out = engine.generate(prompts, SamplingConfig(max_new_tokens=24, seed=3), n=2)
     assert all(len(c.token_ids) == 24 and c.finish_reason == "length" for cs in out for c in cs)
+
+
+def test_priorities_reach_vllms_priority_scheduler(engine, monkeypatch):
+    """``generate(priorities=...)`` (the agent loop's frontier-first order) is accepted by the CPU build's priority
+    scheduler and changes no completion (seeded requests); an engine built with "fcfs" refuses priorities."""
+    prompts = prompts_of([5, 8, 3, 6])
+    cfg = SamplingConfig(max_new_tokens=8, seed=11)
+    plain = engine.generate(prompts, cfg)
+    ranked = engine.generate(prompts, cfg, priorities=[3, 0, 2, 1])
+    assert [c[0].token_ids for c in ranked] == [c[0].token_ids for c in plain]
+    monkeypatch.setattr(engine, "schedules_by_priority", False)
+    with pytest.raises(ValueError, match="scheduling_policy='priority'"):
+        engine.generate(prompts, cfg, priorities=[0, 0, 0, 0])
 
 
 def test_engine_contract(engine, trainer):
