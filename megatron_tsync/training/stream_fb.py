@@ -306,7 +306,7 @@ class StreamExecutor:
 
     def _forward_step(self, data_iterator, model):
         pack: list[WorkItem] = next(data_iterator)
-        idx, self._fw = self._fw, self._fw + 1  # this microbatch's place in the schedule (_before_backward)
+        idx, self._fw = self._fw, self._fw + 1  # this microbatch's place in the schedule (_backward_hook)
         if isinstance(pack, _IdleSlot):
             return self._idle_forward(model, pack.key, idx)
         samples = [self.samples[it.traj_id] for it in pack]
@@ -346,7 +346,7 @@ class StreamExecutor:
                 out.grad_fn.register_prehook(functools.partial(self._before_mixed_backward, pack, states, layout, plan))
                 return out, functools.partial(self._loss, pack, samples, states, layout)
         if out.grad_fn is not None:
-            out.grad_fn.register_prehook(functools.partial(self._before_backward, pack[0], states, idx))
+            out.grad_fn.register_prehook(functools.partial(self._backward_hook, pack[0], states, idx))
         return out, functools.partial(self._loss, pack, samples, states, layout)
 
     def _slot_key(self, pack: list[WorkItem]) -> tuple:
@@ -403,10 +403,10 @@ class StreamExecutor:
         self._prefetch_after(idx)
         return None
 
-    def _before_backward(self, item: WorkItem, states: list[dict], idx: int, grad_outputs):
-        """Route microbatch ``idx``'s gradient (:meth:`_route_backward`), then let bucket residency prefetch what the
+    def _backward_hook(self, item: WorkItem, states: list[dict], idx: int, grad_outputs):
+        """Route microbatch ``idx``'s gradient (:meth:`_before_backward`), then let bucket residency prefetch what the
         next microbatch writes, so the copy overlaps with this backward and the next forward."""
-        self._route_backward(item, states)
+        self._before_backward(item, states, grad_outputs)
         self._prefetch_after(idx)
         return None
 
@@ -430,7 +430,7 @@ class StreamExecutor:
         if self.buckets.residency is not None:
             self.buckets.residency.advance(idx + 1)
 
-    def _route_backward(self, item: WorkItem, states: list[dict]):
+    def _before_backward(self, item: WorkItem, states: list[dict], grad_outputs):
         """Route the microbatch's gradient. Items of one microbatch share the destination (``packing.share_key``):
         an accumulator pack, or bucket items of one group with one reward. A bucket pack whose items all deferred
         contributes zero and enters no bucket (as an unpacked deferred item). Deterministic mode: the trajectory's own
