@@ -19,11 +19,13 @@ Memory plan (:class:`Residency`, configured by :class:`ResidencyConfig`):
   still holds (:meth:`Residency.plan`). Evicted first: vectors of groups with no queued work, least recently used
   first; then those whose next use is furthest away (Belady's rule on the known schedule). Never the vector gradients
   are routed into, nor those the current operation needs.
-- **prefetch**: when microbatch i's backward starts, the host vectors of the group that microbatch i + 1 writes are
-  copied back (:meth:`Residency.advance`), evicting only vectors whose next use is later — so the copy overlaps with
-  backward i and forward i + 1 instead of stalling backward i + 1.
+- **prefetch**: when a schedule is planned, the host vectors of its first group are copied back (overlapping the
+  first microbatch's forward); when microbatch i's backward starts, those of the group microbatch i + 1 writes
+  (:meth:`Residency.advance`: overlapping backward i and forward i + 1 instead of stalling backward i + 1) — each
+  only in place of a vector whose next use is later.
 - **copies**: one :class:`streaming.mover.Mover` — on CUDA a side stream with events, the compute stream waiting
-  only when it uses a vector; on CPU the same calls, synchronous. No memory is allocated per move.
+  only when it uses a vector; on CPU the same calls, synchronous. No memory is allocated per move: with the host
+  arena full, a vector coming in swaps places with the one going out (``Mover.swap``), so the arena needs no spare.
 
 Accounting per step (:meth:`Residency.step_stats`, the learner's ``StepResult.offload``; the run's log row and
 TensorBoard ``stream/*``): vectors and bytes resident per tier (now and peak), arena sizes, moves each way, bytes
