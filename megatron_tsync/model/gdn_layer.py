@@ -9,7 +9,9 @@
   SiLU(z) → out_proj) in ``promote(dtype, float32)``, with the rule from :mod:`megatron_tsync.model.gated_delta`
   (the chunked WY form; float64 in, float64 out) on CPU and in float64, and ``fla``'s Triton kernel on a GPU where
   it is importable (bf16/fp32; not run on a GPU yet). It also takes what megatron's refuses: a block-diagonal causal
-  mask or THD ``PackedSeqParams`` (sequence packing: conv and recurrent state restart at every segment).
+  mask or THD ``PackedSeqParams`` (sequence packing: conv and recurrent state restart at every segment), left padding
+  (the embedded engine's: pad positions are zeroed before in_proj, as transformers does, which leaves the state at
+  exactly 0 until a row's first token) and megatron's inference context (generation).
 - :class:`ZeroCenteredRMSNorm` — Qwen3.5's RMSNorm ``x / rms(x) · (1 + w)`` (weights stored around 0, as in the
   checkpoint: conversion copies them bit for bit); megatron's local ``WrappedTorchNorm`` refuses
   ``layernorm_zero_centered_gamma``.
@@ -20,9 +22,9 @@
 
 ``extend(h, state)`` runs the layer on the next tokens of one sequence from a carried state (the last K − 1 conv
 inputs and the recurrent state, both autograd tensors): the linear layers' counterpart of kept K/V, used by
-``model.incremental.IncrementalGPT`` (OPD's turn-level streaming, the teacher scorer). Not here: megatron's
-inference-context forward (the embedded engine's KV cache; refused with one line), context and sequence parallelism
-(refused when the spec is built).
+``model.incremental.IncrementalGPT`` (OPD's turn-level streaming, the teacher scorer); with megatron's inference
+context (the embedded engine) the same state is kept in the context's KV memory. Not here: context and sequence
+parallelism (refused when the spec is built).
 """
 
 from __future__ import annotations
@@ -118,22 +120,49 @@ def _fla_rule():
     return chunk_gated_delta_rule
 
 
-def _segments(attention_mask, packed_seq_params, length: int) -> list[int]:
-    """Lengths of the independent sequences along the sequence dim: [length] for a plain causal forward."""
+_MASK_ERROR = ("qwen3_5 linear-attention layers take causal sequences: no mask, a block-diagonal causal (packed) "
+               "mask, THD packing or left padding (the embedded engine's); another mask is refused")
+
+
+def _left_padding(mask: torch.Tensor) -> torch.Tensor | None:
+    """(B, S) True at pad positions when ``mask`` ((B, 1, S, S), True = masked) is causal with each row's first
+    positions hidden as keys (the embedded engine's left-padded prompts); None for any other mask."""
+    if mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[2] != mask.shape[3]:
+        return None
+    pad = mask[:, 0, -1, :]  # (B, S) keys the last query does not see: the padding
+    s = mask.shape[-1]
+    causal = torch.ones(s, s, dtype=torch.bool, device=mask.device).triu(1)
+    if not torch.equal(mask[:, 0], causal[None] | pad[:, None, :]) or bool((pad[:, 1:] & ~pad[:, :-1]).any()):
+        return None
+    return pad
+
+
+def _layout(attention_mask, packed_seq_params, length: int):
+    """(lengths of the independent sequences along the sequence dim, left-padding (B, S) or None)."""
     if packed_seq_params is not None:
         cu = packed_seq_params.cu_seqlens_q_padded
         cu = packed_seq_params.cu_seqlens_q if cu is None else cu
         bounds = [int(x) for x in cu.tolist()]
-        return [b - a for a, b in zip(bounds, bounds[1:]) if b > a]
+        return [b - a for a, b in zip(bounds, bounds[1:]) if b > a], None
     if attention_mask is None:
-        return [length]
+        return [length], None
     from megatron_tsync.model.compat.attention import _causal_segments
 
     segs = _causal_segments(attention_mask)
-    if segs is None:
-        raise ValueError("qwen3_5 linear-attention layers take causal sequences: no mask, a block-diagonal causal "
-                         "(packed) mask or THD packing; another mask (left padding?) is refused")
-    return [b - a for a, b in segs]
+    if segs is not None:
+        return [b - a for a, b in segs], None
+    pad = _left_padding(attention_mask)
+    if pad is None:
+        raise ValueError(_MASK_ERROR)
+    return [length], pad
+
+
+def _zero_padding(hidden_states, pad):
+    """(S, B, H) with the pad positions zeroed: in_proj (no bias) and the conv then give exact zeros there, so q, k,
+    v = 0 and the state stays exactly 0 until the row's first real token — as if the row started there."""
+    if pad is None or not bool(pad.any()):
+        return hidden_states
+    return hidden_states * (~pad).t().unsqueeze(-1).to(hidden_states.dtype)
 
 
 def _gdn_class():
@@ -150,6 +179,7 @@ def _gdn_class():
 
         forward = _forward
         extend = _extend
+        _cached = _cached_forward
         _project, _output, _mix = _project, _output, _mix_segment
 
     GatedDeltaNetLayer.__module__ = __name__
@@ -164,14 +194,36 @@ _LAYER_DOC = """megatron-core's ``GatedDeltaNet`` with this module's forward (mo
 def _forward(self, hidden_states, attention_mask=None, key_value_states=None, inference_context=None,
              attention_bias=None, packed_seq_params=None, sequence_len_offset=None, *, inference_params=None,
              **kwargs):
-    """(S, B, H) → ((S, B, H), None). The recurrent state restarts at every packed segment."""
-    if inference_context is not None or inference_params is not None:
-        raise ValueError("qwen3_5: megatron's KV-cached inference forward is not built for the linear-attention "
-                         "layers (IncrementalGPT carries their recurrent state instead)")
-    lengths = _segments(attention_mask, packed_seq_params, hidden_states.shape[0])
-    qkv, z, b, a = self._project(hidden_states)
+    """(S, B, H) → ((S, B, H), None). The recurrent state restarts at every packed segment; left-padded rows start
+    at their first real token. With megatron's ``inference_context`` (the embedded engine) the layer's state lives
+    in the context's ``key_value_memory_dict`` (:func:`_cached_forward`)."""
+    ctx = inference_context if inference_context is not None else inference_params
+    if ctx is not None:
+        return self._cached(hidden_states, attention_mask, ctx)
+    lengths, pad = _layout(attention_mask, packed_seq_params, hidden_states.shape[0])
+    qkv, z, b, a = self._project(_zero_padding(hidden_states, pad))
     parts = zip(*(torch.split(t, lengths, dim=1) for t in (qkv, b, a)))
     o = torch.cat([self._mix(*p)[0] for p in parts], dim=1)  # (B, S, Hv_local, Dv)
+    return self._output(o, z, hidden_states.dtype)
+
+
+def _cached_forward(self, hidden_states, attention_mask, ctx):
+    """The embedded engine's cached forward: the recurrent state is this layer's "KV cache". Prefill (no entry for
+    this layer yet): left-padded prompts from a zero state; decode: each row continues from its entry. The entry
+    is stored under the layer number in ``ctx.key_value_memory_dict`` with the rows in dim 1, the layout of
+    megatron's K/V memory, so the engine's dropping of finished rows (``m[:, kept]``) re-indexes it too:
+    (conv tail (C_local, B, K − 1), recurrent state (Hv_local, B, Dk, Dv))."""
+    store = ctx.key_value_memory_dict
+    entry = store.get(self.layer_number)
+    state = None if entry is None else tuple(t.transpose(0, 1) for t in entry)
+    if state is None and attention_mask is not None:
+        pad = _left_padding(attention_mask)
+        if pad is None:
+            raise ValueError(_MASK_ERROR)
+        hidden_states = _zero_padding(hidden_states, pad)
+    qkv, z, b, a = self._project(hidden_states)
+    o, state = self._mix(qkv, b, a, state)
+    store[self.layer_number] = tuple(t.transpose(0, 1) for t in state)
     return self._output(o, z, hidden_states.dtype)
 
 

@@ -181,9 +181,6 @@ class EmbeddedEngine:
         self.model = unwrap(model)
         self.model.eval()
         self.arch = getattr(self.model, "arch", None)
-        if getattr(self.arch, "family", None) == "qwen3_5":
-            raise ValueError("EmbeddedEngine does not generate with qwen3_5 yet: its linear-attention layers need "
-                             "their recurrent state as the cache, which is not built (megatron_tsync/model/qwen35.py)")
         self.max_batch_rows = int(max_batch_rows)
         self.use_kv_cache = bool(use_kv_cache)
         self.detokenize = detokenize

@@ -9,7 +9,8 @@
   controls: a zero-centred norm read as plain, and the linear layers' decay off, both move the logits;
 - sequence packing: a block-causal packed forward equals the sequences' own forwards (the conv and the recurrent
   state restart at each segment); another mask is refused;
-- the embedded engine refuses the family at start-up (the recurrent-state cache is not built).
+- the embedded engine generates with it (the linear layers' recurrent state kept in megatron's inference context
+  as their "KV cache"; left-padded batches): greedy tokens and log-probs = the trainer's.
 """
 
 import json
@@ -254,17 +255,38 @@ def test_packed_forward_equals_separate_sequences(megatron64):
     own = torch.cat([_logits(megatron64, a), _logits(megatron64, b)], dim=1)
     assert _rel(packed, own) <= TOL
     assert _rel(unmasked[:, 9:], own[:, 9:]) > 1e-6
-    left_pad = mask.clone()
-    left_pad[:, 0] = True
+    other = mask.clone()
+    other[5, 2] = True  # a hole inside a segment: neither packing nor left padding
     with pytest.raises(ValueError, match="causal sequences"), torch.no_grad():
-        megatron64(ids, pos, left_pad[None, None])
+        megatron64(ids, pos, other[None, None])
 
 
-def test_embedded_engine_refuses_the_family(megatron64):
+@pytest.mark.parametrize("cache", [True, False], ids=["recurrent-state-cache", "no-cache"])
+def test_embedded_engine_generates_with_the_trainers_logprobs(tiny_q35, megatron64, cache):
+    """The embedded engine (float64) on prompts of 3, 17 and 30 tokens (left-padded to one batch; a row finishes
+    early through a stop token, so the cache drops rows): greedy tokens are the trainer's full-forward argmax and the
+    log-probs the trainer's ≤ 1e-12 — with the linear layers' recurrent state kept in megatron's inference context
+    (``cache``) and without a cache (full recompute with the padding mask)."""
+    from megatron_tsync.model.logprobs import token_logprobs
     from megatron_tsync.rollout.embedded_engine import EmbeddedEngine
+    from megatron_tsync.rollout.engine import SamplingConfig
 
-    with pytest.raises(ValueError, match="qwen3_5"):
-        EmbeddedEngine(megatron64)
+    engine = EmbeddedEngine.from_hf_dir(tiny_q35, PrecisionConfig(params_dtype=torch.float64), use_kv_cache=cache)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(9, 512, (n,), generator=g).tolist() for n in (3, 17, 30)]
+    first = engine.generate(prompts[:1], SamplingConfig(top_k=1, max_new_tokens=4, seed=0))[0][0].token_ids
+    out = engine.generate(prompts, SamplingConfig(top_k=1, max_new_tokens=12, seed=0, stop_token_ids=(first[3],)))
+    worst, lengths = 0.0, []
+    for p, (c,) in zip(prompts, out):
+        ids = torch.tensor([p + c.token_ids])
+        with torch.no_grad():
+            logits = _logits(megatron64, ids)[0, len(p) - 1 : -1]  # (n, V)
+            lp = token_logprobs(megatron64, ids)[0, len(p) - 1 :]  # (n,)
+        assert logits.argmax(-1).tolist() == c.token_ids
+        worst = max(worst, (lp - torch.tensor(c.logprobs, dtype=lp.dtype)).abs().max().item())
+        lengths.append(len(c.token_ids))
+    print(f"qwen3_5 embedded engine (cache={cache}) vs trainer log-prob max |diff| = {worst:.3g}, lengths {lengths}")
+    assert worst <= TOL and lengths[0] == 4 and max(lengths) == 12
 
 
 # ---------------------------------------------------------------------------------------------- TP = 2, PP = 2, tool
