@@ -62,18 +62,28 @@ class ZeroCenteredRMSNorm(torch.nn.Module):
 
 class PlainRMSNorm(torch.nn.Module):
     """``x · rsqrt(mean(x²) + eps) · w`` over the last dim, w initialised to 1 (the gated norm of the linear-attention
-    layers); computed in ``promote(dtype, float32)``."""
+    layers); computed in ``promote(dtype, float32)``.
+
+    ``grad_sum_group``: a TP group over which the weight's gradient is summed in the backward. The norm is applied
+    per value head and each TP rank holds its own heads, so each rank's gradient of the replicated weight is a partial
+    sum (megatron's ``finalize_model_grads`` sums only q/k layernorms and sequence-parallel norms over TP)."""
 
     def __init__(self, config=None, hidden_size: int = 0, eps: float = 1e-6, **_):
         super().__init__()
         dtype = config.params_dtype if config is not None else None
         self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=dtype))
         self.eps = eps
+        self.grad_sum_group = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x.to(_wide(x.dtype))
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight.to(h.dtype) * h).to(x.dtype)
+        w = self.weight
+        if self.grad_sum_group is not None and torch.is_grad_enabled():
+            from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
+
+            w = copy_to_tensor_model_parallel_region(w, group=self.grad_sum_group)  # identity; backward: sum
+        return (w.to(h.dtype) * h).to(x.dtype)
 
 
 _GATED_ATTENTION = None
@@ -176,6 +186,8 @@ def _gdn_class():
         def __init__(self, *args, **kwargs):
             with _without_fla_check():
                 super().__init__(*args, **kwargs)
+            if self.tp_size > 1:  # per-head norm over this rank's heads: its weight gradient summed over TP
+                self.out_norm.grad_sum_group = self.pg_collection.tp
 
         forward = _forward
         extend = _extend

@@ -4,7 +4,14 @@ For each layout (TP=2, then PP=2): load the HF weights in float64 into a Megatro
 ``megatron_to_hf`` (bitwise per tensor) and compare Megatron's float64 logits with transformers' float64 logits
 (``_qwen35_reference``) on the same (B, S) input. Under PP the first stage sends its hidden states to the second
 (megatron's ``set_input_tensor``), which computes the logits. Rank 0 writes a JSON report.
+
+``--stream-out PATH``: at each layout also tests/training/_workers/moe_ep_worker.py's ``grpo-bounded-trainer`` case
+(float64, the learner through megatron's schedules) in sync, stream-trajectory and stream-group; rank 0
+torch.saves {layout: {mode: {hf name: gradient}}} for the test to compare with one process's sync gradient.
 """
+
+STREAM_CASE = "grpo-bounded-trainer"
+STREAM_MODES = (0, 1, 3)  # moe_ep_worker.MODES: sync, stream-trajectory (order 1), stream-group
 
 import argparse
 import json
@@ -37,6 +44,7 @@ def main():
     p.add_argument("--hf", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--layouts", default="2:1,1:2", help="comma-separated tp:pp")
+    p.add_argument("--stream-out", help="also run the streaming case at each layout; torch.save it here")
     a = p.parse_args()
 
     import torch
@@ -54,7 +62,7 @@ def main():
     ids = torch.randint(0, arch.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))  # (B, S)
     with float64_transformers(), torch.no_grad():
         ref = hf_model(a.hf)(ids).logits  # (B, S, V)
-    results = []
+    results, stream = [], {}
     for spec in a.layouts.split(","):
         tp, pp = (int(x) for x in spec.split(":"))
         dims = initialize_parallel(tp, pp, seed=1234)
@@ -77,9 +85,17 @@ def main():
         if dims.rank == 0:
             print(json.dumps(results[-1]), flush=True)
         del model, back
+        if a.stream_out:
+            from _glm_worker import _moe_ep_worker
+
+            w = _moe_ep_worker()
+            stream[f"tp{tp}pp{pp}"] = {mode: w.run_case(a.hf, dims, w.CASES[STREAM_CASE], mode, seed)[0]
+                                       for mode, seed in (w.MODES[i] for i in STREAM_MODES)}
     if dims.rank == 0:
         with open(a.out, "w") as f:
             json.dump(results, f, indent=1)
+        if a.stream_out:
+            torch.save(stream, a.stream_out)
     destroy_parallel()
 
 

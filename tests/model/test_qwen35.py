@@ -300,23 +300,52 @@ def _conv_common():
     return common
 
 
+@pytest.fixture(scope="module")
+def q35_two_procs(tiny_q35, tmp_path_factory):
+    """One launch of _qwen35_worker.py (two gloo processes, TP = 2 then PP = 2) for both tests below: (logits
+    report, {layout: {mode: gradient under HF names}})."""
+    d = tmp_path_factory.mktemp("q35_two_procs")
+    out, stream_out = str(d / "rep.json"), str(d / "stream.pt")
+    worker = os.path.join(os.path.dirname(__file__), "_qwen35_worker.py")
+    rc, log, _ = _conv_common().run_isolated([worker, "--hf", tiny_q35, "--out", out, "--stream-out", stream_out],
+                                             nproc=2, timeout=600)
+    assert rc == 0, log[-4000:]
+    with open(out) as f:
+        return json.load(f), torch.load(stream_out)
+
+
 @pytest.mark.slow
-def test_float64_logits_tp2_pp2(tiny_q35, tmp_path):
+def test_float64_logits_tp2_pp2(q35_two_procs):
     """Two gloo processes: TP=2 (heads of both mixers split), then PP=2 (two layers a stage, each stage both
     kinds): float64 logits equal transformers' ≤ 1e-12 relative, the round trip through the sharded model is
     bit-identical."""
-    out = str(tmp_path / "rep.json")
-    worker = os.path.join(os.path.dirname(__file__), "_qwen35_worker.py")
-    rc, log, _ = _conv_common().run_isolated([worker, "--hf", tiny_q35, "--out", out], nproc=2, timeout=600)
-    assert rc == 0, log[-4000:]
-    with open(out) as f:
-        rep = json.load(f)
+    rep = q35_two_procs[0]
     assert {(r["tp"], r["pp"]) for r in rep} == {(2, 1), (1, 2)}
     for r in rep:
         print(f"qwen3_5 tp={r['tp']} pp={r['pp']}: float64 logits rel diff {r['rel_logit_diff']:.3g}")
         assert r["same_keys"] and not r["mismatched"], r
         assert r["rel_logit_diff"] <= TOL and r["ranks_with_logits"] == (2 if r["pp"] == 1 else 1), r
     assert {r["pp"]: r["layers"] for r in rep}[2] == 2
+
+
+@pytest.mark.slow
+def test_streaming_tp2_pp2_equal_one_process(tiny_q35, q35_two_procs, megatron_single):
+    """The learner at TP = 2 and PP = 2 (float64 GRPO, bounded rewards, π_old from the trainer): sync,
+    stream-trajectory and stream-group gradients equal one process's sync gradient ≤ 1e-12 — every tensor, the
+    gated norm's weight among them (per value head: its gradient summed over TP, gdn_layer.PlainRMSNorm)."""
+    from ..training.stream_cases import rel_error
+    from ._glm_worker import _moe_ep_worker
+
+    w = _moe_ep_worker()
+    one = w.run_case(tiny_q35, megatron_single, w.CASES["grpo-bounded-trainer"], "sync", None)[0]
+    assert any(k.endswith("linear_attn.norm.weight") for k in one)
+    for layout, modes in q35_two_procs[1].items():
+        assert set(modes) == {"sync", "stream-trajectory", "stream-group"}
+        for mode, g in modes.items():
+            r = rel_error(g, one)
+            worst = max(rel_error({k: g[k]}, {k: one[k]}) for k in one)
+            print(f"qwen3_5 {layout} {mode}: vs one process {r:.2g} (worst tensor {worst:.2g})")
+            assert r < TOL and worst < 1e-10, (layout, mode, r, worst)
 
 
 @pytest.mark.slow
