@@ -145,7 +145,8 @@ def check_overrides(arch, overrides: dict[str, Any], precision=None) -> None:
 def transformer_config_fields(arch, tp: int) -> dict[str, Any]:
     """TransformerConfig fields of a ``qwen3_5`` arch (megatron-core's gated-delta-net hybrid settings)."""
     for what, n in (("linear_num_key_heads", arch.linear_num_key_heads),
-                    ("linear_num_value_heads", arch.linear_num_value_heads), ("num_key_value_heads", arch.num_kv_heads)):
+                    ("linear_num_value_heads", arch.linear_num_value_heads),
+                    ("num_key_value_heads", arch.num_kv_heads)):
         if n % tp:
             raise ValueError(f"qwen3_5 {what} {n} must be divisible by TP={tp}")
     return dict(
