@@ -3,9 +3,10 @@
 Used by the OPD learner (turn-level streaming with the earlier turns' keys/values kept in the autograd graph) and by
 the teacher scorer (under ``torch.no_grad``: a plain KV-cached scorer). Qwen3.5's linear-attention layers
 (model/gdn_layer.py) keep their conv window and recurrent state instead of K/V (``extend``). The embedded rollout
-engine generates with megatron-core's own inference KV cache instead (``rollout/embedded_engine.py``). Activation recomputation of the
-model's config (``--recompute-granularity``) applies here too, under grad: :func:`recompute_plan` picks the layers
-megatron's block would checkpoint and each chunk checkpoints them with torch's non-reentrant checkpoint.
+engine generates with megatron-core's own inference KV cache instead (``rollout/embedded_engine.py``). Activation
+recomputation of the model's config (``--recompute-granularity``) applies here too, under grad:
+:func:`recompute_plan` picks the layers megatron's block would checkpoint and each chunk checkpoints them with
+torch's non-reentrant checkpoint.
 """
 
 from __future__ import annotations
