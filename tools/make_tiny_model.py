@@ -11,7 +11,8 @@ head_dim 2·hidden/heads unless --head-dim says otherwise. qwen3_moe: Qwen3 atte
 interleaved-RoPE head), the first layer dense, then sigmoid-routed experts (4 groups, 2 kept, top-4) with a random
 non-zero correction bias, routed scaling 1.8 and one shared expert. qwen3.5 (= qwen3_5): transformers'
 Qwen3_5TextConfig — Gated DeltaNet linear-attention layers alternating with gated full-attention layers (partial
-RoPE, zero-centred norms; default 4 layers).
+RoPE, zero-centred norms; default 4 layers); qwen3.5-moe: the same with every MLP routed experts (--experts 4,
+--topk 2) plus a sigmoid-gated shared expert (transformers' Qwen3_5MoeTextConfig).
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from megatron_tsync.model.tiny_model import ALL_FAMILIES, make_tiny_model
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="output folder (created)")
-    p.add_argument("--family", choices=list(ALL_FAMILIES) + ["glm4-moe-lite", "qwen3.5"], default="llama")
+    p.add_argument("--family", choices=list(ALL_FAMILIES) + ["glm4-moe-lite", "qwen3.5", "qwen3.5-moe"],
+                   default="llama")
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--layers", type=int, default=None, help="decoder layers (default 2; glm4_moe_lite: 3, qwen3.5: 4)")
     p.add_argument("--heads", type=int, default=4)

@@ -26,7 +26,7 @@ from megatron_tsync.model.wrappers import unwrap  # noqa: F401 - re-exported (mo
 class ModelArch:
     """Architecture of a Llama/Qwen2/Qwen3-family decoder (the fields of a Hugging Face config we use)."""
 
-    family: str  # "llama" | "qwen2" | "qwen3" | "qwen3_moe" | "glm4_moe_lite" | "qwen3_5"
+    family: str  # "llama" | "qwen2" | "qwen3" | "qwen3_moe" | "glm4_moe_lite" | "qwen3_5" | "qwen3_5_moe"
     vocab_size: int
     hidden_size: int
     ffn_hidden_size: int
@@ -77,12 +77,10 @@ class ModelArch:
     def from_hf_config(cls, cfg: dict[str, Any]) -> "ModelArch":
         """From a transformers ``config.json`` dict (LlamaConfig, Qwen2Config or Qwen3Config)."""
         mt = cfg.get("model_type", "llama")
-        if mt in ("qwen3_5", "qwen3_5_text"):  # Gated DeltaNet hybrid (model/qwen35.py)
+        if mt in ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"):  # Gated DeltaNet hybrid (qwen35.py)
             from megatron_tsync.model import qwen35
 
             return cls(**qwen35.arch_fields_from_hf_config(cfg))
-        if mt in ("qwen3_5_moe", "qwen3_5_moe_text"):
-            raise ValueError(f"model_type {mt!r} is not built yet (the dense qwen3_5 hybrid is)")
         if mt == "glm4_moe_lite":  # multi-latent attention + DeepSeek-V3-style MoE (model/mla.py)
             from megatron_tsync.model import mla
 
@@ -137,8 +135,10 @@ class ModelArch:
             raise ValueError(f"{fn}: not valid JSON ({e})") from None
         if not isinstance(cfg, dict):
             raise ValueError(f"{fn}: expected a JSON object, got {type(cfg).__name__}")
-        text = cfg.get("text_config") if cfg.get("model_type") == "qwen3_5" else None  # multimodal Qwen3.5
-        missing = [k for k in _REQUIRED_HF_FIELDS if k not in (text if isinstance(text, dict) else cfg)]
+        text = cfg.get("text_config") if cfg.get("model_type") in ("qwen3_5", "qwen3_5_moe") else None  # multimodal
+        moe35 = str(cfg.get("model_type", "")).startswith("qwen3_5_moe")  # experts only: no intermediate_size
+        missing = [k for k in _REQUIRED_HF_FIELDS if k not in (text if isinstance(text, dict) else cfg)
+                   and not (moe35 and k == "intermediate_size")]
         if missing:
             raise ValueError(f"{fn}: missing field(s) {missing} (a Llama/Qwen2/Qwen3 config.json needs "
                              f"{', '.join(_REQUIRED_HF_FIELDS)})")
@@ -255,11 +255,11 @@ def transformer_config(arch: ModelArch, precision: PrecisionConfig, *, tp: int =
     if precision.fp8_format is not None:
         kw.update(fp8=precision.fp8_format, fp8_recipe=precision.fp8_recipe)
     config_class = None
-    if arch.family == "qwen3_5":
+    if arch.family in ("qwen3_5", "qwen3_5_moe"):
         from megatron_tsync.model import qwen35
 
         qwen35.check_overrides(arch, extra, precision)
-        kw.update(qwen35.transformer_config_fields(arch, tp))
+        kw.update(qwen35.transformer_config_fields(arch, tp, ep))
     elif arch.kv_lora_rank:
         from megatron_tsync.model import mla
 
@@ -314,7 +314,7 @@ def build_model(
         raise ValueError(f"{arch.num_layers} layers cannot be split evenly over PP={pp} stages")
     ep = ps.get_expert_model_parallel_world_size()
     cfg = transformer_config(arch, precision, tp=tp, pp=pp, ep=ep, **config_overrides)
-    if arch.family == "qwen3_5":
+    if arch.family in ("qwen3_5", "qwen3_5_moe"):
         from megatron_tsync.model import qwen35
 
         spec, _ = qwen35.layer_spec(arch, precision, cfg)
@@ -357,7 +357,7 @@ def build_model(
         from megatron_tsync.model import mla
 
         mla.finish_model(model, arch, torch.float64 if float64 else torch.float32)
-    elif arch.family == "qwen3_5":  # RoPE on the rotary dims only
+    elif arch.family in ("qwen3_5", "qwen3_5_moe"):  # RoPE on the rotary dims only
         from megatron_tsync.model import qwen35
 
         qwen35.finish_model(model, arch, torch.float64 if float64 else torch.float32)

@@ -124,10 +124,11 @@ def hf_to_megatron(
         out["embedding.word_embeddings.weight"] = col(hf_state["model.embed_tokens.weight"])
     for j in range(n):
         h, m = f"model.layers.{off + j}.", f"decoder.layers.{j}."
-        if arch.family == "qwen3_5":  # Gated DeltaNet hybrid (model/qwen35.py)
+        if arch.family in ("qwen3_5", "qwen3_5_moe"):  # Gated DeltaNet hybrid (model/qwen35.py)
             from megatron_tsync.model import qwen35
 
-            out.update(qwen35.hf_to_megatron_layer(hf_state, arch, off + j, h, m, tp_rank=tp_rank, tp_size=tp_size))
+            out.update(qwen35.hf_to_megatron_layer(hf_state, arch, off + j, h, m, tp_rank=tp_rank, tp_size=tp_size,
+                                                   ep_rank=ep_rank, ep_size=ep_size))
             continue
         if arch.kv_lora_rank:  # multi-latent attention + its MLP (model/mla.py)
             from megatron_tsync.model import mla
@@ -183,10 +184,10 @@ def megatron_full_to_hf(full: dict[str, torch.Tensor], arch: ModelArch, layer_of
         elif name.startswith("decoder.layers."):
             j, sub = name[len("decoder.layers.") :].split(".", 1)
             h = f"model.layers.{int(j) + layer_offset}."
-            if arch.family == "qwen3_5":  # model/qwen35.py
+            if arch.family in ("qwen3_5", "qwen3_5_moe"):  # model/qwen35.py
                 from megatron_tsync.model import qwen35
 
-                out.update(qwen35.megatron_to_hf_layer(sub, t, h, arch, tp_size))
+                out.update(qwen35.megatron_to_hf_layer(sub, t, h, arch, tp_size, expert_offset))
             elif arch.kv_lora_rank:  # model/mla.py
                 from megatron_tsync.model import mla
 
@@ -412,7 +413,7 @@ def load_hf_dir(path: str) -> tuple[ModelArch, dict[str, torch.Tensor]]:
     store ``lm_head.weight`` have it dropped."""
     arch = ModelArch.from_hf_dir(path)
     state = load_hf_state(path)
-    if arch.family == "qwen3_5":  # a multimodal checkpoint's text model (model/qwen35.py)
+    if arch.family in ("qwen3_5", "qwen3_5_moe"):  # a multimodal checkpoint's text model (model/qwen35.py)
         from megatron_tsync.model import qwen35
 
         state = qwen35.text_state(state)
@@ -437,7 +438,7 @@ def hf_config_dict(arch: ModelArch, *, dtype: torch.dtype = torch.float32, extra
     """
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
-    if arch.family == "qwen3_5":  # Gated DeltaNet hybrid (model/qwen35.py)
+    if arch.family in ("qwen3_5", "qwen3_5_moe"):  # Gated DeltaNet hybrid (model/qwen35.py)
         from megatron_tsync.model import qwen35
 
         return qwen35.hf_config_dict(arch, dtype=dtype, extra=extra)

@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 
-FAMILIES = ("qwen3_5",)
+FAMILIES = ("qwen3_5", "qwen3_5_moe")
 LINEAR, FULL = "linear_attention", "full_attention"
 
 # TransformerConfig fields a caller may not set for this family (value allowed, why)
@@ -67,14 +67,31 @@ def is_qwen35(arch) -> bool:
 
 
 def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
-    """The text model's config of a ``qwen3_5`` (multimodal, ``text_config`` inside) or ``qwen3_5_text`` dict."""
-    if cfg.get("model_type") != "qwen3_5":
+    """The text model's config of a ``qwen3_5`` / ``qwen3_5_moe`` (multimodal, ``text_config`` inside) or
+    ``*_text`` dict."""
+    mt = cfg.get("model_type")
+    if mt not in FAMILIES:
         return cfg
     text = cfg.get("text_config")
     if not isinstance(text, dict):
-        raise ValueError("qwen3_5 config.json without a text_config object")
+        raise ValueError(f"{mt} config.json without a text_config object")
     tie = text.get("tie_word_embeddings", cfg.get("tie_word_embeddings", False))
-    return {**text, "model_type": "qwen3_5_text", "tie_word_embeddings": tie}
+    return {**text, "model_type": mt + "_text", "tie_word_embeddings": tie}
+
+
+def _moe_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """``qwen3_5_moe``: every layer's MLP is softmax-routed experts (top-k renormalised) plus one shared expert
+    scaled by a sigmoid gate (megatron's ``moe_shared_expert_gate``)."""
+    experts, topk = int(cfg["num_experts"]), int(cfg["num_experts_per_tok"])
+    if not 1 <= topk <= experts:
+        raise ValueError(f"qwen3_5_moe num_experts_per_tok {topk} must be in [1, num_experts={experts}]")
+    shared = int(cfg.get("shared_expert_intermediate_size") or 0)
+    if not shared:
+        raise ValueError("qwen3_5_moe without shared_expert_intermediate_size is not supported")
+    return dict(family="qwen3_5_moe", num_experts=experts, moe_router_topk=topk,
+                moe_ffn_hidden_size=int(cfg["moe_intermediate_size"]), norm_topk_prob=True,
+                moe_shared_expert_ffn_hidden_size=shared,
+                ffn_hidden_size=int(cfg.get("intermediate_size") or cfg["moe_intermediate_size"]))
 
 
 def _layer_types(cfg: dict[str, Any], layers: int) -> tuple[str, ...]:
@@ -106,6 +123,7 @@ def _rope(cfg: dict[str, Any], head_dim: int) -> tuple[float, float]:
 def arch_fields_from_hf_config(cfg: dict[str, Any]) -> dict[str, Any]:
     """Every ModelArch field of a ``qwen3_5`` / ``qwen3_5_text`` config.json dict; refuses what is not built."""
     cfg = text_config(cfg)
+    moe = cfg.get("model_type") == "qwen3_5_moe_text"
     if cfg.get("attention_bias"):
         raise ValueError("qwen3_5 with attention_bias=true is not supported")
     if cfg.get("hidden_act", "silu") != "silu":
@@ -117,9 +135,9 @@ def arch_fields_from_hf_config(cfg: dict[str, Any]) -> dict[str, Any]:
     hk, hv = int(cfg.get("linear_num_key_heads", 16)), int(cfg.get("linear_num_value_heads", 32))
     if hv % hk:
         raise ValueError(f"qwen3_5 linear_num_value_heads {hv} must be a multiple of linear_num_key_heads {hk}")
-    return dict(
+    fields = dict(
         family="qwen3_5", vocab_size=int(cfg["vocab_size"]), hidden_size=int(cfg["hidden_size"]),
-        ffn_hidden_size=int(cfg["intermediate_size"]), num_layers=layers, num_attention_heads=heads,
+        ffn_hidden_size=int(cfg.get("intermediate_size") or 0), num_layers=layers, num_attention_heads=heads,
         num_kv_heads=kv_heads, head_dim=head_dim, rope_theta=theta, rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)), qk_layernorm=True,
@@ -129,10 +147,15 @@ def arch_fields_from_hf_config(cfg: dict[str, Any]) -> dict[str, Any]:
         linear_value_head_dim=int(cfg.get("linear_value_head_dim", 128)),
         linear_num_key_heads=hk, linear_num_value_heads=hv,
     )
+    return {**fields, **(_moe_fields(cfg) if moe else {})}
 
 
 def check_overrides(arch, overrides: dict[str, Any], precision=None) -> None:
     """Overrides and precisions this family cannot run: one-line ValueError."""
+    if arch.num_experts:
+        from megatron_tsync.model import moe
+
+        moe.check_overrides(arch, overrides)
     if precision is not None and precision.fp8_format is not None:
         raise ValueError(f"--fp8-format {precision.fp8_format}: {arch.family} runs on megatron-core's local spec "
                          "(the Transformer Engine spec is not built for the Gated DeltaNet hybrid), which has no FP8")
@@ -142,14 +165,26 @@ def check_overrides(arch, overrides: dict[str, Any], precision=None) -> None:
                              "(megatron_tsync/model/qwen35.py)")
 
 
-def transformer_config_fields(arch, tp: int) -> dict[str, Any]:
-    """TransformerConfig fields of a ``qwen3_5`` arch (megatron-core's gated-delta-net hybrid settings)."""
+def transformer_config_fields(arch, tp: int, ep: int = 1) -> dict[str, Any]:
+    """TransformerConfig fields of a ``qwen3_5`` arch (megatron-core's gated-delta-net hybrid settings; with
+    experts, model/moe.py's plus the gated shared expert)."""
     for what, n in (("linear_num_key_heads", arch.linear_num_key_heads),
                     ("linear_num_value_heads", arch.linear_num_value_heads),
                     ("num_key_value_heads", arch.num_kv_heads)):
         if n % tp:
             raise ValueError(f"qwen3_5 {what} {n} must be divisible by TP={tp}")
+    moe_fields = {}
+    if arch.num_experts:
+        from megatron_tsync.model import moe
+
+        if tp > 1:
+            raise ValueError("qwen3_5_moe at TP > 1 is not built (megatron's MoE layer needs sequence parallelism, "
+                             "which the linear-attention layers do not take): use expert parallelism")
+        moe_fields = dict(moe.transformer_config_fields(arch, tp, ep),
+                          moe_shared_expert_intermediate_size=arch.moe_shared_expert_ffn_hidden_size,
+                          moe_shared_expert_gate=True, moe_shared_expert_overlap=False)
     return dict(
+        moe_fields,
         experimental_attention_variant="gated_delta_net",
         linear_attention_freq=[1 if t == LINEAR else 0 for t in arch.layer_types],
         linear_conv_kernel_dim=arch.linear_conv_kernel_dim,
@@ -184,7 +219,9 @@ def layer_spec(arch, precision, config):
     check_overrides(arch, {"sequence_parallel": config.sequence_parallel,
                            "context_parallel_size": config.context_parallel_size}, precision)
     norm = gdn_layer.ZeroCenteredRMSNorm
-    full = copy.deepcopy(compat.local_layer_spec(qk_layernorm=True))
+    base = (compat.local_moe_layer_spec(arch.num_experts, qk_layernorm=True) if arch.num_experts
+            else compat.local_layer_spec(qk_layernorm=True))
+    full = copy.deepcopy(base)
     full.submodules.input_layernorm = full.submodules.pre_mlp_layernorm = norm
     attn = full.submodules.self_attention
     attn.module = gdn_layer.output_gated_self_attention_class()
@@ -269,9 +306,9 @@ def _linear_to_megatron(hf_state, arch, a: str, m: str, tp_rank: int, tp_size: i
     }
 
 
-def hf_to_megatron_layer(hf_state, arch, layer: int, h: str, m: str, *, tp_rank: int = 0,
-                         tp_size: int = 1) -> dict[str, torch.Tensor]:
-    """One layer's tensors (norms, mixer, MLP) for this TP rank; fresh copies."""
+def hf_to_megatron_layer(hf_state, arch, layer: int, h: str, m: str, *, tp_rank: int = 0, tp_size: int = 1,
+                         ep_rank: int = 0, ep_size: int = 1) -> dict[str, torch.Tensor]:
+    """One layer's tensors (norms, mixer, MLP) for this TP (and EP) rank; fresh copies."""
     out = {m + "input_layernorm.weight": hf_state[h + "input_layernorm.weight"].clone(),
            m + "pre_mlp_layernorm.weight": hf_state[h + "post_attention_layernorm.weight"].clone()}
     if arch.layer_types[layer] == LINEAR:
@@ -284,9 +321,18 @@ def hf_to_megatron_layer(hf_state, arch, layer: int, h: str, m: str, *, tp_rank:
         out[s + "q_layernorm.weight"] = hf_state[a + "q_norm.weight"].clone()
         out[s + "k_layernorm.weight"] = hf_state[a + "k_norm.weight"].clone()
         out[s + "linear_proj.weight"] = _chunk(hf_state[a + "o_proj.weight"], 1, tp_rank, tp_size)
-    gate, up = hf_state[h + "mlp.gate_proj.weight"], hf_state[h + "mlp.up_proj.weight"]
-    out[m + "mlp.linear_fc1.weight"] = torch.cat([_chunk(gate, 0, tp_rank, tp_size), _chunk(up, 0, tp_rank, tp_size)])
-    out[m + "mlp.linear_fc2.weight"] = _chunk(hf_state[h + "mlp.down_proj.weight"], 1, tp_rank, tp_size)
+    if arch.num_experts:
+        from megatron_tsync.model import moe
+
+        out.update(moe.hf_to_megatron_layer(hf_state, arch, h, m, tp_rank=tp_rank, tp_size=tp_size,
+                                            ep_rank=ep_rank, ep_size=ep_size))
+        h, m = h + "mlp.shared_expert.", m + "mlp.shared_experts."
+        out[m + "gate_weight"] = hf_state[h[:-len("shared_expert.")] + "shared_expert_gate.weight"].clone()
+    else:
+        h, m = h + "mlp.", m + "mlp."
+    gate, up = hf_state[h + "gate_proj.weight"], hf_state[h + "up_proj.weight"]
+    out[m + "linear_fc1.weight"] = torch.cat([_chunk(gate, 0, tp_rank, tp_size), _chunk(up, 0, tp_rank, tp_size)])
+    out[m + "linear_fc2.weight"] = _chunk(hf_state[h + "down_proj.weight"], 1, tp_rank, tp_size)
     return out
 
 
@@ -303,19 +349,37 @@ _FULL_PLAIN = {"q_layernorm.weight": "q_norm.weight", "k_layernorm.weight": "k_n
                "linear_proj.weight": "o_proj.weight"}
 
 
-def megatron_to_hf_layer(sub: str, t, h: str, arch, tp_size: int) -> dict[str, torch.Tensor]:
+_MLP_PREFIX = {"mlp.": "mlp.", "mlp.shared_experts.": "mlp.shared_expert."}  # megatron → HF
+
+
+def _mlp_to_hf(sub: str, t, h: str) -> dict[str, torch.Tensor] | None:
+    """A dense MLP's or the shared expert's tensor (None for anything else)."""
+    for mp, hp in _MLP_PREFIX.items():
+        if sub == mp + "linear_fc1.weight":
+            halves = [s.chunk(2, dim=0) for s in (t if isinstance(t, list) else [t])]
+            return {h + hp + "gate_proj.weight": torch.cat([g for g, _ in halves]),
+                    h + hp + "up_proj.weight": torch.cat([u for _, u in halves])}
+        if sub == mp + "linear_fc2.weight":
+            return {h + hp + "down_proj.weight": t}
+    if sub == "mlp.shared_experts.gate_weight":
+        return {h + "mlp.shared_expert_gate.weight": t}
+    return None
+
+
+def megatron_to_hf_layer(sub: str, t, h: str, arch, tp_size: int, expert_offset: int = 0) -> dict[str, torch.Tensor]:
     """HF tensors of one megatron tensor ``sub`` (the name below ``decoder.layers.j.``), TP-gathered
-    (``linear_fc1``: the list of per-rank [gate_r; up_r] shards)."""
+    (``linear_fc1``: the list of per-rank [gate_r; up_r] shards); ``expert_offset``: this EP rank's first expert."""
     if sub == "input_layernorm.weight":
         return {h + "input_layernorm.weight": t}
     if sub == "pre_mlp_layernorm.weight":
         return {h + "post_attention_layernorm.weight": t}
-    if sub == "mlp.linear_fc1.weight":
-        halves = [s.chunk(2, dim=0) for s in (t if isinstance(t, list) else [t])]
-        return {h + "mlp.gate_proj.weight": torch.cat([g for g, _ in halves]),
-                h + "mlp.up_proj.weight": torch.cat([u for _, u in halves])}
-    if sub == "mlp.linear_fc2.weight":
-        return {h + "mlp.down_proj.weight": t}
+    mlp = _mlp_to_hf(sub, t, h)
+    if mlp is not None:
+        return mlp
+    if arch.num_experts and sub.startswith(("mlp.router.", "mlp.experts.")):
+        from megatron_tsync.model import moe
+
+        return moe.megatron_to_hf_layer(sub, t, h, expert_offset)
     name = sub[len("self_attention."):] if sub.startswith("self_attention.") else None
     a, s = h + "linear_attn.", h + "self_attn."
     if name == "in_proj.weight":
@@ -347,11 +411,19 @@ def text_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def hf_config_dict(arch, *, dtype: torch.dtype = torch.float32, extra: dict | None = None) -> dict:
-    """config.json content of a ``qwen3_5`` arch: transformers' Qwen3_5TextConfig (the text-only causal LM)."""
-    from transformers import Qwen3_5TextConfig
+    """config.json content of a ``qwen3_5`` arch: transformers' Qwen3_5TextConfig (the text-only causal LM), or
+    Qwen3_5MoeTextConfig."""
+    from transformers import Qwen3_5MoeTextConfig, Qwen3_5TextConfig
 
-    cfg = Qwen3_5TextConfig(
-        vocab_size=arch.vocab_size, hidden_size=arch.hidden_size, intermediate_size=arch.ffn_hidden_size,
+    if arch.num_experts:
+        cls, name = Qwen3_5MoeTextConfig, "Qwen3_5MoeForCausalLM"
+        kw = dict(num_experts=arch.num_experts, num_experts_per_tok=arch.moe_router_topk,
+                  moe_intermediate_size=arch.moe_ffn_hidden_size,
+                  shared_expert_intermediate_size=arch.moe_shared_expert_ffn_hidden_size)
+    else:
+        cls, name, kw = Qwen3_5TextConfig, "Qwen3_5ForCausalLM", dict(intermediate_size=arch.ffn_hidden_size)
+    cfg = cls(
+        **kw, vocab_size=arch.vocab_size, hidden_size=arch.hidden_size,
         num_hidden_layers=arch.num_layers, num_attention_heads=arch.num_attention_heads,
         num_key_value_heads=arch.num_kv_heads, head_dim=arch.head_dim, rms_norm_eps=arch.rms_norm_eps,
         tie_word_embeddings=arch.tie_word_embeddings, max_position_embeddings=arch.max_position_embeddings,
@@ -362,7 +434,7 @@ def hf_config_dict(arch, *, dtype: torch.dtype = torch.float32, extra: dict | No
                          "partial_rotary_factor": arch.partial_rotary_factor},
     )
     d = cfg.to_dict()
-    d["architectures"] = ["Qwen3_5ForCausalLM"]
+    d["architectures"] = [name]
     d["torch_dtype"] = d["dtype"] = str(dtype).replace("torch.", "")
     d.pop("transformers_version", None)
     d.update(extra or {})

@@ -18,6 +18,7 @@ bias, θ 1e6, ``head_dim`` 2·hidden/heads by default: decoupled from hidden/hea
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -32,7 +33,7 @@ BOS, EOS, PAD = "<s>", "</s>", "<pad>"
 FAMILIES = ("llama", "qwen2", "qwen3", "llama3", "qwen3_moe")  # what --tiny-model-family offers (a live run)
 # make_tiny_model / tools/make_tiny_model.py also make glm4_moe_lite and qwen3_5, which the engines do not generate
 # with yet
-ALL_FAMILIES = FAMILIES + ("glm4_moe_lite", "qwen3_5")
+ALL_FAMILIES = FAMILIES + ("glm4_moe_lite", "qwen3_5", "qwen3_5_moe")
 _LLAMA3_SCALING = dict(rope_type="llama3", rope_factor=8.0, rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
                        rope_original_max_position_embeddings=64)
 
@@ -138,10 +139,14 @@ def make_tiny_model(
         arch = glm4_moe_lite_arch(hidden=hidden, layers=layers or 3, heads=heads, vocab=vocab, ffn=ffn, tie=tie,
                                   experts=experts or 16, topk=topk or 4, moe_ffn=moe_ffn)
         return _write(out_dir, arch, seed=seed, dtype=dtype, router_std=0.2, bias_std=0.1)
-    if family == "qwen3_5":
+    if family in ("qwen3_5", "qwen3_5_moe"):
         arch = qwen3_5_arch(hidden=hidden, layers=layers or 4, heads=heads, kv_heads=kv_heads, vocab=vocab, ffn=ffn,
                             tie=tie, head_dim=head_dim)
-        return _write(out_dir, arch, seed=seed, dtype=dtype, router_std=0.0)
+        if family == "qwen3_5_moe":  # every MLP: experts (top-2 of 4, width hidden/2) + a gated shared expert
+            f = moe_ffn or hidden // 2
+            arch = dataclasses.replace(arch, family=family, num_experts=experts or 4, moe_router_topk=topk or 2,
+                                       moe_ffn_hidden_size=f, norm_topk_prob=True, moe_shared_expert_ffn_hidden_size=f)
+        return _write(out_dir, arch, seed=seed, dtype=dtype, router_std=0.5)
     experts, topk, layers = experts or 4, topk or 2, layers or 2
     if hidden % heads or heads % kv_heads:
         raise ValueError(f"hidden {hidden} must divide by heads {heads}, and heads by kv_heads {kv_heads}")

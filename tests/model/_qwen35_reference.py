@@ -39,13 +39,19 @@ def _recurrent64(g, query, key, value, decay, beta):
 
 
 @contextlib.contextmanager
-def float64_transformers():
-    """transformers' Qwen3_5 modules with their float32 casts lifted (module docstring)."""
-    import transformers.models.qwen3_5.modeling_qwen3_5 as g
+def float64_transformers(module: str = "qwen3_5"):
+    """transformers' Qwen3_5 (``module`` "qwen3_5_moe": Qwen3_5Moe, whose router's softmax is lifted too) modules
+    with their float32 casts lifted (module docstring)."""
+    import importlib
 
-    targets = {"norm": (g.Qwen3_5RMSNorm, "forward"), "gated": (g.Qwen3_5RMSNormGated, "forward"),
-               "rope": (g.Qwen3_5TextRotaryEmbedding, "forward"), "gdn": (g.Qwen3_5GatedDeltaNet, "forward"),
+    g = importlib.import_module(f"transformers.models.{module}.modeling_{module}")
+    cls = {name: getattr(g, ("Qwen3_5Moe" if module == "qwen3_5_moe" else "Qwen3_5") + name)
+           for name in ("RMSNorm", "RMSNormGated", "TextRotaryEmbedding", "GatedDeltaNet")}
+    targets = {"norm": (cls["RMSNorm"], "forward"), "gated": (cls["RMSNormGated"], "forward"),
+               "rope": (cls["TextRotaryEmbedding"], "forward"), "gdn": (cls["GatedDeltaNet"], "forward"),
                "eager": (g, "eager_attention_forward")}
+    if module == "qwen3_5_moe":
+        targets["router"] = (g.Qwen3_5MoeTopKRouter, "forward")
     saved = {name: getattr(obj, attr) for name, (obj, attr) in targets.items()}
 
     def norm(self, x):
@@ -88,9 +94,14 @@ def float64_transformers():
         w = torch.softmax(w, dim=-1)
         return torch.matmul(w, v).transpose(1, 2).contiguous(), w
 
-    new = {"norm": norm, "gated": gated, "rope": rope, "gdn": gdn, "eager": eager}
+    def router(self, h):
+        logits = F.linear(h.reshape(-1, self.hidden_dim), self.weight)  # (T, E)
+        top, idx = torch.topk(torch.softmax(logits, dim=-1), self.top_k, dim=-1)  # transformers: softmax in float32
+        return logits, top / top.sum(dim=-1, keepdim=True), idx
+
+    new = {"norm": norm, "gated": gated, "rope": rope, "gdn": gdn, "eager": eager, "router": router}
     for name, (obj, attr) in targets.items():
-        setattr(obj, attr, new[name])
+        setattr(obj, attr, new[name])  # noqa: B010
     try:
         yield
     finally:
@@ -101,6 +112,7 @@ def float64_transformers():
 def hf_model(path, dtype=torch.float64):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager").eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager",
+                                                 experts_implementation="eager").eval()
     model.config.use_cache = False  # one full forward (the lifted linear-attention forward takes no cache)
     return model
