@@ -15,6 +15,11 @@ A layer is ``x + mixer(norm(x))`` then ``x + MLP(norm(x))`` (SwiGLU), where ``la
   RoPE (``mrope_section``) gives three position streams (time, height, width) that are equal for text, where it is
   plain RoPE: text positions only here (no images or video).
 
+``qwen3_5_moe`` (Qwen3.5-MoE): every layer's MLP is megatron-core's MoE layer — softmax router, top-k weights
+renormalised (model/moe.py's Qwen3-MoE settings) — plus one shared expert scaled by ``σ(x·w_gate)``
+(``moe_shared_expert_gate``). Expert parallelism works as for Qwen3-MoE; TP > 1 is refused (megatron's MoE layer
+needs sequence parallelism there, which the linear-attention layers do not take).
+
 Every RMSNorm but the gated one is zero-centred (``x/rms(x)·(1 + w)``, checkpoint weights around 0; megatron's
 ``layernorm_zero_centered_gamma``): the weights are copied bit for bit, never shifted by 1.
 
@@ -31,14 +36,17 @@ Weight layout (HF ``model.layers.i.`` → megatron ``decoder.layers.j.``; TP: co
 ``linear_attn.{A_log,dt_bias}`` (Hv,)                           ``self_attention.{A_log,dt_bias}`` split by TP
 ``linear_attn.norm.weight`` / ``out_proj.weight``                ``self_attention.out_norm`` (replicated) / ``out_proj``
 ``{input,post_attention}_layernorm.weight``, ``mlp.*``           as Llama (model/hf_conversion.py)
+``mlp.gate.weight``, ``mlp.experts.{e}.*`` (MoE)                  as Qwen3-MoE (model/moe.py)
+``mlp.shared_expert.{gate,up,down}_proj.weight``                 ``mlp.shared_experts.linear_fc{1,2}.weight``
+``mlp.shared_expert_gate.weight`` (1, H)                         ``mlp.shared_experts.gate_weight``
 =============================================================  =================================================
 
 Checkpoints of the multimodal ``Qwen3_5ForConditionalGeneration`` (``model_type: qwen3_5``, the text config under
 ``text_config``, weights under ``model.language_model.``) are read as their text model (vision tower and MTP head
 dropped); what is written back is the text-only ``Qwen3_5ForCausalLM`` folder (``model_type: qwen3_5_text``).
 
-Not built (refused where asked): ``qwen3_5_moe``, RoPE scaling, attention biases, sequence / context parallelism,
-FP8 and the Transformer Engine spec, the recurrent-state engine forward (the embedded engine refuses the family).
+Not built (refused where asked): RoPE scaling, attention biases, sequence / context parallelism (so no TP > 1 for
+``qwen3_5_moe``), FP8 and the Transformer Engine spec.
 """
 
 from __future__ import annotations
