@@ -6,7 +6,8 @@ sigmoid-gated shared expert; model/qwen35.py on megatron-core's MoE layer with `
 - conversion HF → (PP, EP) shards → HF bit-identical, and through the float64 model;
 - float64 logits = transformers' (float32 casts lifted, the router's softmax among them) ≤ 1e-12; the shared
   expert's gate matters (control);
-- float64 GRPO streamed (stream-trajectory, stream-group) = sync ≤ 1e-12 in one process.
+- float64 GRPO streamed (stream-trajectory, stream-group) = sync ≤ 1e-12 in one process;
+- the embedded engine generates with it (greedy tokens and log-probs = the trainer's).
 """
 
 import pytest
@@ -127,3 +128,24 @@ def test_float64_stream_equals_sync(tiny_moe, moe64):
         rel = ((grads[mode] - grads["sync"]).norm() / grads["sync"].norm()).item()
         print(f"qwen3_5_moe float64 grpo {mode}: {rel:.2g}")
         assert rel < TOL, (mode, rel)
+
+
+def test_embedded_engine_generates_with_the_trainers_logprobs(tiny_moe, moe64):
+    """The embedded engine on the MoE variant (float64, left-padded prompts of 3 and 17 tokens): greedy tokens = the
+    trainer's argmax, log-probs = the trainer's ≤ 1e-12."""
+    from megatron_tsync.model.logprobs import token_logprobs
+    from megatron_tsync.rollout.embedded_engine import EmbeddedEngine
+    from megatron_tsync.rollout.engine import SamplingConfig
+
+    engine = EmbeddedEngine.from_hf_dir(tiny_moe, PrecisionConfig(params_dtype=torch.float64))
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(9, 512, (n,), generator=g).tolist() for n in (3, 17)]
+    worst = 0.0
+    for p, (c,) in zip(prompts, engine.generate(prompts, SamplingConfig(top_k=1, max_new_tokens=8, seed=0))):
+        ids = torch.tensor([p + c.token_ids])
+        with torch.no_grad():
+            assert _logits(moe64, ids)[0, len(p) - 1 : -1].argmax(-1).tolist() == c.token_ids
+            lp = token_logprobs(moe64, ids)[0, len(p) - 1 :]
+        worst = max(worst, (lp - torch.tensor(c.logprobs, dtype=lp.dtype)).abs().max().item())
+    print(f"qwen3_5_moe embedded engine vs trainer: {worst:.3g}")
+    assert worst <= TOL
