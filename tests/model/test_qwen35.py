@@ -239,8 +239,8 @@ def test_fp8_is_refused(tiny_q35, megatron_single):
 
 # ---------------------------------------------------------------------------------------------- packing
 def test_packed_forward_equals_separate_sequences(megatron64):
-    """Two sequences packed into one row with a block-diagonal causal mask (positions restarting): every position's
-    logits equal the sequences' own forwards ≤ 1e-12; control: the same pack without the mask differs in the
+    """Two sequences packed into one row with a block-diagonal causal mask (positions restarting), and as THD
+    (``cu_seqlens``): every position's logits equal the sequences' own forwards ≤ 1e-12; control: the same pack without the mask differs in the
     second sequence (the recurrent state and the conv window would otherwise run across the boundary)."""
     from megatron_tsync.model.logprobs import gather_vocab_parallel_logits
 
@@ -256,6 +256,12 @@ def test_packed_forward_equals_separate_sequences(megatron64):
         unmasked = gather_vocab_parallel_logits(megatron64(ids, pos, None))
     own = torch.cat([_logits(megatron64, a), _logits(megatron64, b)], dim=1)
     assert _rel(packed, own) <= TOL
+    from megatron_tsync.training.packing import layout_for
+
+    with torch.no_grad():  # THD packing (cu_seqlens, no mask): the same restarts
+        thd = gather_vocab_parallel_logits(megatron64(ids, pos, None,
+                                                      packed_seq_params=layout_for([9, 13]).packed_seq_params()))
+    assert _rel(thd, own) <= TOL
     assert _rel(unmasked[:, 9:], own[:, 9:]) > 1e-6
     other = mask.clone()
     other[5, 2] = True  # a hole inside a segment: neither packing nor left padding
