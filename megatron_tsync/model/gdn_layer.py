@@ -4,7 +4,8 @@
   sharding, initialisation and ``sharded_state_dict`` are used as they are) with a forward of ours. megatron-core
   0.16.1's forward cannot serve here as written: its constructor refuses to run without ``fla`` (GPU Triton
   kernels), and its forward casts the decay input (``alpha.float()``) and the output gate (``gate.float()``) to
-  float32 whatever the model's dtype — float64 logits would be ~1e-8 off, not ≤ 1e-12. The forward below computes
+  float32 whatever the model's dtype — float32 rounding in float64 logits (not measured: that forward cannot run
+  here without ``fla``; transformers' equivalent casts give ~1e-7). The forward below computes
   the same layer (in_proj → causal depthwise conv1d + SiLU → L2-normalised q/k → gated delta rule → RMSNorm(o) ·
   SiLU(z) → out_proj) in ``promote(dtype, float32)``, with the rule from :mod:`megatron_tsync.model.gated_delta`
   (the chunked WY form; float64 in, float64 out) on CPU and in float64, and ``fla``'s Triton kernel on a GPU where
