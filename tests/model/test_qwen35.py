@@ -371,3 +371,21 @@ def test_convert_checkpoint_tool_verify(tiny_q35, tmp_path):
     assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
     with open(os.path.join(back, "config.json")) as f:
         assert json.load(f)["model_type"] == "qwen3_5_text"
+
+
+@pytest.mark.slow
+def test_opd_stream_turn_tp2_pp2(tiny_q35, tmp_path):
+    """OPD stream-turn at TP = 2 and PP = 2 (the per-chunk p2p path, every rank): = sync ≤ 1e-12; the turn-cut
+    control > 1e-3 (tests/model/_qwen35_opd_worker.py)."""
+    out = str(tmp_path / "opd.json")
+    worker = os.path.join(os.path.dirname(__file__), "_qwen35_opd_worker.py")
+    rc, log, _ = _conv_common().run_isolated([worker, "--hf", tiny_q35, "--out", out], nproc=2, timeout=600)
+    assert rc == 0, log[-4000:]
+    with open(out) as f:
+        rep = json.load(f)
+    for layout, row in rep.items():
+        print(f"qwen3_5 OPD {layout}: stream-turn {row['stream-turn']['rel']:.2g}, cut {row['cut']['rel']:.2g}")
+        assert row["stream-turn"]["rel"] <= TOL and max(row["stream-turn"]["rel_this_rank"]) <= TOL, row
+        assert set(row["stream-turn"]["ran"]) == {"stream-turn"} and row["cut"]["rel"] > 1e-3, row
+        msgs = row["stream-turn"]["p2p_messages"]
+        assert (min(msgs) > 0) if layout == "pp2" else (max(msgs) == 0), (layout, msgs)
