@@ -60,9 +60,10 @@ def _package_source() -> str:
 def test_every_cell_names_a_legend_entry():
     text = DOC.read_text(encoding="utf-8")
     legend = _legend(text)
-    grids = [t for t in _tables(text) if t and t[0][0].lower() in ("layout", "combination", "engine", "glm4_moe_lite")]
-    assert [g[0][0] for g in grids] == ["layout", "combination", "engine", "glm4_moe_lite"], \
-        "the learner, combination, engine grids and the glm4_moe_lite grid"
+    families = ("glm4_moe_lite", "qwen3_5")
+    grids = [t for t in _tables(text) if t and t[0][0].lower() in ("layout", "combination", "engine", *families)]
+    assert [g[0][0] for g in grids] == ["layout", "combination", "engine", *families], \
+        "the learner, combination, engine grids and the family grids"
     used = set()
     for grid in grids:
         header = grid[0]
@@ -75,7 +76,7 @@ def test_every_cell_names_a_legend_entry():
                     assert k in legend, f"{row[0]} × {col}: {k} is not in the legend"
                     status = legend[k][0]
                     assert k[0] == status[0], f"{k}: a key's letter is its status (t/g/r/o), not {status}"
-                    assert status != "open" or grid[0][0] == "glm4_moe_lite", f"{k}: open cells in family grids only"
+                    assert status != "open" or grid[0][0] in families, f"{k}: open cells in family grids only"
                 used.update(keys)
     assert set(legend) == used, f"legend entries no cell uses: {sorted(set(legend) - used)}"
 

@@ -26,7 +26,7 @@ from megatron_tsync.model.wrappers import unwrap  # noqa: F401 - re-exported (mo
 class ModelArch:
     """Architecture of a Llama/Qwen2/Qwen3-family decoder (the fields of a Hugging Face config we use)."""
 
-    family: str  # "llama" | "qwen2" | "qwen3" | "qwen3_moe" | "glm4_moe_lite"
+    family: str  # "llama" | "qwen2" | "qwen3" | "qwen3_moe" | "glm4_moe_lite" | "qwen3_5" | "qwen3_5_moe"
     vocab_size: int
     hidden_size: int
     ffn_hidden_size: int
@@ -61,11 +61,26 @@ class ModelArch:
     moe_router_group_topk: int = 1
     moe_routed_scaling_factor: float = 1.0
     moe_shared_expert_ffn_hidden_size: int = 0  # n_shared_experts · moe_intermediate_size
+    # Qwen3.5 Gated DeltaNet hybrid (model/qwen35.py); empty / defaults elsewhere
+    layer_types: tuple[str, ...] = ()  # per layer "linear_attention" | "full_attention"
+    partial_rotary_factor: float = 1.0  # RoPE on the first head_dim · factor dims (megatron's rotary_percent)
+    linear_conv_kernel_dim: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+
+    def __post_init__(self):
+        object.__setattr__(self, "layer_types", tuple(self.layer_types))  # a checkpoint's JSON gives a list
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> "ModelArch":
         """From a transformers ``config.json`` dict (LlamaConfig, Qwen2Config or Qwen3Config)."""
         mt = cfg.get("model_type", "llama")
+        if mt in ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"):  # Gated DeltaNet hybrid (qwen35.py)
+            from megatron_tsync.model import qwen35
+
+            return cls(**qwen35.arch_fields_from_hf_config(cfg))
         if mt == "glm4_moe_lite":  # multi-latent attention + DeepSeek-V3-style MoE (model/mla.py)
             from megatron_tsync.model import mla
 
@@ -120,7 +135,10 @@ class ModelArch:
             raise ValueError(f"{fn}: not valid JSON ({e})") from None
         if not isinstance(cfg, dict):
             raise ValueError(f"{fn}: expected a JSON object, got {type(cfg).__name__}")
-        missing = [k for k in _REQUIRED_HF_FIELDS if k not in cfg]
+        text = cfg.get("text_config") if cfg.get("model_type") in ("qwen3_5", "qwen3_5_moe") else None  # multimodal
+        moe35 = str(cfg.get("model_type", "")).startswith("qwen3_5_moe")  # experts only: no intermediate_size
+        missing = [k for k in _REQUIRED_HF_FIELDS if k not in (text if isinstance(text, dict) else cfg)
+                   and not (moe35 and k == "intermediate_size")]
         if missing:
             raise ValueError(f"{fn}: missing field(s) {missing} (a Llama/Qwen2/Qwen3 config.json needs "
                              f"{', '.join(_REQUIRED_HF_FIELDS)})")
@@ -237,7 +255,12 @@ def transformer_config(arch: ModelArch, precision: PrecisionConfig, *, tp: int =
     if precision.fp8_format is not None:
         kw.update(fp8=precision.fp8_format, fp8_recipe=precision.fp8_recipe)
     config_class = None
-    if arch.kv_lora_rank:
+    if arch.family in ("qwen3_5", "qwen3_5_moe"):
+        from megatron_tsync.model import qwen35
+
+        qwen35.check_overrides(arch, extra, precision)
+        kw.update(qwen35.transformer_config_fields(arch, tp, ep))
+    elif arch.kv_lora_rank:
         from megatron_tsync.model import mla
 
         mla.check_overrides(arch, extra, precision)
@@ -291,7 +314,11 @@ def build_model(
         raise ValueError(f"{arch.num_layers} layers cannot be split evenly over PP={pp} stages")
     ep = ps.get_expert_model_parallel_world_size()
     cfg = transformer_config(arch, precision, tp=tp, pp=pp, ep=ep, **config_overrides)
-    if arch.kv_lora_rank:
+    if arch.family in ("qwen3_5", "qwen3_5_moe"):
+        from megatron_tsync.model import qwen35
+
+        spec, _ = qwen35.layer_spec(arch, precision, cfg)
+    elif arch.kv_lora_rank:
         from megatron_tsync.model import mla
 
         spec, _ = mla.layer_spec(arch, precision, cfg)
@@ -321,6 +348,7 @@ def build_model(
             share_embeddings_and_output_weights=arch.tie_word_embeddings,
             position_embedding_type="rope",
             rotary_base=arch.rope_theta,
+            rotary_percent=arch.partial_rotary_factor,
             parallel_output=True,
         )
     finally:
@@ -329,6 +357,10 @@ def build_model(
         from megatron_tsync.model import mla
 
         mla.finish_model(model, arch, torch.float64 if float64 else torch.float32)
+    elif arch.family in ("qwen3_5", "qwen3_5_moe"):  # RoPE on the rotary dims only
+        from megatron_tsync.model import qwen35
+
+        qwen35.finish_model(model, arch, torch.float64 if float64 else torch.float32)
     elif (inv_freq := rope_inv_freq(arch, torch.float64 if float64 else torch.float32)) is not None:
         compat.set_rope_inv_freq(model, inv_freq)
     if torch.cuda.is_available():

@@ -124,6 +124,12 @@ def hf_to_megatron(
         out["embedding.word_embeddings.weight"] = col(hf_state["model.embed_tokens.weight"])
     for j in range(n):
         h, m = f"model.layers.{off + j}.", f"decoder.layers.{j}."
+        if arch.family in ("qwen3_5", "qwen3_5_moe"):  # Gated DeltaNet hybrid (model/qwen35.py)
+            from megatron_tsync.model import qwen35
+
+            out.update(qwen35.hf_to_megatron_layer(hf_state, arch, off + j, h, m, tp_rank=tp_rank, tp_size=tp_size,
+                                                   ep_rank=ep_rank, ep_size=ep_size))
+            continue
         if arch.kv_lora_rank:  # multi-latent attention + its MLP (model/mla.py)
             from megatron_tsync.model import mla
 
@@ -178,7 +184,11 @@ def megatron_full_to_hf(full: dict[str, torch.Tensor], arch: ModelArch, layer_of
         elif name.startswith("decoder.layers."):
             j, sub = name[len("decoder.layers.") :].split(".", 1)
             h = f"model.layers.{int(j) + layer_offset}."
-            if arch.kv_lora_rank:  # model/mla.py
+            if arch.family in ("qwen3_5", "qwen3_5_moe"):  # model/qwen35.py
+                from megatron_tsync.model import qwen35
+
+                out.update(qwen35.megatron_to_hf_layer(sub, t, h, arch, tp_size, expert_offset))
+            elif arch.kv_lora_rank:  # model/mla.py
                 from megatron_tsync.model import mla
 
                 out.update(mla.megatron_to_hf_layer(sub, t, h, arch, expert_offset))
@@ -403,6 +413,10 @@ def load_hf_dir(path: str) -> tuple[ModelArch, dict[str, torch.Tensor]]:
     store ``lm_head.weight`` have it dropped."""
     arch = ModelArch.from_hf_dir(path)
     state = load_hf_state(path)
+    if arch.family in ("qwen3_5", "qwen3_5_moe"):  # a multimodal checkpoint's text model (model/qwen35.py)
+        from megatron_tsync.model import qwen35
+
+        state = qwen35.text_state(state)
     if arch.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     if arch.kv_lora_rank:  # GLM-4.7-Flash ships its MTP layer as one more model.layers.N
@@ -424,6 +438,10 @@ def hf_config_dict(arch: ModelArch, *, dtype: torch.dtype = torch.float32, extra
     """
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
+    if arch.family in ("qwen3_5", "qwen3_5_moe"):  # Gated DeltaNet hybrid (model/qwen35.py)
+        from megatron_tsync.model import qwen35
+
+        return qwen35.hf_config_dict(arch, dtype=dtype, extra=extra)
     if arch.kv_lora_rank:  # GLM-4.7-Flash style (model/mla.py)
         from megatron_tsync.model import mla
 

@@ -1,10 +1,12 @@
 """Incremental (KV-kept) forward of a megatron ``GPTModel`` stage over a growing sequence.
 
 Used by the OPD learner (turn-level streaming with the earlier turns' keys/values kept in the autograd graph) and by
-the teacher scorer (under ``torch.no_grad``: a plain KV-cached scorer). The embedded rollout engine generates with
-megatron-core's own inference KV cache instead (``rollout/embedded_engine.py``). Activation recomputation of the
-model's config (``--recompute-granularity``) applies here too, under grad: :func:`recompute_plan` picks the layers
-megatron's block would checkpoint and each chunk checkpoints them with torch's non-reentrant checkpoint.
+the teacher scorer (under ``torch.no_grad``: a plain KV-cached scorer). Qwen3.5's linear-attention layers
+(model/gdn_layer.py) keep their conv window and recurrent state instead of K/V (``extend``). The embedded rollout
+engine generates with megatron-core's own inference KV cache instead (``rollout/embedded_engine.py``). Activation
+recomputation of the model's config (``--recompute-granularity``) applies here too, under grad:
+:func:`recompute_plan` picks the layers megatron's block would checkpoint and each chunk checkpoints them with
+torch's non-reentrant checkpoint.
 """
 
 from __future__ import annotations
@@ -72,9 +74,18 @@ class IncrementalGPT:
             def run(x, layer=layer, prev=prev, selective=plan.get(li) == "attention"):
                 attn = layer.self_attention
                 h = layer.input_layernorm(x)
+                if hasattr(attn, "extend"):  # linear attention (model/gdn_layer.py): its recurrent state is the cache
+                    out, (tail, state) = attn.extend(h, prev)
+                    x = x + out
+                    out, bias = layer.mlp(layer.pre_mlp_layernorm(x))
+                    return x + (out if bias is None else out + bias), tail, state
+                gate = None
                 # applies the per-head q/k layernorms too (Qwen3 QK-norm), before RoPE as in the full forward; under
                 # SP the column-parallel QKV all-gathers the sequence: q/k/v cover all n new tokens (local heads)
-                q, k, v = attn.get_query_key_value_tensors(h)  # (n, 1, np, hn), (n, 1, ng, hn) ×2
+                if attn.config.attention_output_gate:  # Qwen3.5: o · σ(gate) before linear_proj
+                    q, k, v, gate = attn.get_query_key_value_tensors(h, output_gate=True)
+                else:
+                    q, k, v = attn.get_query_key_value_tensors(h)  # (n, 1, np, hn), (n, 1, ng, hn) ×2
                 cp = getattr(getattr(attn, "pg_collection", None), "cp", None)
                 q = apply_rotary_pos_emb(q, freqs, config=attn.config, cp_group=cp)
                 k = apply_rotary_pos_emb(k, freqs, config=attn.config, cp_group=cp)
@@ -83,13 +94,16 @@ class IncrementalGPT:
                 core = functools.partial(_attention, masked=masked, scale=_softmax_scale(attn))
                 # (n, 1, np·hn); causal: real rows skip padding
                 ctx = _checkpoint(core, q, k, v) if selective else core(q, k, v)
+                if gate is not None:
+                    ctx = attn._apply_output_gate(ctx, gate)
                 out, bias = attn.linear_proj(ctx)  # under SP: reduce-scattered back to the rank's shard
                 x = x + (out if bias is None else out + bias)
                 out, bias = layer.mlp(layer.pre_mlp_layernorm(x))
                 return x + (out if bias is None else out + bias), k, v
 
             x, k, v = _checkpoint(run, x) if plan.get(li) == "layer" else run(x)
-            kept = (k[:start + s], v[:start + s])  # views: the padding's K/V are not kept
+            linear = hasattr(layer.self_attention, "extend")  # (conv tail, recurrent state) as they are
+            kept = (k, v) if linear else (k[:start + s], v[:start + s])  # views: the padding's K/V are not kept
             if prev is not None:
                 self.kv[li] = kept
             else:

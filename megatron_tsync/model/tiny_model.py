@@ -12,11 +12,13 @@ bias, θ 1e6, ``head_dim`` 2·hidden/heads by default: decoupled from hidden/hea
 (a Llama config with Llama-3.1-style ``rope_scaling`` — factor 8, low/high frequency factors 1/4, θ 5e5 — whose
 ``original_max_position_embeddings`` is 64 so that short test sequences already cross the scaled wavelengths),
 ``qwen3_moe`` and ``glm4_moe_lite`` (GLM-4.7-Flash's layout, transformers' Glm4MoeLiteConfig, see
-:func:`glm4_moe_lite_arch`).
+:func:`glm4_moe_lite_arch`), ``qwen3_5`` (the Gated DeltaNet hybrid, transformers' Qwen3_5TextConfig, see
+:func:`qwen3_5_arch`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -29,8 +31,9 @@ from megatron_tsync.model.builder import ModelArch
 SPECIAL_TOKENS = ["<s>", "</s>", "<pad>", "<tool>", "</tool>", "<result>", "</result>", "<answer>", "</answer>"]
 BOS, EOS, PAD = "<s>", "</s>", "<pad>"
 FAMILIES = ("llama", "qwen2", "qwen3", "llama3", "qwen3_moe")  # what --tiny-model-family offers (a live run)
-# make_tiny_model / tools/make_tiny_model.py also make glm4_moe_lite, which the engines do not generate with yet
-ALL_FAMILIES = FAMILIES + ("glm4_moe_lite",)
+# make_tiny_model / tools/make_tiny_model.py also make glm4_moe_lite and qwen3_5, which the engines do not generate
+# with yet
+ALL_FAMILIES = FAMILIES + ("glm4_moe_lite", "qwen3_5", "qwen3_5_moe")
 _LLAMA3_SCALING = dict(rope_type="llama3", rope_factor=8.0, rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
                        rope_original_max_position_embeddings=64)
 
@@ -129,13 +132,21 @@ def make_tiny_model(
     :func:`glm4_moe_lite_arch` (``layers`` default 3, ``experts`` 16, ``topk`` 4); the router gets N(0, 0.2²)
     weights (sigmoid scores spread over (0, 1)) and the correction bias N(0, 0.1²) values, large enough to change
     which experts are selected. ``layers`` defaults to 2 (glm4_moe_lite: 3)."""
-    family = family.replace("-", "_")  # the CLI also accepts glm4-moe-lite
+    family = family.replace("-", "_").replace(".", "_")  # the CLI also accepts glm4-moe-lite and qwen3.5
     if family not in ALL_FAMILIES:
         raise ValueError(f"family must be one of {ALL_FAMILIES}, not {family!r}")
     if family == "glm4_moe_lite":
         arch = glm4_moe_lite_arch(hidden=hidden, layers=layers or 3, heads=heads, vocab=vocab, ffn=ffn, tie=tie,
                                   experts=experts or 16, topk=topk or 4, moe_ffn=moe_ffn)
         return _write(out_dir, arch, seed=seed, dtype=dtype, router_std=0.2, bias_std=0.1)
+    if family in ("qwen3_5", "qwen3_5_moe"):
+        arch = qwen3_5_arch(hidden=hidden, layers=layers or 4, heads=heads, kv_heads=kv_heads, vocab=vocab, ffn=ffn,
+                            tie=tie, head_dim=head_dim)
+        if family == "qwen3_5_moe":  # every MLP: experts (top-2 of 4, width hidden/2) + a gated shared expert
+            f = moe_ffn or hidden // 2
+            arch = dataclasses.replace(arch, family=family, num_experts=experts or 4, moe_router_topk=topk or 2,
+                                       moe_ffn_hidden_size=f, norm_topk_prob=True, moe_shared_expert_ffn_hidden_size=f)
+        return _write(out_dir, arch, seed=seed, dtype=dtype, router_std=0.5)
     experts, topk, layers = experts or 4, topk or 2, layers or 2
     if hidden % heads or heads % kv_heads:
         raise ValueError(f"hidden {hidden} must divide by heads {heads}, and heads by kv_heads {kv_heads}")
@@ -187,6 +198,24 @@ def glm4_moe_lite_arch(*, hidden: int = 128, layers: int = 3, heads: int = 4, vo
     )
 
 
+def qwen3_5_arch(*, hidden: int = 128, layers: int = 4, heads: int = 4, kv_heads: int = 2, vocab: int = 512,
+                 ffn: int | None = None, tie: bool = False, head_dim: int | None = None) -> ModelArch:
+    """A tiny Qwen3.5-shaped hybrid: linear attention and gated full attention alternating (``layer_types`` linear,
+    full, linear, full, ...: every pipeline stage of an even split holds both kinds), head_dim 2·hidden/heads, RoPE
+    on a quarter of it (partial_rotary_factor 0.25, Qwen3.5's), θ 1e7; linear attention with 2 key heads and 4 value
+    heads (grouped values, as Qwen3.5) of 32 dims, conv kernel 4."""
+    if layers < 2 or layers % 2:
+        raise ValueError(f"qwen3_5 tiny model: an even number of layers ≥ 2 (linear and full alternate), not {layers}")
+    return ModelArch(
+        family="qwen3_5", vocab_size=vocab, hidden_size=hidden, ffn_hidden_size=ffn or 2 * hidden, num_layers=layers,
+        num_attention_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim or 2 * hidden // heads,
+        rope_theta=10000000.0, rms_norm_eps=1e-6, tie_word_embeddings=tie, max_position_embeddings=4096,
+        qk_layernorm=True, layer_types=("linear_attention", "full_attention") * (layers // 2),
+        partial_rotary_factor=0.25, linear_conv_kernel_dim=4, linear_key_head_dim=32, linear_value_head_dim=32,
+        linear_num_key_heads=2, linear_num_value_heads=4,
+    )
+
+
 def _write(out_dir: str, arch: ModelArch, *, seed: int, dtype: torch.dtype, router_std: float,
            bias_std: float = 0.0) -> str:
     """Tokenizer + transformers' random init of ``arch`` under ``seed`` (norms, biases, router and correction
@@ -215,6 +244,8 @@ def _write(out_dir: str, arch: ModelArch, *, seed: int, dtype: torch.dtype, rout
                 p.copy_(0.02 * torch.randn_like(p))
             elif name.endswith("mlp.gate.weight") and arch.num_experts:  # the MoE router
                 p.copy_(router_std * torch.randn_like(p))
+            elif name.endswith("dt_bias"):  # transformers: ones (a TP mix-up of heads would not show)
+                p.copy_(1.0 + 0.5 * torch.randn_like(p))
         for name, b in model.named_buffers():  # sigmoid routing's correction bias: non-zero, so selection uses it
             if name.endswith("e_score_correction_bias") and bias_std:
                 b.copy_(bias_std * torch.randn_like(b))

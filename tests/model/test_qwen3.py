@@ -385,10 +385,12 @@ REPLAY_SHARED_PREFIX = ["--shared-prefix", "--stream-coalesce-tokens", "1000000"
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family, extra, replay", [("qwen3", ["--tie"], False), ("qwen3_moe", [], True)])
+@pytest.mark.parametrize("family, extra, replay", [("qwen3", ["--tie"], False), ("qwen3_moe", [], True),
+                                                   ("qwen3.5", [], False)])
 def test_quickstart_trains_tiny_qwen3(tmp_path, family, extra, replay):
-    """The quickstart's config (examples/tiny_agent/config.yaml) with ``--model`` a tiny Qwen3 / Qwen3-MoE made by the
-    tool; 2 RL steps, no warm start, 2 evaluation prompts (small batches: this checks that it runs, not that it
+    """The quickstart's config (examples/tiny_agent/config.yaml) with ``--model`` a tiny Qwen3 / Qwen3-MoE / Qwen3.5
+    (Gated DeltaNet hybrid: the embedded engine keeps its linear layers' recurrent state) made by the tool; 2 RL
+    steps, no warm start, 2 evaluation prompts (small batches: this checks that it runs, not that it
     learns: every assertion holds for an untrained model). With
     ``--moe-router-replay`` every trajectory of the live run arrives with the engine's routing (dumped), and with
     ``--shared-prefix`` (every arrival of a step coalesced, no zero-advantage skip) groups share their prompt. The MoE
