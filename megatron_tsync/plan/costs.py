@@ -33,7 +33,7 @@ def learner_cost(arch: ModelArch, layout: Layout, estimator: str = "grpo",
     fold = 3.0 * PER_GROUP.get(estimator, 2) * 4 * p_rank / layout.hbm
     return LearnerCost(overhead_s=layout.mb_overhead_s, per_token_s=per_tok / rate,
                        per_token2_s=6.0 * cost.layers * cost.q_dim / rate, fold_s=fold, barrier_s=barrier,
-                       pp=layout.pp)
+                       pp=layout.pp, vector_copy_s=4 * p_rank / (layout.spec("host_link_gbs") * 1e9))
 
 
 def weight_sync_s(cost: ModelCost, layout: Layout) -> float:

@@ -26,12 +26,16 @@ from megatron_tsync.model.builder import ModelArch
 from megatron_tsync.plan.memory import stage_params
 
 GPUS: dict[str, dict] = {
-    "h100": {"peak_tflops": 989.0, "hbm_tbs": 3.35, "mem_gib": 80.0},
-    "h200": {"peak_tflops": 989.0, "hbm_tbs": 4.8, "mem_gib": 141.0},
-    "b200": {"peak_tflops": 2250.0, "hbm_tbs": 8.0, "mem_gib": 180.0},
-    "a100": {"peak_tflops": 312.0, "hbm_tbs": 2.0, "mem_gib": 80.0},
-    "cpu": {"peak_tflops": 0.05, "hbm_tbs": 0.02, "mem_gib": 64.0},
+    "h100": {"peak_tflops": 989.0, "hbm_tbs": 3.35, "mem_gib": 80.0, "host_link_gbs": 50.0},
+    "h200": {"peak_tflops": 989.0, "hbm_tbs": 4.8, "mem_gib": 141.0, "host_link_gbs": 50.0},
+    "gh200": {"peak_tflops": 989.0, "hbm_tbs": 4.9, "mem_gib": 141.0, "host_link_gbs": 400.0},
+    "b200": {"peak_tflops": 2250.0, "hbm_tbs": 8.0, "mem_gib": 180.0, "host_link_gbs": 50.0},
+    "a100": {"peak_tflops": 312.0, "hbm_tbs": 2.0, "mem_gib": 80.0, "host_link_gbs": 25.0},
+    "cpu": {"peak_tflops": 0.05, "hbm_tbs": 0.02, "mem_gib": 64.0, "host_link_gbs": 3.3},
 }
+"""``host_link_gbs``: one direction of the GPU's host link as pinned copies reach it (data-sheet peak × ~0.8): PCIe
+Gen5 x16 (64 GB/s) for H100/H200/B200 SXM boards, Gen4 (32 GB/s) for A100, NVLink-C2C (450 GB/s per direction) for
+Grace Hopper; "cpu": a 256 MiB slot-to-slot copy measured on the project's 2-core CPU machine (docs/streaming.md)."""
 
 _QWEN3 = {"model_type": "qwen3", "vocab_size": 151936, "head_dim": 128, "rms_norm_eps": 1e-6, "rope_theta": 1e6,
           "tie_word_embeddings": False, "max_position_embeddings": 40960}
@@ -180,6 +184,7 @@ class Layout:
     max_concurrency: int = 256  # sequences per engine at most (the engine's batch cap)
     frontier_first: bool = False  # engines admit waiting sequences of earlier groups first (--rollout-frontier-first)
     peak_tflops: float | None = None  # overrides the GPU type's
+    host_link_gbs: float | None = None
     hbm_tbs: float | None = None
     mem_gib: float | None = None
 
@@ -208,7 +213,8 @@ class Layout:
         return self.rollout_gpus // self.rollout_tp
 
     def spec(self, key: str) -> float:
-        own = {"peak_tflops": self.peak_tflops, "hbm_tbs": self.hbm_tbs, "mem_gib": self.mem_gib}[key]
+        own = {"peak_tflops": self.peak_tflops, "hbm_tbs": self.hbm_tbs, "mem_gib": self.mem_gib,
+               "host_link_gbs": self.host_link_gbs}[key]
         return GPUS[self.gpu][key] if own is None else own
 
     @property

@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections import OrderedDict
 
 from megatron_tsync.algorithms.advantages import get_advantage_estimator
 from megatron_tsync.algorithms.streamability import RewardSpec
-from megatron_tsync.streaming.planner import StepPlanner, TrajMeta, WorkItem
+from megatron_tsync.plan.memory import PER_GROUP
+from megatron_tsync.streaming.planner import Dest, StepPlanner, TrajMeta, WorkItem
 from megatron_tsync.streaming.ready_queue import DataParallelAssigner
 from megatron_tsync.plan.workload import Traj
 
@@ -42,6 +44,7 @@ class LearnerCost:
     pp: int = 1
     call_s: float = 0.0
     planner_time: bool = False
+    vector_copy_s: float = 0.0  # one bucket vector host <-> GPU, one way, at the host link's bandwidth
 
     def microbatch_s(self, tokens: int) -> float:
         return self.overhead_s + self.per_token_s * tokens + self.per_token2_s * tokens * tokens
@@ -57,6 +60,7 @@ class PlannerSettings:
     max_packed_tokens: int = 4096
     coalesce_tokens: int = 0
     dp_assignment: str = "arrival"  # --dp-assignment: "arrival" or "group" (DataParallelAssigner)
+    device_vectors: int | None = None  # bucket residency's device cache (--max-device-buckets); None: all on the GPU
 
 
 def dp_ranks(settings: PlannerSettings, arrivals: list[tuple[float, Traj]], dp: int) -> dict[str, int]:
@@ -74,6 +78,9 @@ class RankTimeline:
     jobs: list = dataclasses.field(default_factory=list)  # (release, seconds) of every microbatch (the bound)
     peak_open_groups: int = 0
     stats: dict = dataclasses.field(default_factory=dict)
+    peak_host_vectors: int = 0  # bucket residency: vectors in the host arena at the peak
+    moved_vectors: int = 0  # vectors copied host <-> GPU, both ways
+    copy_wait_s: float = 0.0  # copy time not hidden behind the previous microbatch
 
 
 def make_planner(settings: PlannerSettings, sizes: dict[str, int], mode: str, rank: int) -> StepPlanner:
@@ -85,11 +92,57 @@ def make_planner(settings: PlannerSettings, sizes: dict[str, int], mode: str, ra
                        skip_zero_advantage=settings.skip_zero_advantage, wait_for_variance=settings.wait_for_variance)
 
 
+class _Residency:
+    """Bucket residency in the timeline (``streaming/offload.py``): at most ``cap`` vectors on the GPU, a group's
+    vectors (``per_group``) brought in before a backward writes into it or its close folds it, the least recently
+    used other groups' vectors sent to the host to make room (the trainer's policy, which keeps groups with queued
+    work, moves less: LRU is the conservative stand-in). Each move is a vector copy over the host link; the copies for
+    a microbatch run on a side stream during the previous one, so only what exceeds it is waited for."""
+
+    def __init__(self, cap: int, per_group: int, tl: RankTimeline):
+        self.cap, self.per_group, self.tl = cap, per_group, tl
+        self.device: OrderedDict[str, int] = OrderedDict()  # group -> vectors, LRU first
+        self.host: dict[str, int] = {}
+
+    def need(self, gid: str) -> int:
+        """Vectors moved so that ``gid``'s bucket is on the GPU (opened there if new)."""
+        if gid in self.device:
+            self.device.move_to_end(gid)
+            return 0
+        n = self.host.pop(gid, 0)
+        moved = n
+        want = n or self.per_group
+        while self.device and sum(self.device.values()) + want > self.cap:
+            old, k = self.device.popitem(last=False)
+            self.host[old] = k
+            moved += k
+        self.device[gid] = want
+        self.tl.peak_host_vectors = max(self.tl.peak_host_vectors, sum(self.host.values()))
+        self.tl.moved_vectors += moved
+        return moved
+
+    def drop(self, gid: str) -> None:
+        self.device.pop(gid, None)
+
+
 class _Rank:
     def __init__(self, cost: LearnerCost, settings: PlannerSettings, trajs: dict[str, Traj], release: dict[str, float]):
         self.cost, self.settings, self.trajs, self.release = cost, settings, trajs, release
         self.tl = RankTimeline()
         self.now = 0.0
+        cap = settings.device_vectors
+        self.res = None if cap is None else _Residency(cap, PER_GROUP.get(settings.estimator, 2), self.tl)
+
+    def _copies_s(self, mbs: list[list[WorkItem]], secs: list[float]) -> float:
+        """Copy seconds waited for in one schedule call: microbatch k's vectors move during microbatch k − 1."""
+        if self.res is None:
+            return 0.0
+        wait = 0.0
+        for k, mb in enumerate(mbs):
+            moved = sum(self.res.need(it.group_id) for it in mb if it.dest is Dest.BUCKET)
+            wait += max(0.0, moved * self.cost.vector_copy_s - (secs[k - 1] if k else 0.0))
+        self.tl.copy_wait_s += wait
+        return wait
 
     def run(self, items: list[WorkItem]) -> None:
         """One schedule call (``StreamExecutor.run``): the items' microbatches back to back, plus the PP bubble."""
@@ -105,6 +158,7 @@ class _Rank:
                 mbs.append([it])
         secs = [self.cost.microbatch_s(sum(self.trajs[x.traj_id].tokens for x in mb)) for mb in mbs]
         total = self.cost.call_s + sum(secs) + (self.cost.pp - 1) / self.cost.pp * (sum(secs) / len(secs))
+        total += self._copies_s(mbs, secs)
         t0 = self.now
         for mb, s in zip(mbs, secs):
             self.tl.jobs.append((max(self.release[x.traj_id] for x in mb), s))
@@ -123,10 +177,17 @@ class _Rank:
     def close(self, closes) -> None:
         for c in closes:
             self.tl.order.append(("close", c.group_id))
-            if self.cost.fold_s > 0:
-                self.tl.busy.append((self.now, self.now + self.cost.fold_s))
-                self.tl.jobs.append((0.0, self.cost.fold_s))
-                self.now += self.cost.fold_s
+            fold = self.cost.fold_s
+            if self.res is not None and (c.group_id in self.res.device or c.group_id in self.res.host):
+                # the fold reads the group's vectors on the GPU: brought back if they were sent out, not hidden
+                wait = self.res.need(c.group_id) * self.cost.vector_copy_s
+                self.res.drop(c.group_id)
+                self.tl.copy_wait_s += wait
+                fold += wait
+            if fold > 0:
+                self.tl.busy.append((self.now, self.now + fold))
+                self.tl.jobs.append((0.0, fold))
+                self.now += fold
 
 
 def simulate_rank(cost: LearnerCost, settings: PlannerSettings, arrivals: list[tuple[float, Traj]], mode: str,

@@ -16,8 +16,10 @@ says it shortens the step or is needed to fit):
 The printed advice (:func:`options`) ranks every zero-staleness way to run within the GPU's memory by its predicted
 step: ``stream-group`` (no bucket vectors: a group trains once it is complete), ``stream-trajectory`` as it is (if
 its bucket peak fits), with the largest ``--max-open-groups`` cap that fits (re-simulated), and with host residency
-(``--max-device-buckets N``: the host RAM per node, ``GPUS_PER_NODE`` learner GPUs on a node, and the transfer time
-per step, each offloaded vector out and back once over ``HOST_BW_GBS``, added to the step as an upper bound).
+(``--max-device-buckets N``: stream-trajectory re-simulated with N device slots — ``learner.py``'s residency model:
+vectors moved over the GPU's host link, ``hardware.GPUS``' ``host_link_gbs``, each microbatch's copies hidden behind
+the previous microbatch — with the host arena's peak per node, ``GPUS_PER_NODE`` learner GPUs on a node, and the copy
+seconds the learner waited for).
 """
 
 from __future__ import annotations
@@ -78,8 +80,6 @@ def recommend(arch: ModelArch, sc: Scenario, batches, base_step_s: float, mem: d
 
 GPUS_PER_NODE = 8
 MIN_DEVICE_VECTORS = 2  # bucket residency's smallest device cache (an origin shift touches P and Q at once)
-HOST_BW_GBS = 25.0
-"""Host ↔ GPU bandwidth per GPU (GB/s) the residency transfer time assumes (PCIe Gen4 x16 in practice, ~Gen5 half)."""
 
 
 def options(arch: ModelArch, sc: Scenario, batches, out: dict, mem: dict, mem_frac: float = 0.75) -> list[dict]:
@@ -112,11 +112,11 @@ def options(arch: ModelArch, sc: Scenario, batches, out: dict, mem: dict, mem_fr
         add(f"--rl-mode stream-trajectory --max-open-groups {cap}", step, cap * per_group, True)
     if peak > fit:
         n = max(fit, MIN_DEVICE_VECTORS)
-        host = (peak - n) * vec  # GiB per GPU
-        transfer = 2 * host * GIB / (HOST_BW_GBS * 1e9)
-        add(f"--rl-mode stream-trajectory --max-device-buckets {n}", st + transfer, n, fit >= n,
-            "" if fit >= n else f"bucket residency keeps {n} vectors on the GPU, {fit} fit", host_gib=host,
-            transfer_s=transfer)
+        s2 = dataclasses.replace(sc, settings=dataclasses.replace(sc.settings, device_vectors=n))
+        r = simulate(s2, batches, modes=("stream-trajectory",))["stream-trajectory"]["summary"]
+        add(f"--rl-mode stream-trajectory --max-device-buckets {n}", r["step_s"], n, fit >= n,
+            "" if fit >= n else f"bucket residency keeps {n} vectors on the GPU, {fit} fit",
+            host_gib=r["peak_host_vectors"] * vec, transfer_s=r["copy_wait_s"])
     return sorted(rows, key=lambda r: (not r["fits"], round(r["step_s"], 2), r["bucket_gib"]))  # ties: less memory
 
 
@@ -130,9 +130,8 @@ def options_text(rows: list[dict]) -> str:
             lines.append(f"  does not fit: {r['flags']} ({r['why']}: {r['bucket_gib']:.1f} GiB of buckets per GPU)")
             continue
         n += 1
-        extra = (f"; host RAM {r['host_gib_per_node']:.0f} GiB per {GPUS_PER_NODE}-GPU node, up to "
-                 f"{r['transfer_s']:.2f} s of transfer per step (included, at {HOST_BW_GBS:g} GB/s)"
-                 if r["host_gib_per_node"] else "")
+        extra = (f"; host RAM {r['host_gib_per_node']:.0f} GiB per {GPUS_PER_NODE}-GPU node, "
+                 f"{r['transfer_s']:.2f} s per step waiting on copies (included)" if r["host_gib_per_node"] else "")
         lines.append(f"  {n}. {r['flags']}: step {r['step_s']:.2f} s{sp}, {r['bucket_gib']:.1f} GiB of buckets per "
                      f"GPU{extra}")
     return "\n".join(lines)

@@ -16,12 +16,16 @@ from the rollout engines). Beside each prediction: its per-step
 lower bound (``simulate.py``: no schedule of that work ends earlier) and the tail (learner seconds after the last
 reward), which is what separates a streaming step from the rollout makespan.
 
-``scaling``: Qwen3-8B (learner TP 2) and Qwen3-30B-A3B (learner EP 8, or DP when smaller) on H100s, half the GPUs rollout engines (8B:
-one GPU each; 30B-A3B: two), half the learner; swe-like latencies at scale 5 (median tool call 5 s, 3 calls; 512
-prompt, 256 generated per turn, 128 tool-output tokens); max(32, GPUs) prompts × 8 (256 trajectories on 8 GPUs, then 8
-per GPU); 3 steps (the first left out).
-Reported: stream-trajectory and async(1) over sync, the bucket peak per learner GPU with unlimited open groups, the
-cap on open groups that fits (``report.recommend``'s memory rule) and the speedup under that cap.
+``scaling``: Qwen3-8B (learner TP 2), Qwen3-32B (TP 4 × PP 2) and Qwen3-30B-A3B (learner EP 8, or DP when smaller)
+on H100s, half the GPUs rollout engines (8B: one GPU each; the others: two), half the learner; two row sets: swe-like
+(latencies at scale 5: median tool call 5 s, 3 calls; 512 prompt, 256 generated per turn, 128 tool-output tokens) and
+long-horizon (:data:`LONG_HORIZON`, the paper's trajectory shape: ~60 turns, at most 300, up to 131,072 tokens);
+max(32, GPUs) prompts × 8; 3 steps (the first left out).
+Reported: stream-trajectory and async(1) over sync, open groups per rank at the peak with arrival-order and group
+DP assignment, the bucket peak per learner GPU with every vector on the GPU, and stream-trajectory with group
+affinity and bucket residency (:func:`_residency_row`: the device slots that fit in 75 % of the GPU beside the model
+state, the host arena per 8-GPU node against :data:`HOST_GIB_PER_NODE`, the copy seconds waited per step, the
+speedup lost against every vector on the GPU), or why it does not fit.
 """
 
 from __future__ import annotations
@@ -133,32 +137,67 @@ def print_paper(rows: list[dict]) -> None:
 
 SCALING_WORKLOAD = dict(prompts=32, group_size=8, calls=3, prompt_tokens=1024, gen_tokens=512, tool_output_tokens=256,
                         profile="swe-like")
-SCALING_MODELS = {"qwen3-8b": dict(tp=2, rollout_tp=1), "qwen3-30b-a3b": dict(ep=8, rollout_tp=2, mfu=0.2)}
+SCALING_MODELS = {"qwen3-8b": dict(tp=2, rollout_tp=1), "qwen3-32b": dict(tp=4, pp=2, rollout_tp=2),
+                  "qwen3-30b-a3b": dict(ep=8, rollout_tp=2, mfu=0.2)}
+LONG_HORIZON = dict(PAPER_WORKLOAD, prompts=32)  # the paper's trajectory shape: ~60 turns (≤ 300), ≤ 131,072 tokens
+HOST_GIB_PER_NODE = 2048.0  # an 8-GPU H100 node's host memory (DGX H100: 2 TB)
+HOST_FRAC = 0.8  # of it the pinned arena may take (the rest: the OS, data loading, checkpoints)
 
 
-def scaling(gpus=(8, 64, 512, 1024), models=SCALING_MODELS, scale: float = 5.0, per_gpu: int = 1) -> list[dict]:
-    """``per_gpu``: prompts per GPU (at least 32 prompts), 8 trajectories each."""
+def _residency_row(arch, sc, batches, st_unlimited: float, sync_s: float) -> dict:
+    """stream-trajectory with group affinity and bucket residency: the device slots that fit beside the model state
+    (0.75 of the GPU), the host arena per node, copy waits, and the speedup against the unlimited-memory one."""
+    per_group = PER_GROUP["grpo"]
+    aff = dataclasses.replace(sc, settings=PlannerSettings(dp_assignment="group"))
+    a = simulate(aff, batches, ("stream-trajectory",))["stream-trajectory"]["summary"]
+    mem = bucket_memory(arch, aff, a["peak_open_groups"])
+    free = 0.75 * mem["gpu_gib"] - mem["model_state_gib"]
+    fit = max(0, int(free // mem["vector_gib"]))
+    out = {"affinity_open_groups": a["peak_open_groups"], "affinity_speedup": sync_s / a["step_s"],
+           "device_slots": fit, "model_state_gib": mem["model_state_gib"], "vector_gib": mem["vector_gib"]}
+    if fit < 2:
+        return {**out, "why": f"model state {mem['model_state_gib']:.0f} GiB + the 2 device vectors residency needs "
+                              f"(2 × {mem['vector_gib']:.1f} GiB) > 75 % of {mem['gpu_gib']:.0f} GiB"}
+    if mem["bucket_vectors"] <= fit:
+        return {**out, "host_gib_per_node": 0.0, "copy_wait_s": 0.0, "residency_speedup": sync_s / a["step_s"],
+                "loss": 1.0 - st_unlimited / a["step_s"], "why": ""}
+    res = dataclasses.replace(aff, settings=PlannerSettings(dp_assignment="group", device_vectors=fit))
+    r = simulate(res, batches, ("stream-trajectory",))["stream-trajectory"]["summary"]
+    node = min(8, sc.layout.learner_gpus)
+    host = r["peak_host_vectors"] * mem["vector_gib"] * node
+    why = "" if host <= HOST_FRAC * HOST_GIB_PER_NODE else \
+        f"host arena {host:.0f} GiB/node > {HOST_FRAC:.0%} of {HOST_GIB_PER_NODE:.0f} GiB"
+    return {**out, "host_gib_per_node": host, "copy_wait_s": r["copy_wait_s"], "moved_vectors": r["moved_vectors"],
+            "residency_speedup": sync_s / r["step_s"], "loss": 1.0 - st_unlimited / r["step_s"], "why": why}
+
+
+def scaling(gpus=(8, 64, 512, 1024), models=SCALING_MODELS, scale: float = 5.0, per_gpu: int = 1,
+            workloads=("swe-like", "long-horizon")) -> list[dict]:
+    """``per_gpu``: prompts per GPU (at least 32 prompts), 8 trajectories each; ``workloads``: the short swe-like
+    rows and the long-horizon ones (:data:`LONG_HORIZON`)."""
     rows = []
-    for model, kw in models.items():
-        for n in gpus:
-            dp = n // 2 // kw.get("tp", 1)
-            lay = Layout(gpu="h100", rollout_gpus=n // 2, learner_gpus=n // 2, **{**kw, "ep": min(kw.get("ep", 1), dp)})
-            arch, sc = _scenario(model, lay)
-            batches = _batches(scale, SCALING_WORKLOAD, prompts=max(32, per_gpu * n), group_size=8,
-                               prompt_tokens=512, gen_tokens=256, tool_output_tokens=128)
-            s = {m: v["summary"] for m, v in simulate(sc, batches, ("sync", "stream-trajectory", "async")).items()}
-            mem = bucket_memory(arch, sc, s["stream-trajectory"]["peak_open_groups"])
-            free = 0.75 * mem["gpu_gib"] - mem["model_state_gib"]
-            cap = max(0, int(free // mem["vector_gib"])) // PER_GROUP["grpo"]
-            capped = None
-            if 0 < cap < mem["peak_open_groups"]:
-                sc2 = dataclasses.replace(sc, settings=PlannerSettings(max_open_groups=cap))
-                st = simulate(sc2, batches, ("stream-trajectory",))["stream-trajectory"]["summary"]["step_s"]
-                capped = s["sync"]["step_s"] / st
-            rows.append({"model": model, "gpus": n, "trajectories": len(batches[0]), "sync_step_s": s["sync"]["step_s"],
-                         "stream_speedup": s["stream-trajectory"]["speedup_vs_sync"],
-                         "async_speedup": s["async"]["speedup_vs_sync"], "bucket": mem, "fit_open_groups": cap,
-                         "capped_speedup": capped})
+    for workload in workloads:
+        for model, kw in models.items():
+            for n in gpus:
+                row = {"model": model, "gpus": n, "workload": workload}
+                tp_pp = kw.get("tp", 1) * kw.get("pp", 1)
+                if n // 2 % tp_pp:
+                    rows.append({**row, "why": f"{n // 2} learner GPUs do not hold TP × PP = {tp_pp}"})
+                    continue
+                dp = n // 2 // tp_pp
+                lay = Layout(gpu="h100", rollout_gpus=n // 2, learner_gpus=n // 2,
+                             **{**kw, "ep": min(kw.get("ep", 1), dp)})
+                arch, sc = _scenario(model, lay)
+                shape = SCALING_WORKLOAD if workload == "swe-like" else LONG_HORIZON
+                extra = dict(prompt_tokens=512, gen_tokens=256, tool_output_tokens=128) if workload == "swe-like" else {}
+                batches = _batches(scale, shape, prompts=max(32, per_gpu * n), group_size=8, **extra)
+                s = {m: v["summary"] for m, v in simulate(sc, batches, ("sync", "stream-trajectory", "async")).items()}
+                mem = bucket_memory(arch, sc, s["stream-trajectory"]["peak_open_groups"])
+                rows.append({**row, "trajectories": len(batches[0]), "sync_step_s": s["sync"]["step_s"],
+                             "stream_speedup": s["stream-trajectory"]["speedup_vs_sync"],
+                             "async_speedup": s["async"]["speedup_vs_sync"], "bucket": mem,
+                             **_residency_row(arch, sc, batches, s["stream-trajectory"]["step_s"],
+                                              s["sync"]["step_s"])})
     return rows
 
 
@@ -173,11 +212,21 @@ def main(name: str) -> list[dict]:
 
 
 def print_scaling(rows: list[dict]) -> None:
-    print("| model | GPUs | trajectories | sync step s | stream-trajectory | async(1) | open groups (peak) | "
-          "bucket peak GiB/GPU | groups that fit | stream-trajectory, capped |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| workload | model | GPUs | trajectories | sync step s | stream-trajectory | async(1) | open groups/rank "
+          "(arrival → group) | bucket GiB/GPU, unlimited | device slots | host arena GiB/node | copy wait s/step | "
+          "stream-trajectory, residency | lost to residency | within memory |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        capped = "—" if r["capped_speedup"] is None else f"{r['capped_speedup']:.2f}×"
-        print(f"| {r['model']} | {r['gpus']} | {r['trajectories']} | {r['sync_step_s']:.1f} | "
-              f"{r['stream_speedup']:.2f}× | {r['async_speedup']:.2f}× | {r['bucket']['peak_open_groups']} | "
-              f"{r['bucket']['bucket_gib']:.0f} | {r['fit_open_groups']} | {capped} |")
+        head = f"| {r['workload']} | {r['model']} | {r['gpus']} |"
+        if "sync_step_s" not in r:
+            print(head + " — |" * 11 + f" no: {r['why']} |")
+            continue
+        b = r["bucket"]
+        res = "—" if "residency_speedup" not in r else f"{r['residency_speedup']:.2f}×"
+        loss = "—" if "loss" not in r else f"{100 * r['loss']:.1f} %"
+        host = "—" if "host_gib_per_node" not in r else f"{r['host_gib_per_node']:.0f}"
+        wait = "—" if "copy_wait_s" not in r else f"{r['copy_wait_s']:.1f}"
+        print(f"{head} {r['trajectories']} | {r['sync_step_s']:.1f} | {r['stream_speedup']:.2f}× | "
+              f"{r['async_speedup']:.2f}× | {b['peak_open_groups']} → {r['affinity_open_groups']} | "
+              f"{b['bucket_gib']:.0f} | {r['device_slots']} | {host} | {wait} | {res} | {loss} | "
+              f"{'yes' if not r['why'] else 'no: ' + r['why']} |")

@@ -59,6 +59,9 @@ class StepRow:
     busy: list  # rank 0's busy intervals, relative to the step's start
     landed: list  # every reward's landing, relative to the step's start
     stats: dict
+    peak_host_vectors: int = 0  # bucket residency (PlannerSettings.device_vectors), the busiest simulated rank
+    moved_vectors: int = 0
+    copy_wait_s: float = 0.0
 
     @property
     def idle_s(self) -> float:
@@ -124,7 +127,10 @@ def simulate_mode(sc: Scenario, mode: str, batches: list[list[Traj]]) -> list[St
                             last_reward_s=max(0.0, last), busy_s=busy, tail_s=learner_s - max(0.0, last),
                             sync_s=sc.sync_s, bound_s=bound,
                             peak_open_groups=max(tl.peak_open_groups for tl in tls), busy=tls[0].busy,
-                            landed=sorted(max(0.0, t_) for t_, _ in arrivals), stats=tls[0].stats))
+                            landed=sorted(max(0.0, t_) for t_, _ in arrivals), stats=tls[0].stats,
+                            peak_host_vectors=max(tl.peak_host_vectors for tl in tls),
+                            moved_vectors=max(tl.moved_vectors for tl in tls),
+                            copy_wait_s=max(tl.copy_wait_s for tl in tls)))
         t = s_k + step_s
     return rows
 
@@ -137,7 +143,9 @@ def summarize(rows: list[StepRow]) -> dict:
             "idle_frac": mean(lambda r: r.idle_s / r.step_s if r.step_s else 0.0),
             "tail_s": mean(lambda r: r.tail_s), "sync_s": mean(lambda r: r.sync_s),
             "bound_s": mean(lambda r: r.bound_s), "peak_open_groups": max(r.peak_open_groups for r in rows),
-            "steps": len(rows), "first_step_s": rows[0].step_s}
+            "steps": len(rows), "first_step_s": rows[0].step_s,
+            "peak_host_vectors": max(r.peak_host_vectors for r in rows), "moved_vectors": mean(lambda r: r.moved_vectors),
+            "copy_wait_s": mean(lambda r: r.copy_wait_s)}
 
 
 def simulate(sc: Scenario, batches: list[list[Traj]], modes=MODES) -> dict:

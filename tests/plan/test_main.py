@@ -69,5 +69,5 @@ def test_advice_ranks_the_ways_to_fit_not_only_the_offload(capsys):
     flags = [o["flags"] for o in fits]
     assert flags[0] == "--rl-mode stream-group" and "--rl-mode stream-trajectory --max-open-groups 1" in flags
     res = next(o for o in fits if "--max-device-buckets" in o["flags"])
-    assert res["host_gib_per_node"] > 0 and res["transfer_s"] > 0
-    assert "GiB per 8-GPU node, up to" in capsys.readouterr().out
+    assert res["host_gib_per_node"] > 0 and res["transfer_s"] >= 0
+    assert "GiB per 8-GPU node, " in capsys.readouterr().out
