@@ -256,18 +256,27 @@ def mfu():
     return "pass", f"{tokens / dt:.0f} tokens/s, MFU {flops / dt / peak:.1%} (peak {peak / 1e12:.0f} TFLOP/s, N={n_params / 1e6:.0f}M)"
 
 
-@check("vllm-cuda")
-def vllm_cuda(hf_dir):
+def _vllm_model(hf_dir):
+    """(the model folder, None) for a vLLM check, or (None, why it is skipped): CUDA, vLLM importable; no
+    ``--hf-model``: a tiny model made here."""
     if not _cuda():
-        return "skip", "no CUDA device"
+        return None, "no CUDA device"
     try:
         import vllm  # noqa: F401
     except Exception:
-        return "skip", "vllm not importable"
+        return None, "vllm not importable"
     if hf_dir is None:
         from megatron_tsync.model.tiny_model import make_tiny_model
 
         hf_dir = make_tiny_model("/tmp/tsync_gpu_smoke_model", seed=0)
+    return hf_dir, None
+
+
+@check("vllm-cuda")
+def vllm_cuda(hf_dir):
+    hf_dir, why = _vllm_model(hf_dir)
+    if why:
+        return "skip", why
     from megatron_tsync.rollout.engine import SamplingConfig
     from megatron_tsync.rollout.vllm_engine import VLLMEngine
 
@@ -281,16 +290,9 @@ def vllm_priority(hf_dir):
     """Frontier-first rollouts on vLLM's CUDA build: an engine with the priority scheduler and 2 sequences at a time
     returns the same seeded completions with and without per-request priorities, and admits the low-priority-value
     requests first (their first scheduled time, where vLLM reports request metrics)."""
-    if not _cuda():
-        return "skip", "no CUDA device"
-    try:
-        import vllm  # noqa: F401
-    except Exception:
-        return "skip", "vllm not importable"
-    if hf_dir is None:
-        from megatron_tsync.model.tiny_model import make_tiny_model
-
-        hf_dir = make_tiny_model("/tmp/tsync_gpu_smoke_model", seed=0)
+    hf_dir, why = _vllm_model(hf_dir)
+    if why:
+        return "skip", why
     from megatron_tsync.rollout.engine import SamplingConfig
     from megatron_tsync.rollout.vllm_engine import VLLMEngine
 
