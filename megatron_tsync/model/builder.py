@@ -314,20 +314,7 @@ def build_model(
         raise ValueError(f"{arch.num_layers} layers cannot be split evenly over PP={pp} stages")
     ep = ps.get_expert_model_parallel_world_size()
     cfg = transformer_config(arch, precision, tp=tp, pp=pp, ep=ep, **config_overrides)
-    if arch.family in ("qwen3_5", "qwen3_5_moe"):
-        from megatron_tsync.model import qwen35
-
-        spec, _ = qwen35.layer_spec(arch, precision, cfg)
-    elif arch.kv_lora_rank:
-        from megatron_tsync.model import mla
-
-        spec, _ = mla.layer_spec(arch, precision, cfg)
-    elif arch.num_experts:
-        from megatron_tsync.model import moe
-
-        spec, _ = moe.layer_spec(arch, precision)
-    else:
-        spec, _ = choose_layer_spec(precision, qk_layernorm=arch.qk_layernorm)
+    spec = _layer_spec(arch, precision, cfg)
     pre = ps.is_pipeline_first_stage() if pre_process is None else pre_process
     post = ps.is_pipeline_last_stage() if post_process is None else post_process
     if seed is not None:
@@ -369,6 +356,23 @@ def build_model(
         pad_for_sequence_parallel(model, tp)
     model.arch = arch  # for conversion and engines
     return model
+
+
+def _layer_spec(arch: ModelArch, precision: PrecisionConfig, cfg):
+    """The family's transformer layer spec: Qwen3.5 hybrids (``qwen35``), MLA (``mla``), MoE (``moe``), dense."""
+    if arch.family in ("qwen3_5", "qwen3_5_moe"):
+        from megatron_tsync.model import qwen35
+
+        return qwen35.layer_spec(arch, precision, cfg)[0]
+    if arch.kv_lora_rank:
+        from megatron_tsync.model import mla
+
+        return mla.layer_spec(arch, precision, cfg)[0]
+    if arch.num_experts:
+        from megatron_tsync.model import moe
+
+        return moe.layer_spec(arch, precision)[0]
+    return choose_layer_spec(precision, qk_layernorm=arch.qk_layernorm)[0]
 
 
 def pad_for_sequence_parallel(model, tp: int) -> None:

@@ -185,9 +185,7 @@ class VLLMEngine:
         self.has_tokenizer = bool(load_tokenizer)
         self._version = int(version)
         self._lock = threading.Lock()
-        if scheduling_policy not in ("fcfs", "priority"):
-            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {scheduling_policy!r}")
-        self.schedules_by_priority = scheduling_policy == "priority"
+        self.schedules_by_priority = _by_priority(scheduling_policy)
         self._tmp = tempfile.TemporaryDirectory(prefix="tsync-vllm-")
 
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(kv_cache_space_gib)))
@@ -466,6 +464,13 @@ class VLLMEngine:
 
 
 TSYNC = "tsync_broadcast"  # megatron_tsync.rollout.vllm_compat.TSYNC_BACKEND
+
+
+def _by_priority(scheduling_policy: str) -> bool:
+    """True for vLLM's "priority" scheduler, False for "fcfs"; anything else is refused."""
+    if scheduling_policy not in ("fcfs", "priority"):
+        raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {scheduling_policy!r}")
+    return scheduling_policy == "priority"
 
 
 def _pick_transfer(choice: str, compat) -> str | None:
