@@ -287,7 +287,8 @@ _FLAGS: tuple[_Flag, ...] = (
        help="create a tiny random model at --model if it does not exist (a --config file's covers its own model "
             "path only)"),
     _f("--tiny-model-family", "model.tiny_model_family", _G_MODEL, choices=C.TINY_FAMILIES,
-       help="family of the tiny model --init-tiny-model creates (qwen3_moe: 4 experts, top-2)"),
+       help="family of the tiny model --init-tiny-model creates (qwen3_moe: 4 experts, top-2; qwen3_5: the Gated "
+            "DeltaNet hybrid, linear and full attention layers alternating)"),
     _f("--moe-aux-loss-coeff", "model.moe_aux_loss_coeff", _G_MODEL, type=float, metavar="C",
        help="MoE load-balancing loss; only 0 (streaming would weight its gradient by the advantage)"),
     _f("--moe-router-replay", "model.moe_router_replay", _G_MODEL, **_SWITCH,

@@ -36,7 +36,7 @@ ROLLOUT_ENGINES = ("embedded", "vllm")
 WEIGHT_SYNCS = ("file", "broadcast")
 RECOMPUTE_GRANULARITIES = ("full", "selective")  # megatron-core TransformerConfig.recompute_granularity
 RECOMPUTE_METHODS = ("uniform", "block")  # TransformerConfig.recompute_method
-TINY_FAMILIES = ("llama", "qwen2", "qwen3", "llama3", "qwen3_moe")  # model/tiny_model.FAMILIES (a test keeps them equal)
+TINY_FAMILIES = ("llama", "qwen2", "qwen3", "llama3", "qwen3_moe", "qwen3_5")  # model/tiny_model.FAMILIES (a test keeps them equal)
 LATENCY_PROFILES = ("none", "uniform", "swe-like", "independent")
 
 
