@@ -130,15 +130,15 @@ class LogSearchTask:
     Group ``g`` of step ``k`` draws world ``mix(seed, split, k, g)``; a world belongs to the eval split iff
     ``mix(world seed) % heldout_mod == 0`` (rejection keeps the splits disjoint, as the arithmetic task does).
     Reward: ``exact_answer`` (binary). The length knobs (``files``, ``min_pages``, ``max_pages``, ``page_lines``,
-    ``code_digits``) are those of :class:`~megatron_tsync.rollout.envs.log_search.LogSpec`; a correct transcript
-    takes ``page + 2`` turns (grep, cat, ``next`` to the fact's page, answer).
+    ``code_digits``) are those of :class:`~megatron_tsync.rollout.envs.log_search.LogSpec`; the demonstrated transcript
+    takes ``world.scan_turns + 1`` turns (``next`` to the fact's page, then the answer).
     """
 
-    files: int = 4
-    min_pages: int = 3
-    max_pages: int = 9
+    files: int = 2
+    min_pages: int = 2
+    max_pages: int = 4
     page_lines: int = 8
-    code_digits: int = 3
+    code_digits: int = 2
     verifier: str = "exact_answer"
     verifier_kwargs: dict = dataclasses.field(default_factory=dict)
     heldout_mod: int = 8
@@ -169,7 +169,7 @@ class LogSearchTask:
 
         world = generate_world(world_seed, self.spec)
         return TaskInstance(f"{self.bos}Q: code of {world.key}? ", world.code,
-                            {"world": world, "world_seed": world_seed, "turns": world.page + 2, **meta})
+                            {"world": world, "world_seed": world_seed, "turns": world.scan_turns + 1, **meta})
 
     def sample_prompts(self, step: int, num_groups: int, seed: int, *, split: str = "train") -> list[TaskInstance]:
         if split not in _SPLITS:

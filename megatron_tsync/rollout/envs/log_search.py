@@ -7,20 +7,22 @@ waits on a latency profile (a real sleep in the sandboxed child: it waits, it do
 
 A world is a pure function of ``(seed, LogSpec)``: ``files`` log files ``logs/part-N.log``, each of
 ``min_pages..max_pages`` pages of ``page_lines`` lines ``HH:MM LEVEL service ID=CODE``. One line holds the asked id
-(``K7Q=418``); no other id of the world starts with its letter (and no level name holds it), so the fact is
+(``K7Q=41``); no other id of the world starts with its letter (and no level name holds it), so the fact is
 findable by a short policy the tiny model can learn::
 
     <s>Q: code of K7Q?
-    <tool>grep: K7Q</tool>          <result>logs/part-3.log</result>            (files holding the text, like grep -l)
-    <tool>cat: logs/part-3.log</tool>  <result>== logs/part-3.log page 1/9 ==\\n09:41 WARN db M2X=107\\n...</result>
-    <tool>next: </tool>             <result>== logs/part-3.log page 2/9 ==\\n...</result>      (until K7Q shows)
-    <answer>418</answer>
+    <tool>next: </tool>   <result>== logs/part-1.log page 1/3 ==\n09:41 WARN db M2X=10\n...</result>
+    <tool>next: </tool>   <result>== logs/part-1.log page 2/3 ==\n...</result>     (on into part-2.log ... until K7Q
+    ...                                                                        shows)
+    <answer>41</answer>
 
 Tools (tag format, ``rollout/tools.py``'s ``<tool>NAME: ARGS</tool>``): ``ls`` (the files and their page counts),
 ``grep: TEXT`` (fixed string; the files that contain it), ``cat: FILE [PAGE]`` (one page, default 1; opens FILE),
-``next`` (the open file's next page). Each call is a stateless sandboxed call (``Sandbox.run_source``: the trusted
-tool source below gets the world and the parsed call as JSON on stdin, so the model's text is only ever data); the
-episode keeps the open file and page. Reward: ``exact_answer`` on the last ``<answer>`` (binary). The answer ends
+``next`` (the next page: the first file's first page at the start, the next file's after a file's last page, like
+paging through ``cat logs/*``). The demonstrations (the warm start) use ``next`` only: a policy the tiny model learns
+from a short warm start (``grep`` then ``cat`` needs the file name copied too, which it did not learn in 150 steps);
+the other tools are there for a stronger policy. Each call is a stateless sandboxed call (``Sandbox.run_source``:
+the trusted tool source below gets the world and the parsed call as JSON on stdin: the model's text is only data); the episode keeps the open file and page. Reward: ``exact_answer`` on the last ``<answer>`` (binary). The answer ends
 the episode (``</answer>`` is a stop token of the engine). Standard library only (the sandbox is imported lazily).
 """
 
@@ -48,14 +50,14 @@ MAX_ARG_CHARS = 64
 class LogSpec:
     """The shape of a world (the task's difficulty and length knobs)."""
 
-    files: int = 4
+    files: int = 2
     """Log files per world."""
-    min_pages: int = 4
-    max_pages: int = 12
+    min_pages: int = 2
+    max_pages: int = 4
     """Pages per file, uniform in ``min_pages..max_pages``; the fact's page is uniform over its file's pages."""
     page_lines: int = 8
     """Lines per page (~22 tokens each with the tiny model's tokenizer)."""
-    code_digits: int = 3
+    code_digits: int = 2
     """Digits of every code (the answer)."""
 
     def __post_init__(self):
@@ -83,6 +85,11 @@ class LogWorld:
     @property
     def path(self) -> str:
         return self.files[self.file_index][0]
+
+    @property
+    def scan_turns(self) -> int:
+        """``next`` calls from the start of the first file to the fact's page (every page before it, then it)."""
+        return sum(len(pages) for _, pages in self.files[:self.file_index]) + self.page
 
 
 def _line(r: random.Random, ident: str, code: int, digits: int) -> str:
@@ -163,11 +170,15 @@ if name == "cat":
         n = int(parts[1])
     out(True, page(path, n), [path, n])
 if name == "next":
+    order = [p for p, _ in a["world"]]
     if cur is None:
-        out(False, "next: no open file; cat a file first", cur)
-    path, n = cur
+        path, n = order[0], 0
+    else:
+        path, n = cur
     if n >= len(files[path]):
-        out(True, "== end of %s ==" % path, cur)
+        if order.index(path) + 1 == len(order):
+            out(True, "== end of logs ==", cur)
+        path, n = order[order.index(path) + 1], 0
     out(True, page(path, n + 1), [path, n + 1])
 out(False, "unknown tool %s; tools: ls, grep, cat, next" % name[:20], cur)
 '''
@@ -272,19 +283,14 @@ class LogSearchEpisode:
 
 def demonstration_segments(prompt: str, world: LogWorld) -> list[tuple[str, bool]]:
     """The short policy's transcript as ``(text, is_action)`` segments, observations exactly as the episode writes
-    them (``grep`` the key, ``cat`` its file, ``next`` until the key's page, answer)."""
+    them: ``next`` until the key's page shows (``world.scan_turns`` calls), then the answer."""
     from megatron_tsync.rollout.tools import format_tool_result
 
-    pages = dict(world.files)[world.path]
     segs: list[tuple[str, bool]] = [(prompt, False)]
-
-    def turn(call: str, out: str) -> None:
-        segs.extend([(call, True), (format_tool_result(out), False)])
-
-    turn(f"<tool>grep: {world.key}</tool>", "\n".join(p for p, pg in world.files if any(world.key in t for t in pg)))
-    for n in range(1, world.page + 1):
-        call = f"<tool>cat: {world.path}</tool>" if n == 1 else "<tool>next: </tool>"
-        turn(call, f"{page_header(world.path, n, len(pages))}\n{pages[n - 1]}")
+    for f, (path, pages) in enumerate(world.files[:world.file_index + 1]):
+        for n in range(1, (world.page if f == world.file_index else len(pages)) + 1):
+            segs += [("<tool>next: </tool>", True),
+                     (format_tool_result(f"{page_header(path, n, len(pages))}\n{pages[n - 1]}"), False)]
     segs.append((f"<answer>{world.code}</answer>", True))
     return segs
 

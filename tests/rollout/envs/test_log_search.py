@@ -19,13 +19,14 @@ def test_world_is_deterministic_and_holds_the_fact_once():
     assert w == generate_world(11, spec) and w != generate_world(12, spec)
     lines = [(path, n, line) for path, pages in w.files for n, page in enumerate(pages, 1) for line in page.split("\n")]
     assert all(2 <= len(pages) <= 5 and all(len(p.split("\n")) == 6 for p in pages) for _, pages in w.files)
-    hits = [(path, n) for path, n, line in lines if line.endswith(f" {w.key}={w.code:03d}")]
+    hits = [(path, n) for path, n, line in lines if line.endswith(f" {w.key}={w.code:02d}")]
     assert hits == [(w.path, w.page)]
+    assert w.scan_turns == sum(len(pages) for _, pages in w.files[:w.file_index]) + w.page
     # the asked id's first letter starts no other id, and no level word holds it: one place to look
     ids = [line.rsplit(" ", 1)[1].split("=")[0] for _, _, line in lines]
     assert [i for i in ids if i[0] == w.key[0]] == [w.key]
     assert w.key[0] in LETTERS and not any(w.key[0] in lv for lv in LEVELS)
-    assert 100 <= w.code <= 999
+    assert 10 <= w.code <= 99
 
 
 @pytest.mark.parametrize("kw,match", [(dict(files=0), "files"), (dict(min_pages=3, max_pages=2), "min_pages"),
@@ -48,11 +49,11 @@ def test_demonstration_is_what_the_sandboxed_tools_return(env_sandbox, task):
     assert "log-search" in available_environments() and isinstance(get_environment("log-search", sandbox=env_sandbox),
                                                                     LogSearchEnv)
     actions = [s for s, act in segs if act]
-    assert len(actions) == world.page + 2 == inst.meta["turns"]  # grep, cat, next..., answer
+    assert len(actions) == world.scan_turns + 1 == inst.meta["turns"]  # next ... next, answer
     verdict, obs = asyncio.run(run_scripted(env, inst, actions[:-1]))
     assert [o.text for o in obs] == [s for s, act in segs[1:] if not act]
-    assert all(o.ok for o in obs) and obs[0].text == f"<result>{world.path}</result>"
-    assert f"{world.key}={world.code}" in obs[-1].text and f"{world.key}=" not in "".join(o.text for o in obs[1:-1])
+    assert all(o.ok for o in obs) and obs[0].text.startswith(f"<result>== {world.files[0][0]} page 1/")
+    assert f"{world.key}={world.code}" in obs[-1].text and f"{world.key}=" not in "".join(o.text for o in obs[:-1])
     transcript = "".join(s for s, _ in segs[1:])
     assert verdict.reward == 0.0  # no answer yet
 
@@ -68,21 +69,25 @@ def test_bad_calls_are_one_line_errors(env_sandbox, task):
     inst = task.sample_prompts(1, 1, 7)[0]
     world = inst.meta["world"]
     last = len(dict(world.files)[world.path])
-    calls = ["<tool>next: </tool>", "<tool>cat: $(reboot)</tool>", f"<tool>cat: {world.path} 0</tool>",
+    calls = ["<tool>cat: $(reboot)</tool>", f"<tool>cat: {world.path} 0</tool>",
              "<tool>grep: </tool>", "<tool>rm: -rf logs</tool>", "no call at all", "<tool>ls: </tool>",
-             f"<tool>cat: {world.path} {last}</tool>", "<tool>next: </tool>", "<tool>grep: ZZZZ</tool>"]
+             f"<tool>cat: {world.path} {last}</tool>", "<tool>next: </tool>", "<tool>grep: ZZZZ</tool>",
+             f"<tool>grep: {world.key}</tool>"]
     _, obs = asyncio.run(run_scripted(LogSearchEnv(env_sandbox), inst, calls))
     texts = [o.text.removeprefix("<result>").removesuffix("</result>") for o in obs]
-    assert texts[0] == "error: next: no open file; cat a file first"
-    assert texts[1] == "error: cat: no such file: $(reboot)"  # the path is data, never run
-    assert texts[2] == f"error: cat: {world.path} has pages 1..{last}"
-    assert texts[3] == "error: grep: give the text to search for"
-    assert texts[4] == "error: unknown tool rm; tools: ls, grep, cat, next"
-    assert texts[5].startswith("error: no complete &lt;tool&gt;")  # tags in tool output are escaped
-    assert texts[6].split("\n") == [f"{p}  {len(pages)} pages" for p, pages in world.files]
-    assert texts[7].startswith(f"== {world.path} page {last}/{last} ==")
-    assert texts[8] == f"== end of {world.path} ==" and texts[9] == "grep: no file contains ZZZZ"
-    assert [o.ok for o in obs] == [False] * 6 + [True] * 4
+    assert texts[0] == "error: cat: no such file: $(reboot)"  # the path is data, never run
+    assert texts[1] == f"error: cat: {world.path} has pages 1..{last}"
+    assert texts[2] == "error: grep: give the text to search for"
+    assert texts[3] == "error: unknown tool rm; tools: ls, grep, cat, next"
+    assert texts[4].startswith("error: no complete &lt;tool&gt;")  # tags in tool output are escaped
+    assert texts[5].split("\n") == [f"{p}  {len(pages)} pages" for p, pages in world.files]
+    assert texts[6].startswith(f"== {world.path} page {last}/{last} ==")
+    paths = [p for p, _ in world.files]  # next after a file's last page: the next file, or the end
+    i = paths.index(world.path)
+    assert texts[7] == ("== end of logs ==" if i + 1 == len(paths) else texts[7].startswith(f"== {paths[i + 1]} page 1/")
+                        and texts[7])
+    assert texts[8] == "grep: no file contains ZZZZ" and texts[9] == world.path
+    assert [o.ok for o in obs] == [False] * 5 + [True] * 5
 
 
 def test_tool_latency_is_a_wait(env_sandbox, task):
