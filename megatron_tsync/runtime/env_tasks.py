@@ -131,7 +131,7 @@ class LogSearchTask:
     ``mix(world seed) % heldout_mod == 0`` (rejection keeps the splits disjoint, as the arithmetic task does).
     Reward: ``exact_answer`` (binary). The length knobs (``files``, ``min_pages``, ``max_pages``, ``page_lines``,
     ``code_digits``) are those of :class:`~megatron_tsync.rollout.envs.log_search.LogSpec`; the demonstrated transcript
-    takes ``world.scan_turns + 1`` turns (``next`` to the fact's page, then the answer).
+    takes ``world.pages + 3`` turns (``next`` through every page and the end marker, ``grep``, the answer).
     """
 
     files: int = 2
@@ -169,7 +169,7 @@ class LogSearchTask:
 
         world = generate_world(world_seed, self.spec)
         return TaskInstance(f"{self.bos}Q: code of {world.key}? ", world.code,
-                            {"world": world, "world_seed": world_seed, "turns": world.scan_turns + 1, **meta})
+                            {"world": world, "world_seed": world_seed, "turns": world.pages + 3, **meta})
 
     def sample_prompts(self, step: int, num_groups: int, seed: int, *, split: str = "train") -> list[TaskInstance]:
         if split not in _SPLITS:

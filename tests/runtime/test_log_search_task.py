@@ -40,7 +40,7 @@ def test_demonstration_is_observation_heavy():
         segs = t.demonstration_segments(inst)
         acted += sum(len(s) for s, act in segs if act)
         observed += sum(len(s) for s, act in segs[1:] if not act)
-        assert sum(act for _, act in segs) == inst.meta["turns"] == inst.meta["world"].scan_turns + 1
+        assert sum(act for _, act in segs) == inst.meta["turns"] == inst.meta["world"].pages + 3
         assert t.demonstration(inst).endswith(f"<answer>{inst.answer}</answer>")
     assert observed > 5 * acted, (observed, acted)  # characters; in tokens see docs/benchmarks.md
 
@@ -57,7 +57,7 @@ def test_recipe_fits_the_task():
     cfg = parse_args(["--config", os.path.join(root, "examples", "log_search", "config.yaml")], world_size=1)
     t = task_from_config(cfg.rollout)
     assert t.name == "log-search" and cfg.learner.mode == "stream-trajectory" and cfg.rollout.latency_profile != "none"
-    assert cfg.rl.max_turns > t.files * t.max_pages and cfg.learner.max_packed_tokens >= cfg.rl.seq_length
+    assert cfg.rl.max_turns >= t.files * t.max_pages + 3 and cfg.learner.max_packed_tokens >= cfg.rl.seq_length
     longest = max(len(t.demonstration(i)) for s in range(2) for i in t.sample_prompts(s, 16, 3))
     assert longest / 3 < cfg.rl.seq_length
 

@@ -6,24 +6,31 @@ agent's own turns are a few tokens each, the number of turns comes from where th
 waits on a latency profile (a real sleep in the sandboxed child: it waits, it does not burn CPU).
 
 A world is a pure function of ``(seed, LogSpec)``: ``files`` log files ``logs/part-N.log``, each of
-``min_pages..max_pages`` pages of ``page_lines`` lines ``HH:MM LEVEL service ID=CODE``. One line holds the asked id
-(``K7Q=41``); no other id of the world starts with its letter (and no level name holds it), so the fact is
+``min_pages..max_pages`` pages of ``page_lines`` lines ``HH:MM LEVEL service ID=CODE`` (ids: a letter and a
+digit). One line holds the asked id
+(``K7=41``); no other id of the world starts with its letter (and no level name holds it), so the fact is
 findable by a short policy the tiny model can learn::
 
-    <s>Q: code of K7Q?
-    <tool>next: </tool>   <result>== logs/part-1.log page 1/3 ==\n09:41 WARN db M2X=10\n...</result>
-    <tool>next: </tool>   <result>== logs/part-1.log page 2/3 ==\n...</result>     (on into part-2.log ... until K7Q
-    ...                                                                        shows)
+    <s>Q: code of K7?
+    <tool>next: </tool>   <result>== logs/part-1.log page 1/3 ==\n09:41 WARN db M2=10\n...</result>
+    <tool>next: </tool>   <result>== logs/part-1.log page 2/3 ==\n...</result>     (on through part-2.log ...)
+    <tool>next: </tool>   <result>== end of logs ==</result>
+    <tool>grep: K7</tool>  <result>logs/part-2.log page 1: 13:02 INFO api K7=41</result>
     <answer>41</answer>
 
 Tools (tag format, ``rollout/tools.py``'s ``<tool>NAME: ARGS</tool>``): ``ls`` (the files and their page counts),
-``grep: TEXT`` (fixed string; the files that contain it), ``cat: FILE [PAGE]`` (one page, default 1; opens FILE),
+``grep: TEXT`` (fixed string; the lines holding it, with their file and page, among the pages read so far: like
+searching a pager's scroll-back, so the pages must be read first), ``cat: FILE [PAGE]`` (one page, default 1),
 ``next`` (the next page: the first file's first page at the start, the next file's after a file's last page, like
-paging through ``cat logs/*``). The demonstrations (the warm start) use ``next`` only: a policy the tiny model learns
-from a short warm start (``grep`` then ``cat`` needs the file name copied too, which it did not learn in 150 steps);
-the other tools are there for a stronger policy. Each call is a stateless sandboxed call (``Sandbox.run_source``:
-the trusted tool source below gets the world and the parsed call as JSON on stdin: the model's text is only data); the episode keeps the open file and page. Reward: ``exact_answer`` on the last ``<answer>`` (binary). The answer ends
-the episode (``</answer>`` is a stop token of the engine). Standard library only (the sandbox is imported lazily).
+paging through ``cat logs/*``). The demonstrated policy (the warm start): ``next`` to the end, ``grep`` the id,
+answer; the number of turns is the tree's page count + 3. Two policies that stop at the fact's page (deciding from
+the page itself whether the id is on it; grep -l, cat the file, next) stayed at 0 % success after a 150-step warm
+start: the 2-layer model did not learn to find an id hundreds of tokens back, while copying the code from the
+observation just before the answer (as the calculator task does) it learns. Each call is a stateless sandboxed
+call (``Sandbox.run_source``: the trusted tool source below gets the world and the parsed call as JSON on stdin: the
+model's text is only data); the episode keeps the open file and page and the pages read. Reward: ``exact_answer`` on
+the last ``<answer>`` (binary). The answer ends the episode (``</answer>`` is a stop token of the engine).
+Standard library only (the sandbox is imported lazily).
 """
 
 from __future__ import annotations
@@ -87,9 +94,9 @@ class LogWorld:
         return self.files[self.file_index][0]
 
     @property
-    def scan_turns(self) -> int:
-        """``next`` calls from the start of the first file to the fact's page (every page before it, then it)."""
-        return sum(len(pages) for _, pages in self.files[:self.file_index]) + self.page
+    def pages(self) -> int:
+        """Pages of the whole tree."""
+        return sum(len(pages) for _, pages in self.files)
 
 
 def _line(r: random.Random, ident: str, code: int, digits: int) -> str:
@@ -98,7 +105,7 @@ def _line(r: random.Random, ident: str, code: int, digits: int) -> str:
 
 
 def _ident(r: random.Random, first: str) -> str:
-    return f"{first}{r.randint(0, 9)}{r.choice(LETTERS)}"
+    return f"{first}{r.randint(0, 9)}"
 
 
 def generate_world(seed: int, spec: LogSpec = LogSpec()) -> LogWorld:
@@ -137,7 +144,8 @@ def page_header(path: str, page: int, n_pages: int) -> str:
 
 # Runs in the sandboxed child (Sandbox.run_source, trusted, standard library only). stdin: {"world": [[path,
 # [page, ...]], ...], "name": tool name, "args": the call's argument text (model text: only compared, never run),
-# "open": [path, page] | null}. stdout: {"ok": bool, "text": output, "open": [path, page] | null}.
+# "open": [path, page] | null, "read": [[path, page], ...] the pages shown so far}. stdout: {"ok": bool, "text":
+# output, "open": [path, page] | null}.
 _TOOL_SRC = r'''
 import json, sys
 a = json.loads(sys.stdin.read())
@@ -154,8 +162,9 @@ if name == "ls":
 if name == "grep":
     if not args:
         out(False, "grep: give the text to search for", cur)
-    hits = [p for p, pages in a["world"] if any(args in t for t in pages)]
-    out(True, "\n".join(hits) if hits else "grep: no file contains %s" % args, cur)
+    hits = ["%s page %d: %s" % (p, n, line) for p, pages in a["world"] for n, t in enumerate(pages, 1)
+            if [p, n] in a["read"] for line in t.split("\n") if args in line]
+    out(True, "\n".join(hits[:8]) if hits else "grep: no page read so far contains %s" % args, cur)
 if name == "cat":
     parts = args.split()
     if not parts or len(parts) > 2:
@@ -185,10 +194,13 @@ out(False, "unknown tool %s; tools: ls, grep, cat, next" % name[:20], cur)
 
 
 def run_tool(sandbox, world: LogWorld, name: str, args: str, cursor: tuple[str, int] | None,
-             delay_s: float = 0.0) -> tuple[bool, str, tuple[str, int] | None, float, str | None]:
-    """One tool call in the sandbox: (ok, output text, new cursor, wall seconds, sandbox error or None). Blocking."""
+             read: frozenset = frozenset(), delay_s: float = 0.0
+             ) -> tuple[bool, str, tuple[str, int] | None, float, str | None]:
+    """One tool call in the sandbox: (ok, output text, new cursor, wall seconds, sandbox error or None); ``read``:
+    the ``(path, page)`` s shown so far (what ``grep`` searches). Blocking."""
     payload = json.dumps({"world": [[p, list(pages)] for p, pages in world.files], "name": name,
-                          "args": args[:MAX_ARG_CHARS], "open": None if cursor is None else list(cursor)})
+                          "args": args[:MAX_ARG_CHARS], "open": None if cursor is None else list(cursor),
+                          "read": [list(x) for x in sorted(read)]})
     res = sandbox.run_source(_TOOL_SRC, stdin=payload, delay_s=delay_s)
     if not res.ok:
         return False, f"error: {res.error or 'tool failed'}", cursor, res.wall_s, res.error or "tool failed"
@@ -243,6 +255,7 @@ class LogSearchEpisode:
         self.env, self.task, self.world = env, task, world
         self.prompt: str = task.prompt_text
         self.cursor: tuple[str, int] | None = None
+        self.read: set[tuple[str, int]] = set()
         self.turns = 0
         self.tool_s = 0.0
 
@@ -265,7 +278,9 @@ class LogSearchEpisode:
         loop = asyncio.get_running_loop()
         ok, text, self.cursor, wall, err = await loop.run_in_executor(
             _get_executor(self.env.sandbox._max_workers), run_tool, self.env.sandbox, self.world, call.name,
-            call.args, self.cursor, delay)
+            call.args, self.cursor, frozenset(self.read), delay)
+        if ok and call.name in ("cat", "next") and self.cursor is not None:
+            self.read.add(self.cursor)
         self.tool_s += wall
         return Observation(tools.format_tool_result(text), ok=ok, tool=call.name, error=err, wall_s=wall)
 
@@ -283,14 +298,21 @@ class LogSearchEpisode:
 
 def demonstration_segments(prompt: str, world: LogWorld) -> list[tuple[str, bool]]:
     """The short policy's transcript as ``(text, is_action)`` segments, observations exactly as the episode writes
-    them: ``next`` until the key's page shows (``world.scan_turns`` calls), then the answer."""
+    them: ``next`` through every page to the end of the logs (``world.pages + 1`` calls), ``grep`` the id (it
+    searches the pages read), answer the code."""
     from megatron_tsync.rollout.tools import format_tool_result
 
     segs: list[tuple[str, bool]] = [(prompt, False)]
-    for f, (path, pages) in enumerate(world.files[:world.file_index + 1]):
-        for n in range(1, (world.page if f == world.file_index else len(pages)) + 1):
-            segs += [("<tool>next: </tool>", True),
-                     (format_tool_result(f"{page_header(path, n, len(pages))}\n{pages[n - 1]}"), False)]
+
+    def turn(call: str, out: str) -> None:
+        segs.extend([(call, True), (format_tool_result(out), False)])
+
+    for path, pages in world.files:
+        for n in range(1, len(pages) + 1):
+            turn("<tool>next: </tool>", f"{page_header(path, n, len(pages))}\n{pages[n - 1]}")
+    turn("<tool>next: </tool>", "== end of logs ==")
+    line = next(x for x in dict(world.files)[world.path][world.page - 1].split("\n") if world.key in x)
+    turn(f"<tool>grep: {world.key}</tool>", f"{world.path} page {world.page}: {line}")
     segs.append((f"<answer>{world.code}</answer>", True))
     return segs
 

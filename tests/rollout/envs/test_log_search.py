@@ -21,7 +21,7 @@ def test_world_is_deterministic_and_holds_the_fact_once():
     assert all(2 <= len(pages) <= 5 and all(len(p.split("\n")) == 6 for p in pages) for _, pages in w.files)
     hits = [(path, n) for path, n, line in lines if line.endswith(f" {w.key}={w.code:02d}")]
     assert hits == [(w.path, w.page)]
-    assert w.scan_turns == sum(len(pages) for _, pages in w.files[:w.file_index]) + w.page
+    assert w.pages == sum(len(pages) for _, pages in w.files)
     # the asked id's first letter starts no other id, and no level word holds it: one place to look
     ids = [line.rsplit(" ", 1)[1].split("=")[0] for _, _, line in lines]
     assert [i for i in ids if i[0] == w.key[0]] == [w.key]
@@ -49,11 +49,13 @@ def test_demonstration_is_what_the_sandboxed_tools_return(env_sandbox, task):
     assert "log-search" in available_environments() and isinstance(get_environment("log-search", sandbox=env_sandbox),
                                                                     LogSearchEnv)
     actions = [s for s, act in segs if act]
-    assert len(actions) == world.scan_turns + 1 == inst.meta["turns"]  # next ... next, answer
+    assert len(actions) == world.pages + 3 == inst.meta["turns"]  # next through every page, the end, grep, answer
     verdict, obs = asyncio.run(run_scripted(env, inst, actions[:-1]))
     assert [o.text for o in obs] == [s for s, act in segs[1:] if not act]
     assert all(o.ok for o in obs) and obs[0].text.startswith(f"<result>== {world.files[0][0]} page 1/")
-    assert f"{world.key}={world.code}" in obs[-1].text and f"{world.key}=" not in "".join(o.text for o in obs[:-1])
+    assert obs[-2].text == "<result>== end of logs ==</result>" and actions[-2] == f"<tool>grep: {world.key}</tool>"
+    assert obs[-1].text.startswith(f"<result>{world.path} page {world.page}: ")
+    assert obs[-1].text.endswith(f" {world.key}={world.code}</result>")
     transcript = "".join(s for s, _ in segs[1:])
     assert verdict.reward == 0.0  # no answer yet
 
@@ -72,7 +74,7 @@ def test_bad_calls_are_one_line_errors(env_sandbox, task):
     calls = ["<tool>cat: $(reboot)</tool>", f"<tool>cat: {world.path} 0</tool>",
              "<tool>grep: </tool>", "<tool>rm: -rf logs</tool>", "no call at all", "<tool>ls: </tool>",
              f"<tool>cat: {world.path} {last}</tool>", "<tool>next: </tool>", "<tool>grep: ZZZZ</tool>",
-             f"<tool>grep: {world.key}</tool>"]
+             f"<tool>cat: {world.path} {world.page}</tool>", f"<tool>grep: {world.key}</tool>"]
     _, obs = asyncio.run(run_scripted(LogSearchEnv(env_sandbox), inst, calls))
     texts = [o.text.removeprefix("<result>").removesuffix("</result>") for o in obs]
     assert texts[0] == "error: cat: no such file: $(reboot)"  # the path is data, never run
@@ -86,8 +88,10 @@ def test_bad_calls_are_one_line_errors(env_sandbox, task):
     i = paths.index(world.path)
     assert texts[7] == ("== end of logs ==" if i + 1 == len(paths) else texts[7].startswith(f"== {paths[i + 1]} page 1/")
                         and texts[7])
-    assert texts[8] == "grep: no file contains ZZZZ" and texts[9] == world.path
-    assert [o.ok for o in obs] == [False] * 5 + [True] * 5
+    assert texts[8] == "grep: no page read so far contains ZZZZ"
+    assert texts[10] == f"{world.path} page {world.page}: " + next(  # grep searches the pages read: now it finds it
+        line for line in texts[9].split("\n") if world.key in line)
+    assert [o.ok for o in obs] == [False] * 5 + [True] * 6
 
 
 def test_tool_latency_is_a_wait(env_sandbox, task):
