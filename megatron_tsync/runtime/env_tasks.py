@@ -124,7 +124,7 @@ def _terminal_lite(**kwargs) -> EnvSuiteTask:
 @register_task("log-search")
 @dataclasses.dataclass(frozen=True)
 class LogSearchTask:
-    """``Q: code of K7Q?``: find the id's line in a tree of paged logs (``rollout/envs/log_search.py``) and answer
+    """``Q: code of K7?``: find the id's line in a tree of paged logs (``rollout/envs/log_search.py``) and answer
     its code. Select with ``--task megatron_tsync.runtime.env_tasks:log-search``.
 
     Group ``g`` of step ``k`` draws world ``mix(seed, split, k, g)``; a world belongs to the eval split iff

@@ -2,18 +2,17 @@
 
 A long-horizon, observation-heavy task for the CPU benchmark (issue 48): most of a trajectory's tokens are tool
 output (pages of log lines the learner forwards and backpropagates through and the engine only prefills), the
-agent's own turns are a few tokens each, the number of turns comes from where the fact sits, and every tool call
+agent's own turns are a few tokens each, the number of turns comes from the size of the tree, and every tool call
 waits on a latency profile (a real sleep in the sandboxed child: it waits, it does not burn CPU).
 
 A world is a pure function of ``(seed, LogSpec)``: ``files`` log files ``logs/part-N.log``, each of
 ``min_pages..max_pages`` pages of ``page_lines`` lines ``HH:MM LEVEL service ID=CODE`` (ids: a letter and a
-digit). One line holds the asked id
-(``K7=41``); no other id of the world starts with its letter (and no level name holds it), so the fact is
-findable by a short policy the tiny model can learn::
+digit). One line holds the asked id (``K7=41``); no other id of the world starts with its letter (and no level name
+holds it). The demonstrated policy (the supervised warm start's transcripts)::
 
     <s>Q: code of K7?
-    <tool>next: </tool>   <result>== logs/part-1.log page 1/3 ==\n09:41 WARN db M2=10\n...</result>
-    <tool>next: </tool>   <result>== logs/part-1.log page 2/3 ==\n...</result>     (on through part-2.log ...)
+    <tool>next: </tool>   <result>== logs/part-1.log page 1/3 ==\\n09:41 WARN db M2=10\\n...</result>
+    <tool>next: </tool>   <result>== logs/part-1.log page 2/3 ==\\n...</result>     (on through part-2.log ...)
     <tool>next: </tool>   <result>== end of logs ==</result>
     <tool>grep: K7</tool>  <result>logs/part-2.log page 1: 13:02 INFO api K7=41</result>
     <answer>41</answer>
@@ -22,11 +21,9 @@ Tools (tag format, ``rollout/tools.py``'s ``<tool>NAME: ARGS</tool>``): ``ls`` (
 ``grep: TEXT`` (fixed string; the lines holding it, with their file and page, among the pages read so far: like
 searching a pager's scroll-back, so the pages must be read first), ``cat: FILE [PAGE]`` (one page, default 1),
 ``next`` (the next page: the first file's first page at the start, the next file's after a file's last page, like
-paging through ``cat logs/*``). The demonstrated policy (the warm start): ``next`` to the end, ``grep`` the id,
-answer; the number of turns is the tree's page count + 3. Two policies that stop at the fact's page (deciding from
-the page itself whether the id is on it; grep -l, cat the file, next) stayed at 0 % success after a 150-step warm
-start: the 2-layer model did not learn to find an id hundreds of tokens back, while copying the code from the
-observation just before the answer (as the calculator task does) it learns. Each call is a stateless sandboxed
+paging through ``cat logs/*``). The demonstrated policy takes the tree's page count + 3 turns. Status: the tiny
+model (hidden 128, 2 layers) does not learn it from a 150-step warm start (0 % success; nor two policies that stop
+at the fact's page: docs/benchmarks.md), so its GRPO has no reward variance yet. Each call is a stateless sandboxed
 call (``Sandbox.run_source``: the trusted tool source below gets the world and the parsed call as JSON on stdin: the
 model's text is only data); the episode keeps the open file and page and the pages read. Reward: ``exact_answer`` on
 the last ``<answer>`` (binary). The answer ends the episode (``</answer>`` is a stop token of the engine).
