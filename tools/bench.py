@@ -3,6 +3,7 @@
     python tools/bench.py --list                                   # every benchmark, one line each
     python tools/bench.py streaming --json out.json --repeats 3 --quick
     python tools/bench.py live --seed 7 --modes sync,stream-trajectory --steps 4
+    python tools/bench.py live --task log-search --modes sync,stream-trajectory   # the observation-heavy task
     python tools/bench.py learner --help                           # the benchmark's own flags
 
 Each benchmark stays a module of its own (``tools/bench_NAME.py``, runnable alone as before). The shared flags mean

@@ -5,6 +5,7 @@ same seeds, interleaved and repeated.
     python tools/bench_live.py --repeats 3 --steps 8                      # the four modes, the machine's cores split
     python tools/bench_live.py --cpus none --modes sync,stream-trajectory  # no affinity flags (all share every core)
     python tools/bench_live.py --cpus split --cpus none                   # both, interleaved, side by side
+    python tools/bench_live.py --task log-search --modes sync,stream-trajectory   # the observation-heavy task
 
 One supervised warm start (``--sft-steps``, default the quickstart's) is made once and cached under ``--warm-dir``
 (keyed by the task config, the SFT steps and the seed); every run starts from it (``--load``, step 0), so all runs
@@ -42,6 +43,10 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "examples", "tiny_agent", "config.yaml")
+TASKS = {"calculator": CONFIG, "log-search": os.path.join(ROOT, "examples", "log_search", "config.yaml")}
+"""``--task NAME``: the recipe whose task, rollout and RL flags the runs use (the quickstart's calculator by default;
+``log-search``: the long-horizon, observation-heavy task of ``examples/log_search``, where the learner's work is
+comparable to the rollouts')."""
 MODES = ("sync", "stream-group", "stream-trajectory", "async", "sync+spec", "stream-trajectory+spec",
          "stream-group+coalesce", "stream-trajectory+coalesce", "stream-trajectory+nowait", "stream-trajectory+mix",
          "stream-trajectory+mix+coalesce", "stream-trajectory+mix+full")
@@ -295,7 +300,10 @@ def parse(argv=None):
     p.add_argument("--max-staleness", type=int, default=1, help="async mode's staleness")
     p.add_argument("--cpus", action="append", help="split | none | TRAINER:ROLLOUT (CPU lists); repeatable "
                                                     "(default: split)")
-    p.add_argument("--config", default=CONFIG, help="task config (YAML of training flags)")
+    p.add_argument("--task", choices=sorted(TASKS), default=None,
+                   help="the recipe to bench: calculator (examples/tiny_agent, the default) or log-search "
+                        "(examples/log_search); --config names any other")
+    p.add_argument("--config", default=None, help="task config (YAML of training flags; default: --task's)")
     p.add_argument("--sft-steps", type=int, default=None, help="warm start SFT steps (default: the config's)")
     p.add_argument("--sft-lr", type=float, default=None, help="warm start learning rate (--sft-warmup-lr; default "
                                                                 "1e-3; wider --model-size wants less, 512x4: 3e-4)")
@@ -309,6 +317,9 @@ def parse(argv=None):
                    help="the task's tiny Llama at another size, e.g. 512x4 (default: the config's, 128x2): where one "
                         "trajectory's microbatch is compute-bound rather than bound by per-op overhead")
     a = p.parse_args(argv)
+    if a.task is not None and a.config is not None:
+        p.error("--task and --config both name the recipe; give one")
+    a.config = a.config or TASKS[a.task or "calculator"]
     if a.model_size is not None:
         raw = a.model_size
         try:

@@ -1,4 +1,4 @@
-"""The generated environment suites as RL tasks: ``swe-lite`` and ``terminal-lite`` (``rollout/envs``).
+"""The generated environment suites as RL tasks: ``swe-lite``, ``terminal-lite`` and ``log-search`` (``rollout/envs``).
 
 Select with ``--task megatron_tsync.runtime.env_tasks:swe-lite`` (or ``:terminal-lite``). A task instance carries its
 :class:`~megatron_tsync.rollout.envs.workspace_env.WorkspaceTask` in ``meta["env_task"]``; the rollout worker opens
@@ -19,7 +19,7 @@ from typing import Any
 from megatron_tsync.algorithms.streamability import RewardSpec
 from megatron_tsync.runtime.tasks import TaskInstance, _mix, register_task
 
-__all__ = ["EnvSuiteTask"]
+__all__ = ["EnvSuiteTask", "LogSearchTask"]
 
 _SPLITS = {"train": 0, "eval": 1}
 
@@ -118,3 +118,81 @@ def _swe_lite(**kwargs) -> EnvSuiteTask:
 @register_task("terminal-lite")
 def _terminal_lite(**kwargs) -> EnvSuiteTask:
     return EnvSuiteTask(**{"suite": "terminal-lite", "name": "terminal-lite", **kwargs})
+
+
+# ------------------------------------------------------------------------------------------------------ log-search
+@register_task("log-search")
+@dataclasses.dataclass(frozen=True)
+class LogSearchTask:
+    """``Q: code of K7?``: find the id's line in a tree of paged logs (``rollout/envs/log_search.py``) and answer
+    its code. Select with ``--task megatron_tsync.runtime.env_tasks:log-search``.
+
+    Group ``g`` of step ``k`` draws world ``mix(seed, split, k, g)``; a world belongs to the eval split iff
+    ``mix(world seed) % heldout_mod == 0`` (rejection keeps the splits disjoint, as the arithmetic task does).
+    Reward: ``exact_answer`` (binary). The length knobs (``files``, ``min_pages``, ``max_pages``, ``page_lines``,
+    ``code_digits``) are those of :class:`~megatron_tsync.rollout.envs.log_search.LogSpec`; the demonstrated transcript
+    takes ``world.pages + 3`` turns (``next`` through every page and the end marker, ``grep``, the answer).
+    """
+
+    files: int = 2
+    min_pages: int = 2
+    max_pages: int = 4
+    page_lines: int = 8
+    code_digits: int = 2
+    verifier: str = "exact_answer"
+    verifier_kwargs: dict = dataclasses.field(default_factory=dict)
+    heldout_mod: int = 8
+    bos: str = "<s>"
+    name: str = "log-search"
+
+    def __post_init__(self):
+        self.spec  # validates the knobs
+        if self.verifier != "exact_answer":
+            raise ValueError(f"task {self.name}: the answer is an integer code: --verifier must be 'exact_answer', "
+                             f"got {self.verifier!r}")
+        if self.heldout_mod < 2:
+            raise ValueError(f"heldout_mod must be >= 2, got {self.heldout_mod}")
+
+    @property
+    def spec(self):
+        from megatron_tsync.rollout.envs.log_search import LogSpec
+
+        return LogSpec(self.files, self.min_pages, self.max_pages, self.page_lines, self.code_digits)
+
+    @property
+    def reward_spec(self) -> RewardSpec:
+        return RewardSpec.binary(0.0, 1.0)
+
+    def instance(self, world_seed: int, **meta: Any) -> TaskInstance:
+        """The instance of world ``world_seed`` (tests, hand-picked worlds)."""
+        from megatron_tsync.rollout.envs.log_search import generate_world
+
+        world = generate_world(world_seed, self.spec)
+        return TaskInstance(f"{self.bos}Q: code of {world.key}? ", world.code,
+                            {"world": world, "world_seed": world_seed, "turns": world.pages + 3, **meta})
+
+    def sample_prompts(self, step: int, num_groups: int, seed: int, *, split: str = "train") -> list[TaskInstance]:
+        if split not in _SPLITS:
+            raise ValueError(f"split must be one of {sorted(_SPLITS)}, got {split!r}")
+        out = []
+        for g in range(num_groups):
+            ws = _mix(seed, _SPLITS[split], step, g)
+            while (_mix(ws) % self.heldout_mod == 0) != (split == "eval"):
+                ws = _mix(ws, 1)
+            out.append(self.instance(ws, step=step, group=g, split=split))
+        return out
+
+    def make_environment(self, sandbox=None, *, delay_fn=None) -> Any:
+        """The episodes' environment: the sandboxed tools, ``delay_fn(trajectory, turn)`` (the latency profile) as
+        each call's real wait, the answer verifier."""
+        from megatron_tsync.rollout.envs.log_search import LogSearchEnv
+
+        return LogSearchEnv(sandbox, verifier=self.verifier, verifier_kwargs=self.verifier_kwargs, delay_fn=delay_fn)
+
+    def demonstration_segments(self, inst: TaskInstance) -> list[tuple[str, bool]]:
+        from megatron_tsync.rollout.envs.log_search import demonstration_segments
+
+        return demonstration_segments(inst.prompt_text, inst.meta["world"])
+
+    def demonstration(self, inst: TaskInstance) -> str:
+        return "".join(text for text, _ in self.demonstration_segments(inst))

@@ -50,6 +50,18 @@ def test_task_args_leave_the_run_keys_to_the_tool():
     assert not {"--save", "--rl-mode", "--train-iters", "--model", "--init-tiny-model"} & set(args)
 
 
+def test_task_picks_the_recipe(capsys):
+    assert bl.parse([]).config == bl.CONFIG
+    a = bl.parse(["--task", "log-search"])
+    assert a.config == bl.TASKS["log-search"] and a.config != bl.CONFIG
+    args, quick = bl.task_args(a.config), bl.task_args(bl.CONFIG)
+    assert args[args.index("--task") + 1] == "megatron_tsync.runtime.env_tasks:log-search"
+    assert args[args.index("--seq-length") + 1] != quick[quick.index("--seq-length") + 1]
+    with pytest.raises(SystemExit):
+        bl.parse(["--task", "log-search", "--config", bl.CONFIG])
+    assert "give one" in capsys.readouterr().err
+
+
 def test_cpu_flags():
     assert bl.cpu_flags("none") == [] and bl.cpu_flags("0:1") == ["--trainer-cpus", "0", "--rollout-cpus", "1"]
     cores = sorted(os.sched_getaffinity(0))
