@@ -1,13 +1,15 @@
 """GLM-4.7-Flash-style worker (tests/model/test_glm4_moe_lite.py; torchrun with 2 gloo processes).
 
-For each layout (TP=2, then EP=2): load the HF weights in float64 into a Megatron GPTModel, export them back with
+For each layout (TP=2, then EP=2, then PP=2 with each ``--pp-hf`` model: four layers, so that two a stage, the
+first ``first_k_dense_replace`` of them dense, the dense/MoE boundary inside stage 0 or at the stage boundary): load the HF weights in float64 into a Megatron GPTModel, export them back with
 ``megatron_to_hf`` (bitwise per tensor) and compare Megatron's float64 logits (vocab shards gathered) with
 transformers' float64 logits (``_glm_reference``) on the same (B, S) input. Rank 0 writes a JSON report.
 
 ``--stream-out PATH``: at each layout, also the float64 streaming cases of tests/training/_workers/moe_ep_worker.py
 (``STREAM_CASES``, the same modes that worker runs at that layout: EP = 2 is its ``ep2``, TP = 2 its ``tp2``), so
 one launch serves the logits test and the streaming test. Rank 0 torch.saves {"grads": {layout: {case: {mode: hf
-name → tensor}}}, "idle": {layout: {case: idle microbatches}}}.
+name → tensor}}}, "idle": {layout: {case: idle microbatches}}}; a PP model's layout is "pp2-dense<k>" and runs
+``PP_STREAM_CASES``.
 """
 
 import argparse
@@ -16,7 +18,8 @@ import os
 import sys
 
 STREAM_CASES = ("grpo-bounded-trainer", "rloo-binary-engine", "det-rloo-binary-engine")
-LAYOUT_NAMES = {(1, 1, 1): "single", (2, 1, 1): "tp2", (1, 1, 2): "ep2"}
+PP_STREAM_CASES = ("grpo-bounded-trainer", "rloo-binary-engine")
+LAYOUT_NAMES = {(1, 1, 1): "single", (2, 1, 1): "tp2", (1, 1, 2): "ep2", (1, 2, 1): "pp2"}
 
 
 def _moe_ep_worker():
@@ -33,13 +36,13 @@ def _moe_ep_worker():
     return mod
 
 
-def stream_grads(model_dir, dims, layout, *, sync_only=False):
+def stream_grads(model_dir, dims, layout, *, sync_only=False, cases=STREAM_CASES):
     """moe_ep_worker's cases STREAM_CASES at ``layout`` (its name there), each in the modes that worker's main()
     runs at that layout (``sync_only``: the sync gradient alone, the one-process reference). Returns
     ({case: {mode: {hf name: tensor}}}, {case: idle microbatches})."""
     w = _moe_ep_worker()
     grads, idle = {}, {}
-    for name in STREAM_CASES:
+    for name in cases:
         case = w.CASES.get(name) or w.EP_CASES[name]
         if name in w.CASES:
             modes = range(len(w.MODES)) if layout in ("single", "ep2") else (0, 1, 3)
@@ -60,6 +63,7 @@ def main():
     p.add_argument("--hf", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--layouts", default="2:1:1,1:1:2", help="comma-separated tp:pp:ep")
+    p.add_argument("--pp-hf", default="", help="comma-separated HF folders (4 layers) run at PP = 2 after the layouts")
     p.add_argument("--stream-out", help="also run the streaming cases at each layout; torch.save them here")
     a = p.parse_args()
 
@@ -67,6 +71,7 @@ def main():
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from _glm_reference import float64_transformers, hf64
+    from _qwen35_worker import _logits  # PP: the first stage sends its hidden states to the second
 
     from megatron_tsync.model.builder import PrecisionConfig, build_model
     from megatron_tsync.model.hf_conversion import load_hf_dir, load_hf_into_model, megatron_to_hf
@@ -74,14 +79,17 @@ def main():
     from megatron_tsync.model.parallel import destroy_parallel, initialize_parallel, launcher_env
 
     _, world, _ = launcher_env()
-    arch, state = load_hf_dir(a.hf)
-    state = {k: v if k.endswith("e_score_correction_bias") else v.double() for k, v in state.items()}
-    ids = torch.randint(0, arch.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))  # (B, S)
-    with float64_transformers(), torch.no_grad():
-        ref = hf64(a.hf)(ids).logits  # (B, S, V)
-    results, stream = [], {"grads": {}, "idle": {}}
-    for spec in a.layouts.split(","):
-        tp, pp, ep = (int(x) for x in spec.split(":"))
+    runs = [(a.hf, tuple(int(x) for x in spec.split(":"))) for spec in a.layouts.split(",")]
+    runs += [(d, (1, 2, 1)) for d in a.pp_hf.split(",") if d]
+    results, stream, refs = [], {"grads": {}, "idle": {}}, {}
+    for hf_dir, (tp, pp, ep) in runs:
+        arch, state = load_hf_dir(hf_dir)
+        state = {k: v if k.endswith("e_score_correction_bias") else v.double() for k, v in state.items()}
+        ids = torch.randint(0, arch.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))  # (B, S)
+        if hf_dir not in refs:
+            with float64_transformers(), torch.no_grad():
+                refs[hf_dir] = hf64(hf_dir)(ids).logits  # (B, S, V)
+        ref = refs[hf_dir]
         dims = initialize_parallel(tp, pp, ep=ep, seed=1234)
         model = build_model(arch, PrecisionConfig(params_dtype=torch.float64), seed=99)
         load_hf_into_model(model, state)
@@ -89,22 +97,27 @@ def main():
         mismatched = [k for k in state if k not in back or not torch.equal(back[k], state[k])]
         model.eval()
         with torch.no_grad():
-            mine = gather_vocab_parallel_logits(model_logits(model, ids))  # (B, S, V)
-        r = {"tp": tp, "pp": pp, "ep": ep, "same_keys": sorted(back) == sorted(state), "mismatched": mismatched,
-             "local_experts": len(model.decoder.layers[1].mlp.experts.local_experts),
+            mine = (gather_vocab_parallel_logits(model_logits(model, ids)) if pp == 1
+                    else _logits(model, ids, dims, pp))  # (B, S, V); None on a first pipeline stage
+        moe_layers = [layer for layer in model.decoder.layers if hasattr(layer.mlp, "experts")]
+        r = {"tp": tp, "pp": pp, "ep": ep, "dense": arch.moe_first_k_dense, "same_keys": sorted(back) == sorted(state),
+             "mismatched": mismatched, "local_experts": max(len(m.mlp.experts.local_experts) for m in moe_layers)
+             if moe_layers else 0, "stage_layers": [int(hasattr(m.mlp, "experts")) for m in model.decoder.layers],
              "sequence_parallel": bool(model.config.sequence_parallel),
-             "rel_logit_diff": ((mine - ref).abs().max() / ref.abs().max()).item()}
+             "rel_logit_diff": 0.0 if mine is None else ((mine - ref).abs().max() / ref.abs().max()).item()}
         gathered = [None] * world
         torch.distributed.all_gather_object(gathered, r)
         results.append({**r, "rel_logit_diff": max(x["rel_logit_diff"] for x in gathered),
                         "mismatched": sorted({k for x in gathered for k in x["mismatched"]}),
-                        "same_keys": all(x["same_keys"] for x in gathered)})
+                        "same_keys": all(x["same_keys"] for x in gathered),
+                        "stage_layers": [x["stage_layers"] for x in gathered]})
         if dims.rank == 0:
             print(json.dumps(results[-1]), flush=True)
         del model, back
         if a.stream_out:
             name = LAYOUT_NAMES[(tp, pp, ep)]
-            stream["grads"][name], stream["idle"][name] = stream_grads(a.hf, dims, name)
+            key, cases = (name, STREAM_CASES) if pp == 1 else (f"pp2-dense{arch.moe_first_k_dense}", PP_STREAM_CASES)
+            stream["grads"][key], stream["idle"][key] = stream_grads(hf_dir, dims, name, cases=cases)
     if dims.rank == 0:
         with open(a.out, "w") as f:
             json.dump(results, f, indent=1)

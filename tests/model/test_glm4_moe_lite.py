@@ -376,12 +376,27 @@ def test_float64_stream_equals_sync(glm_ddp, estimator, reward, old, terms):
                for a, layer in zip(bias, ddp.module.decoder.layers[1:]))
 
 
-# ---------------------------------------------------------------------------------------------- TP = 2, EP = 2
+# ---------------------------------------------------------------------------------------------- TP = 2, EP = 2, PP = 2
 @pytest.fixture(scope="module")
-def glm_two_procs(tiny_glm, tmp_path_factory, request):
-    """One launch of _glm_worker.py (two gloo processes, TP = 2 then EP = 2) for both tests below: the float64
-    logits and round trip at each layout, and (when the streaming test is selected) the streaming cases of
-    tests/training/_workers/moe_ep_worker.py at each layout. Returns (logits report, streaming results or None)."""
+def glm_pp_dirs(tmp_path_factory):
+    """Two 4-layer tiny GLMs for PP = 2 (two layers a stage): the first layer dense (the dense/MoE boundary inside
+    stage 0) and the first two dense (the boundary at the stage boundary). {first_k_dense: folder}."""
+    from megatron_tsync.model.tiny_model import make_tiny_model
+
+    d = tmp_path_factory.mktemp("glm_pp")
+    return {k: make_tiny_model(str(d / f"dense{k}"), family="glm4-moe-lite", layers=4, seed=3 + k,
+                               mla=dict(first_k_dense=k)) for k in (1, 2)}
+
+
+_STREAM_TESTS = ("test_streaming_ep2_tp2_equal_one_process", "test_streaming_pp2_equal_one_process")
+
+
+@pytest.fixture(scope="module")
+def glm_two_procs(tiny_glm, glm_pp_dirs, tmp_path_factory, request):
+    """One launch of _glm_worker.py (two gloo processes: TP = 2, EP = 2, then PP = 2 with each of ``glm_pp_dirs``)
+    for the tests below: the float64 logits and round trip at each layout, and (when a streaming test is selected)
+    the streaming cases of tests/training/_workers/moe_ep_worker.py at each layout. Returns (logits report,
+    streaming results or None)."""
     import importlib.util
 
     from ..training._launch import selected_params
@@ -392,11 +407,10 @@ def glm_two_procs(tiny_glm, tmp_path_factory, request):
     spec.loader.exec_module(common)
     d = tmp_path_factory.mktemp("glm_two_procs")
     out, stream_out = str(d / "rep.json"), str(d / "stream.pt")
-    stream = bool(selected_params(request, lambda item: item.name == "test_streaming_ep2_tp2_equal_one_process"
-                                  or None))
+    stream = bool(selected_params(request, lambda item: item.name in _STREAM_TESTS or None))
     worker = os.path.join(os.path.dirname(__file__), "_glm_worker.py")
-    rc, log, _ = common.run_isolated([worker, "--hf", tiny_glm, "--out", out,
-                                      *(["--stream-out", stream_out] if stream else [])], nproc=2, timeout=600)
+    rc, log, _ = common.run_isolated([worker, "--hf", tiny_glm, "--out", out, "--pp-hf", ",".join(
+        glm_pp_dirs.values()), *(["--stream-out", stream_out] if stream else [])], nproc=2, timeout=600)
     assert rc == 0, log[-4000:]
     with open(out) as f:
         rep = json.load(f)
@@ -408,7 +422,7 @@ def test_float64_logits_tp2_ep2(glm_two_procs):
     """Two gloo processes: TP=2 (sequence parallel, as megatron's MoE layer needs), then EP=2 (8 experts a rank):
     float64 logits equal transformers' ≤ 1e-12 relative, and the round trip through the sharded model is
     bit-identical."""
-    rep = glm_two_procs[0]
+    rep = [r for r in glm_two_procs[0] if r["pp"] == 1]
     assert {(r["tp"], r["ep"]) for r in rep} == {(2, 1), (1, 2)}
     for r in rep:
         print(f"glm4_moe_lite tp={r['tp']} ep={r['ep']}: float64 logits rel diff {r['rel_logit_diff']:.3g}")
@@ -416,6 +430,20 @@ def test_float64_logits_tp2_ep2(glm_two_procs):
         assert r["rel_logit_diff"] <= TOL, r
     assert {r["ep"]: r["local_experts"] for r in rep}[2] == 8
     assert {r["tp"]: r["sequence_parallel"] for r in rep}[2]
+
+
+@pytest.mark.slow
+def test_float64_logits_pp2_dense_boundary(glm_two_procs):
+    """PP = 2 (two gloo processes, the first stage's hidden states sent to the second) with 4-layer models whose
+    dense/MoE boundary falls inside stage 0 (first_k_dense 1) and at the stage boundary (2): float64 logits =
+    transformers' ≤ 1e-12 relative, the round trip through the stages bit-identical, each stage holds the MoE
+    layers the split says."""
+    rep = {r["dense"]: r for r in glm_two_procs[0] if r["pp"] == 2}
+    assert sorted(rep) == [1, 2]
+    for k, r in rep.items():
+        print(f"glm4_moe_lite pp=2 first_k_dense={k}: float64 logits rel diff {r['rel_logit_diff']:.3g}")
+        assert r["same_keys"] and not r["mismatched"] and r["rel_logit_diff"] <= TOL, r
+    assert rep[1]["stage_layers"] == [[0, 1], [1, 1]] and rep[2]["stage_layers"] == [[0, 0], [1, 1]]
 
 
 # ---------------------------------------------------------------------------------------------- router replay
@@ -470,6 +498,30 @@ def test_streaming_ep2_tp2_equal_one_process(tiny_glm, glm_two_procs, megatron_s
         for case, modes in got["grads"][layout].items():
             ref = one[case]["sync"]
             assert all(ref[k].abs().max() > 0 for k in ref if ".experts." in k)
+            for mode, g in modes.items():
+                r = rel_error(g, ref)
+                print(f"glm4_moe_lite {layout} {case} {mode}: vs one process {r:.2g}")
+                assert r < TOL, (layout, case, mode, r)
+
+
+@pytest.mark.slow
+def test_streaming_pp2_equal_one_process(glm_pp_dirs, glm_two_procs, megatron_single):
+    """PP = 2 with both 4-layer models (dense/MoE boundary inside stage 0 and at the stage boundary), in the launch
+    of ``glm_two_procs``: GRPO (π_old from the trainer) and RLOO with a dual clip (π_old from the engine), float64,
+    sync / stream-trajectory / stream-group gradients through megatron's pipeline schedule ≤ 1e-12 from one
+    process's sync gradient (computed in this process); every expert gets gradient."""
+    from ..training.stream_cases import rel_error
+    from ._glm_worker import PP_STREAM_CASES, stream_grads
+
+    got = glm_two_procs[1]
+    for k, path in glm_pp_dirs.items():
+        one, _ = stream_grads(path, megatron_single, "single", sync_only=True, cases=PP_STREAM_CASES)
+        layout = f"pp2-dense{k}"
+        assert set(got["grads"][layout]) == set(one)
+        for case, modes in got["grads"][layout].items():
+            ref = one[case]["sync"]
+            assert all(ref[n].abs().max() > 0 for n in ref if ".experts." in n)
+            assert set(modes) == {"sync", "stream-trajectory", "stream-group"}
             for mode, g in modes.items():
                 r = rel_error(g, ref)
                 print(f"glm4_moe_lite {layout} {case} {mode}: vs one process {r:.2g}")
