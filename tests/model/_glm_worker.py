@@ -19,15 +19,17 @@ import sys
 
 STREAM_CASES = ("grpo-bounded-trainer", "rloo-binary-engine", "det-rloo-binary-engine")
 PP_STREAM_CASES = ("grpo-bounded-trainer", "rloo-binary-engine")
+OPD_CASES = ("token-mean", "replay")  # moe_ep_opd_worker's: plain OPD, and with router replay
+OPD_MODES = ("sync", "stream-turn")
 LAYOUT_NAMES = {(1, 1, 1): "single", (2, 1, 1): "tp2", (1, 1, 2): "ep2", (1, 2, 1): "pp2"}
 
 
-def _moe_ep_worker():
+def _moe_ep_worker(name="moe_ep_worker"):
     import importlib.util
     import warnings
 
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "training", "_workers", "moe_ep_worker.py")
-    spec = importlib.util.spec_from_file_location("_tsync_moe_ep_worker", path)
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "training", "_workers", name + ".py")
+    spec = importlib.util.spec_from_file_location("_tsync_" + name, path)
     mod = importlib.util.module_from_spec(spec)
     saved = list(sys.path)
     with warnings.catch_warnings():
@@ -58,6 +60,43 @@ def stream_grads(model_dir, dims, layout, *, sync_only=False, cases=STREAM_CASES
     return grads, idle
 
 
+def opd_worker():
+    """tests/training/_workers/moe_ep_opd_worker.py with the cases OPD_CASES in OPD_MODES (GLM's tiny model)."""
+    w = _moe_ep_worker("moe_ep_opd_worker")
+    w.CASES = {k: (kw, OPD_MODES, replay) for k, (kw, _, replay) in w.CASES.items() if k in OPD_CASES}
+    w.TP_MODES = dict.fromkeys(OPD_CASES, OPD_MODES)
+    return w
+
+
+def opd_layouts(glm_dir: str, pp_dir: str) -> dict:
+    """OPD (moe_ep_opd_worker's run) with the tiny GLM student: EP = 2 (each rank its own turn order, lanes of
+    matched turn forwards) and TP = 2 (sequence parallel; a GLM teacher scoring too) with ``glm_dir``, then PP = 2
+    with ``pp_dir``. {layout: {"grads": {case: {mode: hf grads}}, "replay": {mode: [checked, differing]},
+    "teacher": ... (EP/TP)}}."""
+    import torch
+
+    from megatron_tsync.model.hf_conversion import load_hf_dir
+    from megatron_tsync.model.parallel import initialize_parallel
+
+    w = opd_worker()
+    out = {"ep2": w.run_layout(glm_dir, 1, 1), "tp2": w.run_layout(glm_dir, 2, 1)}
+    dims = initialize_parallel(1, 2)
+    arch, _ = load_hf_dir(pp_dir)
+    S, E = w.trajectories(arch)
+    pp = {"grads": {}, "replay": {}}
+    for case, (_, modes, replay) in w.CASES.items():
+        pp["grads"][case] = {}
+        for mode in modes:
+            check = [0, 0] if replay and mode == "stream-turn" else None
+            pp["grads"][case][mode], _ = w.run(pp_dir, case, mode, S, E, check=check, pp_group=dims.pp_group())
+            if check is not None:
+                both = [None] * dims.world_size
+                torch.distributed.all_gather_object(both, check)
+                pp["replay"][mode] = [sum(b[i] for b in both) for i in range(2)]
+    out["pp2"] = pp
+    return out
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--hf", required=True)
@@ -65,6 +104,7 @@ def main():
     p.add_argument("--layouts", default="2:1:1,1:1:2", help="comma-separated tp:pp:ep")
     p.add_argument("--pp-hf", default="", help="comma-separated HF folders (4 layers) run at PP = 2 after the layouts")
     p.add_argument("--stream-out", help="also run the streaming cases at each layout; torch.save them here")
+    p.add_argument("--opd-out", help="also OPD at EP = 2, TP = 2 and PP = 2 (the first --pp-hf); torch.save it here")
     a = p.parse_args()
 
     import torch
@@ -118,7 +158,10 @@ def main():
             name = LAYOUT_NAMES[(tp, pp, ep)]
             key, cases = (name, STREAM_CASES) if pp == 1 else (f"pp2-dense{arch.moe_first_k_dense}", PP_STREAM_CASES)
             stream["grads"][key], stream["idle"][key] = stream_grads(hf_dir, dims, name, cases=cases)
+    opd = opd_layouts(a.hf, a.pp_hf.split(",")[0]) if a.opd_out else None
     if dims.rank == 0:
+        if opd is not None:
+            torch.save(opd, a.opd_out)
         with open(a.out, "w") as f:
             json.dump(results, f, indent=1)
         if a.stream_out:

@@ -389,14 +389,15 @@ def glm_pp_dirs(tmp_path_factory):
 
 
 _STREAM_TESTS = ("test_streaming_ep2_tp2_equal_one_process", "test_streaming_pp2_equal_one_process")
+_OPD_TEST = "test_opd_ep2_tp2_pp2_equal_one_process"
 
 
 @pytest.fixture(scope="module")
 def glm_two_procs(tiny_glm, glm_pp_dirs, tmp_path_factory, request):
     """One launch of _glm_worker.py (two gloo processes: TP = 2, EP = 2, then PP = 2 with each of ``glm_pp_dirs``)
-    for the tests below: the float64 logits and round trip at each layout, and (when a streaming test is selected)
-    the streaming cases of tests/training/_workers/moe_ep_worker.py at each layout. Returns (logits report,
-    streaming results or None)."""
+    for the tests below: the float64 logits and round trip at each layout, (when a streaming test is selected) the
+    streaming cases of tests/training/_workers/moe_ep_worker.py at each layout, and (when the OPD test is) OPD at
+    each layout. Returns (logits report, streaming results or None, OPD results or None)."""
     import importlib.util
 
     from ..training._launch import selected_params
@@ -406,15 +407,17 @@ def glm_two_procs(tiny_glm, glm_pp_dirs, tmp_path_factory, request):
     common = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(common)
     d = tmp_path_factory.mktemp("glm_two_procs")
-    out, stream_out = str(d / "rep.json"), str(d / "stream.pt")
+    out, stream_out, opd_out = str(d / "rep.json"), str(d / "stream.pt"), str(d / "opd.pt")
     stream = bool(selected_params(request, lambda item: item.name in _STREAM_TESTS or None))
+    opd = bool(selected_params(request, lambda item: item.name == _OPD_TEST or None))
     worker = os.path.join(os.path.dirname(__file__), "_glm_worker.py")
     rc, log, _ = common.run_isolated([worker, "--hf", tiny_glm, "--out", out, "--pp-hf", ",".join(
-        glm_pp_dirs.values()), *(["--stream-out", stream_out] if stream else [])], nproc=2, timeout=600)
+        glm_pp_dirs.values()), *(["--stream-out", stream_out] if stream else []),
+        *(["--opd-out", opd_out] if opd else [])], nproc=2, timeout=600)
     assert rc == 0, log[-4000:]
     with open(out) as f:
         rep = json.load(f)
-    return rep, (torch.load(stream_out) if stream else None)
+    return rep, (torch.load(stream_out) if stream else None), (torch.load(opd_out) if opd else None)
 
 
 @pytest.mark.slow
@@ -526,6 +529,39 @@ def test_streaming_pp2_equal_one_process(glm_pp_dirs, glm_two_procs, megatron_si
                 r = rel_error(g, ref)
                 print(f"glm4_moe_lite {layout} {case} {mode}: vs one process {r:.2g}")
                 assert r < TOL, (layout, case, mode, r)
+
+
+@pytest.mark.slow
+def test_opd_ep2_tp2_pp2_equal_one_process(tiny_glm, glm_pp_dirs, glm_two_procs, megatron_single):
+    """OPD with a tiny GLM student (tests/training/_workers/moe_ep_opd_worker.py's run, in the launch of
+    ``glm_two_procs``): token-mean, and with router replay of recorded (random) experts, in sync and stream-turn
+    (the KV-kept turn forward through MLA) at EP = 2 (each rank its own turn order, lanes of matched forwards),
+    TP = 2 (sequence parallel) and PP = 2 (the per-chunk p2p path; the 4-layer model) — every gradient ≤ 1e-12 from
+    one process's sync gradient; replay routes every computed (token, MoE layer) as recorded and changes the
+    gradient (control); a GLM teacher at EP = 2 and TP = 2 scores as one process."""
+    from ..training.stream_cases import rel_error
+    from ._glm_worker import OPD_CASES, opd_worker
+
+    got, w = glm_two_procs[2], opd_worker()
+    for layout, path in (("ep2", tiny_glm), ("tp2", tiny_glm), ("pp2", glm_pp_dirs[1])):
+        arch, _ = hc.load_hf_dir(path)
+        S, E = w.trajectories(arch)
+        ref = {case: w.run(path, case, "sync", S, E)[0] for case in OPD_CASES}
+        assert rel_error(ref["replay"], ref["token-mean"]) > 1e-3  # the recorded experts are not the model's own
+        for case in OPD_CASES:
+            assert set(got[layout]["grads"][case]) == {"sync", "stream-turn"}
+            for mode, g in got[layout]["grads"][case].items():
+                r = rel_error(g, ref[case])
+                print(f"glm4_moe_lite OPD {layout} {case} {mode}: vs one process {r:.2g}")
+                assert r < TOL, (layout, case, mode, r)
+        checked, differ = got[layout]["replay"]["stream-turn"]
+        moe_layers = arch.num_layers - arch.moe_first_k_dense
+        assert checked == sum(s.routing.shape[0] for s in S) * moe_layers and differ == 0, (checked, differ)
+        if layout != "pp2":
+            teacher = w.teacher_scores(path, S, E)
+            worst = max((got[layout]["teacher"][k] - v).abs().max().item() for k, v in teacher.items())
+            assert worst <= TOL, (layout, worst)
+    assert sum(sum(v) for v in got["ep2"]["idle"]["token-mean"].values()) > 0  # the ranks' turn orders differed
 
 
 @pytest.mark.parametrize("flag", ["sequence_packing", "shared_prefix"])
