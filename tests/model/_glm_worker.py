@@ -19,8 +19,9 @@ import sys
 
 STREAM_CASES = ("grpo-bounded-trainer", "rloo-binary-engine", "det-rloo-binary-engine")
 PP_STREAM_CASES = ("grpo-bounded-trainer", "rloo-binary-engine")
-OPD_CASES = ("token-mean", "replay")  # moe_ep_opd_worker's: plain OPD, and with router replay
-OPD_MODES = ("sync", "stream-turn")
+KL_CASE = "kl-loss-grpo-by-group"  # moe_ep_worker's: a KL loss against a reference model (the other 4-layer GLM)
+OPD_MODES = {"token-mean": ("sync", "stream-turn"), "replay": ("stream-turn",)}  # moe_ep_opd_worker's cases
+OPD_CASES = tuple(OPD_MODES)
 LAYOUT_NAMES = {(1, 1, 1): "single", (2, 1, 1): "tp2", (1, 1, 2): "ep2", (1, 2, 1): "pp2"}
 
 
@@ -38,7 +39,7 @@ def _moe_ep_worker(name="moe_ep_worker"):
     return mod
 
 
-def stream_grads(model_dir, dims, layout, *, sync_only=False, cases=STREAM_CASES):
+def stream_grads(model_dir, dims, layout, *, sync_only=False, cases=STREAM_CASES, ref_dir=None):
     """moe_ep_worker's cases STREAM_CASES at ``layout`` (its name there), each in the modes that worker's main()
     runs at that layout (``sync_only``: the sync gradient alone, the one-process reference). Returns
     ({case: {mode: {hf name: tensor}}}, {case: idle microbatches})."""
@@ -54,17 +55,33 @@ def stream_grads(model_dir, dims, layout, *, sync_only=False, cases=STREAM_CASES
             modes = (0,)
         grads[name], idle[name] = {}, 0
         for mode, seed in (w.MODES[i] for i in modes):
-            g, _, n, _, _ = w.run_case(model_dir, dims, case, mode, seed)
+            g, _, n, _, _ = w.run_case(model_dir, dims, case, mode, seed, ref_dir=ref_dir)
             grads[name][mode] = g
             idle[name] += n
     return grads, idle
 
 
+def extra(stream, key, hf_dir, dims, name, ref_dir):
+    """The cells beyond STREAM_CASES, into ``stream``: "kl" (KL_CASE against ``ref_dir``), "replay"
+    (tests/training/_workers/moe_tp_pp_worker.py's ``replay`` case: GRPO replaying recorded random experts, sync
+    and stream-trajectory; "agree": [same, differ] (position, MoE layer) pairs) and, at pp2-dense1, "det"
+    (--deterministic at PP). Nothing at pp2-dense2 (its own model is the KL reference)."""
+    if key == "pp2-dense2":
+        return
+    grads, _ = stream_grads(hf_dir, dims, name, cases=(KL_CASE,), ref_dir=ref_dir)
+    stream.setdefault("kl", {})[key] = grads[KL_CASE]
+    if key == "pp2-dense1":
+        stream.setdefault("det", {})[key] = stream_grads(hf_dir, dims, name, cases=("det-rloo-binary-engine",))[0]
+    w = _moe_ep_worker("moe_tp_pp_worker")
+    rep = w.run_layout(hf_dir, dims, ["replay"])
+    stream.setdefault("replay", {})[key] = {"grads": rep["grads"]["replay"], "agree": rep["agree"]["replay"]}
+
+
 def opd_worker():
-    """tests/training/_workers/moe_ep_opd_worker.py with the cases OPD_CASES in OPD_MODES (GLM's tiny model)."""
+    """tests/training/_workers/moe_ep_opd_worker.py with the cases of OPD_MODES in their modes (GLM's tiny model)."""
     w = _moe_ep_worker("moe_ep_opd_worker")
-    w.CASES = {k: (kw, OPD_MODES, replay) for k, (kw, _, replay) in w.CASES.items() if k in OPD_CASES}
-    w.TP_MODES = dict.fromkeys(OPD_CASES, OPD_MODES)
+    w.CASES = {k: (kw, OPD_MODES[k], replay) for k, (kw, _, replay) in w.CASES.items() if k in OPD_MODES}
+    w.TP_MODES = dict(OPD_MODES)
     return w
 
 
@@ -156,8 +173,10 @@ def main():
         del model, back
         if a.stream_out:
             name = LAYOUT_NAMES[(tp, pp, ep)]
-            key, cases = (name, STREAM_CASES) if pp == 1 else (f"pp2-dense{arch.moe_first_k_dense}", PP_STREAM_CASES)
+            key = name if pp == 1 else f"pp2-dense{arch.moe_first_k_dense}"
+            cases = STREAM_CASES if pp == 1 else PP_STREAM_CASES[:2 if key == "pp2-dense1" else 1]
             stream["grads"][key], stream["idle"][key] = stream_grads(hf_dir, dims, name, cases=cases)
+            extra(stream, key, hf_dir, dims, name, a.pp_hf.split(",")[-1])
     opd = opd_layouts(a.hf, a.pp_hf.split(",")[0]) if a.opd_out else None
     if dims.rank == 0:
         if opd is not None:

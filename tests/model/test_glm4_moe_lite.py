@@ -388,7 +388,8 @@ def glm_pp_dirs(tmp_path_factory):
                                mla=dict(first_k_dense=k)) for k in (1, 2)}
 
 
-_STREAM_TESTS = ("test_streaming_ep2_tp2_equal_one_process", "test_streaming_pp2_equal_one_process")
+_STREAM_TESTS = ("test_streaming_ep2_tp2_equal_one_process", "test_streaming_pp2_equal_one_process",
+                 "test_kl_replay_deterministic_at_layouts")
 _OPD_TEST = "test_opd_ep2_tp2_pp2_equal_one_process"
 
 
@@ -510,7 +511,8 @@ def test_streaming_ep2_tp2_equal_one_process(tiny_glm, glm_two_procs, megatron_s
 @pytest.mark.slow
 def test_streaming_pp2_equal_one_process(glm_pp_dirs, glm_two_procs, megatron_single):
     """PP = 2 with both 4-layer models (dense/MoE boundary inside stage 0 and at the stage boundary), in the launch
-    of ``glm_two_procs``: GRPO (π_old from the trainer) and RLOO with a dual clip (π_old from the engine), float64,
+    of ``glm_two_procs``: GRPO (π_old from the trainer; both) and RLOO with a dual clip (π_old from the engine; the
+    boundary inside stage 0), float64,
     sync / stream-trajectory / stream-group gradients through megatron's pipeline schedule ≤ 1e-12 from one
     process's sync gradient (computed in this process); every expert gets gradient."""
     from ..training.stream_cases import rel_error
@@ -518,8 +520,8 @@ def test_streaming_pp2_equal_one_process(glm_pp_dirs, glm_two_procs, megatron_si
 
     got = glm_two_procs[1]
     for k, path in glm_pp_dirs.items():
-        one, _ = stream_grads(path, megatron_single, "single", sync_only=True, cases=PP_STREAM_CASES)
         layout = f"pp2-dense{k}"
+        one, _ = stream_grads(path, megatron_single, "single", sync_only=True, cases=PP_STREAM_CASES[:3 - k])
         assert set(got["grads"][layout]) == set(one)
         for case, modes in got["grads"][layout].items():
             ref = one[case]["sync"]
@@ -532,15 +534,58 @@ def test_streaming_pp2_equal_one_process(glm_pp_dirs, glm_two_procs, megatron_si
 
 
 @pytest.mark.slow
+def test_kl_replay_deterministic_at_layouts(tiny_glm, glm_pp_dirs, glm_two_procs, megatron_single):
+    """In the launch of ``glm_two_procs``, each against one process's sync gradient (this process) ≤ 1e-12: a KL
+    loss against a reference model (the other 4-layer GLM; moe_ep_worker's ``kl-loss-grpo-by-group``,
+    stream-trajectory) at EP = 2, TP = 2 and PP = 2; GRPO replaying recorded random experts (moe_tp_pp_worker's
+    ``replay``, sync and stream-trajectory) at the same layouts, every engine-computed (position, MoE layer) routed
+    as given, the gradient ≠ without replay (control); ``--deterministic`` RLOO at PP = 2 (sync, two streamed
+    orders) bitwise equal across modes."""
+    import importlib.util
+
+    from ..training.stream_cases import rel_error
+    from ._glm_worker import KL_CASE, stream_grads
+
+    spec = importlib.util.spec_from_file_location("_glm_tp_pp", os.path.join(
+        os.path.dirname(__file__), "..", "training", "_workers", "moe_tp_pp_worker.py"))
+    tp_pp = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tp_pp)
+    got = glm_two_procs[1]
+    policies = {"ep2": tiny_glm, "tp2": tiny_glm, "pp2-dense1": glm_pp_dirs[1]}
+    refs = {}
+    for path in dict.fromkeys(policies.values()):
+        kl, _ = stream_grads(path, megatron_single, "single", sync_only=True, cases=(KL_CASE,),
+                             ref_dir=glm_pp_dirs[2])
+        one = tp_pp.run_layout(path, megatron_single, ["replay", "plain"], modes=tp_pp.MODES[:1])["grads"]
+        assert rel_error(one["replay"]["sync"], one["plain"]["sync"]) > 1e-3  # replay changes the routing
+        refs[path] = {"kl": kl[KL_CASE]["sync"], "replay": one["replay"]["sync"]}
+    for layout, path in policies.items():
+        for what, modes in (("kl", got["kl"][layout]), ("replay", got["replay"][layout]["grads"])):
+            assert modes and set(modes) <= {"sync", "stream-trajectory"}
+            for mode, g in modes.items():
+                r = rel_error(g, refs[path][what])
+                print(f"glm4_moe_lite {layout} {what} {mode}: vs one process {r:.2g}")
+                assert r < TOL, (layout, what, mode, r)
+        same, differ = got["replay"][layout]["agree"]
+        assert same > 0 and differ == 0, (layout, same, differ)
+    det = got["det"]["pp2-dense1"]["det-rloo-binary-engine"]
+    ref = stream_grads(glm_pp_dirs[1], megatron_single, "single", sync_only=True,
+                       cases=("det-rloo-binary-engine",))[0]["det-rloo-binary-engine"]["sync"]
+    assert len(det) == 3 and all(all(torch.equal(g[k], det["sync"][k]) for k in g) for g in det.values())
+    assert rel_error(det["sync"], ref) < TOL
+
+
+@pytest.mark.slow
 def test_opd_ep2_tp2_pp2_equal_one_process(tiny_glm, glm_pp_dirs, glm_two_procs, megatron_single):
     """OPD with a tiny GLM student (tests/training/_workers/moe_ep_opd_worker.py's run, in the launch of
-    ``glm_two_procs``): token-mean, and with router replay of recorded (random) experts, in sync and stream-turn
+    ``glm_two_procs``): token-mean in sync and stream-turn, and with router replay of recorded (random) experts in
+    stream-turn
     (the KV-kept turn forward through MLA) at EP = 2 (each rank its own turn order, lanes of matched forwards),
     TP = 2 (sequence parallel) and PP = 2 (the per-chunk p2p path; the 4-layer model) — every gradient ≤ 1e-12 from
     one process's sync gradient; replay routes every computed (token, MoE layer) as recorded and changes the
     gradient (control); a GLM teacher at EP = 2 and TP = 2 scores as one process."""
     from ..training.stream_cases import rel_error
-    from ._glm_worker import OPD_CASES, opd_worker
+    from ._glm_worker import OPD_CASES, OPD_MODES, opd_worker
 
     got, w = glm_two_procs[2], opd_worker()
     for layout, path in (("ep2", tiny_glm), ("tp2", tiny_glm), ("pp2", glm_pp_dirs[1])):
@@ -549,7 +594,7 @@ def test_opd_ep2_tp2_pp2_equal_one_process(tiny_glm, glm_pp_dirs, glm_two_procs,
         ref = {case: w.run(path, case, "sync", S, E)[0] for case in OPD_CASES}
         assert rel_error(ref["replay"], ref["token-mean"]) > 1e-3  # the recorded experts are not the model's own
         for case in OPD_CASES:
-            assert set(got[layout]["grads"][case]) == {"sync", "stream-turn"}
+            assert tuple(got[layout]["grads"][case]) == OPD_MODES[case]
             for mode, g in got[layout]["grads"][case].items():
                 r = rel_error(g, ref[case])
                 print(f"glm4_moe_lite OPD {layout} {case} {mode}: vs one process {r:.2g}")
