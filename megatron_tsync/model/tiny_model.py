@@ -188,7 +188,8 @@ def glm4_moe_lite_arch(*, hidden: int = 128, layers: int = 3, heads: int = 4, vo
     experts in 4 groups of which 2 are kept (top-``topk`` = 2·2 inside them), routed scaling 1.8, one shared
     expert, rms_norm_eps 1e-5 (the latent norms keep transformers' 1e-6). ``kv_lora_rank`` / ``qk_rope_head_dim``:
     other latent widths (vLLM's MLA takes only kv_lora_rank + rope = 576, GLM's and DeepSeek's 512 + 64);
-    ``first_k_dense``: how many first layers are dense (``first_k_dense_replace``; where it falls on a pipeline split)."""
+    ``first_k_dense``: how many first layers are dense (``first_k_dense_replace``; where it falls on a pipeline
+    split)."""
     if not 1 <= first_k_dense < layers or experts % 4 or topk != 4:
         raise ValueError("glm4_moe_lite tiny model: 1 ≤ first_k_dense < layers (dense first, then MoE), experts a "
                          "multiple of 4, topk 4 (4 groups, 2 kept: transformers scores a group by its top 2)")

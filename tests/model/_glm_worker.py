@@ -1,15 +1,18 @@
 """GLM-4.7-Flash-style worker (tests/model/test_glm4_moe_lite.py; torchrun with 2 gloo processes).
 
-For each layout (TP=2, then EP=2, then PP=2 with each ``--pp-hf`` model: four layers, so that two a stage, the
-first ``first_k_dense_replace`` of them dense, the dense/MoE boundary inside stage 0 or at the stage boundary): load the HF weights in float64 into a Megatron GPTModel, export them back with
-``megatron_to_hf`` (bitwise per tensor) and compare Megatron's float64 logits (vocab shards gathered) with
+For each layout (TP=2, then EP=2, then PP=2 with each ``--pp-hf`` model: four layers, two a stage, the first
+``first_k_dense_replace`` of them dense, so the dense/MoE boundary falls inside stage 0 or at the stage boundary):
+load the HF weights in float64 into a Megatron GPTModel, export them back with ``megatron_to_hf`` (bitwise per
+tensor) and compare Megatron's float64 logits (vocab shards gathered) with
 transformers' float64 logits (``_glm_reference``) on the same (B, S) input. Rank 0 writes a JSON report.
 
 ``--stream-out PATH``: at each layout, also the float64 streaming cases of tests/training/_workers/moe_ep_worker.py
 (``STREAM_CASES``, the same modes that worker runs at that layout: EP = 2 is its ``ep2``, TP = 2 its ``tp2``), so
 one launch serves the logits test and the streaming test. Rank 0 torch.saves {"grads": {layout: {case: {mode: hf
 name → tensor}}}, "idle": {layout: {case: idle microbatches}}}; a PP model's layout is "pp2-dense<k>" and runs
-``PP_STREAM_CASES``.
+``PP_STREAM_CASES``; "kl", "replay", "det": the cells of :func:`extra`.
+
+``--opd-out PATH``: then OPD at EP = 2, TP = 2 and PP = 2 (:func:`opd_layouts`), torch.saved there.
 """
 
 import argparse
@@ -114,6 +117,49 @@ def opd_layouts(glm_dir: str, pp_dir: str) -> dict:
     return out
 
 
+def logits_and_round_trip(hf_dir, tp, pp, ep, refs):
+    """Initialise the (tp, pp, ep) layout, load ``hf_dir`` in float64, export it back and compare the logits with
+    transformers' (``refs``: a cache of those per folder). Returns (the report row, gathered over ranks, dims)."""
+    import torch
+
+    from _glm_reference import float64_transformers, hf64
+    from _qwen35_worker import _logits  # PP: the first stage sends its hidden states to the second
+
+    from megatron_tsync.model.builder import PrecisionConfig, build_model
+    from megatron_tsync.model.hf_conversion import load_hf_dir, load_hf_into_model, megatron_to_hf
+    from megatron_tsync.model.logprobs import gather_vocab_parallel_logits, model_logits
+    from megatron_tsync.model.parallel import initialize_parallel
+
+    arch, state = load_hf_dir(hf_dir)
+    state = {k: v if k.endswith("e_score_correction_bias") else v.double() for k, v in state.items()}
+    ids = torch.randint(0, arch.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))  # (B, S)
+    if hf_dir not in refs:
+        with float64_transformers(), torch.no_grad():
+            refs[hf_dir] = hf64(hf_dir)(ids).logits  # (B, S, V)
+    ref = refs[hf_dir]
+    dims = initialize_parallel(tp, pp, ep=ep, seed=1234)
+    model = build_model(arch, PrecisionConfig(params_dtype=torch.float64), seed=99)
+    load_hf_into_model(model, state)
+    back = megatron_to_hf(model)
+    mismatched = [k for k in state if k not in back or not torch.equal(back[k], state[k])]
+    model.eval()
+    with torch.no_grad():
+        mine = (gather_vocab_parallel_logits(model_logits(model, ids)) if pp == 1
+                else _logits(model, ids, dims, pp))  # (B, S, V); None on a first pipeline stage
+    moe_layers = [layer for layer in model.decoder.layers if hasattr(layer.mlp, "experts")]
+    r = {"tp": tp, "pp": pp, "ep": ep, "dense": arch.moe_first_k_dense, "same_keys": sorted(back) == sorted(state),
+         "mismatched": mismatched, "local_experts": max(len(m.mlp.experts.local_experts) for m in moe_layers)
+         if moe_layers else 0, "stage_layers": [int(hasattr(m.mlp, "experts")) for m in model.decoder.layers],
+         "sequence_parallel": bool(model.config.sequence_parallel),
+         "rel_logit_diff": 0.0 if mine is None else ((mine - ref).abs().max() / ref.abs().max()).item()}
+    gathered = [None] * dims.world_size
+    torch.distributed.all_gather_object(gathered, r)
+    return {**r, "rel_logit_diff": max(x["rel_logit_diff"] for x in gathered),
+            "mismatched": sorted({k for x in gathered for k in x["mismatched"]}),
+            "same_keys": all(x["same_keys"] for x in gathered),
+            "stage_layers": [x["stage_layers"] for x in gathered]}, dims
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--hf", required=True)
@@ -127,53 +173,19 @@ def main():
     import torch
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from _glm_reference import float64_transformers, hf64
-    from _qwen35_worker import _logits  # PP: the first stage sends its hidden states to the second
+    from megatron_tsync.model.parallel import destroy_parallel
 
-    from megatron_tsync.model.builder import PrecisionConfig, build_model
-    from megatron_tsync.model.hf_conversion import load_hf_dir, load_hf_into_model, megatron_to_hf
-    from megatron_tsync.model.logprobs import gather_vocab_parallel_logits, model_logits
-    from megatron_tsync.model.parallel import destroy_parallel, initialize_parallel, launcher_env
-
-    _, world, _ = launcher_env()
     runs = [(a.hf, tuple(int(x) for x in spec.split(":"))) for spec in a.layouts.split(",")]
     runs += [(d, (1, 2, 1)) for d in a.pp_hf.split(",") if d]
     results, stream, refs = [], {"grads": {}, "idle": {}}, {}
     for hf_dir, (tp, pp, ep) in runs:
-        arch, state = load_hf_dir(hf_dir)
-        state = {k: v if k.endswith("e_score_correction_bias") else v.double() for k, v in state.items()}
-        ids = torch.randint(0, arch.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))  # (B, S)
-        if hf_dir not in refs:
-            with float64_transformers(), torch.no_grad():
-                refs[hf_dir] = hf64(hf_dir)(ids).logits  # (B, S, V)
-        ref = refs[hf_dir]
-        dims = initialize_parallel(tp, pp, ep=ep, seed=1234)
-        model = build_model(arch, PrecisionConfig(params_dtype=torch.float64), seed=99)
-        load_hf_into_model(model, state)
-        back = megatron_to_hf(model)
-        mismatched = [k for k in state if k not in back or not torch.equal(back[k], state[k])]
-        model.eval()
-        with torch.no_grad():
-            mine = (gather_vocab_parallel_logits(model_logits(model, ids)) if pp == 1
-                    else _logits(model, ids, dims, pp))  # (B, S, V); None on a first pipeline stage
-        moe_layers = [layer for layer in model.decoder.layers if hasattr(layer.mlp, "experts")]
-        r = {"tp": tp, "pp": pp, "ep": ep, "dense": arch.moe_first_k_dense, "same_keys": sorted(back) == sorted(state),
-             "mismatched": mismatched, "local_experts": max(len(m.mlp.experts.local_experts) for m in moe_layers)
-             if moe_layers else 0, "stage_layers": [int(hasattr(m.mlp, "experts")) for m in model.decoder.layers],
-             "sequence_parallel": bool(model.config.sequence_parallel),
-             "rel_logit_diff": 0.0 if mine is None else ((mine - ref).abs().max() / ref.abs().max()).item()}
-        gathered = [None] * world
-        torch.distributed.all_gather_object(gathered, r)
-        results.append({**r, "rel_logit_diff": max(x["rel_logit_diff"] for x in gathered),
-                        "mismatched": sorted({k for x in gathered for k in x["mismatched"]}),
-                        "same_keys": all(x["same_keys"] for x in gathered),
-                        "stage_layers": [x["stage_layers"] for x in gathered]})
+        row, dims = logits_and_round_trip(hf_dir, tp, pp, ep, refs)
+        results.append(row)
         if dims.rank == 0:
-            print(json.dumps(results[-1]), flush=True)
-        del model, back
+            print(json.dumps(row), flush=True)
         if a.stream_out:
             name = LAYOUT_NAMES[(tp, pp, ep)]
-            key = name if pp == 1 else f"pp2-dense{arch.moe_first_k_dense}"
+            key = name if pp == 1 else f"pp2-dense{row['dense']}"
             cases = STREAM_CASES if pp == 1 else PP_STREAM_CASES[:2 if key == "pp2-dense1" else 1]
             stream["grads"][key], stream["idle"][key] = stream_grads(hf_dir, dims, name, cases=cases)
             extra(stream, key, hf_dir, dims, name, a.pp_hf.split(",")[-1])

@@ -88,7 +88,7 @@ def test_engine_greedy_equals_trainer_and_records_experts(tiny_glm, trainer64, p
 def test_engine_seeds_and_weight_update(tiny_glm, trainer64, prompts):
     """Sampling (T = 0.8, top-p 0.9) with per-prompt seeds: a prompt's samples are the same alone and in a batch,
     log-probs = the trainer's log softmax(logits / T) ≤ 1e-12. Then a weight update in place (megatron names, every
-    weight moved, the correction bias kept): log-probs = a trainer with the new weights ≤ 1e-12, and ≠ the old ones."""
+    weight moved, the correction bias kept): log-probs = a trainer with the new weights ≤ 1e-12, ≠ the old ones."""
     from megatron_tsync.rollout.embedded_engine import EmbeddedEngine
     from megatron_tsync.rollout.engine import SamplingConfig
 
