@@ -154,3 +154,22 @@ def test_opd_stream_turn_exact(tiny_glm, megatron_single, monkeypatch):
         print(f"glm4_moe_lite OPD {case}: " + ", ".join(f"{m} {r['rel']:.2g}" for m, r in row.items()))
         assert row["stream-trajectory"]["rel"] <= TOL and row["stream-turn"]["rel"] <= TOL, (case, row)
         assert row["cut"]["rel"] > 1e-3, (case, row)
+
+
+def test_runtime_router_replay_takes_glm(tiny_glm):
+    """--moe-router-replay with a GLM folder: pre-flight sees its routed experts (``n_routed_experts``), and the
+    fleet expects routing of its MoE layers only (3 layers, the first dense: 2), top-4 of 16 — what the engine
+    records (test_engine_greedy_equals_trainer_and_records_experts)."""
+    import json
+    from types import SimpleNamespace
+
+    from megatron_tsync.runtime import fleet, preflight
+
+    with open(os.path.join(tiny_glm, "config.json")) as f:
+        hf = json.load(f)
+    cfg = SimpleNamespace(model=SimpleNamespace(moe_router_replay=True, path=tiny_glm),
+                          rollout=SimpleNamespace(engine="embedded"))
+    preflight._check_router_replay(cfg, hf)
+    assert fleet.routing_expect(tiny_glm) == (2, 4, 16)
+    with pytest.raises(preflight.PreflightError, match="needs a MoE model"):
+        preflight._check_router_replay(cfg, {k: v for k, v in hf.items() if k != "n_routed_experts"})
