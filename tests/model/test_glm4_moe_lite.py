@@ -9,7 +9,10 @@
   reference lifts exactly those casts (:func:`float64_transformers`), nothing else of its code changes;
 - the correction bias is a buffer: no gradient, unchanged by a training step's finalize;
 - tools/convert_checkpoint.py --verify passes (float32, one process; both directions in one process through
-  tests/model/_convert_driver.py).
+  tests/model/_convert_driver.py);
+- one two-process launch (tests/model/_glm_worker.py) for every layout test (slow): TP = 2, EP = 2 and PP = 2
+  (4-layer models, the dense/MoE boundary inside stage 0 and at the stage boundary) logits and round trips; GRPO /
+  RLOO streaming, a KL loss, router replay, --deterministic and OPD at those layouts, each against one process.
 """
 
 import json

@@ -173,3 +173,23 @@ def test_runtime_router_replay_takes_glm(tiny_glm):
     assert fleet.routing_expect(tiny_glm) == (2, 4, 16)
     with pytest.raises(preflight.PreflightError, match="needs a MoE model"):
         preflight._check_router_replay(cfg, {k: v for k, v in hf.items() if k != "n_routed_experts"})
+
+
+def test_cpu_recipe_is_tiny_qwen3_moe_without_packing_with_replay():
+    """examples/tiny_glm: the tiny_qwen3_moe recipe on a GLM folder made by the tool (no --init-tiny-model for this
+    family): the same task, RL, rollout and evaluation settings but sequence packing off (refused for MLA) and
+    router replay on; its own folders."""
+    from megatron_tsync.arguments import parse_args
+
+    root = os.path.join(os.path.dirname(__file__), "..", "..", "examples")
+    glm = parse_args(["--config", os.path.join(root, "tiny_glm", "config.yaml")], world_size=1)
+    moe = parse_args(["--config", os.path.join(root, "tiny_qwen3_moe", "config.yaml")], world_size=1)
+    assert glm.model.path == "runs/tiny_glm/model" and glm.checkpoint.save == "runs/tiny_glm/ckpt"
+    assert not glm.model.init_tiny_model and glm.model.moe_router_replay and not glm.learner.sequence_packing
+
+    def same(c):
+        d = {k: v for k, v in c.to_dict().items() if k not in ("model", "checkpoint")}
+        d["learner"] = {k: v for k, v in d["learner"].items() if k not in ("sequence_packing", "max_packed_tokens")}
+        return d
+
+    assert same(glm) == same(moe)
