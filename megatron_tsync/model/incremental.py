@@ -133,9 +133,6 @@ class _RopeAt:
         self.sequence_len_offset = start
         self.max_sequence_length = start + n
 
-    def is_static_batching(self) -> bool:
-        return True
-
 
 def _attend(layer, attn, x, q, k, v, prev, masked, selective, gate=None):
     """The rest of one layer after q/k/v of the new tokens: the kept K/V prepended, causal attention, the output

@@ -133,8 +133,7 @@ def make_tiny_model(
     :func:`glm4_moe_lite_arch` (``layers`` default 3, ``experts`` 16, ``topk`` 4); the router gets N(0, 0.2²)
     weights (sigmoid scores spread over (0, 1)) and the correction bias N(0, 0.1²) values, large enough to change
     which experts are selected; ``mla``: its latent widths (``kv_lora_rank``, ``qk_rope_head_dim``) and
-    ``first_k_dense``. ``layers``
-    defaults to 2 (glm4_moe_lite: 3)."""
+    ``first_k_dense``. ``layers`` defaults to 2 (glm4_moe_lite: 3)."""
     family = family.replace("-", "_").replace(".", "_")  # the CLI also accepts glm4-moe-lite and qwen3.5
     if family not in ALL_FAMILIES:
         raise ValueError(f"family must be one of {ALL_FAMILIES}, not {family!r}")
@@ -184,7 +183,7 @@ def glm4_moe_lite_arch(*, hidden: int = 128, layers: int = 3, heads: int = 4, vo
                        moe_ffn: int | None = None, kv_lora_rank: int | None = None,
                        qk_rope_head_dim: int = 16, first_k_dense: int = 1) -> ModelArch:
     """A tiny GLM-4.7-Flash-shaped decoder: low-rank q (hidden/2) and kv (hidden/4) latents, 32-wide no-RoPE and
-    16-wide RoPE query/key parts, 32-wide values, interleaved RoPE, the first layer dense, ``experts`` routed
+    16-wide RoPE query/key parts, 32-wide values, interleaved RoPE, the first layer(s) dense, ``experts`` routed
     experts in 4 groups of which 2 are kept (top-``topk`` = 2·2 inside them), routed scaling 1.8, one shared
     expert, rms_norm_eps 1e-5 (the latent norms keep transformers' 1e-6). ``kv_lora_rank`` / ``qk_rope_head_dim``:
     other latent widths (vLLM's MLA takes only kv_lora_rank + rope = 576, GLM's and DeepSeek's 512 + 64);
