@@ -2,7 +2,9 @@
 
 Used by the OPD learner (turn-level streaming with the earlier turns' keys/values kept in the autograd graph) and by
 the teacher scorer (under ``torch.no_grad``: a plain KV-cached scorer). Qwen3.5's linear-attention layers
-(model/gdn_layer.py) keep their conv window and recurrent state instead of K/V (``extend``). The embedded rollout
+(model/gdn_layer.py) keep their conv window and recurrent state instead of K/V (``extend``); multi-latent attention
+(model/mla.py, GLM-4.7-Flash) takes q/k/v from megatron's own ``MLASelfAttention`` projections, rotated at the
+chunk's positions (:class:`_RopeAt`), and keeps its up-projected K/V like the other layers. The embedded rollout
 engine generates with megatron-core's own inference KV cache instead (``rollout/embedded_engine.py``). Activation
 recomputation of the model's config (``--recompute-granularity``) applies here too, under grad:
 :func:`recompute_plan` picks the layers megatron's block would checkpoint and each chunk checkpoints them with
@@ -64,7 +66,8 @@ class IncrementalGPT:
             raise ValueError(f"a later pipeline stage needs the previous stage's output for the {s} new tokens")
         else:
             x = _shard(_pad_rows(hidden, n), sp)  # (n/sp, 1, h)
-        freqs = m.rotary_pos_emb(start + n)[start:]  # (n, 1, 1, d); the model's inv_freq (llama3 scaling included)
+        mla = getattr(m.config, "multi_latent_attention", False)  # each MLA layer owns its rotary module
+        freqs = None if mla else m.rotary_pos_emb(start + n)[start:]  # (n, 1, 1, d); the model's inv_freq
         qi = torch.arange(start, start + n, device=dev).unsqueeze(1)
         masked = (torch.arange(start + n, device=dev).unsqueeze(0) > qi).view(1, n, start + n)  # (1, n, sk)
         plan = recompute_plan(m.config, len(m.decoder.layers)) if torch.is_grad_enabled() else {}
@@ -80,6 +83,9 @@ class IncrementalGPT:
                     out, bias = layer.mlp(layer.pre_mlp_layernorm(x))
                     return x + (out if bias is None else out + bias), tail, state
                 gate = None
+                if mla:  # q (n,1,np,nope+rope), k alike (the shared rope key expanded), v (n,1,np,v_head)
+                    q, k, v = attn.get_query_key_value_tensors(h, inference_context=_RopeAt(start, n))[:3]
+                    return _attend(layer, attn, x, q, k, v, prev, masked, selective)
                 # applies the per-head q/k layernorms too (Qwen3 QK-norm), before RoPE as in the full forward; under
                 # SP the column-parallel QKV all-gathers the sequence: q/k/v cover all n new tokens (local heads)
                 if attn.config.attention_output_gate:  # Qwen3.5: o · σ(gate) before linear_proj
@@ -89,17 +95,7 @@ class IncrementalGPT:
                 cp = getattr(getattr(attn, "pg_collection", None), "cp", None)
                 q = apply_rotary_pos_emb(q, freqs, config=attn.config, cp_group=cp)
                 k = apply_rotary_pos_emb(k, freqs, config=attn.config, cp_group=cp)
-                if prev is not None:
-                    k, v = torch.cat([prev[0], k]), torch.cat([prev[1], v])  # (start + n, 1, ng, hn)
-                core = functools.partial(_attention, masked=masked, scale=_softmax_scale(attn))
-                # (n, 1, np·hn); causal: real rows skip padding
-                ctx = _checkpoint(core, q, k, v) if selective else core(q, k, v)
-                if gate is not None:
-                    ctx = attn._apply_output_gate(ctx, gate)
-                out, bias = attn.linear_proj(ctx)  # under SP: reduce-scattered back to the rank's shard
-                x = x + (out if bias is None else out + bias)
-                out, bias = layer.mlp(layer.pre_mlp_layernorm(x))
-                return x + (out if bias is None else out + bias), k, v
+                return _attend(layer, attn, x, q, k, v, prev, masked, selective, gate)
 
             x, k, v = _checkpoint(run, x) if plan.get(li) == "layer" else run(x)
             linear = hasattr(layer.self_attention, "extend")  # (conv tail, recurrent state) as they are
@@ -125,6 +121,32 @@ class IncrementalGPT:
         """TP size under sequence parallelism (the stage's activations between layers are sequence shards), else 1."""
         cfg = self.m.config
         return cfg.tensor_model_parallel_size if cfg.sequence_parallel else 1
+
+
+class _RopeAt:
+    """What megatron-core's ``MLASelfAttention.get_query_key_value_tensors`` reads of an inference context: it
+    rotates the n new tokens at positions ``start .. start + n - 1`` (its rotary table of ``max_sequence_length``
+    rows, sliced from ``sequence_len_offset``), the positions the full forward gives them. Nothing is cached in it:
+    the K/V (MLA's up-projected keys and values) are kept by :class:`IncrementalGPT` as for the other layers."""
+
+    def __init__(self, start: int, n: int):
+        self.sequence_len_offset = start
+        self.max_sequence_length = start + n
+
+
+def _attend(layer, attn, x, q, k, v, prev, masked, selective, gate=None):
+    """The rest of one layer after q/k/v of the new tokens: the kept K/V prepended, causal attention, the output
+    projection (and gate), the MLP. Returns (x, k, v) with k/v of all tokens so far."""
+    if prev is not None:
+        k, v = torch.cat([prev[0], k]), torch.cat([prev[1], v])  # (start + n, 1, ng, hn)
+    core = functools.partial(_attention, masked=masked, scale=_softmax_scale(attn))
+    ctx = _checkpoint(core, q, k, v) if selective else core(q, k, v)  # (n, 1, np·hv); causal: real rows skip padding
+    if gate is not None:
+        ctx = attn._apply_output_gate(ctx, gate)
+    out, bias = attn.linear_proj(ctx)  # under SP: reduce-scattered back to the rank's shard
+    x = x + (out if bias is None else out + bias)
+    out, bias = layer.mlp(layer.pre_mlp_layernorm(x))
+    return x + (out if bias is None else out + bias), k, v
 
 
 def recompute_plan(config, num_layers: int) -> dict[int, str]:

@@ -31,8 +31,8 @@ from megatron_tsync.model.builder import ModelArch
 SPECIAL_TOKENS = ["<s>", "</s>", "<pad>", "<tool>", "</tool>", "<result>", "</result>", "<answer>", "</answer>"]
 BOS, EOS, PAD = "<s>", "</s>", "<pad>"
 FAMILIES = ("llama", "qwen2", "qwen3", "llama3", "qwen3_moe", "qwen3_5")  # what --tiny-model-family offers (a live run)
-# make_tiny_model / tools/make_tiny_model.py also make glm4_moe_lite (the embedded engine does not generate with it
-# yet) and qwen3_5_moe (not run live yet)
+# make_tiny_model / tools/make_tiny_model.py also make glm4_moe_lite and qwen3_5_moe (not run live yet; their
+# learner and embedded engine are tested in tests/model)
 ALL_FAMILIES = FAMILIES + ("glm4_moe_lite", "qwen3_5_moe")
 _LLAMA3_SCALING = dict(rope_type="llama3", rope_factor=8.0, rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
                        rope_original_max_position_embeddings=64)
@@ -132,8 +132,8 @@ def make_tiny_model(
     N(0, 0.5²) weights (not transformers' zeros) so that routing is decisive, without near-ties. glm4_moe_lite:
     :func:`glm4_moe_lite_arch` (``layers`` default 3, ``experts`` 16, ``topk`` 4); the router gets N(0, 0.2²)
     weights (sigmoid scores spread over (0, 1)) and the correction bias N(0, 0.1²) values, large enough to change
-    which experts are selected; ``mla``: its latent widths (``kv_lora_rank``, ``qk_rope_head_dim``). ``layers``
-    defaults to 2 (glm4_moe_lite: 3)."""
+    which experts are selected; ``mla``: its latent widths (``kv_lora_rank``, ``qk_rope_head_dim``) and
+    ``first_k_dense``. ``layers`` defaults to 2 (glm4_moe_lite: 3)."""
     family = family.replace("-", "_").replace(".", "_")  # the CLI also accepts glm4-moe-lite and qwen3.5
     if family not in ALL_FAMILIES:
         raise ValueError(f"family must be one of {ALL_FAMILIES}, not {family!r}")
@@ -181,15 +181,17 @@ def make_tiny_model(
 def glm4_moe_lite_arch(*, hidden: int = 128, layers: int = 3, heads: int = 4, vocab: int = 512,
                        ffn: int | None = None, tie: bool = False, experts: int = 16, topk: int = 4,
                        moe_ffn: int | None = None, kv_lora_rank: int | None = None,
-                       qk_rope_head_dim: int = 16) -> ModelArch:
+                       qk_rope_head_dim: int = 16, first_k_dense: int = 1) -> ModelArch:
     """A tiny GLM-4.7-Flash-shaped decoder: low-rank q (hidden/2) and kv (hidden/4) latents, 32-wide no-RoPE and
-    16-wide RoPE query/key parts, 32-wide values, interleaved RoPE, the first layer dense, ``experts`` routed
+    16-wide RoPE query/key parts, 32-wide values, interleaved RoPE, the first layer(s) dense, ``experts`` routed
     experts in 4 groups of which 2 are kept (top-``topk`` = 2·2 inside them), routed scaling 1.8, one shared
     expert, rms_norm_eps 1e-5 (the latent norms keep transformers' 1e-6). ``kv_lora_rank`` / ``qk_rope_head_dim``:
-    other latent widths (vLLM's MLA takes only kv_lora_rank + rope = 576, GLM's and DeepSeek's 512 + 64)."""
-    if layers < 2 or experts % 4 or topk != 4:
-        raise ValueError("glm4_moe_lite tiny model: layers ≥ 2 (one dense), experts a multiple of 4, topk 4 "
-                         "(4 groups, 2 kept: transformers scores a group by its top 2)")
+    other latent widths (vLLM's MLA takes only kv_lora_rank + rope = 576, GLM's and DeepSeek's 512 + 64);
+    ``first_k_dense``: how many first layers are dense (``first_k_dense_replace``; where it falls on a pipeline
+    split)."""
+    if not 1 <= first_k_dense < layers or experts % 4 or topk != 4:
+        raise ValueError("glm4_moe_lite tiny model: 1 ≤ first_k_dense < layers (dense first, then MoE), experts a "
+                         "multiple of 4, topk 4 (4 groups, 2 kept: transformers scores a group by its top 2)")
     moe_ffn = moe_ffn or hidden // 2
     return ModelArch(
         family="glm4_moe_lite", vocab_size=vocab, hidden_size=hidden, ffn_hidden_size=ffn or 2 * hidden,
@@ -199,7 +201,7 @@ def glm4_moe_lite_arch(*, hidden: int = 128, layers: int = 3, heads: int = 4, vo
         num_experts=experts, moe_router_topk=topk, moe_ffn_hidden_size=moe_ffn, norm_topk_prob=True,
         q_lora_rank=hidden // 2, kv_lora_rank=kv_lora_rank or hidden // 4, qk_nope_head_dim=32,
         qk_rope_head_dim=qk_rope_head_dim, v_head_dim=32,
-        rope_interleave=True, moe_first_k_dense=1, moe_router_num_groups=4, moe_router_group_topk=2,
+        rope_interleave=True, moe_first_k_dense=first_k_dense, moe_router_num_groups=4, moe_router_group_topk=2,
         moe_routed_scaling_factor=1.8, moe_shared_expert_ffn_hidden_size=moe_ffn,
     )
 

@@ -32,7 +32,6 @@ trainer process): a stale worker of an earlier run is rejected and counted (``wr
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import shutil
@@ -470,12 +469,14 @@ def _event_routing(ev, expect: tuple[int, int, int], t: int):
 
 
 def routing_expect(model_dir: str) -> tuple[int, int, int]:
-    """(MoE layers, top-k, experts) of an HF MoE folder, what router-replay events must carry."""
-    with open(os.path.join(model_dir, "config.json")) as f:
-        c = json.load(f)
-    if not c.get("num_experts"):
-        raise ValueError(f"--moe-router-replay needs a MoE model; {model_dir}/config.json has no num_experts")
-    return int(c["num_hidden_layers"]), int(c["num_experts_per_tok"]), int(c["num_experts"])
+    """(MoE layers, top-k, experts) of an HF MoE folder, what router-replay events must carry (a dense-first model,
+    GLM-4.7-Flash's, routes in its MoE layers only)."""
+    from megatron_tsync.model.builder import ModelArch
+
+    arch = ModelArch.from_hf_dir(model_dir)
+    if not arch.num_experts:
+        raise ValueError(f"--moe-router-replay needs a MoE model; {model_dir}/config.json has no experts")
+    return arch.num_layers - arch.moe_first_k_dense, arch.moe_router_topk, arch.num_experts
 
 
 def worker_env() -> dict:

@@ -242,7 +242,7 @@ def _check_router_replay(cfg, hf: dict) -> None:
     trainer's environment, i.e. on external rollout nodes)."""
     if not cfg.model.moe_router_replay:
         return
-    if not (hf.get("num_experts") or hf.get("num_local_experts")):
+    if not (hf.get("num_experts") or hf.get("num_local_experts") or hf.get("n_routed_experts")):  # GLM: n_routed
         raise PreflightError(f"--moe-router-replay needs a MoE model; --model {cfg.model.path} (config.json) has no "
                              "experts")
     if cfg.rollout.engine == "vllm" and importlib.util.find_spec("vllm") is not None:

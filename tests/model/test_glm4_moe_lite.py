@@ -9,7 +9,10 @@
   reference lifts exactly those casts (:func:`float64_transformers`), nothing else of its code changes;
 - the correction bias is a buffer: no gradient, unchanged by a training step's finalize;
 - tools/convert_checkpoint.py --verify passes (float32, one process; both directions in one process through
-  tests/model/_convert_driver.py).
+  tests/model/_convert_driver.py);
+- one two-process launch (tests/model/_glm_worker.py) for every layout test (slow): TP = 2, EP = 2 and PP = 2
+  (4-layer models, the dense/MoE boundary inside stage 0 and at the stage boundary) logits and round trips; GRPO /
+  RLOO streaming, a KL loss, router replay, --deterministic and OPD at those layouts, each against one process.
 """
 
 import json
@@ -376,12 +379,29 @@ def test_float64_stream_equals_sync(glm_ddp, estimator, reward, old, terms):
                for a, layer in zip(bias, ddp.module.decoder.layers[1:]))
 
 
-# ---------------------------------------------------------------------------------------------- TP = 2, EP = 2
+# ---------------------------------------------------------------------------------------------- TP = 2, EP = 2, PP = 2
 @pytest.fixture(scope="module")
-def glm_two_procs(tiny_glm, tmp_path_factory, request):
-    """One launch of _glm_worker.py (two gloo processes, TP = 2 then EP = 2) for both tests below: the float64
-    logits and round trip at each layout, and (when the streaming test is selected) the streaming cases of
-    tests/training/_workers/moe_ep_worker.py at each layout. Returns (logits report, streaming results or None)."""
+def glm_pp_dirs(tmp_path_factory):
+    """Two 4-layer tiny GLMs for PP = 2 (two layers a stage): the first layer dense (the dense/MoE boundary inside
+    stage 0) and the first two dense (the boundary at the stage boundary). {first_k_dense: folder}."""
+    from megatron_tsync.model.tiny_model import make_tiny_model
+
+    d = tmp_path_factory.mktemp("glm_pp")
+    return {k: make_tiny_model(str(d / f"dense{k}"), family="glm4-moe-lite", layers=4, seed=3 + k,
+                               mla=dict(first_k_dense=k)) for k in (1, 2)}
+
+
+_STREAM_TESTS = ("test_streaming_ep2_tp2_equal_one_process", "test_streaming_pp2_equal_one_process",
+                 "test_kl_replay_deterministic_at_layouts")
+_OPD_TEST = "test_opd_ep2_tp2_pp2_equal_one_process"
+
+
+@pytest.fixture(scope="module")
+def glm_two_procs(tiny_glm, glm_pp_dirs, tmp_path_factory, request):
+    """One launch of _glm_worker.py (two gloo processes: TP = 2, EP = 2, then PP = 2 with each of ``glm_pp_dirs``)
+    for the tests below: the float64 logits and round trip at each layout, (when a streaming test is selected) the
+    streaming cases of tests/training/_workers/moe_ep_worker.py at each layout, and (when the OPD test is) OPD at
+    each layout. Returns (logits report, streaming results or None, OPD results or None)."""
     import importlib.util
 
     from ..training._launch import selected_params
@@ -391,16 +411,17 @@ def glm_two_procs(tiny_glm, tmp_path_factory, request):
     common = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(common)
     d = tmp_path_factory.mktemp("glm_two_procs")
-    out, stream_out = str(d / "rep.json"), str(d / "stream.pt")
-    stream = bool(selected_params(request, lambda item: item.name == "test_streaming_ep2_tp2_equal_one_process"
-                                  or None))
+    out, stream_out, opd_out = str(d / "rep.json"), str(d / "stream.pt"), str(d / "opd.pt")
+    stream = bool(selected_params(request, lambda item: item.name in _STREAM_TESTS or None))
+    opd = bool(selected_params(request, lambda item: item.name == _OPD_TEST or None))
     worker = os.path.join(os.path.dirname(__file__), "_glm_worker.py")
-    rc, log, _ = common.run_isolated([worker, "--hf", tiny_glm, "--out", out,
-                                      *(["--stream-out", stream_out] if stream else [])], nproc=2, timeout=600)
+    rc, log, _ = common.run_isolated([worker, "--hf", tiny_glm, "--out", out, "--pp-hf", ",".join(
+        glm_pp_dirs.values()), *(["--stream-out", stream_out] if stream else []),
+        *(["--opd-out", opd_out] if opd else [])], nproc=2, timeout=600)
     assert rc == 0, log[-4000:]
     with open(out) as f:
         rep = json.load(f)
-    return rep, (torch.load(stream_out) if stream else None)
+    return rep, (torch.load(stream_out) if stream else None), (torch.load(opd_out) if opd else None)
 
 
 @pytest.mark.slow
@@ -408,7 +429,7 @@ def test_float64_logits_tp2_ep2(glm_two_procs):
     """Two gloo processes: TP=2 (sequence parallel, as megatron's MoE layer needs), then EP=2 (8 experts a rank):
     float64 logits equal transformers' ≤ 1e-12 relative, and the round trip through the sharded model is
     bit-identical."""
-    rep = glm_two_procs[0]
+    rep = [r for r in glm_two_procs[0] if r["pp"] == 1]
     assert {(r["tp"], r["ep"]) for r in rep} == {(2, 1), (1, 2)}
     for r in rep:
         print(f"glm4_moe_lite tp={r['tp']} ep={r['ep']}: float64 logits rel diff {r['rel_logit_diff']:.3g}")
@@ -416,6 +437,20 @@ def test_float64_logits_tp2_ep2(glm_two_procs):
         assert r["rel_logit_diff"] <= TOL, r
     assert {r["ep"]: r["local_experts"] for r in rep}[2] == 8
     assert {r["tp"]: r["sequence_parallel"] for r in rep}[2]
+
+
+@pytest.mark.slow
+def test_float64_logits_pp2_dense_boundary(glm_two_procs):
+    """PP = 2 (two gloo processes, the first stage's hidden states sent to the second) with 4-layer models whose
+    dense/MoE boundary falls inside stage 0 (first_k_dense 1) and at the stage boundary (2): float64 logits =
+    transformers' ≤ 1e-12 relative, the round trip through the stages bit-identical, each stage holds the MoE
+    layers the split says."""
+    rep = {r["dense"]: r for r in glm_two_procs[0] if r["pp"] == 2}
+    assert sorted(rep) == [1, 2]
+    for k, r in rep.items():
+        print(f"glm4_moe_lite pp=2 first_k_dense={k}: float64 logits rel diff {r['rel_logit_diff']:.3g}")
+        assert r["same_keys"] and not r["mismatched"] and r["rel_logit_diff"] <= TOL, r
+    assert rep[1]["stage_layers"] == [[0, 1], [1, 1]] and rep[2]["stage_layers"] == [[0, 0], [1, 1]]
 
 
 # ---------------------------------------------------------------------------------------------- router replay
@@ -474,6 +509,107 @@ def test_streaming_ep2_tp2_equal_one_process(tiny_glm, glm_two_procs, megatron_s
                 r = rel_error(g, ref)
                 print(f"glm4_moe_lite {layout} {case} {mode}: vs one process {r:.2g}")
                 assert r < TOL, (layout, case, mode, r)
+
+
+@pytest.mark.slow
+def test_streaming_pp2_equal_one_process(glm_pp_dirs, glm_two_procs, megatron_single):
+    """PP = 2 with both 4-layer models (dense/MoE boundary inside stage 0 and at the stage boundary), in the launch
+    of ``glm_two_procs``: GRPO (π_old from the trainer; both) and RLOO with a dual clip (π_old from the engine; the
+    boundary inside stage 0), float64,
+    sync / stream-trajectory / stream-group gradients through megatron's pipeline schedule ≤ 1e-12 from one
+    process's sync gradient (computed in this process); every expert gets gradient."""
+    from ..training.stream_cases import rel_error
+    from ._glm_worker import PP_STREAM_CASES, stream_grads
+
+    got = glm_two_procs[1]
+    for k, path in glm_pp_dirs.items():
+        layout = f"pp2-dense{k}"
+        one, _ = stream_grads(path, megatron_single, "single", sync_only=True, cases=PP_STREAM_CASES[:3 - k])
+        assert set(got["grads"][layout]) == set(one)
+        for case, modes in got["grads"][layout].items():
+            ref = one[case]["sync"]
+            assert all(ref[n].abs().max() > 0 for n in ref if ".experts." in n)
+            assert set(modes) == {"sync", "stream-trajectory", "stream-group"}
+            for mode, g in modes.items():
+                r = rel_error(g, ref)
+                print(f"glm4_moe_lite {layout} {case} {mode}: vs one process {r:.2g}")
+                assert r < TOL, (layout, case, mode, r)
+
+
+@pytest.mark.slow
+def test_kl_replay_deterministic_at_layouts(tiny_glm, glm_pp_dirs, glm_two_procs, megatron_single):
+    """In the launch of ``glm_two_procs``, each against one process's sync gradient (this process) ≤ 1e-12: a KL
+    loss against a reference model (the other 4-layer GLM; moe_ep_worker's ``kl-loss-grpo-by-group``,
+    stream-trajectory) at EP = 2, TP = 2 and PP = 2; GRPO replaying recorded random experts (moe_tp_pp_worker's
+    ``replay``, sync and stream-trajectory) at the same layouts, every engine-computed (position, MoE layer) routed
+    as given, the gradient ≠ without replay (control); ``--deterministic`` RLOO at PP = 2 (sync, two streamed
+    orders) bitwise equal across modes."""
+    import importlib.util
+
+    from ..training.stream_cases import rel_error
+    from ._glm_worker import KL_CASE, stream_grads
+
+    spec = importlib.util.spec_from_file_location("_glm_tp_pp", os.path.join(
+        os.path.dirname(__file__), "..", "training", "_workers", "moe_tp_pp_worker.py"))
+    tp_pp = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tp_pp)
+    got = glm_two_procs[1]
+    policies = {"ep2": tiny_glm, "tp2": tiny_glm, "pp2-dense1": glm_pp_dirs[1]}
+    refs = {}
+    for path in dict.fromkeys(policies.values()):
+        kl, _ = stream_grads(path, megatron_single, "single", sync_only=True, cases=(KL_CASE,),
+                             ref_dir=glm_pp_dirs[2])
+        one = tp_pp.run_layout(path, megatron_single, ["replay", "plain"], modes=tp_pp.MODES[:1])["grads"]
+        assert rel_error(one["replay"]["sync"], one["plain"]["sync"]) > 1e-3  # replay changes the routing
+        refs[path] = {"kl": kl[KL_CASE]["sync"], "replay": one["replay"]["sync"]}
+    for layout, path in policies.items():
+        for what, modes in (("kl", got["kl"][layout]), ("replay", got["replay"][layout]["grads"])):
+            assert modes and set(modes) <= {"sync", "stream-trajectory"}
+            for mode, g in modes.items():
+                r = rel_error(g, refs[path][what])
+                print(f"glm4_moe_lite {layout} {what} {mode}: vs one process {r:.2g}")
+                assert r < TOL, (layout, what, mode, r)
+        same, differ = got["replay"][layout]["agree"]
+        assert same > 0 and differ == 0, (layout, same, differ)
+    det = got["det"]["pp2-dense1"]["det-rloo-binary-engine"]
+    ref = stream_grads(glm_pp_dirs[1], megatron_single, "single", sync_only=True,
+                       cases=("det-rloo-binary-engine",))[0]["det-rloo-binary-engine"]["sync"]
+    assert len(det) == 3 and all(all(torch.equal(g[k], det["sync"][k]) for k in g) for g in det.values())
+    assert rel_error(det["sync"], ref) < TOL
+
+
+@pytest.mark.slow
+def test_opd_ep2_tp2_pp2_equal_one_process(tiny_glm, glm_pp_dirs, glm_two_procs, megatron_single):
+    """OPD with a tiny GLM student (tests/training/_workers/moe_ep_opd_worker.py's run, in the launch of
+    ``glm_two_procs``): token-mean in sync and stream-turn, and with router replay of recorded (random) experts in
+    stream-turn
+    (the KV-kept turn forward through MLA) at EP = 2 (each rank its own turn order, lanes of matched forwards),
+    TP = 2 (sequence parallel) and PP = 2 (the per-chunk p2p path; the 4-layer model) — every gradient ≤ 1e-12 from
+    one process's sync gradient; replay routes every computed (token, MoE layer) as recorded and changes the
+    gradient (control); a GLM teacher at EP = 2 and TP = 2 scores as one process."""
+    from ..training.stream_cases import rel_error
+    from ._glm_worker import OPD_CASES, OPD_MODES, opd_worker
+
+    got, w = glm_two_procs[2], opd_worker()
+    for layout, path in (("ep2", tiny_glm), ("tp2", tiny_glm), ("pp2", glm_pp_dirs[1])):
+        arch, _ = hc.load_hf_dir(path)
+        S, E = w.trajectories(arch)
+        ref = {case: w.run(path, case, "sync", S, E)[0] for case in OPD_CASES}
+        assert rel_error(ref["replay"], ref["token-mean"]) > 1e-3  # the recorded experts are not the model's own
+        for case in OPD_CASES:
+            assert tuple(got[layout]["grads"][case]) == OPD_MODES[case]
+            for mode, g in got[layout]["grads"][case].items():
+                r = rel_error(g, ref[case])
+                print(f"glm4_moe_lite OPD {layout} {case} {mode}: vs one process {r:.2g}")
+                assert r < TOL, (layout, case, mode, r)
+        checked, differ = got[layout]["replay"]["stream-turn"]
+        moe_layers = arch.num_layers - arch.moe_first_k_dense
+        assert checked == sum(s.routing.shape[0] for s in S) * moe_layers and differ == 0, (checked, differ)
+        if layout != "pp2":
+            teacher = w.teacher_scores(path, S, E)
+            worst = max((got[layout]["teacher"][k] - v).abs().max().item() for k, v in teacher.items())
+            assert worst <= TOL, (layout, worst)
+    assert sum(sum(v) for v in got["ep2"]["idle"]["token-mean"].values()) > 0  # the ranks' turn orders differed
 
 
 @pytest.mark.parametrize("flag", ["sequence_packing", "shared_prefix"])

@@ -54,19 +54,22 @@ def build(model_dir: str, replay: bool):
     load_hf_into_model(model, {k: v.double() for k, v in hf.items()})
     with torch.no_grad():
         for layer in model.decoder.layers:
-            layer.mlp.router.weight.mul_(25.0)
+            if arch.family == "qwen3_moe":  # glm4_moe_lite's tiny model routes decisively as made (sigmoid)
+                layer.mlp.router.weight.mul_(25.0)
     ddp = wrap_ddp(model)
     return arch, ddp, build_optimizer(ddp, OptimConfig(optimizer="sgd", lr=0.0, clip_grad=0))
 
 
 def trajectories(arch, seed: int = 500):
     """Multi-turn trajectories (opd_worker's) with recorded routing: random distinct experts per position and
-    layer for the first T − 1 positions (the engine never computes the last token), unlike the model's own."""
+    MoE layer (a dense-first model's first layers have none) for the first T − 1 positions (the engine never
+    computes the last token), unlike the model's own."""
     S, E = make_trajectories(seed, n=6, vocab=arch.vocab_size)
     g = torch.Generator().manual_seed(seed)
+    moe_layers = arch.num_layers - arch.moe_first_k_dense
     for s in S:
         p = s.token_ids.shape[0] - 1
-        r = torch.rand(p, arch.num_layers, arch.num_experts, generator=g).argsort(-1)[..., : arch.moe_router_topk]
+        r = torch.rand(p, moe_layers, arch.num_experts, generator=g).argsort(-1)[..., : arch.moe_router_topk]
         s.routing = r.to(torch.int16)  # (P, L, k)
     return S, E
 
@@ -105,6 +108,7 @@ def _watch_routing(L: OPDLearner, counter: list):
     router's routing map) against the chunk's recorded routing; positions the engine never computed are skipped."""
     cur = {}
     fwd = L._turn_forward
+    dense = getattr(unwrap(L.model).arch, "moe_first_k_dense", 0)
 
     def turn_forward(tr, c):
         cur["c"] = c
@@ -120,7 +124,7 @@ def _watch_routing(L: OPDLearner, counter: list):
         if c is None:
             return
         _, routing_map = out  # (s, E) bool
-        layer = router.layer_number - 1
+        layer = router.layer_number - 1 - dense  # the index of this MoE layer in the recorded routing
         rec = c.routing[c.start : c.end, layer].long()  # (≤ s, k)
         cfg = router.config
         if cfg.sequence_parallel:  # the router sees its rank's block of the chunk padded to a multiple of TP
@@ -135,7 +139,8 @@ def _watch_routing(L: OPDLearner, counter: list):
         counter[0] += int(rec.shape[0])
         counter[1] += int((chosen != want).any(-1).sum())
 
-    return [layer.mlp.router.register_forward_hook(hook) for layer in unwrap(L.model).decoder.layers]
+    return [layer.mlp.router.register_forward_hook(hook) for layer in unwrap(L.model).decoder.layers
+            if hasattr(layer.mlp, "router")]
 
 
 def teacher_scores(model_dir: str, S, E) -> dict:

@@ -67,7 +67,7 @@ def samples_with_routing(arch, replay: bool, prompts: bool = False):
         samples = make_samples(41, num_groups=3, reward_kind="bounded", vocab=arch.vocab_size)
     if replay:
         g = torch.Generator().manual_seed(9)
-        E, k, L = arch.num_experts, arch.moe_router_topk, arch.num_layers
+        E, k, L = arch.num_experts, arch.moe_router_topk, arch.num_layers - arch.moe_first_k_dense  # MoE layers
         for s in samples:
             P = s.token_ids.numel() - 1  # the engine computed every position but the last
             s.routing = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(P * L)]).view(P, L, k)
@@ -85,10 +85,11 @@ class RoutingCapture:
 
     def __init__(self, model):
         gpt = unwrap(model)
-        self.layers = [layer.layer_number - 1 for layer in gpt.decoder.layers]
+        moe_layers = [layer for layer in gpt.decoder.layers if hasattr(layer.mlp, "router")]  # dense-first: MoE only
+        self.layers = [layer.layer_number - 1 - gpt.arch.moe_first_k_dense for layer in moe_layers]
         self.calls = []
         self.hooks = [gpt.register_forward_pre_hook(lambda m, a: self.calls.append((a[0][0].clone(), [])))]
-        for layer in gpt.decoder.layers:
+        for layer in moe_layers:
             self.hooks.append(layer.mlp.router.register_forward_hook(
                 lambda m, i, o: self.calls[-1][1].append(o[1].detach().clone())))
 
@@ -138,7 +139,8 @@ def run(model_dir, dims, name, mode, order_seed):
     load_hf_into_model(model, {k: v.double() for k, v in hf.items()})
     with torch.no_grad():
         for layer in model.decoder.layers:
-            layer.mlp.router.weight.mul_(25.0)
+            if arch.family == "qwen3_moe":  # glm4_moe_lite's tiny model routes decisively as made (sigmoid)
+                layer.mlp.router.weight.mul_(25.0)
     ddp = wrap_ddp(model)
     opt = build_optimizer(ddp, OptimConfig(optimizer="sgd", lr=0.0, clip_grad=0))
     cfg = LearnerConfig(mode=mode, estimator="grpo", loss=LossConfig(), reward_spec=spec_for("bounded"),
