@@ -25,7 +25,9 @@ Reported: stream-trajectory and async(1) over sync, open groups per rank at the 
 DP assignment, the bucket peak per learner GPU with every vector on the GPU, and stream-trajectory with group
 affinity and bucket residency (:func:`_residency_row`: the device slots that fit in 75 % of the GPU beside the model
 state, the host arena per 8-GPU node against :data:`HOST_GIB_PER_NODE`, the copy seconds waited per step, the
-speedup lost against every vector on the GPU), or why it does not fit.
+speedup lost against every vector on the GPU), or why it does not fit; then host accumulation
+(:func:`_host_accumulation_row`: no bucket vector on the GPU, the host arena per node, capped by ``--max-open-groups``
+where it would exceed :data:`HOST_FRAC` of :data:`HOST_GIB_PER_NODE`, the learner's waits, the speedup lost).
 """
 
 from __future__ import annotations

@@ -94,6 +94,8 @@ def test_one_process_deterministic_kl_offload(single):
             assert all(_bitwise(g, modes["sync"]) for g in modes.values()), case
     assert one["to_host"]["offload-grpo"] > 0
     assert one["flushes"]["hostacc-grpo"] > 0 and one["flushes"]["offload-grpo"] == 0  # --accumulate-on-host ran
+    # the same case's sync without host accumulation (offload-grpo's sync has every vector on the "device")
+    assert rel_error(one["grads"]["hostacc-grpo"]["sync"], one["grads"]["offload-grpo"]["sync"]) < TOL
 
 
 EP_ONLY = ("det", "kl", "offload", "hostacc")  # the worker's EP_CASES (every 2-process layout)
