@@ -70,6 +70,14 @@ class HostAccumStats:
     d2h_s: float = 0.0  # seconds copying (CPU: memcpy time; CUDA: the worker's wait on copy events)
     host_add_s: float = 0.0  # seconds of host adds (flushes, shifts, closes)
     wait_s: float = 0.0  # seconds the learner waited for the scratch / the worker
+    device_bytes: int = 0  # bucket-vector bytes on the device: always 0 (keys shared with residency's OffloadStats)
+    peak_device_bytes: int = 0
+    bytes_moved: int = 0  # d2h_bytes + h2d_bytes
+
+
+HOST_TB_NAMES = {"d2h_bytes": "stream/host_d2h_bytes", "host_add_s": "stream/host_add_s",
+                 "d2h_s": "stream/host_d2h_s", "flushes": "stream/host_flushes"}
+"""TensorBoard tags of host accumulation's own statistics (the shared ones: ``offload.TB_NAMES``)."""
 
 
 @dataclasses.dataclass
@@ -268,12 +276,14 @@ class HostAccumulation:
     def close(self) -> None:
         """Stop the worker thread (tests; the learner's process exits otherwise)."""
         if self._thread is not None:
+            self._raise()
             self._q.put(None)
             self._thread.join()
             self._thread = None
 
     def step_stats(self) -> dict:
         self._count()
+        self.stats.bytes_moved = self.stats.d2h_bytes + self.stats.h2d_bytes
         return dataclasses.asdict(self.stats)
 
     # ------------------------------------------------------------------ worker
@@ -285,6 +295,8 @@ class HostAccumulation:
             self._run(job)
 
     def _work(self) -> None:
+        if self.cuda:
+            torch.cuda.set_device(self.device)  # this thread's current device: the rank's
         while True:
             job = self._q.get()
             try:

@@ -87,6 +87,7 @@ def test_host_accumulation_is_exact_and_keeps_no_device_vector(model64, sync_ref
         assert off["staging_bytes"] == 2 * (64 << 10) and vb > 6 * (64 << 10)
     assert off["flushes"] >= 1 and off["d2h_bytes"] == off["flushes"] * vb and off["h2d_bytes"] == vb
     assert off["host_in_use"] == 1  # only the accumulator is left at the barrier
+    assert off["device_bytes"] == off["peak_device_bytes"] == 0 and off["bytes_moved"] == off["d2h_bytes"] + vb
     if mode == "sync":
         assert off["flushes"] == 1 and r.peak_bucket_vectors == 0  # one destination all step: one flush
     if mode == "stream-trajectory":
@@ -146,3 +147,19 @@ def test_refusals_and_fixed_arena(model64):
 
     with pytest.raises(ArenaFull, match="--bucket-host-gib holds 3 vectors"):
         _grad(model64, samples, order, accumulate_on_host=True, bucket_host_gib=3.5 * 0.815 / 1024)
+
+
+def test_run_log_and_tensorboard_report_host_accumulation(model64, sync_refs):
+    """The log row's ``offload_*`` keys carry the residency keys the progress line reads (device bytes 0) and host
+    accumulation's own (D2H bytes, host add seconds), named under ``stream/`` in TensorBoard."""
+    from megatron_tsync.runtime import grpo
+    from megatron_tsync.streaming.host_accum import HOST_TB_NAMES, HostAccumStats
+    import dataclasses
+
+    samples, order, _, _ = sync_refs
+    _, r, _ = _grad(model64, samples, order, accumulate_on_host=True)
+    row = {f"offload_{k}": v for k, v in r.offload.items()}
+    assert set(HOST_TB_NAMES) <= {f.name for f in dataclasses.fields(HostAccumStats)}
+    assert all(grpo.TB_NAMES[f"offload_{k}"].startswith("stream/") for k in HOST_TB_NAMES)
+    text = grpo._residency_text(row)
+    assert text.startswith(" buckets dev 0/host ") and " add " in text
