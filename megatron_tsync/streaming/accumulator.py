@@ -113,8 +113,6 @@ class GroupBuckets(ResidentVectors):
         """Prepare for a backward of a trajectory of ``group_id`` with ``reward`` and route grads into Q."""
         if self.residency is not None:  # the previous backward is complete: the vector it wrote may move now
             self.router.route_to_accumulator()
-        if self.host is not None:  # the previous backward is complete: flush it before its vectors change
-            self.host.flush()
         b = self._open(group_id, reward, alpha_known)
         if reward != b.rho:
             shift = b.rho - float(reward)
@@ -131,9 +129,9 @@ class GroupBuckets(ResidentVectors):
 
     def destinations(self, group_id: str, reward: float, alpha_known: float | None) -> list[tuple[GradVector, float]]:
         """Where one trajectory's reward-free gradient h_i goes when it shares a backward with other destinations
-        (``model.row_split``; not under host accumulation): [(vector, coefficient)]. The origin ρ stays where it is: Q += h_i and
-        P += (r_i − ρ)·h_i (α known: accumulator += α(r_i − ρ)·h_i), which keeps P = Σ (r_j − ρ)·h_j as :meth:`enter`
-        does, so the two may alternate. Makes the vectors device-resident."""
+        (``model.row_split``; not under host accumulation): [(vector, coefficient)]. The origin ρ stays where it is:
+        Q += h_i and P += (r_i − ρ)·h_i (α known: accumulator += α(r_i − ρ)·h_i), which keeps P = Σ (r_j − ρ)·h_j as
+        :meth:`enter` does, so the two may alternate. Makes the vectors device-resident."""
         b = self._open(group_id, reward, alpha_known)
         out = [(b.q, 1.0)]
         shift = float(reward) - b.rho

@@ -192,8 +192,8 @@ class HostAccumulation:
         avail = host_available_bytes()
         if avail is not None and need > HOST_FRACTION * avail:
             raise ValueError(f"host accumulation: {n} more vectors of {self.arena.layout.slot_bytes / 2**20:.1f} MiB "
-                             f"({need / GIB:.2f} GiB) needed for this step's open groups, {avail / GIB:.2f} GiB of host "
-                             "memory available: cap --max-open-groups, or set --bucket-host-gib")
+                             f"({need / GIB:.2f} GiB) needed for this step's open groups, {avail / GIB:.2f} GiB of "
+                             "host memory available: cap --max-open-groups, or set --bucket-host-gib")
         with self._lock:
             self.arena.grow(n)
 
