@@ -10,7 +10,10 @@ concatenated into one microbatch: block-diagonal causal attention (a T×T mask o
 Where a microbatch's gradient lands is decided at *backward time*: ``forward_step`` registers a pre-hook on
 its output's ``grad_fn``, which fires on every stage right before that microbatch's backward reaches the
 stage's parameters. The hook moves the group's origin and points ``param.main_grad`` into the group's bucket
-(:class:`GroupBuckets.enter`) or back at the DDP buffer (the batch accumulator). No scratch buffer, no copy.
+(:class:`GroupBuckets.enter`) or back at the DDP buffer (the batch accumulator). No scratch buffer, no copy — except
+under host accumulation (``--accumulate-on-host``, ``streaming/host_accum.py``): there ``main_grad`` always views the
+DDP buffer, used as each microbatch's scratch, the hook names its destinations on the host, and a forward's start
+(:meth:`StreamExecutor._announce`) flushes the previous backward's scratch to the host while this forward runs.
 
 Loss per trajectory i (B = trajectories in the batch, ν_i from ``algorithms.aggregation``):
   policy term, advantage known:  ν_i Σ_t w_t ℓ_t(A_i)     (reference PPO/PG loss)
