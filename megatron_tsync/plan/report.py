@@ -105,6 +105,12 @@ def options(arch: ModelArch, sc: Scenario, batches, out: dict, mem: dict, mem_fr
         add("--rl-mode stream-group", out["stream-group"]["summary"]["step_s"], 0, True)
     st = out["stream-trajectory"]["summary"]["step_s"]
     peak = mem["bucket_vectors"]
+    if sc.settings.host_accumulation:  # the simulated stream-trajectory already keeps every bucket on the host
+        add("--rl-mode stream-trajectory --accumulate-on-host", st, 0, free >= 0,
+            "" if free >= 0 else f"the model state leaves {free:.1f} GiB of {mem_frac:.0%} of the GPU",
+            host_gib=out["stream-trajectory"]["summary"]["peak_host_vectors"] * vec,
+            transfer_s=out["stream-trajectory"]["summary"]["copy_wait_s"])
+        return rows
     add("--rl-mode stream-trajectory", st, peak, peak <= fit,
         "" if peak <= fit else f"{peak} bucket vectors at the peak, {fit} fit")
     cap = fit // per_group
