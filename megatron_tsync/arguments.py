@@ -165,6 +165,12 @@ _FLAGS: tuple[_Flag, ...] = (
        help="bucket residency: the host arena's size, allocated once in slabs (default: what each step's open groups "
             "can need beyond the device cache, refused if host memory cannot hold it); a step needing more stops "
             "with an error"),
+    _f("--accumulate-on-host", "learner.accumulate_on_host", _G_RL, **_SWITCH,
+       help="host accumulation: the batch accumulator and every bucket vector live in pinned host memory and "
+            "megatron's grad buffer is each microbatch's scratch, copied to the host (side stream) and added there "
+            "after its backward: no gradient vector on the accelerator besides the grad buffer; --bucket-host-gib "
+            "sizes its arena; not with --max-device-buckets / --bucket-device-gib, --deterministic, "
+            "--pack-across-groups (default off)"),
     _f("--skip-zero-advantage", "learner.skip_zero_advantage", _G_RL, action=argparse.BooleanOptionalAction,
        help="no forward/backward for trajectories whose advantage is exactly 0 (all-equal groups) when no KL/entropy "
             "term needs them; their tokens still count in the denominators; exact (default on)"),

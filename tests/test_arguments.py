@@ -15,7 +15,7 @@ from megatron_tsync.config import TrainConfig
 # on purpose, in the same change.
 EXPECTED_FLAGS = [
     "--adam-beta1", "--adam-beta2", "--adam-eps", "--advantage-eps", "--advantage-estimator", "--aux-strategy",
-    "--bf16", "--bucket-device-gib", "--bucket-host-gib", "--harness-cmd", "--harness-fn", "--harness-timeout", "--harness-chat-format", "--clip-grad", "--clip-ratio-high", "--clip-ratio-low", "--config", "--context-parallel-size", "--deterministic",
+    "--accumulate-on-host", "--no-accumulate-on-host", "--bf16", "--bucket-device-gib", "--bucket-host-gib", "--harness-cmd", "--harness-fn", "--harness-timeout", "--harness-chat-format", "--clip-grad", "--clip-ratio-high", "--clip-ratio-low", "--config", "--context-parallel-size", "--deterministic",
     "--dual-clip", "--dump-grads", "--dump-rollouts", "--entropy-coef", "--eval-interval", "--eval-prompts", "--eval-greedy", "--no-eval-greedy", "--exit-duration-in-mins", "--expert-model-parallel-size", "--finetune", "--fp8-format", "--fp8-recipe",
     "--global-batch-size", "--group-size", "--groups-per-step", "--help", "--init-tiny-model", "--kl-coef",
     "--keep-last-checkpoints", "--kl-estimator", "--kl-mode", "--latency-profile", "--latency-scale", "--load",
@@ -211,6 +211,7 @@ BAD = [
     (["--max-device-buckets", "1"], ["--max-device-buckets"]),
     (["--bucket-device-gib", "0"], ["--bucket-device-gib"]),
     (["--bucket-host-gib", "1"], ["--bucket-host-gib", "--max-device-buckets", "--bucket-device-gib"]),
+    (["--accumulate-on-host", "--max-device-buckets", "2"], ["--accumulate-on-host", "--max-device-buckets"]),
     (["--sequence-packing", "--max-packed-tokens", "0"], ["--max-packed-tokens"]),
     (["--pack-across-groups", "--rl-mode", "stream-trajectory"], ["--pack-across-groups", "--sequence-packing"]),
     (["--pack-across-groups", "--sequence-packing", "--rl-mode", "sync"], ["--pack-across-groups", "--rl-mode"]),

@@ -112,6 +112,7 @@ CASES: dict[str, Case] = {
     "--old-logprobs": Case([], [ENGINE]),
     "--max-open-groups": Case(STREAM, [[*STREAM, "--max-open-groups", "1"]], "stat:overflow_groups"),
     "--max-device-buckets": Case(STREAM, [[*STREAM, "--max-device-buckets", "2"]], "result:offload"),
+    "--accumulate-on-host": Case(STREAM, [[*STREAM, "--accumulate-on-host"]], "result:offload"),
     # a vector of the tiny float64 model is 0.81 MiB: 0.002 GiB holds 2 of the 4 slots --max-device-buckets asks for
     "--bucket-device-gib": Case([*STREAM, "--max-device-buckets", "4"],
                                 [[*STREAM, "--max-device-buckets", "4", "--bucket-device-gib", "0.002"]],

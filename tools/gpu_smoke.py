@@ -41,6 +41,13 @@ Transformer Engine or vLLM's CUDA build is skipped, and the script still exits 0
    interleaved) under a 2-slot device cache (``--max-device-buckets 2``) against the same run without residency:
    relative gradient difference ≤ 1e-6 (bitwise where the kernels are deterministic), vectors moved, prefetches and
    the compute stream's copy-wait seconds reported. Never run yet (no GPU where it was written).
+13. ``host-accumulation``: ``--accumulate-on-host`` (``streaming/host_accum.py``): its arena and staging chunks are
+   pinned; a flush of a 256 MiB grad-buffer scratch (side-stream chunk copies, host adds on the worker thread) issued
+   before a chain of matmuls (the next microbatch's forward) overlaps them (pass: ≥ 50 % of the shorter of the two
+   hidden, from wall times of each alone and both together) and lands exactly (the host destination equals the
+   scratch's contents, bitwise); then stream-trajectory (4 groups × 4 interleaved) with host accumulation against
+   device accumulation: float32 ≤ 1e-6 relative, float64 ≤ 1e-12; flushes, GB D2H, copy / host-add / wait seconds
+   reported. Never run yet (no GPU where it was written).
 """
 
 from __future__ import annotations
@@ -97,7 +104,7 @@ def _arch():
                      num_attention_heads=16, num_kv_heads=4, head_dim=64, max_position_embeddings=4096)
 
 
-def _grad(mode, precision, samples, order, packing=None, **learner):
+def _grad(mode, precision, samples, order, packing=None, keep_dtype=False, **learner):
     import torch
 
     from megatron_tsync.streaming.ready_queue import ListSource
@@ -111,7 +118,8 @@ def _grad(mode, precision, samples, order, packing=None, **learner):
     L = Learner(ddp, opt, LearnerConfig(mode=mode, sequence_packing=packing is not None,
                                         max_packed_tokens=packing or 4096, **learner))
     got = {}
-    L.grad_hook = lambda d: got.setdefault("g", torch.cat([b.grad_data.float().clone() for b in d.buffers]))
+    L.grad_hook = lambda d: got.setdefault("g", torch.cat([(b.grad_data if keep_dtype else b.grad_data.float()).clone()
+                                                           for b in d.buffers]))
     sizes, shape = shape_for(samples)
     res = L.train_step(ListSource(order, batch=4 if packing else 1), sizes, shape)  # packing: 4 rewards per poll
     res.thd = L.exec._thd  # the packed path took Transformer Engine's THD branch
@@ -685,6 +693,94 @@ def gated_delta_fla():
     return ("fail" if bad else "pass"), f"relative to float64: {detail}"
 
 
+@check("host-accumulation")
+def host_accumulation():
+    if not _cuda():
+        return "skip", "no CUDA device"
+    import torch
+
+    from megatron_tsync.streaming.buckets import BucketPool, GradVector
+    from megatron_tsync.streaming.host_accum import HostAccumulation
+
+    class _Router:  # a 256 MiB fp32 "grad buffer" on the GPU
+        accumulator = GradVector([torch.zeros(64 << 20, device="cuda")])
+
+    r = _Router()
+    h = HostAccumulation(r)  # CUDA: the worker thread, side stream, pinned staging
+    pinned = all(s.is_pinned() for s in h.arena.slabs) and all(s.is_pinned() for s in h.staging)
+    h.begin_step(1)
+    q = h.acquire(BucketPool(r.accumulator), "Q")
+    a = torch.randn(8192, 8192, device="cuda")
+
+    def matmuls():
+        x = a
+        for _ in range(12):
+            x = (x @ x).mul_(1e-3)
+        return x
+
+    def timed(flush, mm):
+        h.drain()
+        torch.cuda.synchronize()
+        h.route([(q, 1.0)])
+        h.begin_backward()  # a stand-in backward writes the scratch
+        r.accumulator.parts[0].normal_()
+        want = r.accumulator.parts[0].clone().cpu()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        if flush:
+            h.flush()  # the next microbatch's forward starts: the scratch goes to the host
+        if mm:
+            matmuls()
+        h.route([(h.accumulator, 1.0)])
+        h.begin_backward()  # the next backward: waits for the scratch
+        torch.cuda.synchronize()
+        dt = time.perf_counter() - t
+        h.dirty = False  # that stand-in backward wrote nothing
+        if not flush:
+            h.scratch.zero_()
+        return dt, want
+
+    timed(True, True)  # warm-up
+    h.drain()
+    q.zero_()
+    t_flush, want = timed(True, False)
+    h.drain()
+    exact = torch.equal(q.parts[0], want)
+    t_mm, _ = timed(False, True)
+    t_both, _ = timed(True, True)
+    hidden = (t_flush + t_mm - t_both) / min(t_flush, t_mm)
+    h.drain()
+    st = h.step_stats()
+    h.close()
+    detail = (f"{'pinned' if pinned else 'NOT pinned'}; flush of 256 MiB {t_flush:.3f} s "
+              f"({0.268 / t_flush:.1f} GB/s), matmuls {t_mm:.3f} s, both {t_both:.3f} s: {hidden:.0%} hidden; "
+              f"destination {'exact' if exact else 'NOT exact'}; D2H {st['d2h_s']:.3f} s, host add "
+              f"{st['host_add_s']:.3f} s over {st['flushes']} flushes")
+    ok, more = _host_accumulation_learner()
+    return ("pass" if ok and pinned and exact and hidden >= 0.5 else "fail"), f"{detail}; {more}"
+
+
+def _host_accumulation_learner():
+    """stream-trajectory with host accumulation vs device accumulation, float32 and float64: (ok, detail)."""
+    import torch
+
+    from megatron_tsync.model.builder import PrecisionConfig
+
+    S = _samples(n_groups=4, G=4, T=512, seed=5)
+    order = [S[g * 4 + i] for i in range(4) for g in range(4)]  # every group open at once
+    out, ok = [], True
+    for prec, tol in ((PrecisionConfig(), 1e-6), (PrecisionConfig(params_dtype=torch.float64), 1e-12)):
+        g_dev, _ = _grad("stream-trajectory", prec, S, order, keep_dtype=True)
+        g_host, res = _grad("stream-trajectory", prec, S, order, keep_dtype=True, accumulate_on_host=True)
+        rel = float((g_host - g_dev).norm() / g_dev.norm())
+        off = res.offload
+        ok = ok and rel <= tol and off["flushes"] > 0
+        out.append(f"{str(prec.params_dtype).removeprefix('torch.')} {rel:.1e} (≤ {tol:g}), {off['flushes']} flushes, "
+                   f"{off['d2h_bytes'] / 1e9:.2f} GB D2H, copies {off['d2h_s']:.3f} s, adds {off['host_add_s']:.3f} s, "
+                   f"wait {off['wait_s']:.3f} s")
+    return ok, "host vs device accumulation: " + "; ".join(out)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", default=None)
@@ -708,6 +804,7 @@ def main(argv=None):
     vllm_routing()
     gated_delta_fla()
     bucket_residency()
+    host_accumulation()
     import torch
 
     dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU only"

@@ -89,10 +89,18 @@ class TrainConfig:
         for path, gib in (("learner.bucket_device_gib", lr.bucket_device_gib),
                           ("learner.bucket_host_gib", lr.bucket_host_gib)):
             _check(gib is None or gib > 0, f"{path} must be > 0, got {gib}", path)
-        _check(lr.bucket_host_gib is None or lr.max_device_buckets is not None or lr.bucket_device_gib is not None,
+        _check(lr.bucket_host_gib is None or lr.max_device_buckets is not None or lr.bucket_device_gib is not None
+               or lr.accumulate_on_host,
                "learner.bucket_host_gib sizes the host arena of bucket residency, which is on with "
-               "learner.max_device_buckets or learner.bucket_device_gib (neither is set)",
+               "learner.max_device_buckets or learner.bucket_device_gib, or of learner.accumulate_on_host (none is set)",
                "learner.bucket_host_gib", "learner.max_device_buckets", "learner.bucket_device_gib")
+        _check(not lr.accumulate_on_host or (lr.max_device_buckets is None and lr.bucket_device_gib is None
+                                             and not lr.deterministic and not lr.pack_across_groups
+                                             and self.rl.algorithm == "grpo"),
+               "learner.accumulate_on_host keeps every gradient vector on the host: not with bucket residency's device "
+               "cache (learner.max_device_buckets, learner.bucket_device_gib), learner.deterministic, "
+               "learner.pack_across_groups, or rl.algorithm opd (no group buckets there)",
+               "learner.accumulate_on_host", "learner.max_device_buckets", "learner.deterministic")
         _check(lr.estimator_eps >= 0, f"learner.estimator_eps must be >= 0, got {lr.estimator_eps}",
                "learner.estimator_eps")
         _check(lr.coalesce_ms >= 0, f"learner.coalesce_ms must be >= 0, got {lr.coalesce_ms}", "learner.coalesce_ms")

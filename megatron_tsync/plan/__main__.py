@@ -55,7 +55,7 @@ def parser() -> argparse.ArgumentParser:
                           ("max-concurrency", 256)):
         h.add_argument(f"--{name}", type=int, default=default)
     for name in ("mfu", "decode-mfu", "prefill-mfu", "hbm-eff", "mb-overhead-s", "decode-overhead-s", "dp-bw-gbs",
-                 "sync-bw-gbs", "peak-tflops", "hbm-tbs", "mem-gib"):
+                 "sync-bw-gbs", "peak-tflops", "hbm-tbs", "mem-gib", "host-link-gbs", "host-add-gbs"):
         h.add_argument(f"--{name}", type=float, default=None,
                        help=f"overrides the layout's {name.replace('-', '_')} (plan/hardware.py: Layout, GPUS)")
     h.add_argument("--frontier-first", action="store_true",
@@ -63,6 +63,8 @@ def parser() -> argparse.ArgumentParser:
     s = ap.add_argument_group("trainer settings")
     s.add_argument("--max-staleness", type=int, default=1, help="async(K)")
     s.add_argument("--max-open-groups", type=int, default=None)
+    s.add_argument("--accumulate-on-host", action="store_true",
+                   help="the trainer's --accumulate-on-host: accumulator and buckets on the host (plan/learner.py)")
     s.add_argument("--modes", default=",".join(MODES))
     o = ap.add_argument_group("output")
     o.add_argument("--json", default=None)
@@ -88,7 +90,8 @@ def build(a) -> tuple:
         raise SystemExit("--teacher is for --algorithm opd")
     if a.profile.endswith(".jsonl") and (a.calls is not None or a.verify_s is not None):
         raise SystemExit("--calls / --verify-s: a .jsonl trace has its own tool calls and verifier times")
-    settings = PlannerSettings(estimator=a.estimator, max_open_groups=a.max_open_groups)
+    settings = PlannerSettings(estimator=a.estimator, max_open_groups=a.max_open_groups,
+                               host_accumulation=a.accumulate_on_host)
     sc = Scenario(cost=cost, layout=lay, learner=learner_cost(arch, lay, a.estimator, teacher), settings=settings,
                   sync_s=weight_sync_s(cost, lay), async_k=a.max_staleness, opd=a.algorithm == "opd")
     ws = WorkloadSpec(prompts=a.prompts, group_size=a.group_size, calls=3 if a.calls is None else a.calls,

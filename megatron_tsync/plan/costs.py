@@ -8,7 +8,9 @@
 - the barrier: a ring all-reduce of the fp32 grad buffer over DP, ``2·(DP−1)/DP · 4·P_rank / dp_bw``, the
   distributed Adam step (≈ 30 bytes per parameter of the rank's 1/DP shard at HBM bandwidth) and the bf16 parameter
   all-gather ``2·(DP−1)/DP · 2·P_rank / dp_bw``;
-- the weight sync: every bf16 weight once, ``2·P_total / sync_bw``.
+- the weight sync: every bf16 weight once, ``2·P_total / sync_bw``;
+- host accumulation (``--accumulate-on-host``): one vector's D2H copy ``4·P_rank / host_link``, its host add
+  ``12·P_rank / host_add`` (read the staged chunk and the destination, write the destination: fp32).
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ def learner_cost(arch: ModelArch, layout: Layout, estimator: str = "grpo",
     fold = 3.0 * PER_GROUP.get(estimator, 2) * 4 * p_rank / layout.hbm
     return LearnerCost(overhead_s=layout.mb_overhead_s, per_token_s=per_tok / rate,
                        per_token2_s=6.0 * cost.layers * cost.q_dim / rate, fold_s=fold, barrier_s=barrier,
-                       pp=layout.pp, vector_copy_s=4 * p_rank / (layout.spec("host_link_gbs") * 1e9))
+                       pp=layout.pp, vector_copy_s=4 * p_rank / (layout.spec("host_link_gbs") * 1e9),
+                       host_add_s=12 * p_rank / (layout.spec("host_add_gbs") * 1e9))
 
 
 def weight_sync_s(cost: ModelCost, layout: Layout) -> float:

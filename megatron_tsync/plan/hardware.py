@@ -26,16 +26,24 @@ from megatron_tsync.model.builder import ModelArch
 from megatron_tsync.plan.memory import stage_params
 
 GPUS: dict[str, dict] = {
-    "h100": {"peak_tflops": 989.0, "hbm_tbs": 3.35, "mem_gib": 80.0, "host_link_gbs": 50.0},
-    "h200": {"peak_tflops": 989.0, "hbm_tbs": 4.8, "mem_gib": 141.0, "host_link_gbs": 50.0},
-    "gh200": {"peak_tflops": 989.0, "hbm_tbs": 4.9, "mem_gib": 141.0, "host_link_gbs": 400.0},
-    "b200": {"peak_tflops": 2250.0, "hbm_tbs": 8.0, "mem_gib": 180.0, "host_link_gbs": 50.0},
-    "a100": {"peak_tflops": 312.0, "hbm_tbs": 2.0, "mem_gib": 80.0, "host_link_gbs": 25.0},
-    "cpu": {"peak_tflops": 0.05, "hbm_tbs": 0.02, "mem_gib": 64.0, "host_link_gbs": 3.3},
+    "h100": {"peak_tflops": 989.0, "hbm_tbs": 3.35, "mem_gib": 80.0, "host_link_gbs": 50.0, "host_add_gbs": 57.6},
+    "h200": {"peak_tflops": 989.0, "hbm_tbs": 4.8, "mem_gib": 141.0, "host_link_gbs": 50.0, "host_add_gbs": 57.6},
+    "gh200": {"peak_tflops": 989.0, "hbm_tbs": 4.9, "mem_gib": 141.0, "host_link_gbs": 400.0, "host_add_gbs": 375.0},
+    "b200": {"peak_tflops": 2250.0, "hbm_tbs": 8.0, "mem_gib": 180.0, "host_link_gbs": 50.0, "host_add_gbs": 67.0},
+    "a100": {"peak_tflops": 312.0, "hbm_tbs": 2.0, "mem_gib": 80.0, "host_link_gbs": 25.0, "host_add_gbs": 38.4},
+    "cpu": {"peak_tflops": 0.05, "hbm_tbs": 0.02, "mem_gib": 64.0, "host_link_gbs": 3.3, "host_add_gbs": 13.0},
 }
 """``host_link_gbs``: one direction of the GPU's host link as pinned copies reach it (data-sheet peak × ~0.8): PCIe
 Gen5 x16 (64 GB/s) for H100/H200/B200 SXM boards, Gen4 (32 GB/s) for A100, NVLink-C2C (450 GB/s per direction) for
-Grace Hopper; "cpu": a 256 MiB slot-to-slot copy measured on the project's 2-core CPU machine (docs/streaming.md)."""
+Grace Hopper; "cpu": a 256 MiB slot-to-slot copy measured on the project's 2-core CPU machine (docs/streaming.md).
+
+``host_add_gbs``: host memory bandwidth one learner rank's host add gets (host accumulation), all ranks of a node
+adding at once: the node's sockets' DDR peak (channels × transfer rate × 8 B) × 0.75 (STREAM-like sustained share)
+divided by the node's GPUs. DGX H100 / HGX H200: 2 × Xeon 8480C, 8 channels DDR5-4800 (307 GB/s per socket) →
+2 × 307 × 0.75 / 8 = 57.6; DGX B200: 2 × Xeon 8570, 8 channels DDR5-5600 (358 GB/s) → 67; DGX A100: 2 × EPYC 7742, 8
+channels DDR4-3200 (205 GB/s) → 38.4; GH200: one Grace (LPDDR5X, 500 GB/s) per GPU → 375; "cpu": torch ``add_`` of a
+256 MiB fp32 vector with one thread measured on the project's 2-core CPU machine, 12 bytes per element
+(docs/streaming.md)."""
 
 _QWEN3 = {"model_type": "qwen3", "vocab_size": 151936, "head_dim": 128, "rms_norm_eps": 1e-6, "rope_theta": 1e6,
           "tie_word_embeddings": False, "max_position_embeddings": 40960}
@@ -185,6 +193,7 @@ class Layout:
     frontier_first: bool = False  # engines admit waiting sequences of earlier groups first (--rollout-frontier-first)
     peak_tflops: float | None = None  # overrides the GPU type's
     host_link_gbs: float | None = None
+    host_add_gbs: float | None = None
     hbm_tbs: float | None = None
     mem_gib: float | None = None
 
@@ -214,7 +223,7 @@ class Layout:
 
     def spec(self, key: str) -> float:
         own = {"peak_tflops": self.peak_tflops, "hbm_tbs": self.hbm_tbs, "mem_gib": self.mem_gib,
-               "host_link_gbs": self.host_link_gbs}[key]
+               "host_link_gbs": self.host_link_gbs, "host_add_gbs": self.host_add_gbs}[key]
         return GPUS[self.gpu][key] if own is None else own
 
     @property

@@ -45,6 +45,8 @@ class LearnerCost:
     call_s: float = 0.0
     planner_time: bool = False
     vector_copy_s: float = 0.0  # one bucket vector host <-> GPU, one way, at the host link's bandwidth
+    host_add_s: float = 0.0  # host accumulation: one vector's host add (read two, write one) at host memory bandwidth
+    forward_share: float = 1.0 / 3.0  # of a microbatch's seconds, its forward (2 of its 6 FLOPs per parameter-token)
 
     def microbatch_s(self, tokens: int) -> float:
         return self.overhead_s + self.per_token_s * tokens + self.per_token2_s * tokens * tokens
@@ -61,6 +63,7 @@ class PlannerSettings:
     coalesce_tokens: int = 0
     dp_assignment: str = "arrival"  # --dp-assignment: "arrival" or "group" (DataParallelAssigner)
     device_vectors: int | None = None  # bucket residency's device cache (--max-device-buckets); None: all on the GPU
+    host_accumulation: bool = False  # --accumulate-on-host: accumulator and buckets on the host, grad buffer scratch
 
 
 def dp_ranks(settings: PlannerSettings, arrivals: list[tuple[float, Traj]], dp: int) -> dict[str, int]:
@@ -125,6 +128,53 @@ class _Residency:
         self.device.pop(gid, None)
 
 
+class _HostAccum:
+    """Host accumulation in the timeline (``streaming/host_accum.py``): one FIFO host worker. A microbatch whose
+    destination (its group's Q, or the accumulator) differs from the scratch's flushes it when its forward starts:
+    the D2H copy and the host add run as a chunk pipeline, ``max(copy, add)`` seconds on the worker once it is free;
+    the backward waits for it only beyond the forward. Origin shifts (one add per bucket microbatch, counted for every
+    one: conservative) and closes (``per_group`` adds) queue on the worker without stopping the learner; the barrier
+    waits for the worker, then copies the accumulator to the GPU (one vector over the host link)."""
+
+    def __init__(self, cost: LearnerCost, per_group: int, tl: RankTimeline):
+        self.cost, self.per_group, self.tl = cost, per_group, tl
+        self.flush_s = max(cost.vector_copy_s, cost.host_add_s)
+        self.worker_free = 0.0
+        self.dest: str | None = None  # the scratch's destination ("" : the accumulator)
+        self.dirty = False
+
+    def _queue(self, t: float, secs: float) -> float:
+        self.worker_free = max(self.worker_free, t) + secs
+        return self.worker_free
+
+    def flush(self, t: float) -> float:
+        """Flush at ``t`` if the scratch holds a gradient; returns when the scratch is free again."""
+        if not self.dirty:
+            return t
+        self.dirty = False
+        self.tl.moved_vectors += 1
+        return self._queue(t, self.flush_s)
+
+    def microbatch(self, t: float, dest: str, fwd: float) -> float:
+        """A microbatch (its forward starts at ``t``) writing ``dest``: the seconds its backward waits."""
+        free = self.flush(t) if dest != self.dest or dest else t  # a bucket microbatch: a new group or a shift
+        self.dest, self.dirty = dest, True
+        wait = max(0.0, free - (t + fwd))
+        if dest:
+            self._queue(t + fwd + wait, self.cost.host_add_s)  # the origin shift (P += shift·Q)
+        return wait
+
+    def close(self, t: float) -> None:
+        self.flush(t)  # the close's adds flush the scratch first; then it routes to the accumulator
+        self.dest = ""
+        self._queue(t, self.per_group * self.cost.host_add_s)
+
+    def barrier(self, t: float) -> float:
+        """Seconds the barrier waits: the worker drains, then the accumulator goes to the GPU."""
+        self.tl.moved_vectors += 1
+        return max(0.0, self.flush(t) - t, self.worker_free - t) + self.cost.vector_copy_s
+
+
 class _Rank:
     def __init__(self, cost: LearnerCost, settings: PlannerSettings, trajs: dict[str, Traj], release: dict[str, float]):
         self.cost, self.settings, self.trajs, self.release = cost, settings, trajs, release
@@ -132,6 +182,8 @@ class _Rank:
         self.now = 0.0
         cap = settings.device_vectors
         self.res = None if cap is None else _Residency(cap, PER_GROUP.get(settings.estimator, 2), self.tl)
+        self.host = _HostAccum(cost, PER_GROUP.get(settings.estimator, 2), self.tl) if settings.host_accumulation \
+            else None
 
     def _copies_s(self, mbs: list[list[WorkItem]], secs: list[float]) -> float:
         """Copy seconds waited for in one schedule call: microbatch k's vectors move during microbatch k − 1."""
@@ -141,6 +193,18 @@ class _Rank:
         for k, mb in enumerate(mbs):
             moved = sum(self.res.need(it.group_id) for it in mb if it.dest is Dest.BUCKET)
             wait += max(0.0, moved * self.cost.vector_copy_s - (secs[k - 1] if k else 0.0))
+        self.tl.copy_wait_s += wait
+        return wait
+
+    def _host_waits(self, mbs: list[list[WorkItem]], secs: list[float]) -> float:
+        """Host accumulation: seconds the backwards of one schedule call wait for the scratch (``_HostAccum``)."""
+        if self.host is None:
+            return 0.0
+        t, wait = self.now + self.cost.call_s, 0.0
+        for mb, s in zip(mbs, secs):
+            dest = next((it.group_id for it in mb if it.dest is Dest.BUCKET), "")
+            w = self.host.microbatch(t, dest, s * self.cost.forward_share)
+            wait, t = wait + w, t + s + w
         self.tl.copy_wait_s += wait
         return wait
 
@@ -158,7 +222,7 @@ class _Rank:
                 mbs.append([it])
         secs = [self.cost.microbatch_s(sum(self.trajs[x.traj_id].tokens for x in mb)) for mb in mbs]
         total = self.cost.call_s + sum(secs) + (self.cost.pp - 1) / self.cost.pp * (sum(secs) / len(secs))
-        total += self._copies_s(mbs, secs)
+        total += self._copies_s(mbs, secs) + self._host_waits(mbs, secs)
         t0 = self.now
         for mb, s in zip(mbs, secs):
             self.tl.jobs.append((max(self.release[x.traj_id] for x in mb), s))
@@ -178,6 +242,9 @@ class _Rank:
         for c in closes:
             self.tl.order.append(("close", c.group_id))
             fold = self.cost.fold_s
+            if self.host is not None:  # the fold is host adds on the worker: the learner goes on
+                self.host.close(self.now)
+                continue
             if self.res is not None and (c.group_id in self.res.device or c.group_id in self.res.host):
                 # the fold reads the group's vectors on the GPU: brought back if they were sent out, not hidden
                 wait = self.res.need(c.group_id) * self.cost.vector_copy_s
@@ -230,9 +297,15 @@ def simulate_rank(cost: LearnerCost, settings: PlannerSettings, arrivals: list[t
     R.plan_s(t0)
     R.run(held)
     R.close(closes)
-    if cost.barrier_s > 0:
-        R.tl.busy.append((R.now, R.now + cost.barrier_s))
-        R.now += cost.barrier_s
+    barrier = cost.barrier_s
+    if R.host is not None:
+        wait = R.host.barrier(R.now)
+        R.tl.copy_wait_s += wait
+        barrier += wait
+        R.tl.peak_host_vectors = 1 + PER_GROUP.get(settings.estimator, 2) * R.tl.peak_open_groups
+    if barrier > 0:
+        R.tl.busy.append((R.now, R.now + barrier))
+        R.now += barrier
     R.tl.end_s = R.now
     R.tl.stats = dict(planner.stats)
     R.tl.busy = [(a + start, b + start) for a, b in R.tl.busy]

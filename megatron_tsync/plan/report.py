@@ -19,7 +19,9 @@ its bucket peak fits), with the largest ``--max-open-groups`` cap that fits (re-
 (``--max-device-buckets N``: stream-trajectory re-simulated with N device slots — ``learner.py``'s residency model:
 vectors moved over the GPU's host link, ``hardware.GPUS``' ``host_link_gbs``, each microbatch's copies hidden behind
 the previous microbatch — with the host arena's peak per node, ``GPUS_PER_NODE`` learner GPUs on a node, and the copy
-seconds the learner waited for).
+seconds the learner waited for), and with host accumulation (``--accumulate-on-host``: no bucket vector on the GPU,
+the accumulator and every bucket on the host, ``learner.py``'s ``_HostAccum`` model: a flush per microbatch behind the
+next forward, host adds at ``host_add_gbs``; it fits wherever the model state does).
 """
 
 from __future__ import annotations
@@ -103,6 +105,12 @@ def options(arch: ModelArch, sc: Scenario, batches, out: dict, mem: dict, mem_fr
         add("--rl-mode stream-group", out["stream-group"]["summary"]["step_s"], 0, True)
     st = out["stream-trajectory"]["summary"]["step_s"]
     peak = mem["bucket_vectors"]
+    if sc.settings.host_accumulation:  # the simulated stream-trajectory already keeps every bucket on the host
+        add("--rl-mode stream-trajectory --accumulate-on-host", st, 0, free >= 0,
+            "" if free >= 0 else f"the model state leaves {free:.1f} GiB of {mem_frac:.0%} of the GPU",
+            host_gib=out["stream-trajectory"]["summary"]["peak_host_vectors"] * vec,
+            transfer_s=out["stream-trajectory"]["summary"]["copy_wait_s"])
+        return rows
     add("--rl-mode stream-trajectory", st, peak, peak <= fit,
         "" if peak <= fit else f"{peak} bucket vectors at the peak, {fit} fit")
     cap = fit // per_group
@@ -116,6 +124,12 @@ def options(arch: ModelArch, sc: Scenario, batches, out: dict, mem: dict, mem_fr
         r = simulate(s2, batches, modes=("stream-trajectory",))["stream-trajectory"]["summary"]
         add(f"--rl-mode stream-trajectory --max-device-buckets {n}", r["step_s"], n, fit >= n,
             "" if fit >= n else f"bucket residency keeps {n} vectors on the GPU, {fit} fit",
+            host_gib=r["peak_host_vectors"] * vec, transfer_s=r["copy_wait_s"])
+    if peak > fit:  # host accumulation: nothing on the GPU beyond the grad buffer (in the model state)
+        s2 = dataclasses.replace(sc, settings=dataclasses.replace(sc.settings, host_accumulation=True))
+        r = simulate(s2, batches, modes=("stream-trajectory",))["stream-trajectory"]["summary"]
+        add("--rl-mode stream-trajectory --accumulate-on-host", r["step_s"], 0, free >= 0,
+            "" if free >= 0 else f"the model state leaves {free:.1f} GiB of {mem_frac:.0%} of the GPU",
             host_gib=r["peak_host_vectors"] * vec, transfer_s=r["copy_wait_s"])
     return sorted(rows, key=lambda r: (not r["fits"], round(r["step_s"], 2), r["bucket_gib"]))  # ties: less memory
 

@@ -25,7 +25,9 @@ Reported: stream-trajectory and async(1) over sync, open groups per rank at the 
 DP assignment, the bucket peak per learner GPU with every vector on the GPU, and stream-trajectory with group
 affinity and bucket residency (:func:`_residency_row`: the device slots that fit in 75 % of the GPU beside the model
 state, the host arena per 8-GPU node against :data:`HOST_GIB_PER_NODE`, the copy seconds waited per step, the
-speedup lost against every vector on the GPU), or why it does not fit.
+speedup lost against every vector on the GPU), or why it does not fit; then host accumulation
+(:func:`_host_accumulation_row`: no bucket vector on the GPU, the host arena per node, capped by ``--max-open-groups``
+where it would exceed :data:`HOST_FRAC` of :data:`HOST_GIB_PER_NODE`, the learner's waits, the speedup lost).
 """
 
 from __future__ import annotations
@@ -156,6 +158,7 @@ def _residency_row(arch, sc, batches, sync_s: float) -> dict:
     fit = max(0, int(free // mem["vector_gib"]))
     out = {"affinity_open_groups": a["peak_open_groups"], "affinity_speedup": sync_s / a["step_s"],
            "device_slots": fit, "model_state_gib": mem["model_state_gib"], "vector_gib": mem["vector_gib"]}
+    out.update(_host_accumulation_row(arch, aff, batches, sync_s, a["step_s"], mem))
     if fit < 2:
         return {**out, "why": f"model state {mem['model_state_gib']:.0f} GiB + the 2 device vectors residency needs "
                               f"(2 × {mem['vector_gib']:.1f} GiB) > 75 % of {mem['gpu_gib']:.0f} GiB"}
@@ -170,6 +173,37 @@ def _residency_row(arch, sc, batches, sync_s: float) -> dict:
         f"host arena {host:.0f} GiB/node > {HOST_FRAC:.0%} of {HOST_GIB_PER_NODE:.0f} GiB"
     return {**out, "host_gib_per_node": host, "copy_wait_s": r["copy_wait_s"], "moved_vectors": r["moved_vectors"],
             "residency_speedup": sync_s / r["step_s"], "loss": 1.0 - a["step_s"] / r["step_s"], "why": why}
+
+
+def _host_accumulation_row(arch, aff, batches, sync_s: float, unlimited_s: float, mem: dict) -> dict:
+    """stream-trajectory with group affinity and host accumulation (``--accumulate-on-host``): no gradient vector on
+    the GPU beyond the grad buffer (in the model state), the accumulator and 2k bucket vectors per rank on the host;
+    the learner's waits for the scratch (``learner._HostAccum``) and the share of the unlimited-memory step it costs
+    ("host_acc_loss"). Where the host arena exceeds :data:`HOST_FRAC` of the node, re-simulated with the largest
+    ``--max-open-groups`` cap that fits ("host_acc_cap"; the overflow groups stream per group); or why it does not
+    fit."""
+    def run(cap):
+        st = PlannerSettings(dp_assignment="group", host_accumulation=True, max_open_groups=cap)
+        return simulate(dataclasses.replace(aff, settings=st), batches, ("stream-trajectory",))[
+            "stream-trajectory"]["summary"]
+
+    r, cap = run(None), None
+    node = min(8, aff.layout.learner_gpus)
+    limit = HOST_FRAC * HOST_GIB_PER_NODE
+    host = r["peak_host_vectors"] * mem["vector_gib"] * node
+    if host > limit:
+        cap = int((limit / node / mem["vector_gib"] - 1) // PER_GROUP["grpo"])
+        if cap >= 1:
+            r = run(cap)
+            host = r["peak_host_vectors"] * mem["vector_gib"] * node
+    why = []
+    if mem["model_state_gib"] > 0.75 * mem["gpu_gib"]:
+        why.append(f"model state {mem['model_state_gib']:.0f} GiB > 75 % of {mem['gpu_gib']:.0f} GiB")
+    if host > limit:
+        why.append(f"host {host:.0f} GiB/node > {HOST_FRAC:.0%} of {HOST_GIB_PER_NODE:.0f} GiB")
+    return {"host_acc_speedup": sync_s / r["step_s"], "host_acc_loss": 1.0 - unlimited_s / r["step_s"],
+            "host_acc_wait_s": r["copy_wait_s"], "host_acc_gib_per_node": host, "host_acc_cap": cap,
+            "host_acc_why": "; ".join(why)}
 
 
 def scaling(gpus=(8, 64, 512, 1024), models=SCALING_MODELS, scale: float = 5.0, per_gpu: int = 1,
@@ -214,12 +248,13 @@ def main(name: str) -> list[dict]:
 def print_scaling(rows: list[dict]) -> None:
     print("| workload | model | GPUs | trajectories | sync step s | stream-trajectory | async(1) | open groups/rank "
           "(arrival → group) | stream-trajectory, group | bucket GiB/GPU, arrival | device slots | host arena "
-          "GiB/node | copy wait s/step | stream-trajectory, group + residency | lost to residency | within memory |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "GiB/node | copy wait s/step | stream-trajectory, group + residency | lost to residency | within memory | "
+          "host acc.: open groups cap | host GiB/node | wait s/step | stream-trajectory | lost | within memory |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         head = f"| {r['workload']} | {r['model']} | {r['gpus']} |"
         if "sync_step_s" not in r:
-            print(head + " — |" * 12 + f" no: {r['why']} |")
+            print(head + " — |" * 12 + f" no: {r['why']} |" + " — |" * 5 + f" no: {r['why']} |")
             continue
         b = r["bucket"]
         res = "—" if "residency_speedup" not in r else f"{r['residency_speedup']:.2f}×"
@@ -229,4 +264,7 @@ def print_scaling(rows: list[dict]) -> None:
         print(f"{head} {r['trajectories']} | {r['sync_step_s']:.1f} | {r['stream_speedup']:.2f}× | "
               f"{r['async_speedup']:.2f}× | {b['peak_open_groups']} → {r['affinity_open_groups']} | "
               f"{r['affinity_speedup']:.2f}× | {b['bucket_gib']:.0f} | {r['device_slots']} | {host} | {wait} | {res} | {loss} | "
-              f"{'yes' if not r['why'] else 'no: ' + r['why']} |")
+              f"{'yes' if not r['why'] else 'no: ' + r['why']} | {r['host_acc_cap'] or '—'} | "
+              f"{r['host_acc_gib_per_node']:.0f} | "
+              f"{r['host_acc_wait_s']:.1f} | {r['host_acc_speedup']:.2f}× | {100 * r['host_acc_loss']:.1f} % | "
+              f"{'yes' if not r['host_acc_why'] else 'no: ' + r['host_acc_why']} |")

@@ -22,6 +22,7 @@ from megatron_tsync.runtime.fleet import LEDGER_TB_NAMES, RolloutFleet, Transpor
 from megatron_tsync.runtime.rollout_io import grad_dump_hook, load_rollouts
 from megatron_tsync.runtime.spec import StepOutcome, TrainSpec
 from megatron_tsync.runtime.validation import REJECTION_TB_NAMES, rejection_row
+from megatron_tsync.streaming.host_accum import HOST_TB_NAMES
 from megatron_tsync.streaming.offload import TB_NAMES as RESIDENCY_TB_NAMES
 from megatron_tsync.streaming.ready_queue import CoalescingSource, DataParallelAssigner, ListSource, Sample
 from megatron_tsync.training.learner import Learner, LearnerConfig
@@ -38,6 +39,7 @@ TB_NAMES = {"reward": "rollout/reward", "success_rate": "rollout/success_rate", 
 TB_NAMES |= REJECTION_TB_NAMES  # transport/rejected_<reason>
 TB_NAMES |= HARNESS_TB_NAMES  # rollout/harness_<reason>: failed harness episodes (--harness-cmd / --harness-fn)
 TB_NAMES |= {f"offload_{k}": tag for k, tag in RESIDENCY_TB_NAMES.items()}  # stream/*: bucket residency
+TB_NAMES |= {f"offload_{k}": tag for k, tag in HOST_TB_NAMES.items()}  # ... and host accumulation
 
 
 def learner_config(cfg, task) -> LearnerConfig:
@@ -190,7 +192,8 @@ def _residency_text(row: dict) -> str:
     mib = 2 ** 20
     dev, host = row["offload_peak_device_bytes"] / mib, row["offload_peak_host_bytes"] / mib
     moved = row["offload_bytes_moved"] / mib
-    return f" buckets dev {dev:.0f}/host {host:.0f} MiB moved {moved:.0f} MiB wait {row['offload_wait_s']:.2f}s"
+    add = f" add {row['offload_host_add_s']:.2f}s" if "offload_host_add_s" in row else ""  # --accumulate-on-host
+    return f" buckets dev {dev:.0f}/host {host:.0f} MiB moved {moved:.0f} MiB wait {row['offload_wait_s']:.2f}s{add}"
 
 
 def _speculation_row(samples: list[Sample], on: bool) -> dict:

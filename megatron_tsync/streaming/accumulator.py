@@ -10,6 +10,11 @@ Buffers (gradient-sized vectors), k = open groups, the accumulator being Megatro
 - α known in advance (Dr.GRPO, RLOO): α·P of every group is summed directly into the accumulator
   (accumulator += α(ρ − r_i)·Q before each backward) → only Q per group → 1 + k.
 P is allocated lazily, the first time the origin moves (a zero-variance group never needs it).
+
+Host accumulation (``host``: ``streaming.host_accum.HostAccumulation``, ``--accumulate-on-host``): the accumulator and
+every P/Q live in the host arena; ``param.main_grad`` always views megatron's grad buffer (the scratch), and routing
+names the scratch's destinations instead of re-pointing ``main_grad``; the shifts and closes are host ``add_`` calls in
+the host worker's order.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 
 from megatron_tsync.streaming.buckets import BucketPool, GradRouter, GradVector
+from megatron_tsync.streaming.host_accum import HostAccumulation
 from megatron_tsync.streaming.offload import Residency, ResidentVectors
 
 
@@ -30,15 +36,65 @@ class _Bucket:
 
 class GroupBuckets(ResidentVectors):
     """``residency``: optional device cache + host arena of the vectors (``streaming/offload.py``); None keeps all on
-    the device."""
+    the device. ``host``: host accumulation (module docstring; not with ``residency``)."""
 
-    def __init__(self, router: GradRouter, pool: BucketPool, residency: Residency | None = None):
+    def __init__(self, router: GradRouter, pool: BucketPool, residency: Residency | None = None,
+                 host: HostAccumulation | None = None):
+        if host is not None and residency is not None:
+            raise ValueError("--accumulate-on-host keeps every bucket vector on the host: it replaces the device "
+                             "cache of --max-device-buckets / --bucket-device-gib")
         super().__init__(router, pool, residency)
+        self.host = host
+        if host is not None:
+            self.accumulator = host.accumulator
         self.buckets: dict[str, _Bucket] = {}
 
     @property
     def open_groups(self) -> int:
         return len(self.buckets)
+
+    def _acquire(self, tag: str, group: str, keep: tuple[GradVector, ...] = ()) -> GradVector:
+        if self.host is not None:
+            return self.host.acquire(self.pool, tag)
+        return super()._acquire(tag, group, keep)
+
+    def _release(self, v: GradVector) -> None:
+        if self.host is not None:
+            self.host.release(v)
+            self.pool.release(v)
+            return
+        super()._release(v)
+
+    def _axpy(self, dst: GradVector, src: GradVector, alpha: float) -> None:
+        """dst += alpha·src (on the host worker under host accumulation)."""
+        if self.host is not None:
+            self.host.axpy(dst, src, alpha)
+        else:
+            dst.add_(src, alpha=alpha)
+
+    def _route(self, v: GradVector) -> None:
+        """The next backward's gradient goes into ``v``."""
+        if self.host is not None:
+            self.host.route([(v, 1.0)])
+        else:
+            self.router.route(v)
+
+    def next_backward(self, group_id: str | None, reward: float | None) -> None:
+        """Host accumulation: a forward starts whose backward will write ``group_id``'s Q at ``reward`` (None: the
+        accumulator): flush the scratch now unless it keeps accumulating for the same vector (``HostAccumulation
+        .prepare``; a guess — routing at backward time decides)."""
+        if self.host is None:
+            return
+        if group_id is None:
+            self.host.prepare([(self.accumulator, 1.0)])
+            return
+        b = self.buckets.get(group_id)
+        self.host.prepare([(b.q, 1.0)] if b is not None and b.rho == float(reward) else None)
+
+    def begin_backward(self) -> None:
+        """Right before a routed backward writes gradients (host accumulation: wait for the scratch)."""
+        if self.host is not None:
+            self.host.begin_backward()
 
     def _open(self, group_id: str, reward: float, alpha_known: float | None) -> _Bucket:
         """The group's bucket; a new one has Q and its origin at ``reward`` (P comes with :meth:`_p`)."""
@@ -62,20 +118,20 @@ class GroupBuckets(ResidentVectors):
             shift = b.rho - float(reward)
             if b.alpha_known is not None:
                 self._need(b.q)
-                self.accumulator.add_(b.q, alpha=b.alpha_known * shift)
+                self._axpy(self.accumulator, b.q, b.alpha_known * shift)
             else:
                 self._p(group_id, b)
                 self._need(b.p, b.q)
-                b.p.add_(b.q, alpha=shift)
+                self._axpy(b.p, b.q, shift)
             b.rho = float(reward)
         self._need(b.q)
-        self.router.route(b.q)
+        self._route(b.q)
 
     def destinations(self, group_id: str, reward: float, alpha_known: float | None) -> list[tuple[GradVector, float]]:
         """Where one trajectory's reward-free gradient h_i goes when it shares a backward with other destinations
-        (``model.row_split``): [(vector, coefficient)]. The origin ρ stays where it is: Q += h_i and
-        P += (r_i − ρ)·h_i (α known: accumulator += α(r_i − ρ)·h_i), which keeps P = Σ (r_j − ρ)·h_j as :meth:`enter`
-        does, so the two may alternate. Makes the vectors device-resident."""
+        (``model.row_split``; not under host accumulation): [(vector, coefficient)]. The origin ρ stays where it is:
+        Q += h_i and P += (r_i − ρ)·h_i (α known: accumulator += α(r_i − ρ)·h_i), which keeps P = Σ (r_j − ρ)·h_j as
+        :meth:`enter` does, so the two may alternate. Makes the vectors device-resident."""
         b = self._open(group_id, reward, alpha_known)
         out = [(b.q, 1.0)]
         shift = float(reward) - b.rho
@@ -86,24 +142,32 @@ class GroupBuckets(ResidentVectors):
         return out
 
     def route_accumulator(self) -> None:
-        self.router.route_to_accumulator()
+        if self.host is not None:
+            self.host.route([(self.accumulator, 1.0)])
+        else:
+            self.router.route_to_accumulator()
 
     def close(self, group_id: str, alpha: float, q_coefficient) -> None:
         """accumulator += α·P + c·Q with c = q_coefficient(ρ); frees the group's vectors."""
         b = self.buckets.pop(group_id, None)
         if b is None:
             return  # every trajectory of the group went straight to the accumulator
-        if self.router.current is b.q:
-            self.router.route_to_accumulator()
+        if self.router.current is b.q or self.host is not None:
+            self.route_accumulator()
         if b.alpha_known is not None and alpha != b.alpha_known:
             raise AssertionError(f"group {group_id}: α changed from {b.alpha_known} to {alpha}")
         if b.p is not None:
             self._need(b.p)
-            self.accumulator.add_(b.p, alpha=alpha)
+            self._axpy(self.accumulator, b.p, alpha)
             self._release(b.p)
         self._need(b.q)
-        self.accumulator.add_(b.q, alpha=float(q_coefficient(b.rho)))
+        self._axpy(self.accumulator, b.q, float(q_coefficient(b.rho)))
         self._release(b.q)
+
+    def materialize(self) -> None:
+        """Before the barrier: the batch gradient into megatron's grad buffer (a no-op unless on the host)."""
+        if self.host is not None:
+            self.host.materialize()
 
     def vectors_in_use(self) -> int:
         return self.pool.stats.in_use

@@ -33,6 +33,7 @@ from megatron_tsync.algorithms.streamability import RewardSpec, describe_config
 from megatron_tsync.streaming.accumulator import GroupBuckets
 from megatron_tsync.streaming.buckets import BucketPool, GradRouter
 from megatron_tsync.streaming.canonical import CanonicalSum
+from megatron_tsync.streaming.host_accum import HostAccumulation
 from megatron_tsync.streaming.offload import Residency, ResidencyConfig
 from megatron_tsync.streaming.planner import StepPlanner, TrajMeta
 from megatron_tsync.streaming.ready_queue import ArrivalSource, Sample
@@ -59,6 +60,8 @@ class LearnerConfig:
     # beyond go to the host arena
     bucket_device_gib: float | None = None  # bucket residency: device cache size in GiB (with the above: the smaller)
     bucket_host_gib: float | None = None  # bucket residency: host arena size in GiB (None: sized per step)
+    accumulate_on_host: bool = False  # host accumulation (streaming/host_accum.py): accumulator and every bucket
+    # vector in pinned host memory, megatron's grad buffer as each microbatch's scratch (0 extra device vectors)
     poll_timeout_s: float = 0.05
     num_minibatches: int = 1  # optimizer steps per batch, minibatches fixed by group index (design note §5)
     epochs: int = 1  # passes over the batch; epochs after the first are synchronous
@@ -143,12 +146,13 @@ class Learner:
         self.router = GradRouter(ddp_model)
         rc = ResidencyConfig(max_device_vectors=cfg.max_device_buckets, device_gib=cfg.bucket_device_gib,
                              host_gib=cfg.bucket_host_gib)
-        if cfg.bucket_host_gib is not None and not rc.on:
+        if cfg.bucket_host_gib is not None and not rc.on and not cfg.accumulate_on_host:
             raise ValueError("--bucket-host-gib sizes the host arena of bucket residency: it needs "
-                             "--max-device-buckets or --bucket-device-gib")
-        self.pool = BucketPool(self.router.accumulator, keep_free=not rc.on)
+                             "--max-device-buckets, --bucket-device-gib or --accumulate-on-host")
+        host = _host_accumulation(cfg, self.router, rc)
+        self.pool = BucketPool(self.router.accumulator, keep_free=not rc.on and host is None)
         residency = Residency(self.router, rc) if rc.on else None
-        self.buckets = GroupBuckets(self.router, self.pool, residency)
+        self.buckets = GroupBuckets(self.router, self.pool, residency, host)
         self.canonical = _deterministic_sum(cfg, self.router, self.pool, residency)
         self.exec = StreamExecutor(ddp_model, self.buckets, cfg.loss,
                                    max_packed_tokens=cfg.max_packed_tokens if cfg.sequence_packing else None,
@@ -276,6 +280,8 @@ class Learner:
         self.pool.reset_peak()
         if self.buckets.residency is not None:
             self.buckets.residency.begin_step(self._vector_bound(group_sizes, mb_of))
+        if self.buckets.host is not None:
+            self.buckets.host.begin_step(self._vector_bound(group_sizes, mb_of))
         t_start = time.perf_counter()
         return _Batch(group_sizes=group_sizes, mb_of=mb_of, expected=expected, theta0=theta0, later_lc=later_lc,
                       buffered=[[] for _ in range(M)], seen=[[] for _ in range(M)],
@@ -374,6 +380,7 @@ class Learner:
         st.objective.append(self._objective(st, j))
         losses, st.loss_mark = self.exec.losses[st.loss_mark:], len(self.exec.losses)
         finite = math.isfinite(st.objective[-1]) and all(math.isfinite(x) for x in losses)
+        self.buckets.materialize()  # host accumulation: the batch gradient into the grad buffer
         res = barrier_step(self.model, self.opt, self.last_divisor, self.grad_hook, loss_finite=finite)
         st.ok = st.ok and res.update_ok
         st.skipped += int(res.skipped)
@@ -415,7 +422,8 @@ class Learner:
             busy_intervals=busy,
             last_arrival_s=la,
             work_after_last_arrival_s=step_s - la,
-            offload=None if self.buckets.residency is None else self.buckets.residency.step_stats(),
+            offload=(self.buckets.residency.step_stats() if self.buckets.residency is not None else
+                     self.buckets.host.step_stats() if self.buckets.host is not None else None),
             objective=sum(st.objective) / len(st.objective) if st.objective else None,
             skipped_updates=st.skipped,
         )
@@ -451,6 +459,18 @@ class Learner:
             if gid not in self._folded and only in (None, gid):
                 self._folded.add(gid)
                 self.canonical.close_group(gid, planner.canonical_advantages(gid))
+
+
+def _host_accumulation(cfg: LearnerConfig, router, rc: ResidencyConfig) -> HostAccumulation | None:
+    """``--accumulate-on-host`` (``streaming/host_accum.py``), refused with the options it cannot serve."""
+    if not cfg.accumulate_on_host:
+        return None
+    why = ("it replaces the device cache of --max-device-buckets / --bucket-device-gib" if rc.on else
+           "--deterministic folds per-trajectory vectors (streaming/canonical.py)" if cfg.deterministic else
+           "--pack-across-groups writes several destinations in one backward" if cfg.pack_across_groups else None)
+    if why:
+        raise ValueError(f"--accumulate-on-host: {why}")
+    return HostAccumulation(router, cfg.bucket_host_gib)
 
 
 def _deterministic_sum(cfg: LearnerConfig, router, pool, residency) -> CanonicalSum | None:

@@ -10,7 +10,10 @@ concatenated into one microbatch: block-diagonal causal attention (a T×T mask o
 Where a microbatch's gradient lands is decided at *backward time*: ``forward_step`` registers a pre-hook on
 its output's ``grad_fn``, which fires on every stage right before that microbatch's backward reaches the
 stage's parameters. The hook moves the group's origin and points ``param.main_grad`` into the group's bucket
-(:class:`GroupBuckets.enter`) or back at the DDP buffer (the batch accumulator). No scratch buffer, no copy.
+(:class:`GroupBuckets.enter`) or back at the DDP buffer (the batch accumulator). No scratch buffer, no copy — except
+under host accumulation (``--accumulate-on-host``, ``streaming/host_accum.py``): there ``main_grad`` always views the
+DDP buffer, used as each microbatch's scratch, the hook names its destinations on the host, and a forward's start
+(:meth:`StreamExecutor._announce`) flushes the previous backward's scratch to the host while this forward runs.
 
 Loss per trajectory i (B = trajectories in the batch, ν_i from ``algorithms.aggregation``):
   policy term, advantage known:  ν_i Σ_t w_t ℓ_t(A_i)     (reference PPO/PG loss)
@@ -154,7 +157,7 @@ class StreamExecutor:
         if mix_groups:
             why = ("it needs --sequence-packing" if not max_packed_tokens else "not with expert parallelism"
                    if self.lockstep.on else "not with --max-device-buckets" if buckets.residency is not None
-                   else None)  # --deterministic refuses packing above
+                   else "not with --accumulate-on-host" if buckets.host is not None else None)  # --deterministic refuses packing above
             if why:
                 raise ValueError(f"--pack-across-groups: {why}")
             row_split.install(gpt)
@@ -307,6 +310,7 @@ class StreamExecutor:
     def _forward_step(self, data_iterator, model):
         pack: list[WorkItem] = next(data_iterator)
         idx, self._fw = self._fw, self._fw + 1  # this microbatch's place in the schedule (_backward_hook)
+        self._announce(pack)
         if isinstance(pack, _IdleSlot):
             return self._idle_forward(model, pack.key, idx)
         samples = [self.samples[it.traj_id] for it in pack]
@@ -348,6 +352,17 @@ class StreamExecutor:
         if out.grad_fn is not None:
             out.grad_fn.register_prehook(functools.partial(self._backward_hook, pack[0], states, idx))
         return out, functools.partial(self._loss, pack, samples, states, layout)
+
+    def _announce(self, pack) -> None:
+        """Host accumulation: the scratch's previous backward is complete; flush it now (overlapping this forward)
+        unless this microbatch writes the same vector (``GroupBuckets.next_backward``)."""
+        if self.buckets.host is None:
+            return
+        key = pack.key if isinstance(pack, _IdleSlot) else self._slot_key(pack)
+        if key[0] == "bucket":
+            self.buckets.next_backward(key[1], key[2])
+        else:
+            self.buckets.next_backward(None, None)
 
     def _slot_key(self, pack: list[WorkItem]) -> tuple:
         """Where a microbatch's gradient goes (``_before_backward``): a group's bucket at a reward, or the
@@ -400,6 +415,7 @@ class StreamExecutor:
 
     def _before_idle_backward(self, key: tuple, idx: int, grad_outputs):
         self._route_slot(key)
+        self.buckets.begin_backward()
         self._prefetch_after(idx)
         return None
 
@@ -407,6 +423,7 @@ class StreamExecutor:
         """Route microbatch ``idx``'s gradient (:meth:`_before_backward`), then let bucket residency prefetch what the
         next microbatch writes, so the copy overlaps with this backward and the next forward."""
         self._before_backward(item, states, grad_outputs)
+        self.buckets.begin_backward()
         self._prefetch_after(idx)
         return None
 

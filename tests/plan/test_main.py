@@ -60,6 +60,8 @@ def test_advice_ranks_the_ways_to_fit_not_only_the_offload(capsys):
     res = next(o for o in opts if "--max-device-buckets" in o["flags"])
     assert not res["fits"] and res["flags"].endswith("--max-device-buckets 2") and "keeps 2 vectors" in res["why"]
     assert out["recommended"]["max_device_buckets"]["value"] is None
+    host = next(o for o in opts if "--accumulate-on-host" in o["flags"])  # needs no GPU memory beyond the model
+    assert not host["fits"] and "the model state leaves" in host["why"]  # state, which already does not fit here
     text = capsys.readouterr().out
     assert "options within memory, fastest predicted step first:\n  1. --rl-mode stream-group: step" in text
     assert "does not fit: --rl-mode stream-trajectory" in text
@@ -70,4 +72,6 @@ def test_advice_ranks_the_ways_to_fit_not_only_the_offload(capsys):
     assert flags[0] == "--rl-mode stream-group" and "--rl-mode stream-trajectory --max-open-groups 1" in flags
     res = next(o for o in fits if "--max-device-buckets" in o["flags"])
     assert res["host_gib_per_node"] > 0 and res["transfer_s"] >= 0
+    host = next(o for o in fits if "--accumulate-on-host" in o["flags"])  # no bucket vector on the GPU
+    assert host["bucket_gib"] == 0 and host["host_gib_per_node"] > res["host_gib_per_node"] and host["transfer_s"] > 0
     assert "GiB per 8-GPU node, " in capsys.readouterr().out

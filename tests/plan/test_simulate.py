@@ -28,6 +28,7 @@ CASES = [
     dict(opd=True, gpu="b200"),
     dict(learner_gpus=4, settings=PlannerSettings(dp_assignment="group")),
     dict(learner_gpus=4, settings=PlannerSettings(dp_assignment="group", device_vectors=4)),
+    dict(learner_gpus=4, pp=2, settings=PlannerSettings(dp_assignment="group", host_accumulation=True)),
 ]
 
 
@@ -136,3 +137,56 @@ def test_bucket_residency_moves_vectors_and_waits_only_for_what_compute_does_not
         assert out[gpu, 4]["moved_vectors"] > 0 and out[gpu, 4]["peak_host_vectors"] > 0
         assert out[gpu, 4]["step_s"] >= out[gpu, None]["step_s"] - 1e-9
     assert 0 < out["gh200", 4]["copy_wait_s"] < out["h100", 4]["copy_wait_s"]
+
+
+def test_host_accumulation_flushes_and_waits_only_for_what_the_forward_does_not_hide():
+    """Host accumulation in the planner (PlannerSettings.host_accumulation, the trainer's --accumulate-on-host): the
+    scratch is flushed (moved vectors > 0), the host holds the accumulator + 2 vectors per open group, the step is
+    never shorter than with every vector on the GPU, and the learner's wait grows as the host's memory bandwidth falls
+    (control: a host add 100× slower) and shrinks with a faster link and host (GH200)."""
+    batches = [build_batch(WorkloadSpec(prompts=32, group_size=8, latency_scale=3.0), k) for k in range(3)]
+    out = {}
+    for gpu, add in (("h100", None), ("h100", 0.576), ("gh200", None)):
+        for host in (False, True):
+            sc = _scenario(gpu=gpu, learner_gpus=4, host_add_gbs=add, settings=PlannerSettings(host_accumulation=host))
+            out[gpu, add, host] = simulate(sc, batches, ("stream-trajectory",))["stream-trajectory"]["summary"]
+    h = out["h100", None, True]
+    assert out["h100", None, False]["moved_vectors"] == 0 and h["moved_vectors"] > 0
+    assert h["peak_host_vectors"] == 1 + 2 * h["peak_open_groups"]
+    assert h["step_s"] >= out["h100", None, False]["step_s"] - 1e-9
+    assert out["gh200", None, True]["copy_wait_s"] < h["copy_wait_s"] < out["h100", 0.576, True]["copy_wait_s"]
+    assert out["h100", 0.576, True]["step_s"] > h["step_s"]
+
+
+def test_host_accumulation_cost_model_matches_the_cpu_path():
+    """The planner's flush model (one vector: D2H copy at ``host_link_gbs`` + host add of 12 bytes per element at
+    ``host_add_gbs``; on CPU the two run one after the other) against ``HostAccumulation``'s measured seconds on this
+    machine's "cpu" constants, within a factor of 3 (2 shared cores: timings vary)."""
+    import torch
+
+    from megatron_tsync.plan.hardware import GPUS
+    from megatron_tsync.streaming.buckets import BucketPool, GradVector
+    from megatron_tsync.streaming.host_accum import HostAccumulation
+
+    class _Router:
+        def __init__(self, n):
+            self.accumulator = GradVector([torch.zeros(n)])
+
+    r = _Router(16 << 20)  # 64 MiB fp32
+    h = HostAccumulation(r, threaded=False)
+    pool = BucketPool(r.accumulator)
+    h.begin_step(1)
+    q = h.acquire(pool, "Q")
+    for dest in ([(q, 1.0)], [(h.accumulator, 1.0)]) * 2:
+        h.route(dest)
+        h.begin_backward()
+        r.accumulator.parts[0].fill_(1.0)
+        h.flush()
+    s = h.step_stats()
+    assert s["flushes"] == 4 and s["d2h_bytes"] == 4 * (64 << 20)
+    measured = (s["d2h_s"] + s["host_add_s"]) / 4
+    n_bytes = 64 << 20
+    model = n_bytes / (GPUS["cpu"]["host_link_gbs"] * 1e9) + 3 * n_bytes / (GPUS["cpu"]["host_add_gbs"] * 1e9)
+    print(f"flush of 64 MiB: measured {measured:.4f} s, model {model:.4f} s", s)
+    assert model / 3 < measured < model * 3
+    assert torch.equal(h.accumulator.parts[0], torch.full((16 << 20,), 2.0))  # 2 flushes into the accumulator

@@ -93,9 +93,12 @@ def test_one_process_deterministic_kl_offload(single):
         if case.startswith("det"):
             assert all(_bitwise(g, modes["sync"]) for g in modes.values()), case
     assert one["to_host"]["offload-grpo"] > 0
+    assert one["flushes"]["hostacc-grpo"] > 0 and one["flushes"]["offload-grpo"] == 0  # --accumulate-on-host ran
+    # the same case's sync without host accumulation (offload-grpo's sync has every vector on the "device")
+    assert rel_error(one["grads"]["hostacc-grpo"]["sync"], one["grads"]["offload-grpo"]["sync"]) < TOL
 
 
-EP_ONLY = ("det", "kl", "offload")  # the worker's EP_CASES (every 2-process layout)
+EP_ONLY = ("det", "kl", "offload", "hostacc")  # the worker's EP_CASES (every 2-process layout)
 NPROC = {"ep2": 2, "tp2": 2, "pp2": 2, "tp2ep2": 4, "pp2ep2": 4}
 FOUR = [k for k, n in NPROC.items() if n == 4]
 
@@ -130,6 +133,7 @@ def test_layout_streaming_equals_one_process(single, request, tmp_path, layout):
         assert (ep["idle"][case] > 0) == ("ep2" in layout) and one["idle"][case] == 0  # lockstep only at EP > 1
     if NPROC[layout] == 2:
         assert ep["to_host"]["offload-grpo"] > 0  # --max-device-buckets 2 did move bucket vectors to the host
+        assert ep["flushes"]["hostacc-grpo"] > 0  # --accumulate-on-host: the scratch went through the host
     if layout == "ep2":
         # the deterministic stream-trajectory runs did defer items (ratios out of the clip band): the path where the
         # EP ranks agree on a slot's deferral before its backward ran

@@ -76,6 +76,12 @@ def test_float64_stream_equals_sync(layout, stream_reports):
     for r in resident:  # bucket residency (--max-device-buckets 2, groups interleaved): exact copies
         assert r["vs_sync"] < 1e-12, r
     assert any(r["to_host"] > 0 and r["to_device"] > 0 for r in resident), resident  # vectors really moved
+    host = [(m, h) for row in rep["result"] if "host_accum" in row for m, h in row["host_accum"].items()]
+    print(layout, "host accumulation", host)
+    assert len(host) == 4, rep["result"]
+    for mode, h in host:  # --accumulate-on-host, every vector on the host: stream-trajectory flushes per destination
+        assert h["vs_sync"] < 1e-12 and h["d2h_bytes"] > 0, h  # change; stream-group (accumulator only) once
+        assert h["flushes"] > 1 and h["peak_host"] > 2 if mode == "stream-trajectory" else h["flushes"] == 1, h
 
 
 def test_float64_objective_equal_in_every_mode_and_layout(stream_reports):

@@ -56,6 +56,7 @@ EP_CASES = {  # single (sync, the reference, and the modes) and ep2; "modes": wh
     "kl-reward-grpo": dict(estimator="grpo", reward="bounded", ref=True, modes=(1,),
                            loss={"kl_mode": "reward", "kl_coef": 0.1}),
     "offload-grpo": dict(estimator="grpo", reward="bounded", loss={}, offload=2, modes=(1, 2)),
+    "hostacc-grpo": dict(estimator="grpo", reward="bounded", loss={}, host=True, modes=(1, 2)),  # --accumulate-on-host
 }
 LAYOUTS = {"single": (1, 1, 1), "ep2": (1, 1, 2), "tp2": (2, 1, 1), "pp2": (1, 2, 1),  # (tp, pp, ep)
            "tp2ep2": (2, 1, 2), "pp2ep2": (1, 2, 2)}  # tp2ep2, pp2ep2: 4 processes
@@ -81,7 +82,8 @@ def run_case(model_dir, dims, case, mode, order_seed, dtype=torch.float64, oc=No
     det = case.get("det", False)
     cfg = LearnerConfig(mode=mode.removesuffix("-b"), estimator=case["estimator"], loss=LossConfig(**case["loss"]),
                         reward_spec=spec_for(case["reward"]), num_minibatches=case.get("M", 1),
-                        epochs=case.get("E", 1), deterministic=det, max_device_buckets=case.get("offload"))
+                        epochs=case.get("E", 1), deterministic=det, max_device_buckets=case.get("offload"),
+                        accumulate_on_host=case.get("host", False))
     ref = ReferenceModel.from_hf_dir(ref_dir, PrecisionConfig(params_dtype=dtype), policy=ddp) \
         if case.get("ref") else None
     learner = Learner(ddp, opt, cfg, dp_rank=dims.dp_rank, pp_size=dims.pp, reference=ref)
@@ -105,7 +107,7 @@ def run_layout(a, layout, dims=None):
     if dims is None:
         tp, pp, ep = LAYOUTS[layout]
         dims = initialize_parallel(tp, pp, ep=ep)
-    out = {"grads": {}, "weights": {}, "idle": {}, "deferred": {}, "to_host": {}}
+    out = {"grads": {}, "weights": {}, "idle": {}, "deferred": {}, "to_host": {}, "flushes": {}}
     # the second arrival order matters where ranks interleave (EP); TP = 2 and PP = 2 run one streamed order; one
     # process: sync, the layouts' reference (its streamed modes of EP_CASES below are checked in one process)
     cases = {k: dict(c, modes=(0,) if layout == "single" else range(len(MODES)) if layout == "ep2" else (0, 1, 3))
@@ -125,6 +127,7 @@ def run_layout(a, layout, dims=None):
             out["idle"][name] += idle
             out["deferred"][name] = out["deferred"].get(name, 0) + deferred
             out["to_host"][name] = out["to_host"].get(name, 0) + off.get("to_host", 0)
+            out["flushes"][name] = out["flushes"].get(name, 0) + off.get("flushes", 0)
     adam = OptimConfig(optimizer="adam", lr=1e-3, clip_grad=1.0)
     adam_layouts = ("single", "ep2", "tp2")  # float32, one Adam step on the first case
     for mode, seed in MODES if a.only is None and layout in adam_layouts else ():

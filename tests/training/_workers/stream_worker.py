@@ -79,7 +79,7 @@ def assign_dp(samples, dp, by_group=False):
 
 
 def make_learner(dims, dtype, oc, mode, case, seed=0, packing=None, mix=False, full=False, recompute=None,
-                 resident=None):
+                 resident=None, host=False):
     model = build_model(TINY, PrecisionConfig(params_dtype=dtype), seed=seed, **(recompute or {}))
     ddp = wrap_ddp(model)
     opt = build_optimizer(ddp, oc)
@@ -87,7 +87,7 @@ def make_learner(dims, dtype, oc, mode, case, seed=0, packing=None, mix=False, f
     cfg = LearnerConfig(mode=mode, estimator=case["estimator"], loss=lc, reward_spec=spec_for(case["reward"]),
                         aux_strategy=case.get("aux", "second-backward"), sequence_packing=packing is not None,
                         max_packed_tokens=packing or 4096, pack_across_groups=mix, full_microbatches=full,
-                        max_device_buckets=resident)
+                        max_device_buckets=resident, accumulate_on_host=host)
     return ddp, Learner(ddp, opt, cfg, dp_rank=dims.dp_rank, pp_size=dims.pp)
 
 
@@ -102,7 +102,8 @@ def params_flat(ddp):
     return torch.cat([p.detach().reshape(-1).double() for p in ddp.parameters()])
 
 
-RESIDENT_CASES = (0, 2)  # F64_CASES also run in stream-trajectory under bucket residency (2 device slots)
+RESIDENT_CASES = (0, 2)  # F64_CASES also run in stream-trajectory under bucket residency (2 device slots) and
+# with host accumulation (--accumulate-on-host: every vector on the host, the grad buffer as scratch)
 
 
 def run_f64(dims):
@@ -110,11 +111,12 @@ def run_f64(dims):
     for ci, case in enumerate(F64_CASES):
         grads = {}
         runs = [("sync", None), ("stream-trajectory", 11 + ci), ("stream-group", 23 + ci)]
-        runs += [("stream-trajectory-resident", "interleaved")] if ci in RESIDENT_CASES else []
+        runs += [("stream-trajectory-resident", "interleaved"), ("stream-trajectory-host", "interleaved"),
+                 ("stream-group-host", 23 + ci)] if ci in RESIDENT_CASES else []
         for name, order_seed in runs:
-            mode = name.removesuffix("-resident")
+            mode = name.removesuffix("-resident").removesuffix("-host")
             ddp, L = make_learner(dims, torch.float64, OptimConfig(optimizer="sgd", lr=0.0, clip_grad=0), mode, case,
-                                  resident=2 if name.endswith("-resident") else None)
+                                  resident=2 if name.endswith("-resident") else None, host=name.endswith("-host"))
             S = make_samples(100 + ci, reward_kind=case["reward"], with_ref=True)
             order = S if order_seed is None else interleaved(S) if order_seed == "interleaved" else arrival_order(
                 S, order_seed)
@@ -135,6 +137,10 @@ def run_f64(dims):
             g, r = grads["stream-trajectory-resident"]
             row["resident"] = {"vs_sync": global_rel(g, grads["sync"][0], dims), "peak": r.peak_bucket_vectors,
                                **{k: r.offload[k] for k in ("to_host", "to_device", "prefetched", "bytes_moved")}}
+            row["host_accum"] = {mode: {"vs_sync": global_rel(grads[f"{mode}-host"][0], grads["sync"][0], dims),
+                                        **{k: grads[f"{mode}-host"][1].offload[k] for k in ("flushes", "d2h_bytes",
+                                                                                            "peak_host")}}
+                                 for mode in ("stream-trajectory", "stream-group")}
         out.append(row)
     return out + run_f64_minibatches(dims)
 
