@@ -37,7 +37,7 @@ prompt extends those tokens gets them copied into its slots of the new batch's c
 over the last ``q`` slots, ``q`` the longest uncached part of any row of the batch (a row with less to prefill
 recomputes some of its cached positions in that window: the same values up to rounding). Entries are dropped when
 the weights change (another policy version), when the session is released (the trajectory ended), and least
-recently used first beyond ``kv_reuse_tokens`` cached positions. Reuse is off (full prefill, as before) for models
+recently used first beyond ``kv_reuse_bytes`` of cached keys and values. Reuse is off (full prefill, as before) for models
 whose layers keep other state than plain K/V in the cache: Qwen3.5's gated-delta layers (a recurrent state that
 the window's recomputed positions would advance twice) and GLM's multi-latent attention (a compressed cache of
 its own layout); and with ``record_routing`` (router replay needs each position's expert choice from the forward
@@ -178,8 +178,9 @@ class EmbeddedEngine:
         record_routing: MoE models (built with ``moe_enable_routing_replay=True``; ``from_arch`` does that):
             every completion carries ``routing``, the experts chosen at each position in the forward that first
             computed it (prefill for the prompt, the decode step for each generated token), for router replay.
-        kv_reuse_tokens: positions of finished rows' K/V kept for their sessions (all sessions together; least
-            recently used evicted first); 0 turns KV reuse across turns off (see the module docstring).
+        kv_reuse_bytes: bytes of finished rows' K/V kept for their sessions (all sessions together; least
+            recently used evicted first; the tiny model's 2,000-token trajectory takes ~2 MB in float32); 0 turns
+            KV reuse across turns off (see the module docstring).
     """
 
     def __init__(
@@ -191,7 +192,7 @@ class EmbeddedEngine:
         detokenize: Callable[[list[int]], str] | None = None,
         version: int = 0,
         record_routing: bool = False,
-        kv_reuse_tokens: int = 1 << 16,
+        kv_reuse_bytes: int = 1 << 30,
     ):
         from megatron_tsync.model.builder import unwrap
 
@@ -213,8 +214,8 @@ class EmbeddedEngine:
         self.record_routing = bool(record_routing)
         if self.record_routing and not getattr(cfg, "num_moe_experts", None):
             raise ValueError("record_routing needs a MoE model (this one has no experts)")
-        self.sessions = SessionKVStore(kv_reuse_tokens)
-        self.supports_sessions = bool(kv_reuse_tokens) and self.use_kv_cache and not self.record_routing and all(
+        self.sessions = SessionKVStore(kv_reuse_bytes)
+        self.supports_sessions = bool(kv_reuse_bytes) and self.use_kv_cache and not self.record_routing and all(
             type(layer.self_attention).__name__ == "SelfAttention" for layer in self.model.decoder.layers)
 
     @classmethod

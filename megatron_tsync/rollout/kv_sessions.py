@@ -6,7 +6,7 @@ owns the stored entries: one per session handle (the agent loop's per-trajectory
 holds and, per attention layer, the keys and values of those positions (pre-RoPE, as megatron's static inference
 context stores them, so an entry can be placed at any slot of a later batch). An entry is valid only for the policy
 version that computed it; :meth:`SessionKVStore.clear` drops everything when the weights change. Memory is bounded
-by ``max_tokens`` cached positions over all sessions, least recently used evicted first.
+by ``max_bytes`` of cached keys and values over all sessions, least recently used evicted first.
 """
 
 from __future__ import annotations
@@ -28,6 +28,10 @@ class KVEntry:
     """layer number -> (keys, values), each (P, groups, head dim) for P = len(tokens)."""
     version: int
 
+    @property
+    def nbytes(self) -> int:
+        return sum(k.nbytes + v.nbytes for k, v in self.layers.values())
+
 
 def common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
     """Length of the longest common prefix of ``a`` and ``b``, at most ``limit``."""
@@ -41,13 +45,14 @@ def common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
 
 
 class SessionKVStore:
-    """Bounded, thread-safe map session -> :class:`KVEntry` (LRU eviction by cached positions)."""
+    """Bounded, thread-safe map session -> :class:`KVEntry` (LRU eviction by bytes of K/V)."""
 
-    def __init__(self, max_tokens: int):
-        if max_tokens < 0:
-            raise ValueError(f"max_tokens must be ≥ 0 (0: no reuse), got {max_tokens}")
-        self.max_tokens = int(max_tokens)
+    def __init__(self, max_bytes: int):
+        if max_bytes < 0:
+            raise ValueError(f"max_bytes must be ≥ 0 (0: no reuse), got {max_bytes}")
+        self.max_bytes = int(max_bytes)
         self._entries: collections.OrderedDict[Hashable, KVEntry] = collections.OrderedDict()
+        self._bytes = 0
         self._tokens = 0
         self._lock = threading.Lock()
         self.hits = 0  # positions served from the cache (metrics, tests)
@@ -59,6 +64,10 @@ class SessionKVStore:
     @property
     def cached_tokens(self) -> int:
         return self._tokens
+
+    @property
+    def cached_bytes(self) -> int:
+        return self._bytes
 
     def lookup(self, session: Hashable, prompt: Sequence[int], version: int) -> tuple[int, KVEntry | None]:
         """(c, entry): the entry's first ``c`` positions are the prompt's (c ≤ len(prompt) − 1, so at least one prompt
@@ -80,12 +89,12 @@ class SessionKVStore:
     def put(self, session: Hashable, entry: KVEntry) -> None:
         with self._lock:
             self._drop(session)
-            n = len(entry.tokens)
-            if n == 0 or n > self.max_tokens:
+            n, b = len(entry.tokens), entry.nbytes
+            if n == 0 or b > self.max_bytes:
                 return
             self._entries[session] = entry
-            self._tokens += n
-            while self._tokens > self.max_tokens:
+            self._tokens, self._bytes = self._tokens + n, self._bytes + b
+            while self._bytes > self.max_bytes:
                 old, _ = next(iter(self._entries.items()))
                 self._drop(old)
                 self.evictions += 1
@@ -99,9 +108,10 @@ class SessionKVStore:
         """Forget every session (new weights: every cached key and value is of the old policy)."""
         with self._lock:
             self._entries.clear()
-            self._tokens = 0
+            self._tokens = self._bytes = 0
 
     def _drop(self, session: Hashable) -> None:
         e = self._entries.pop(session, None)
         if e is not None:
             self._tokens -= len(e.tokens)
+            self._bytes -= e.nbytes

@@ -99,8 +99,8 @@ def test_stale_cache_would_differ(f64):
 
 
 def test_session_store_bounds_and_prefix():
-    kv = {1: (torch.zeros(4, 1, 2), torch.zeros(4, 1, 2))}
-    st = SessionKVStore(10)
+    kv = {1: (torch.zeros(1, 1, 2), torch.zeros(1, 1, 2))}  # 16 bytes an entry
+    st = SessionKVStore(40)
     st.put("a", KVEntry([1, 2, 3, 4], kv, 0))
     st.put("b", KVEntry([5, 6, 7, 8], kv, 0))
     assert st.lookup("a", [1, 2, 3, 4, 9], 0)[0] == 4
@@ -108,14 +108,14 @@ def test_session_store_bounds_and_prefix():
     assert st.lookup("a", [1, 2, 7, 4, 5], 0)[0] == 2  # a diverging prompt uses the common prefix
     assert st.lookup("a", [1, 2, 3, 4, 5], 1) == (0, None) and len(st) == 1  # another version: dropped
     st.put("c", KVEntry([1, 2, 3, 4], kv, 0))
-    st.put("d", KVEntry([1, 2, 3], kv, 0))  # 11 > 10: the least recently used ("b") goes
-    assert "b" not in st._entries and st.cached_tokens == 7 and st.evictions == 1
-    st.put("big", KVEntry(list(range(11)), kv, 0))  # larger than the bound: not kept
+    st.put("d", KVEntry([1, 2, 3], kv, 0))  # 48 > 40 bytes: the least recently used ("b") goes
+    assert "b" not in st._entries and st.cached_tokens == 7 and st.cached_bytes == 32 and st.evictions == 1
+    st.put("big", KVEntry([1], {1: (torch.zeros(3, 1, 2), torch.zeros(3, 1, 2))}, 0))  # over the bound: not kept
     assert "big" not in st._entries
     st.release("c")
-    assert st.cached_tokens == 3
+    assert st.cached_tokens == 3 and st.cached_bytes == 16
     assert common_prefix([1, 2, 3], [1, 2, 4], 5) == 2
-    with pytest.raises(ValueError, match="max_tokens"):
+    with pytest.raises(ValueError, match="max_bytes"):
         SessionKVStore(-1)
 
 
@@ -135,7 +135,7 @@ def test_agent_loop_sessions_equal_full_prefill(f64, tiny_dir):
                       max_turns=6, max_total_tokens=400)
     tools = FunctionTools({})  # every call is an error result: a tool output of ~20 tokens
     prompts = [_rand(6 + 3 * i, 60 + i) for i in range(4)]
-    off = EmbeddedEngine(engine.model, kv_reuse_tokens=0)
+    off = EmbeddedEngine(engine.model, kv_reuse_bytes=0)
     assert not off.supports_sessions and engine.supports_sessions
     ref = AgentLoop(off, codec, cfg, tools=tools).run(prompts)
     hits0 = engine.sessions.hits
