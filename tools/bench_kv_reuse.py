@@ -81,7 +81,6 @@ def main(argv=None) -> dict:
     from megatron_tsync.model.tokenizer import TokenizerCodec
     from megatron_tsync.rollout.embedded_engine import EmbeddedEngine
 
-    os.environ.setdefault("MASTER_PORT", "29517")
     initialize_parallel(1, 1, seed=0)
     d = os.path.join(tempfile.mkdtemp(prefix="bench_kv_"), "tiny")
     make_tiny_model(d, seed=0)
