@@ -34,8 +34,9 @@ def test_refuses_another_verifier_and_bad_knobs():
 
 
 def test_short_worlds_are_a_share_of_both_splits():
-    """``short_frac``: that share of worlds (by world seed, in both splits) is one page of one file; 0 turns it off."""
-    t, full = get_task(NAME), get_task(NAME, short_frac=0.0)
+    """``short_frac``: that share of worlds (by world seed, in both splits) is one page of one file; 0 (the default)
+    turns it off."""
+    t, full = get_task(NAME, short_frac=0.5), get_task(NAME)
     for split in ("train", "eval"):
         insts = [i for s in range(4) for i in t.sample_prompts(s, 32, 9, split=split)]
         short = [i for i in insts if i.meta["world"].pages == 1]
@@ -47,7 +48,7 @@ def test_short_worlds_are_a_share_of_both_splits():
 
 
 def test_demonstration_is_observation_heavy():
-    t = get_task(NAME, min_pages=3, max_pages=3, short_frac=0.0)
+    t = get_task(NAME, min_pages=3, max_pages=3)
     acted = observed = 0
     for inst in t.sample_prompts(0, 8, 5):
         segs = t.demonstration_segments(inst)
