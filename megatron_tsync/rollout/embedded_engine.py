@@ -37,11 +37,11 @@ prompt extends those tokens gets them copied into its slots of the new batch's c
 over the last ``q`` slots, ``q`` the longest uncached part of any row of the batch (a row with less to prefill
 recomputes some of its cached positions in that window: the same values up to rounding). Entries are dropped when
 the weights change (another policy version), when the session is released (the trajectory ended), and least
-recently used first beyond ``kv_reuse_bytes`` of cached keys and values. Reuse is off (full prefill, as before) for models
-whose layers keep other state than plain K/V in the cache: Qwen3.5's gated-delta layers (a recurrent state that
-the window's recomputed positions would advance twice) and GLM's multi-latent attention (a compressed cache of
-its own layout); and with ``record_routing`` (router replay needs each position's expert choice from the forward
-that first computed it, which the recomputed window would muddle).
+recently used first beyond ``kv_reuse_bytes`` of cached keys and values. Reuse is off (full prefill, as before)
+for models whose layers keep other state than plain K/V in the cache: Qwen3.5's gated-delta layers (a recurrent
+state that the window's recomputed positions would advance twice) and GLM's multi-latent attention (a compressed
+cache of its own layout); and with ``record_routing`` (router replay needs each position's expert choice from the
+forward that first computed it, which the recomputed window would muddle).
 
 Deviations / limits: TP=1, one pipeline stage. Agreement with the trainer: float32 ≤ 2e-6, float64 ~1e-15
 measured; bf16 only to bf16 precision. The explicit-mask path is verified with the local layer spec (the
@@ -215,8 +215,8 @@ class EmbeddedEngine:
         if self.record_routing and not getattr(cfg, "num_moe_experts", None):
             raise ValueError("record_routing needs a MoE model (this one has no experts)")
         self.sessions = SessionKVStore(kv_reuse_bytes)
-        self.supports_sessions = bool(kv_reuse_bytes) and self.use_kv_cache and not self.record_routing and all(
-            type(layer.self_attention).__name__ == "SelfAttention" for layer in self.model.decoder.layers)
+        plain_kv = all(type(layer.self_attention).__name__ == "SelfAttention" for layer in self.model.decoder.layers)
+        self.supports_sessions = bool(kv_reuse_bytes) and self.use_kv_cache and not self.record_routing and plain_kv
 
     @classmethod
     def from_arch(cls, arch, precision=None, *, seed: int | None = 0, **kwargs) -> "EmbeddedEngine":
@@ -291,8 +291,8 @@ class EmbeddedEngine:
                       can_stop_on_strings=self.detokenize is not None,
                       stop_strings_hint="an engine built with detokenize=...")
         if sessions is not None and (len(sessions) != len(prompts) or n != 1 or prefill_hook is not None):
-            raise ValueError(f"sessions: one per prompt ({len(sessions)} for {len(prompts)}), with n=1 (got {n}) "
-                             "and no prefill_hook")
+            raise ValueError(f"sessions: one per prompt ({len(sessions)} for {len(prompts)}), with n=1 (got "
+                             f"{n}) and no prefill_hook")
         if not self.supports_sessions:
             sessions = None
         rows: list[tuple[list[int], random.Random, Any]] = []

@@ -70,9 +70,9 @@ class SessionKVStore:
         return self._bytes
 
     def lookup(self, session: Hashable, prompt: Sequence[int], version: int) -> tuple[int, KVEntry | None]:
-        """(c, entry): the entry's first ``c`` positions are the prompt's (c ≤ len(prompt) − 1, so at least one prompt
-        token is left to prefill and give the next token's logits); (0, None) on a miss or an entry of another
-        policy version (dropped)."""
+        """(c, entry): the entry's first ``c`` positions are the prompt's (c ≤ len(prompt) − 1, so at least one
+        prompt token is left to prefill and give the next token's logits); (0, None) on a miss or an entry of
+        another policy version (dropped)."""
         with self._lock:
             e = self._entries.get(session)
             if e is None:

@@ -87,7 +87,8 @@ def test_bad_calls_are_one_line_errors(env_sandbox, task):
     assert texts[6].startswith(f"== {world.path} page {last}/{last} ==")
     paths = [p for p, _ in world.files]  # next after a file's last page: the next file, or the end
     i = paths.index(world.path)
-    assert texts[7] == (f"== end of logs; Q: code of {world.key}? ==" if i + 1 == len(paths) else texts[7].startswith(f"== {paths[i + 1]} page 1/")
+    end = f"== end of logs; Q: code of {world.key}? =="
+    assert texts[7] == (end if i + 1 == len(paths) else texts[7].startswith(f"== {paths[i + 1]} page 1/")
                         and texts[7])
     assert texts[8] == "grep: no page read so far contains ZZZZ"
     assert texts[10] == f"{world.path} page {world.page}: " + next(  # grep searches the pages read: now it finds it
