@@ -32,6 +32,7 @@ BENCHES: dict[str, dict[str, str | None]] = {
     "attention": dict(json="--json", repeats="--repeats", seed=None),
     "fixed_budget": dict(json="--out", repeats="--seeds", seed="--seed"),
     "learner": dict(json="--json", repeats="--repeats", seed=None),
+    "kv_reuse": dict(json="--json", repeats="--repeats", seed=None),
     "less_work": dict(json="--json", repeats="--repeats", seed=None),
     "live": dict(json="--out", repeats="--repeats", seed="--seed"),
     "microbatch": dict(json="--json", repeats="--iters", seed=None),

@@ -22,8 +22,11 @@ Invariants of a :class:`Trajectory` (checked by the tests):
 - ``turn_spans[k] = (start, end)``: the half-open token range of generated turn k;
 - every turn is sampled by the engine weights recorded in ``turn_versions``; ``policy_version`` is the first one.
 
-Each turn is a fresh prefill of the whole context (no KV reuse across turns): simple and exactly the
-conditional the learner recomputes.
+KV reuse across turns: an engine with ``supports_sessions`` (the embedded engine) gets one session handle per
+trajectory with every request and keeps the trajectory's keys and values between its turns, so a turn prefills only
+what was appended since the previous one (the tool result and the turn's prefix); the handle is released when the
+trajectory ends. Other engines get the whole context each turn (vLLM caches prefixes itself). Either way a turn is
+sampled from exactly the conditional the learner recomputes (tested: reuse on == off, float64).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import concurrent.futures
 import contextvars
 import dataclasses
 import inspect
+import itertools
 import time
 from typing import Any, Awaitable, Callable, Sequence
 
@@ -251,6 +255,7 @@ class _Request:
     seed: int | None
     future: asyncio.Future
     priority: int = 0  # lower is served first under frontier_first
+    session: Any = None  # the trajectory's KV-reuse handle (engines with ``supports_sessions``)
 
 
 class _Batcher:
@@ -264,6 +269,7 @@ class _Batcher:
         self.wait_s = wait_s
         self.max_num_seqs, self.frontier_first = max_num_seqs, frontier_first
         self.engine_priority = frontier_first and getattr(engine, "schedules_by_priority", False)
+        self.sessions = bool(getattr(engine, "supports_sessions", False))
         self.served: list[list[int]] = []  # per engine call, the requests' priorities in the order taken (tests)
         self.pending: list[_Request] = []
         self.live = 0  # trajectories not finished yet
@@ -271,14 +277,17 @@ class _Batcher:
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self.batches: list[int] = []  # batch sizes, for metrics/tests
 
-    async def generate(self, prompt: list[int], max_new: int, seed: int | None, priority: int = 0) -> Completion:
+    async def generate(self, prompt: list[int], max_new: int, seed: int | None, priority: int = 0,
+                       session: Any = None) -> Completion:
         fut = asyncio.get_running_loop().create_future()
-        self.pending.append(_Request(prompt, max_new, seed, fut, priority))
+        self.pending.append(_Request(prompt, max_new, seed, fut, priority, session))
         self.wake.set()
         return await fut
 
-    def finished_one(self) -> None:
+    def finished_one(self, session: Any = None) -> None:
         self.live -= 1
+        if self.sessions and session is not None:
+            self.engine.release_session(session)  # type: ignore[attr-defined]
         self.wake.set()
 
     async def run(self) -> None:
@@ -332,7 +341,9 @@ class _Batcher:
             seeds = [r.seed for r in batch]
         else:
             cfg = dataclasses.replace(cfg, seed=None)
-        extra = {"priorities": [r.priority for r in batch]} if self.engine_priority else {}
+        extra: dict[str, Any] = {"priorities": [r.priority for r in batch]} if self.engine_priority else {}
+        if self.sessions:
+            extra["sessions"] = [r.session for r in batch]
         outs = self.engine.generate([r.prompt for r in batch], cfg, n=1, seeds=seeds, **extra)
         return [_truncate(o[0], r.max_new) for o, r in zip(outs, batch)]
 
@@ -352,6 +363,8 @@ def _truncate(c: Completion, max_new: int) -> Completion:
 
 
 # ------------------------------------------------------------------------------------------------ the loop
+
+_SESSION_IDS = itertools.count()  # KV-reuse handles: unique per trajectory in this process
 
 
 class AgentLoop:
@@ -430,6 +443,7 @@ class AgentLoop:
 
     async def _rollout(self, traj: Trajectory, batcher: _Batcher) -> None:
         cfg = self.config
+        session = ("traj", next(_SESSION_IDS))
         try:
             turn = 0
             while traj.finish_reason is None:
@@ -442,7 +456,7 @@ class AgentLoop:
                     cfg.sampling.seed, traj.metadata.get("seed_index", traj.index), turn)
                 try:
                     comp = await batcher.generate(list(traj.token_ids), max_new, seed,
-                                                  int(traj.metadata.get("priority", traj.index)))
+                                                  int(traj.metadata.get("priority", traj.index)), session)
                 except Exception as e:
                     traj.finish_reason, traj.error = "error", f"engine: {type(e).__name__}: {e}"
                     break
@@ -462,7 +476,7 @@ class AgentLoop:
         finally:
             if traj.finish_reason is None:
                 traj.finish_reason = "error"
-            batcher.finished_one()
+            batcher.finished_one(session)
         if self.on_finish is not None:
             self.on_finish(traj)
 

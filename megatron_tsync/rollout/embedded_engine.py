@@ -30,6 +30,19 @@ How a batch runs (``use_kv_cache=True``):
 
 ``use_kv_cache=False`` recomputes the whole sequence each step (the fallback measured against; same masks).
 
+KV reuse across turns (``sessions=``, one handle per row; the agent loop passes one per trajectory): when a row
+finishes, its keys and values (megatron stores them before RoPE, so they do not depend on the slot) are kept under
+its session (``rollout/kv_sessions.py``), with the token ids they are of. A later request of the same session whose
+prompt extends those tokens gets them copied into its slots of the new batch's cache; the prefill then runs only
+over the last ``q`` slots, ``q`` the longest uncached part of any row of the batch (a row with less to prefill
+recomputes some of its cached positions in that window: the same values up to rounding). Entries are dropped when
+the weights change (another policy version), when the session is released (the trajectory ended), and least
+recently used first beyond ``kv_reuse_bytes`` of cached keys and values. Reuse is off (full prefill, as before)
+for models whose layers keep other state than plain K/V in the cache: Qwen3.5's gated-delta layers (a recurrent
+state that the window's recomputed positions would advance twice) and GLM's multi-latent attention (a compressed
+cache of its own layout); and with ``record_routing`` (router replay needs each position's expert choice from the
+forward that first computed it, which the recomputed window would muddle).
+
 Deviations / limits: TP=1, one pipeline stage. Agreement with the trainer: float32 ≤ 2e-6, float64 ~1e-15
 measured; bf16 only to bf16 precision. The explicit-mask path is verified with the local layer spec (the
 CPU path) only; under Transformer Engine's attention it is untested — GPU runs use the vLLM engine.
@@ -45,6 +58,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from megatron_tsync.rollout.engine import Completion, SamplingConfig, check_request, derive_seed
+from megatron_tsync.rollout.kv_sessions import KVEntry, SessionKVStore
 
 def temperature_logprobs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """log softmax(logits / T) with the trainer's formula (``vocab_parallel_logprobs`` at TP=1): (R, V) -> (R, V)."""
@@ -164,6 +178,9 @@ class EmbeddedEngine:
         record_routing: MoE models (built with ``moe_enable_routing_replay=True``; ``from_arch`` does that):
             every completion carries ``routing``, the experts chosen at each position in the forward that first
             computed it (prefill for the prompt, the decode step for each generated token), for router replay.
+        kv_reuse_bytes: bytes of finished rows' K/V kept for their sessions (all sessions together; least
+            recently used evicted first; the tiny model's 2,000-token trajectory takes ~2 MB in float32); 0 turns
+            KV reuse across turns off (see the module docstring).
     """
 
     def __init__(
@@ -175,6 +192,7 @@ class EmbeddedEngine:
         detokenize: Callable[[list[int]], str] | None = None,
         version: int = 0,
         record_routing: bool = False,
+        kv_reuse_bytes: int = 1 << 30,
     ):
         from megatron_tsync.model.builder import unwrap
 
@@ -196,6 +214,9 @@ class EmbeddedEngine:
         self.record_routing = bool(record_routing)
         if self.record_routing and not getattr(cfg, "num_moe_experts", None):
             raise ValueError("record_routing needs a MoE model (this one has no experts)")
+        self.sessions = SessionKVStore(kv_reuse_bytes)
+        plain_kv = all(type(layer.self_attention).__name__ == "SelfAttention" for layer in self.model.decoder.layers)
+        self.supports_sessions = bool(kv_reuse_bytes) and self.use_kv_cache and not self.record_routing and plain_kv
 
     @classmethod
     def from_arch(cls, arch, precision=None, *, seed: int | None = 0, **kwargs) -> "EmbeddedEngine":
@@ -239,6 +260,11 @@ class EmbeddedEngine:
                     raise ImportError("Hugging Face weights need megatron_tsync.model.hf_conversion") from e
                 load_hf_into_model(self.model, sd)
             self._version = int(version)
+            self.sessions.clear()  # every cached key and value is of the old weights
+
+    def release_session(self, session) -> None:
+        """Drops a session's cached K/V (its trajectory ended); unknown sessions are ignored."""
+        self.sessions.release(session)
 
     @torch.no_grad()
     def generate(
@@ -250,6 +276,7 @@ class EmbeddedEngine:
         seeds: Sequence[int] | None = None,
         interrupt: Callable[[], bool] | None = None,
         prefill_hook: Callable[[int, torch.Tensor], list[bool]] | None = None,
+        sessions: Sequence[Any] | None = None,
     ) -> list[list[Completion]]:
         """Two extras, not part of the engine protocol, for speculative rollouts. ``interrupt``: checked before every
         decode step; once it returns True the call ends, every unfinished row with ``finish_reason`` None (drafting
@@ -257,12 +284,18 @@ class EmbeddedEngine:
         logits of every prompt position, (rows, L, V) for rows ``first_row ..`` of the request, prompts left-padded to
         L (so row r's last n prompt tokens are the last n positions); it returns, per row, whether to go on
         generating — a row that does not gets no token (verification scores a draft in the prompt's prefill and
-        keeps decoding, with the same cache, only where the whole draft was kept)."""
+        keeps decoding, with the same cache, only where the whole draft was kept). ``sessions``: one hashable handle
+        (or None) per prompt, ``n`` = 1: KV reuse across calls of the same session (module docstring)."""
         check_request(prompts, sampling, n, seeds, max_len=self.max_seq_len,
                       max_len_name="the model's max_position_embeddings",
                       can_stop_on_strings=self.detokenize is not None,
                       stop_strings_hint="an engine built with detokenize=...")
-        rows: list[tuple[list[int], random.Random]] = []
+        if sessions is not None and (len(sessions) != len(prompts) or n != 1 or prefill_hook is not None):
+            raise ValueError(f"sessions: one per prompt ({len(sessions)} for {len(prompts)}), with n=1 (got "
+                             f"{n}) and no prefill_hook")
+        if not self.supports_sessions:
+            sessions = None
+        rows: list[tuple[list[int], random.Random, Any]] = []
         for i, p in enumerate(prompts):
             for j in range(n):
                 if seeds is not None:
@@ -271,7 +304,7 @@ class EmbeddedEngine:
                     g = random.Random(derive_seed(int(sampling.seed), i, j))
                 else:
                     g = random.Random()  # seeded from the OS: not reproducible, by request
-                rows.append(([int(t) for t in p], g))
+                rows.append(([int(t) for t in p], g, None if sessions is None else sessions[i]))
         results: list[Completion] = []
         self._ensure_thread()
         with self._lock:
@@ -341,22 +374,23 @@ class EmbeddedEngine:
         from megatron.core.inference.contexts import StaticInferenceContext
 
         R = len(rows)
-        lens = torch.tensor([len(p) for p, _ in rows])
+        lens = torch.tensor([len(p) for p, _, _ in rows])
         L = int(lens.max())
         S = L + sampling.max_new_tokens
         dev = self._param.device
         tokens = torch.zeros(R, S, dtype=torch.long, device=dev)  # (R, S) prompts left-padded to L
-        for r, (p, _) in enumerate(rows):
+        for r, (p, _, _) in enumerate(rows):
             tokens[r, L - len(p) : L] = torch.tensor(p, dtype=torch.long)
         key_pad = torch.arange(S, device=dev)[None, :] < (L - lens).to(dev)[:, None]  # (R, S) True = pad key
-        causal = torch.ones(L, L, dtype=torch.bool, device=dev).triu(1)  # (L, L) True = future
-        rngs = [g for _, g in rows]
+        rngs = [g for _, g, _ in rows]
         st = _Rows(R, sampling, functools.partial(self._hits_stop_string, sampling.stop_strings))
         ctx = StaticInferenceContext(R, S) if self.use_kv_cache else None
         routes = _RoutingLog(R, self.model.config.num_moe_experts) if self.record_routing else None
         if prefill_hook is not None and ctx is not None:
             ctx.materialize_only_last_token_logits = False  # the hook reads every prompt position
-        logits = self._forward(tokens[:, :L], (causal[None] | key_pad[:, None, :L])[:, None], ctx,
+        q = self._place_cached(rows, lens, L, S, ctx, version) if ctx is not None else L  # slots to prefill
+        causal = torch.ones(q, L, dtype=torch.bool, device=dev).triu(L - q + 1)  # (q, L) True = future
+        logits = self._forward(tokens[:, L - q : L], (causal[None] | key_pad[:, None, :L])[:, None], ctx,
                                routes, list(range(R)), full=prefill_hook is not None)  # (R, V), (R, L, V) full
         live = torch.arange(R, device=dev)  # rows of `tokens` still generating, in batch order
         if prefill_hook is not None:
@@ -387,8 +421,12 @@ class EmbeddedEngine:
             tokens[live, cur] = new
             cur += 1
             if not keep or (interrupt is not None and interrupt()):
+                self._keep_sessions(ctx, list(enumerate(st.ids)), rows, st, L, cur - 1, version)
                 break
             if len(keep) < len(st.ids):  # drop finished rows from the batch and from the KV cache
+                done = set(keep)
+                self._keep_sessions(ctx, [(k, o) for k, o in enumerate(st.ids) if k not in done], rows, st, L,
+                                    cur - 1, version)
                 kt = torch.tensor(keep, device=dev)
                 live = live[kt]
                 st.ids = [st.ids[k] for k in keep]
@@ -406,6 +444,42 @@ class EmbeddedEngine:
             for r, c in enumerate(out):
                 c.routing = routes.result(r, L - int(lens[r]))
         return out
+
+    def _place_cached(self, rows, lens, L: int, S: int, ctx, version: int) -> int:
+        """Copies each session row's cached K/V (``sessions.lookup``) into its slots of a fresh batch cache and
+        sets the context's offset so that the prefill covers only the last ``q`` slots; returns ``q`` (``L``: no
+        row had a cached prefix, the ordinary full prefill)."""
+        hits = [(0, None) if s is None else self.sessions.lookup(s, p, version) for p, _, s in rows]
+        if not any(e is not None for _, e in hits):
+            return L
+        q = max(int(lens[r]) - c for r, (c, _) in enumerate(hits))
+        proto = next(e for _, e in hits if e is not None)
+        dev = self._param.device
+        for layer, (k0, v0) in proto.layers.items():
+            km = torch.zeros(S, len(rows), *k0.shape[1:], dtype=k0.dtype, device=dev)  # (S, R, g, d)
+            vm = torch.zeros(S, len(rows), *v0.shape[1:], dtype=v0.dtype, device=dev)
+            for r, (c, e) in enumerate(hits):
+                if e is not None:
+                    a = L - int(lens[r])
+                    km[a : a + c, r] = e.layers[layer][0][:c]
+                    vm[a : a + c, r] = e.layers[layer][1][:c]
+            ctx.key_value_memory_dict[layer] = (km, vm)
+        ctx.sequence_len_offset = L - q
+        return q
+
+    def _keep_sessions(self, ctx, done, rows, st: _Rows, L: int, end: int, version: int) -> None:
+        """Stores the K/V of finished session rows: ``done`` lists (batch position, original row); each row's real
+        slots ``L − len(prompt) .. end − 1`` (its last sampled token was never forwarded, so it is not cached)."""
+        if ctx is None or not self.supports_sessions:
+            return
+        for k, orig in done:
+            prompt, _, session = rows[orig]
+            if session is None:
+                continue
+            a = L - len(prompt)
+            layers = {layer: (km[a:end, k].clone(), vm[a:end, k].clone())
+                      for layer, (km, vm) in ctx.key_value_memory_dict.items()}
+            self.sessions.put(session, KVEntry(prompt + st.tokens[orig][: end - L], layers, version))
 
     def _hits_stop_string(self, stop_strings: tuple[str, ...], toks: list[int]) -> bool:
         """Whether the text of the last 32 generated tokens contains a stop string (checked after every token)."""

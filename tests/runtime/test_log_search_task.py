@@ -33,6 +33,20 @@ def test_refuses_another_verifier_and_bad_knobs():
         get_task(NAME, heldout_mod=1)
 
 
+def test_short_worlds_are_a_share_of_both_splits():
+    """``short_frac``: that share of worlds (by world seed, in both splits) is one page of one file; 0 (the default)
+    turns it off."""
+    t, full = get_task(NAME, short_frac=0.5), get_task(NAME)
+    for split in ("train", "eval"):
+        insts = [i for s in range(4) for i in t.sample_prompts(s, 32, 9, split=split)]
+        short = [i for i in insts if i.meta["world"].pages == 1]
+        assert 0.35 < len(short) / len(insts) < 0.65, (split, len(short))
+        assert all(len(i.meta["world"].files) == 1 and i.meta["turns"] == 4 for i in short)
+    assert all(i.meta["world"].pages >= 2 * full.min_pages for i in full.sample_prompts(0, 32, 9))
+    with pytest.raises(ValueError, match="short_frac"):
+        get_task(NAME, short_frac=1.5)
+
+
 def test_demonstration_is_observation_heavy():
     t = get_task(NAME, min_pages=3, max_pages=3)
     acted = observed = 0

@@ -13,7 +13,7 @@ holds it). The demonstrated policy (the supervised warm start's transcripts)::
     <s>Q: code of K7?
     <tool>next: </tool>   <result>== logs/part-1.log page 1/3 ==\\n09:41 WARN db M2=10\\n...</result>
     <tool>next: </tool>   <result>== logs/part-1.log page 2/3 ==\\n...</result>     (on through part-2.log ...)
-    <tool>next: </tool>   <result>== end of logs ==</result>
+    <tool>next: </tool>   <result>== end of logs; Q: code of K7? ==</result>
     <tool>grep: K7</tool>  <result>logs/part-2.log page 1: 13:02 INFO api K7=41</result>
     <answer>41</answer>
 
@@ -139,6 +139,13 @@ def page_header(path: str, page: int, n_pages: int) -> str:
     return f"== {path} page {page}/{n_pages} =="
 
 
+def end_marker(key: str) -> str:
+    """What ``next`` shows after the last page: the end, restating the question (like a pager's status line showing
+    the search), so the id to ``grep`` is a copy from the latest tool output, not from the prompt 1,000+ tokens back
+    (the tiny model could not learn that long copy: docs/benchmarks.md)."""
+    return f"== end of logs; Q: code of {key}? =="
+
+
 # Runs in the sandboxed child (Sandbox.run_source, trusted, standard library only). stdin: {"world": [[path,
 # [page, ...]], ...], "name": tool name, "args": the call's argument text (model text: only compared, never run),
 # "open": [path, page] | null, "read": [[path, page], ...] the pages shown so far}. stdout: {"ok": bool, "text":
@@ -151,6 +158,8 @@ name, args, cur = a["name"], a["args"].strip(), a["open"]
 def page(path, n):
     pages = files[path]
     return "== %s page %d/%d ==\n%s" % (path, n, len(pages), pages[n - 1])
+def end_marker(key):
+    return "== end of logs; Q: code of %s? ==" % key
 def out(ok, text, cur):
     sys.stdout.write(json.dumps({"ok": ok, "text": text, "open": cur}))
     sys.exit(0)
@@ -183,7 +192,7 @@ if name == "next":
         path, n = cur
     if n >= len(files[path]):
         if order.index(path) + 1 == len(order):
-            out(True, "== end of logs ==", cur)
+            out(True, end_marker(a["key"]), cur)
         path, n = order[order.index(path) + 1], 0
     out(True, page(path, n + 1), [path, n + 1])
 out(False, "unknown tool %s; tools: ls, grep, cat, next" % name[:20], cur)
@@ -197,6 +206,7 @@ def run_tool(sandbox, world: LogWorld, name: str, args: str, cursor: tuple[str, 
     the ``(path, page)`` s shown so far (what ``grep`` searches). Blocking."""
     payload = json.dumps({"world": [[p, list(pages)] for p, pages in world.files], "name": name,
                           "args": args[:MAX_ARG_CHARS], "open": None if cursor is None else list(cursor),
+                          "key": world.key,
                           "read": [list(x) for x in sorted(read)]})
     res = sandbox.run_source(_TOOL_SRC, stdin=payload, delay_s=delay_s)
     if not res.ok:
@@ -307,7 +317,7 @@ def demonstration_segments(prompt: str, world: LogWorld) -> list[tuple[str, bool
     for path, pages in world.files:
         for n in range(1, len(pages) + 1):
             turn("<tool>next: </tool>", f"{page_header(path, n, len(pages))}\n{pages[n - 1]}")
-    turn("<tool>next: </tool>", "== end of logs ==")
+    turn("<tool>next: </tool>", end_marker(world.key))
     line = next(x for x in dict(world.files)[world.path][world.page - 1].split("\n") if world.key in x)
     turn(f"<tool>grep: {world.key}</tool>", f"{world.path} page {world.page}: {line}")
     segs.append((f"<answer>{world.code}</answer>", True))

@@ -53,7 +53,8 @@ def test_demonstration_is_what_the_sandboxed_tools_return(env_sandbox, task):
     verdict, obs = asyncio.run(run_scripted(env, inst, actions[:-1]))
     assert [o.text for o in obs] == [s for s, act in segs[1:] if not act]
     assert all(o.ok for o in obs) and obs[0].text.startswith(f"<result>== {world.files[0][0]} page 1/")
-    assert obs[-2].text == "<result>== end of logs ==</result>" and actions[-2] == f"<tool>grep: {world.key}</tool>"
+    assert obs[-2].text == f"<result>== end of logs; Q: code of {world.key}? ==</result>"  # the id, restated
+    assert actions[-2] == f"<tool>grep: {world.key}</tool>"
     assert obs[-1].text.startswith(f"<result>{world.path} page {world.page}: ")
     assert obs[-1].text.endswith(f" {world.key}={world.code}</result>")
     transcript = "".join(s for s, _ in segs[1:])
@@ -86,7 +87,8 @@ def test_bad_calls_are_one_line_errors(env_sandbox, task):
     assert texts[6].startswith(f"== {world.path} page {last}/{last} ==")
     paths = [p for p, _ in world.files]  # next after a file's last page: the next file, or the end
     i = paths.index(world.path)
-    assert texts[7] == ("== end of logs ==" if i + 1 == len(paths) else texts[7].startswith(f"== {paths[i + 1]} page 1/")
+    end = f"== end of logs; Q: code of {world.key}? =="
+    assert texts[7] == (end if i + 1 == len(paths) else texts[7].startswith(f"== {paths[i + 1]} page 1/")
                         and texts[7])
     assert texts[8] == "grep: no page read so far contains ZZZZ"
     assert texts[10] == f"{world.path} page {world.page}: " + next(  # grep searches the pages read: now it finds it
