@@ -1,4 +1,5 @@
-"""The GPU recipes (examples/qwen_swe, qwen_terminal, qwen3_swe, qwen3_moe) on CPU: what can be checked without a GPU.
+"""The GPU recipes (examples/qwen_swe, qwen_terminal, qwen3_swe, qwen3_moe; the seed paper's layout: paper_qwen3_5_27b,
+paper_glm4_7_flash) on CPU: what can be checked without a GPU.
 
 - each config.yaml parses into the frozen TrainConfig and passes its validation (FP8 / Transformer Engine are only
   needed when the model is built, never by parsing), alone and with the flags slurm/train_grpo.sh adds;
@@ -227,3 +228,76 @@ def test_tau2_recipe_parses_and_names_tau2s_tasks(monkeypatch):
     full = get_task(cfg.rollout.task, verifier=cfg.rollout.verifier, keep_trivial_tasks=True)
     solved = DO_NOTHING_SOLVED[("airline", "test")] | DO_NOTHING_SOLVED[("retail", "test")]
     assert len(full.pool("eval")) == 60 and 60 - len(solved) == 52 == cfg.logging.eval_prompts
+
+
+# ------------------------------------------------------------------------- the seed paper's layout (examples/paper_*)
+# One 8-GPU node: 4 trainer ranks (GPUs 0-3) + 4 vLLM engines (GPUs 4-7), 32 prompts x 8, up to 300 turns, GRPO with
+# the accumulators in host memory. Figures: the README's memory table (GiB, one decimal), from the model's shape.
+PAPER = {"paper_qwen3_5_27b": dict(model="qwen3.5-27b", tp=4, ep=1, seq=32768, host=326, total=154),
+         "paper_glm4_7_flash": dict(model="glm-4.7-flash", tp=1, ep=4, seq=16384, host=441, total=163)}
+
+
+def _sbatch_env(name: str) -> tuple[str, dict]:
+    text = open(os.path.join(ROOT, "examples", name, "README.md")).read()
+    block = text[text.index("sbatch --nodes=1 --gpus-per-node"):]
+    block = block[: block.index("slurm/train_grpo.sh")].replace("\\\n", "")
+    return block, dict(re.findall(r"([A-Z_]+)=([^,\s\"]+)", block))
+
+
+@pytest.mark.parametrize("name", list(PAPER))
+def test_paper_recipe_parses_and_its_sbatch_command_agrees(name):
+    """The config validates for 4 trainer ranks; the README's command puts them on half of one node, the engines on
+    the other half, and sets the script's variables to the config's values (the flags it adds parse to the same
+    learner, parallel and precision settings)."""
+    r = PAPER[name]
+    cfg = parse_args(["--config", _config(name)], world_size=4)
+    assert cfg.learner.mode == "stream-trajectory" and cfg.learner.accumulate_on_host and cfg.learner.max_open_groups
+    assert cfg.rl.group_size * 32 == cfg.rl.sequences_per_step == 256 and cfg.rl.max_turns == 300
+    p = cfg.parallel
+    assert (p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.expert_model_parallel_size) == (
+        r["tp"], 1, r["ep"])
+    assert p.data_parallel_size(4) == 4 // r["tp"] and cfg.rl.seq_length == r["seq"]
+    assert cfg.rollout.engine == "vllm" and cfg.rollout.num_workers == 4
+    block, env = _sbatch_env(name)
+    assert f"--config examples/{name}/config.yaml" in block
+    for var, path in SBATCH_VARS.items():
+        assert str(_get(cfg, path)) == env[var], (var, env[var], _get(cfg, path))
+    assert int(env["GLOBAL_BATCH_SIZE"]) == cfg.rl.sequences_per_step
+    assert (env["TRAINER_NODES"], env["ROLLOUT_NODES"], env["GPUS_PER_NODE"], env["TRAINER_GPUS"]) == ("1", "0", "8", "4")
+    assert int(env["GPUS_PER_NODE"]) - int(env["TRAINER_GPUS"]) == cfg.rollout.num_workers  # one GPU per engine
+    argv = ["--config", _config(name), "--model", "/m", "--rl-mode", env["RL_MODE"],
+            "--tensor-model-parallel-size", env["TP"], "--pipeline-model-parallel-size", env["PP"],
+            "--seq-length", env["SEQ_LENGTH"], "--max-turns", env["MAX_TURNS"]]
+    full = parse_args(argv, world_size=4)
+    assert full.learner == cfg.learner and full.parallel == cfg.parallel and full.precision == cfg.precision
+
+
+@pytest.mark.parametrize("name", list(PAPER))
+def test_paper_recipe_memory_figures(name):
+    """The README's memory table, recomputed: model state (bf16 weights, fp32 grad buffer, the distributed
+    optimizer's fp32 master + Adam over the data-parallel copies of each parameter), no bucket on the GPU, the
+    recomputation's layer inputs, one layer's activations and a trajectory's logits; the host bound 4(2k+1)P."""
+    from megatron_tsync.plan.hardware import MODELS, load_arch
+    from megatron_tsync.plan.memory import params_per_rank
+
+    r = PAPER[name]
+    cfg = parse_args(["--config", _config(name)], world_size=4)
+    arch, gib = load_arch(r["model"]), 2**30
+    tp, ep, dp, s = r["tp"], r["ep"], 4 // r["tp"], r["seq"]
+    p, whole = params_per_rank(arch, tp, 1, ep), params_per_rank(arch, tp, 1, 1)
+    shape, h, layers = MODELS[r["model"]], arch.hidden_size, arch.num_layers
+    if name == "paper_qwen3_5_27b":  # TP splits every head count: query, KV, linear-attention key and value heads
+        assert all(shape[k] % tp == 0 for k in ("num_attention_heads", "num_key_value_heads", "linear_num_key_heads",
+                                                 "linear_num_value_heads"))
+        vocab, layer = arch.vocab_size // tp, s * h * (10 + 24 // tp)
+    else:  # EP splits the routed experts and the data-parallel ranks
+        assert shape["n_routed_experts"] % ep == 0 and dp % ep == 0
+        vocab = arch.vocab_size
+        layer = s * (34 * h + 6 * shape["num_experts_per_tok"] * shape["moe_intermediate_size"])
+    rows = [2 * p, 4 * p, 12 * whole / dp, 0, layers * s * h * 2, layer, s * vocab * 10]
+    readme = open(os.path.join(ROOT, "examples", name, "README.md")).read()
+    for row in rows:
+        assert f"| {row / gib:.1f} |" in readme, (name, row / gib)
+    assert round(sum(rows) / gib) == r["total"] and f"**≈ {r['total']}** of a B200's 180" in readme
+    k = cfg.learner.max_open_groups
+    assert round(4 * (2 * k + 1) * p / gib) == r["host"] and f"4(2k+1)P = **{r['host']} GiB**" in readme
