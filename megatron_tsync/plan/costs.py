@@ -31,7 +31,8 @@ def learner_cost(arch: ModelArch, layout: Layout, estimator: str = "grpo",
     p_rank = params_per_rank(arch, layout.tp, layout.pp, layout.ep)
     dp = layout.dp
     ring = 2.0 * (dp - 1) / dp / (layout.dp_bw_gbs * 1e9)
-    barrier = ring * 4 * p_rank + 30.0 * p_rank / dp / layout.hbm + ring * 2 * p_rank
+    shard = params_per_rank(arch, layout.tp, layout.pp) / dp  # the distributed optimizer's shard (rank_state_gib)
+    barrier = ring * 4 * p_rank + 30.0 * shard / layout.hbm + ring * 2 * p_rank
     fold = 3.0 * PER_GROUP.get(estimator, 2) * 4 * p_rank / layout.hbm
     return LearnerCost(overhead_s=layout.mb_overhead_s, per_token_s=per_tok / rate,
                        per_token2_s=6.0 * cost.layers * cost.q_dim / rate, fold_s=fold, barrier_s=barrier,
@@ -45,6 +46,11 @@ def weight_sync_s(cost: ModelCost, layout: Layout) -> float:
 
 def rank_state_gib(arch: ModelArch, layout: Layout) -> float:
     """Model state per learner GPU: bf16 weights, fp32 grad buffer, fp32 master weights and Adam moments sharded
-    over DP (the distributed optimizer); activations not counted."""
+    by the distributed optimizer; activations not counted. The rank holds P_rank = D + X/EP parameters (D not
+    expert, X its TP × PP slice of the experts), but each parameter's optimizer state is sharded over the ranks that
+    hold a copy of it: D over DP, an expert over the DP/EP ranks of its expert-data-parallel group, so the shard is
+    12·(D/DP + (X/EP)/(DP/EP)) = 12·(D + X)/DP bytes: P at EP = 1, over DP (not P_rank/DP, which under-counts an
+    EP > 1 rank's shard EP-fold for its experts)."""
     p = params_per_rank(arch, layout.tp, layout.pp, layout.ep)
-    return (2 * p + 4 * p + 12 * p / layout.dp) / (1 << 30)
+    whole = params_per_rank(arch, layout.tp, layout.pp)
+    return (2 * p + 4 * p + 12 * whole / layout.dp) / (1 << 30)
