@@ -81,26 +81,7 @@ class TrainConfig:
                "learner.dp_assignment 'group' keeps a GRPO group's buckets on one rank; OPD has no group buckets (it "
                "would do nothing there)",
                "learner.dp_assignment", "rl.algorithm")
-        _check(lr.max_open_groups is None or lr.max_open_groups >= 1,
-               f"learner.max_open_groups must be >= 1, got {lr.max_open_groups}", "learner.max_open_groups")
-        _check(lr.max_device_buckets is None or lr.max_device_buckets >= 2,
-               f"learner.max_device_buckets must be >= 2 (an origin shift touches P and Q at once), got "
-               f"{lr.max_device_buckets}", "learner.max_device_buckets")
-        for path, gib in (("learner.bucket_device_gib", lr.bucket_device_gib),
-                          ("learner.bucket_host_gib", lr.bucket_host_gib)):
-            _check(gib is None or gib > 0, f"{path} must be > 0, got {gib}", path)
-        _check(lr.bucket_host_gib is None or lr.max_device_buckets is not None or lr.bucket_device_gib is not None
-               or lr.accumulate_on_host,
-               "learner.bucket_host_gib sizes the host arena of bucket residency, which is on with "
-               "learner.max_device_buckets or learner.bucket_device_gib, or of learner.accumulate_on_host (none is set)",
-               "learner.bucket_host_gib", "learner.max_device_buckets", "learner.bucket_device_gib")
-        _check(not lr.accumulate_on_host or (lr.max_device_buckets is None and lr.bucket_device_gib is None
-                                             and not lr.deterministic and not lr.pack_across_groups
-                                             and self.rl.algorithm == "grpo"),
-               "learner.accumulate_on_host keeps every gradient vector on the host: not with bucket residency's device "
-               "cache (learner.max_device_buckets, learner.bucket_device_gib), learner.deterministic, "
-               "learner.pack_across_groups, or rl.algorithm opd (no group buckets there)",
-               "learner.accumulate_on_host", "learner.max_device_buckets", "learner.deterministic")
+        self._check_bucket_memory()
         _check(lr.estimator_eps >= 0, f"learner.estimator_eps must be >= 0, got {lr.estimator_eps}",
                "learner.estimator_eps")
         _check(lr.coalesce_ms >= 0, f"learner.coalesce_ms must be >= 0, got {lr.coalesce_ms}", "learner.coalesce_ms")
@@ -140,6 +121,30 @@ class TrainConfig:
                "learner.deterministic is implemented for rl.algorithm grpo in modes sync / stream-group / "
                "stream-trajectory (async: which policy version produced a trajectory depends on timing)",
                "learner.deterministic", "learner.mode", "rl.algorithm")
+
+    def _check_bucket_memory(self) -> None:
+        """Open groups, bucket residency and host accumulation."""
+        lr = self.learner
+        _check(lr.max_open_groups is None or lr.max_open_groups >= 1,
+               f"learner.max_open_groups must be >= 1, got {lr.max_open_groups}", "learner.max_open_groups")
+        _check(lr.max_device_buckets is None or lr.max_device_buckets >= 2,
+               f"learner.max_device_buckets must be >= 2 (an origin shift touches P and Q at once), got "
+               f"{lr.max_device_buckets}", "learner.max_device_buckets")
+        for path, gib in (("learner.bucket_device_gib", lr.bucket_device_gib),
+                          ("learner.bucket_host_gib", lr.bucket_host_gib)):
+            _check(gib is None or gib > 0, f"{path} must be > 0, got {gib}", path)
+        _check(lr.bucket_host_gib is None or lr.max_device_buckets is not None or lr.bucket_device_gib is not None
+               or lr.accumulate_on_host,
+               "learner.bucket_host_gib sizes the host arena of bucket residency, which is on with "
+               "learner.max_device_buckets or learner.bucket_device_gib, or of learner.accumulate_on_host (none is set)",
+               "learner.bucket_host_gib", "learner.max_device_buckets", "learner.bucket_device_gib")
+        _check(not lr.accumulate_on_host or (lr.max_device_buckets is None and lr.bucket_device_gib is None
+                                             and not lr.deterministic and not lr.pack_across_groups
+                                             and self.rl.algorithm == "grpo"),
+               "learner.accumulate_on_host keeps every gradient vector on the host: not with bucket residency's device "
+               "cache (learner.max_device_buckets, learner.bucket_device_gib), learner.deterministic, "
+               "learner.pack_across_groups, or rl.algorithm opd (no group buckets there)",
+               "learner.accumulate_on_host", "learner.max_device_buckets", "learner.deterministic")
 
     def _check_numerics(self) -> None:
         """float64 verification runs, FP8, the distributed optimizer."""
