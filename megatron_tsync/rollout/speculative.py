@@ -175,23 +175,37 @@ class SpeculativeEngine:
     def policy_version(self) -> int:
         return self.target.policy_version
 
+    @property
+    def supports_sessions(self) -> bool:
+        """KV reuse across turns (the agent loop's session handles): the target's. Rows without a draft pass their
+        session to ``target.generate``; a verified row's turn is not cached (its prefill is the verification's), so
+        its trajectory's next turn prefills in full once and is cached from then on."""
+        return bool(getattr(self.target, "supports_sessions", False))
+
+    def release_session(self, session) -> None:
+        self.target.release_session(session)
+
     def update_weights(self, state_dict, version: int) -> None:
         self.drafts.clear()  # drafts are verified against the weights they were made for: new weights void them
         self.target.update_weights(state_dict, version)
 
-    def generate(self, prompts, sampling: SamplingConfig, n: int = 1, *, seeds=None) -> list[list[Completion]]:
+    def generate(self, prompts, sampling: SamplingConfig, n: int = 1, *, seeds=None,
+                 sessions=None) -> list[list[Completion]]:
         hit = [] if n != 1 or seeds is None else [
             i for i, (p, s) in enumerate(zip(prompts, seeds))
             if (d := self.drafts.get(int(s))) is not None and d.prompt == tuple(int(t) for t in p)]
+        extra = {} if sessions is None else {"sessions": sessions}
         if not hit:
-            return self.target.generate(prompts, sampling, n, seeds=seeds)
+            return self.target.generate(prompts, sampling, n, seeds=seeds, **extra)
         _check_supported(sampling, self.target)
         out: list[list[Completion] | None] = [None] * len(prompts)
         hit_set = set(hit)  # once: a set per index made this quadratic (20,000 prompts: ~10 s)
         rest = [i for i in range(len(prompts)) if i not in hit_set]
         if rest:
+            if sessions is not None:
+                extra = {"sessions": [sessions[i] for i in rest]}
             for i, comps in zip(rest, self.target.generate([prompts[i] for i in rest], sampling, 1,
-                                                           seeds=[seeds[i] for i in rest])):
+                                                           seeds=[seeds[i] for i in rest], **extra)):
                 out[i] = comps
         drafts = [self.drafts.pop(int(seeds[i])) for i in hit]
         t0 = time.perf_counter()
