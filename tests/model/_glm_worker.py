@@ -168,6 +168,7 @@ def main():
     p.add_argument("--pp-hf", default="", help="comma-separated HF folders (4 layers) run at PP = 2 after the layouts")
     p.add_argument("--stream-out", help="also run the streaming cases at each layout; torch.save them here")
     p.add_argument("--opd-out", help="also OPD at EP = 2, TP = 2 and PP = 2 (the first --pp-hf); torch.save it here")
+    p.add_argument("--kl-ref", default="", help="the KL reference of the streaming cells (default: the last --pp-hf)")
     a = p.parse_args()
 
     import torch
@@ -175,7 +176,7 @@ def main():
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from megatron_tsync.model.parallel import destroy_parallel
 
-    runs = [(a.hf, tuple(int(x) for x in spec.split(":"))) for spec in a.layouts.split(",")]
+    runs = [(a.hf, tuple(int(x) for x in spec.split(":"))) for spec in a.layouts.split(",") if spec]
     runs += [(d, (1, 2, 1)) for d in a.pp_hf.split(",") if d]
     results, stream, refs = [], {"grads": {}, "idle": {}}, {}
     for hf_dir, (tp, pp, ep) in runs:
@@ -188,7 +189,7 @@ def main():
             key = name if pp == 1 else f"pp2-dense{row['dense']}"
             cases = STREAM_CASES if pp == 1 else PP_STREAM_CASES[:2 if key == "pp2-dense1" else 1]
             stream["grads"][key], stream["idle"][key] = stream_grads(hf_dir, dims, name, cases=cases)
-            extra(stream, key, hf_dir, dims, name, a.pp_hf.split(",")[-1])
+            extra(stream, key, hf_dir, dims, name, a.kl_ref or a.pp_hf.split(",")[-1])
     opd = opd_layouts(a.hf, a.pp_hf.split(",")[0]) if a.opd_out else None
     if dims.rank == 0:
         if opd is not None:

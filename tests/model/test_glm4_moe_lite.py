@@ -396,12 +396,22 @@ _STREAM_TESTS = ("test_streaming_ep2_tp2_equal_one_process", "test_streaming_pp2
 _OPD_TEST = "test_opd_ep2_tp2_pp2_equal_one_process"
 
 
+def _merge(a: dict, b: dict) -> dict:
+    """Nested dicts of the two launches' results, one dict."""
+    out = dict(a)
+    for k, v in b.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
 @pytest.fixture(scope="module")
-def glm_two_procs(tiny_glm, glm_pp_dirs, tmp_path_factory, request):
-    """One launch of _glm_worker.py (two gloo processes: TP = 2, EP = 2, then PP = 2 with each of ``glm_pp_dirs``)
-    for the tests below: the float64 logits and round trip at each layout, (when a streaming test is selected) the
-    streaming cases of tests/training/_workers/moe_ep_worker.py at each layout, and (when the OPD test is) OPD at
-    each layout. Returns (logits report, streaming results or None, OPD results or None)."""
+def glm_launch(tiny_glm, glm_pp_dirs, tmp_path_factory, request):
+    """``glm_launch(part)``: one launch of _glm_worker.py (two gloo processes) per part, made when a test first needs
+    it: "tp-ep" (TP = 2, then EP = 2) and "pp" (PP = 2 with each of ``glm_pp_dirs``, and OPD at EP = 2, TP = 2 and
+    PP = 2) — two launches, so that no test holds both (one launch of everything took 190 s on CI's two busy
+    cores). Each: the float64 logits and round trip at its layouts, (when a streaming test is selected) the streaming
+    cases of tests/training/_workers/moe_ep_worker.py at them, and (when the OPD test is, "pp" only) OPD.
+    Returns (logits report, streaming results or None, OPD results or None)."""
     import importlib.util
 
     from ..training._launch import selected_params
@@ -410,26 +420,43 @@ def glm_two_procs(tiny_glm, glm_pp_dirs, tmp_path_factory, request):
         "conv_common", os.path.join(os.path.dirname(__file__), "..", "training", "_workers", "conv_common.py"))
     common = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(common)
-    d = tmp_path_factory.mktemp("glm_two_procs")
-    out, stream_out, opd_out = str(d / "rep.json"), str(d / "stream.pt"), str(d / "opd.pt")
     stream = bool(selected_params(request, lambda item: item.name in _STREAM_TESTS or None))
     opd = bool(selected_params(request, lambda item: item.name == _OPD_TEST or None))
     worker = os.path.join(os.path.dirname(__file__), "_glm_worker.py")
-    rc, log, _ = common.run_isolated([worker, "--hf", tiny_glm, "--out", out, "--pp-hf", ",".join(
-        glm_pp_dirs.values()), *(["--stream-out", stream_out] if stream else []),
-        *(["--opd-out", opd_out] if opd else [])], nproc=2, timeout=600)
-    assert rc == 0, log[-4000:]
-    with open(out) as f:
-        rep = json.load(f)
-    return rep, (torch.load(stream_out) if stream else None), (torch.load(opd_out) if opd else None)
+    pp_dirs = list(glm_pp_dirs.values())
+    done: dict = {}
+
+    def get(part: str):
+        if part not in done:
+            d = tmp_path_factory.mktemp(f"glm_{part}")
+            out, stream_out, opd_out = str(d / "rep.json"), str(d / "stream.pt"), str(d / "opd.pt")
+            args = (["--layouts", "2:1:1,1:1:2", "--kl-ref", pp_dirs[-1]] if part == "tp-ep" else
+                    ["--layouts", "", "--pp-hf", ",".join(pp_dirs), *(["--opd-out", opd_out] if opd else [])])
+            rc, log, _ = common.run_isolated([worker, "--hf", tiny_glm, "--out", out, *args,
+                                              *(["--stream-out", stream_out] if stream else [])], nproc=2, timeout=600)
+            assert rc == 0, log[-4000:]
+            with open(out) as f:
+                rep = json.load(f)
+            done[part] = (rep, torch.load(stream_out) if stream else None,
+                          torch.load(opd_out) if opd and part == "pp" else None)
+        return done[part]
+
+    return get
+
+
+@pytest.fixture
+def glm_two_procs(glm_launch):
+    """Both launches' results merged: (logits rows of both, streaming results of both, OPD)."""
+    a, b = glm_launch("tp-ep"), glm_launch("pp")
+    return a[0] + b[0], (_merge(a[1], b[1]) if a[1] is not None else None), b[2]
 
 
 @pytest.mark.slow
-def test_float64_logits_tp2_ep2(glm_two_procs):
+def test_float64_logits_tp2_ep2(glm_launch):
     """Two gloo processes: TP=2 (sequence parallel, as megatron's MoE layer needs), then EP=2 (8 experts a rank):
     float64 logits equal transformers' ≤ 1e-12 relative, and the round trip through the sharded model is
     bit-identical."""
-    rep = [r for r in glm_two_procs[0] if r["pp"] == 1]
+    rep = [r for r in glm_launch("tp-ep")[0] if r["pp"] == 1]
     assert {(r["tp"], r["ep"]) for r in rep} == {(2, 1), (1, 2)}
     for r in rep:
         print(f"glm4_moe_lite tp={r['tp']} ep={r['ep']}: float64 logits rel diff {r['rel_logit_diff']:.3g}")
@@ -440,12 +467,12 @@ def test_float64_logits_tp2_ep2(glm_two_procs):
 
 
 @pytest.mark.slow
-def test_float64_logits_pp2_dense_boundary(glm_two_procs):
+def test_float64_logits_pp2_dense_boundary(glm_launch):
     """PP = 2 (two gloo processes, the first stage's hidden states sent to the second) with 4-layer models whose
     dense/MoE boundary falls inside stage 0 (first_k_dense 1) and at the stage boundary (2): float64 logits =
     transformers' ≤ 1e-12 relative, the round trip through the stages bit-identical, each stage holds the MoE
     layers the split says."""
-    rep = {r["dense"]: r for r in glm_two_procs[0] if r["pp"] == 2}
+    rep = {r["dense"]: r for r in glm_launch("pp")[0] if r["pp"] == 2}
     assert sorted(rep) == [1, 2]
     for k, r in rep.items():
         print(f"glm4_moe_lite pp=2 first_k_dense={k}: float64 logits rel diff {r['rel_logit_diff']:.3g}")
