@@ -178,6 +178,29 @@ def test_requests_without_a_draft_are_plain_generation(engines) -> None:
     assert [c[0].token_ids for c in got] == [c[0].token_ids for c in want]
 
 
+def test_kv_reuse_sessions_pass_through_to_the_target(engines) -> None:
+    """The agent loop's KV-reuse handles (``sessions=``, when the engine ``supports_sessions``): rows without a draft
+    go to the target with their session and get the same tokens as without one, and the target keeps their K/V
+    (released through the speculative engine); drafted rows are verified as before, their session not cached."""
+    old, new = engines
+    assert SpeculativeEngine(new, old, {}).supports_sessions == new.supports_sessions
+    sampling = SamplingConfig(max_new_tokens=4, stop_token_ids=(STOP,))
+    seeds = [derive_seed(11, i) for i in range(8)]
+    prompts = [PROMPT + [i % V] for i in range(8)]
+    drafts = draft_turns(old, prompts[:4], seeds[:4], [3] * 4, sampling)  # rows 0-3 drafted, 4-7 plain
+    sessions = [("s", i) for i in range(8)]
+    spec = SpeculativeEngine(new, old, dict(drafts))
+    got = spec.generate(prompts, sampling, 1, seeds=seeds, sessions=sessions)
+    want = SpeculativeEngine(new, old, dict(drafts)).generate(prompts, sampling, 1, seeds=seeds)
+    assert [c[0].token_ids for c in got] == [c[0].token_ids for c in want]
+    if new.supports_sessions:
+        cached = {s for s in sessions if new.sessions.lookup(s, prompts[s[1]] + [STOP] * 9, 1)[1] is not None}
+        assert cached == set(sessions[4:])
+        for s in sessions:
+            spec.release_session(s)
+        assert all(new.sessions.lookup(s, prompts[s[1]] + [STOP] * 9, 1)[1] is None for s in sessions)
+
+
 def test_stop_strings_are_refused(engines) -> None:
     old, _ = engines
     with pytest.raises(ValueError, match="stop strings"):
