@@ -98,6 +98,20 @@ class SlotArena:
         """Bytes allocated by the arena (its slabs)."""
         return sum(s.numel() for s in self.slabs)
 
+    def grow_within_host_memory(self, n_slots: int, what: str) -> None:
+        """:meth:`grow` an automatic host arena by ``n_slots`` (nothing when ≤ 0), refused with one line naming
+        ``what`` where that would take more than :data:`HOST_FRACTION` of the host memory available now."""
+        if n_slots <= 0:
+            return
+        need = n_slots * self.layout.slot_bytes
+        avail = host_available_bytes()
+        if avail is not None and need > HOST_FRACTION * avail:
+            raise ValueError(f"{what}: {n_slots} more vectors of {self.layout.slot_bytes / 2**20:.1f} MiB "
+                             f"({need / GIB:.2f} GiB) needed for this step's open groups, {avail / GIB:.2f} GiB of "
+                             "host memory available: cap --max-open-groups, or set --bucket-host-gib to a size that "
+                             "fits (a step needing more then stops with an error)")
+        self.grow(n_slots)
+
     def grow(self, n_slots: int) -> None:
         """Add ``n_slots`` slots in new slabs (never one allocation per slot unless a slot fills a slab)."""
         per_slab = max(1, self.slab_bytes // self.layout.slot_bytes)
@@ -128,6 +142,9 @@ class SlotArena:
         a = t.data_ptr()
         return any(s.data_ptr() <= a and a + t.numel() * t.element_size() <= s.data_ptr() + s.numel()
                    for s in self.slabs)
+
+
+HOST_FRACTION = 0.8  # an automatic host arena may take at most this fraction of the available host memory
 
 
 def host_available_bytes() -> int | None:

@@ -47,11 +47,10 @@ import time
 
 import torch
 
-from megatron_tsync.streaming.arena import GIB, ArenaFull, SlotArena, SlotLayout, host_available_bytes
+from megatron_tsync.streaming.arena import GIB, ArenaFull, SlotArena, SlotLayout
 from megatron_tsync.streaming.buckets import BucketPool, GradRouter, GradVector
 
 CHUNK_BYTES = 64 << 20  # one staging chunk (two of them per rank, pinned on CUDA)
-HOST_FRACTION = 0.8  # the automatic host arena may take at most this fraction of the available host memory
 
 
 @dataclasses.dataclass
@@ -186,16 +185,8 @@ class HostAccumulation:
         self._count()
 
     def _grow(self, n: int) -> None:
-        if n <= 0:
-            return
-        need = n * self.arena.layout.slot_bytes
-        avail = host_available_bytes()
-        if avail is not None and need > HOST_FRACTION * avail:
-            raise ValueError(f"host accumulation: {n} more vectors of {self.arena.layout.slot_bytes / 2**20:.1f} MiB "
-                             f"({need / GIB:.2f} GiB) needed for this step's open groups, {avail / GIB:.2f} GiB of "
-                             "host memory available: cap --max-open-groups, or set --bucket-host-gib")
         with self._lock:
-            self.arena.grow(n)
+            self.arena.grow_within_host_memory(n, "host accumulation")
 
     # ------------------------------------------------------------------ routing and flushing
     def route(self, dests: list) -> None:

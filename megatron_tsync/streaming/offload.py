@@ -43,11 +43,10 @@ import math
 
 import torch
 
-from megatron_tsync.streaming.arena import GIB, ArenaFull, Slot, SlotArena, SlotLayout, host_available_bytes
+from megatron_tsync.streaming.arena import GIB, ArenaFull, Slot, SlotArena, SlotLayout
 from megatron_tsync.streaming.buckets import BucketPool, GradRouter, GradVector
 from megatron_tsync.streaming.mover import Mover
 
-HOST_FRACTION = 0.8  # the automatic host arena may take at most this fraction of the available host memory
 STAGING_BYTES = 16 << 20  # CUDA: the swap's device staging buffer is at most this (and at most 1/8 of a slot)
 
 
@@ -179,16 +178,7 @@ class Residency:
         return dataclasses.asdict(self.stats)
 
     def _grow_host(self, n: int) -> None:
-        if n <= 0:
-            return
-        need = n * self.host_arena.layout.slot_bytes
-        avail = host_available_bytes()
-        if avail is not None and need > HOST_FRACTION * avail:
-            raise ValueError(f"bucket host arena: {n} more vectors of {self.host_arena.layout.slot_bytes / 2**20:.1f} "
-                             f"MiB ({need / GIB:.2f} GiB) needed for this step's open groups, {avail / GIB:.2f} GiB "
-                             f"of host memory available: cap --max-open-groups, or set --bucket-host-gib to a size "
-                             f"that fits (a step needing more then stops with an error)")
-        self.host_arena.grow(n)
+        self.host_arena.grow_within_host_memory(n, "bucket host arena")
 
     # ------------------------------------------------------------------ vectors
     def acquire(self, pool: BucketPool, tag: str, group: str, keep: tuple[GradVector, ...] = ()) -> GradVector:

@@ -8,7 +8,7 @@ the copy accounting. The learner-level exactness and memory bounds are in ``test
 import pytest
 import torch
 
-from megatron_tsync.streaming import offload
+from megatron_tsync.streaming import arena, offload
 from megatron_tsync.streaming.arena import ALIGN, ArenaFull, SlotArena, SlotLayout
 from megatron_tsync.streaming.buckets import BucketPool, GradVector
 from megatron_tsync.streaming.mover import Mover
@@ -180,7 +180,7 @@ def test_arena_limits_and_errors(monkeypatch):
     with pytest.raises(ArenaFull, match="--bucket-host-gib"):
         res.acquire(pool, "d", "d")
     r, res, pool = _res(n_device=2, bound=2)
-    monkeypatch.setattr(offload, "host_available_bytes", lambda: 10 * slot)
+    monkeypatch.setattr(arena, "host_available_bytes", lambda: 10 * slot)
     with pytest.raises(ValueError, match="--max-open-groups, or set --bucket-host-gib"):
         res.begin_step(2 + 20)  # 20 host slots > 0.8 × 10
     res.begin_step(2 + 8)
