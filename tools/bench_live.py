@@ -141,13 +141,29 @@ _WARM = ("import sys\nfrom megatron_tsync.arguments import parse_args\n"
          "ctx = RunContext(parse_args(sys.argv[1:]), StopFlag())\nctx.save()\nctx.close()\ndestroy_parallel()\n")
 
 
+def code_fingerprint() -> str:
+    """A hash of the package's Python sources: the warm start is made by the task, tokenizer, model and SFT code, so
+    a change to any of them (with the same flags) makes a new one instead of reusing a stale cached one."""
+    h = hashlib.sha256()
+    pkg = os.path.join(ROOT, "megatron_tsync")
+    for dirpath, dirnames, files in os.walk(pkg):
+        dirnames.sort()
+        for name in sorted(files):
+            if name.endswith((".py", ".json", ".yaml")):
+                path = os.path.join(dirpath, name)
+                h.update(os.path.relpath(path, pkg).encode())
+                with open(path, "rb") as f:
+                    h.update(f.read())
+    return h.hexdigest()[:16]
+
+
 def warm_start(a, base: list[str], *, size: tuple[int, int] | None = None,
                sft_lr: float | None = None) -> tuple[str, str]:
-    """(model folder, checkpoint) of the shared warm start: made once per (config, SFT steps, seed[, size, SFT lr]),
-    then reused. ``size``: (hidden, layers) of the tiny model (None: ``--init-tiny-model``'s); ``sft_lr``: the warm
+    """(model folder, checkpoint) of the shared warm start: made once per (config, SFT steps, seed[, size, SFT lr],
+    the package's code: :func:`code_fingerprint`), then reused. ``size``: (hidden, layers) of the tiny model (None: ``--init-tiny-model``'s); ``sft_lr``: the warm
     start's learning rate (None: the default)."""
     extra = ([] if size is None else [list(size)]) + ([] if sft_lr is None else [sft_lr])
-    key = hashlib.sha256(json.dumps([base, a.sft_steps, a.seed, *extra]).encode()).hexdigest()[:12]  # defaults: old key
+    key = hashlib.sha256(json.dumps([base, a.sft_steps, a.seed, *extra, code_fingerprint()]).encode()).hexdigest()[:12]
     d = os.path.join(a.warm_dir, key)
     model, ckpt = os.path.join(d, "model"), os.path.join(d, "ckpt")
     if os.path.exists(os.path.join(ckpt, "latest_checkpointed_iteration.txt")):

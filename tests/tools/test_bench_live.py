@@ -129,8 +129,8 @@ def test_reward_curve_test_detects_a_shift_and_not_noise():
 
 
 def test_model_size_makes_that_model_and_keys_its_own_warm_start(tmp_path, monkeypatch):
-    """``--model-size 256x3`` writes the task's tiny Llama at that size into its own warm-start folder (the default
-    size keeps the old cache key, so cached warm starts stay valid); a bad spec is refused."""
+    """``--model-size 256x3`` writes the task's tiny Llama at that size into its own warm-start folder; a bad spec is
+    refused."""
     assert bl.parse(["--model-size", "512x4"]).model_size == (512, 4) and bl.parse([]).model_size is None
     for bad in ("512", "512x", "0x4", "ax4"):
         with pytest.raises(SystemExit):
@@ -147,3 +147,21 @@ def test_model_size_makes_that_model_and_keys_its_own_warm_start(tmp_path, monke
     default_model, _ = bl.warm_start(d, base, size=d.model_size, sft_lr=d.sft_lr)
     assert default_model != model and not os.path.exists(os.path.join(default_model, "config.json"))
     assert "--sft-warmup-lr" not in ran[1]
+
+
+def test_warm_start_cache_is_keyed_by_the_code(tmp_path, monkeypatch):
+    """The same flags with changed package code make a new warm start instead of reusing the cached one (a task-code
+    change once silently reused a warm start made by the old code); unchanged code reuses it."""
+    ran = []
+    monkeypatch.setattr(bl, "_run", lambda argv, log, timeout: ran.append(argv) or 0.0)
+    base = bl.task_args(bl.CONFIG)
+    a = bl.parse(["--warm-dir", str(tmp_path), "--sft-steps", "1"])
+    assert len(bl.code_fingerprint()) == 16 and bl.code_fingerprint() == bl.code_fingerprint()
+    monkeypatch.setattr(bl, "code_fingerprint", lambda: "old-code")
+    _, ckpt_old = bl.warm_start(a, base)
+    os.makedirs(ckpt_old, exist_ok=True)
+    open(os.path.join(ckpt_old, "latest_checkpointed_iteration.txt"), "w").write("0")  # made: cached from now on
+    assert bl.warm_start(a, base)[1] == ckpt_old and len(ran) == 1
+    monkeypatch.setattr(bl, "code_fingerprint", lambda: "new-code")
+    _, ckpt_new = bl.warm_start(a, base)
+    assert ckpt_new != ckpt_old and len(ran) == 2
