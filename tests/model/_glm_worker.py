@@ -12,7 +12,8 @@ one launch serves the logits test and the streaming test. Rank 0 torch.saves {"g
 name → tensor}}}, "idle": {layout: {case: idle microbatches}}}; a PP model's layout is "pp2-dense<k>" and runs
 ``PP_STREAM_CASES``; "kl", "replay", "det": the cells of :func:`extra`.
 
-``--opd-out PATH``: then OPD at EP = 2, TP = 2 and PP = 2 (:func:`opd_layouts`), torch.saved there.
+``--opd-out PATH``: then OPD at EP = 2, TP = 2 and PP = 2 (:func:`opd_layouts`), torch.saved there (with
+``--layouts ""`` and no ``--pp-hf``: OPD alone, its PP = 2 model ``--opd-pp-hf``).
 """
 
 import argparse
@@ -167,7 +168,8 @@ def main():
     p.add_argument("--layouts", default="2:1:1,1:1:2", help="comma-separated tp:pp:ep")
     p.add_argument("--pp-hf", default="", help="comma-separated HF folders (4 layers) run at PP = 2 after the layouts")
     p.add_argument("--stream-out", help="also run the streaming cases at each layout; torch.save them here")
-    p.add_argument("--opd-out", help="also OPD at EP = 2, TP = 2 and PP = 2 (the first --pp-hf); torch.save it here")
+    p.add_argument("--opd-out", help="also OPD at EP = 2, TP = 2 and PP = 2 (--opd-pp-hf); torch.save it here")
+    p.add_argument("--opd-pp-hf", default="", help="OPD's PP = 2 model (default: the first --pp-hf)")
     p.add_argument("--kl-ref", default="", help="the KL reference of the streaming cells (default: the last --pp-hf)")
     a = p.parse_args()
 
@@ -190,8 +192,8 @@ def main():
             cases = STREAM_CASES if pp == 1 else PP_STREAM_CASES[:2 if key == "pp2-dense1" else 1]
             stream["grads"][key], stream["idle"][key] = stream_grads(hf_dir, dims, name, cases=cases)
             extra(stream, key, hf_dir, dims, name, a.kl_ref or a.pp_hf.split(",")[-1])
-    opd = opd_layouts(a.hf, a.pp_hf.split(",")[0]) if a.opd_out else None
-    if dims.rank == 0:
+    opd = opd_layouts(a.hf, a.opd_pp_hf or a.pp_hf.split(",")[0]) if a.opd_out else None
+    if torch.distributed.get_rank() == 0:
         if opd is not None:
             torch.save(opd, a.opd_out)
         with open(a.out, "w") as f:

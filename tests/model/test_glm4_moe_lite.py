@@ -393,11 +393,10 @@ def glm_pp_dirs(tmp_path_factory):
 
 _STREAM_TESTS = ("test_streaming_ep2_tp2_equal_one_process", "test_streaming_pp2_equal_one_process",
                  "test_kl_replay_deterministic_at_layouts")
-_OPD_TEST = "test_opd_ep2_tp2_pp2_equal_one_process"
 
 
 def _merge(a: dict, b: dict) -> dict:
-    """Nested dicts of the two launches' results, one dict."""
+    """Nested dicts of the launches' results, one dict."""
     out = dict(a)
     for k, v in b.items():
         out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
@@ -407,10 +406,10 @@ def _merge(a: dict, b: dict) -> dict:
 @pytest.fixture(scope="module")
 def glm_launch(tiny_glm, glm_pp_dirs, tmp_path_factory, request):
     """``glm_launch(part)``: one launch of _glm_worker.py (two gloo processes) per part, made when a test first needs
-    it: "tp-ep" (TP = 2, then EP = 2) and "pp" (PP = 2 with each of ``glm_pp_dirs``, and OPD at EP = 2, TP = 2 and
-    PP = 2) — two launches, so that no test holds both (one launch of everything took 190 s on CI's two busy
-    cores). Each: the float64 logits and round trip at its layouts, (when a streaming test is selected) the streaming
-    cases of tests/training/_workers/moe_ep_worker.py at them, and (when the OPD test is, "pp" only) OPD.
+    it: "tp" (TP = 2), "ep" (EP = 2), "pp" (PP = 2 with each of ``glm_pp_dirs``) and "opd" (OPD at EP = 2, TP = 2
+    and PP = 2) — four launches, so that no test holds two (one launch of everything took 190 s on CI's two busy
+    cores; TP and EP together 108 s). Each of "tp", "ep" and "pp": the float64 logits and round trip at its layouts
+    and (when a streaming test is selected) the streaming cases of tests/training/_workers/moe_ep_worker.py at them.
     Returns (logits report, streaming results or None, OPD results or None)."""
     import importlib.util
 
@@ -421,7 +420,6 @@ def glm_launch(tiny_glm, glm_pp_dirs, tmp_path_factory, request):
     common = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(common)
     stream = bool(selected_params(request, lambda item: item.name in _STREAM_TESTS or None))
-    opd = bool(selected_params(request, lambda item: item.name == _OPD_TEST or None))
     worker = os.path.join(os.path.dirname(__file__), "_glm_worker.py")
     pp_dirs = list(glm_pp_dirs.values())
     done: dict = {}
@@ -430,15 +428,19 @@ def glm_launch(tiny_glm, glm_pp_dirs, tmp_path_factory, request):
         if part not in done:
             d = tmp_path_factory.mktemp(f"glm_{part}")
             out, stream_out, opd_out = str(d / "rep.json"), str(d / "stream.pt"), str(d / "opd.pt")
-            args = (["--layouts", "2:1:1,1:1:2", "--kl-ref", pp_dirs[-1]] if part == "tp-ep" else
-                    ["--layouts", "", "--pp-hf", ",".join(pp_dirs), *(["--opd-out", opd_out] if opd else [])])
+            args = {"tp": ["--layouts", "2:1:1", "--kl-ref", pp_dirs[-1]],
+                    "ep": ["--layouts", "1:1:2", "--kl-ref", pp_dirs[-1]],
+                    "pp": ["--layouts", "", "--pp-hf", ",".join(pp_dirs)],
+                    "opd": ["--layouts", "", "--opd-pp-hf", pp_dirs[0], "--opd-out", opd_out]}[part]
+            save_stream = stream and part != "opd"
             rc, log, _ = common.run_isolated([worker, "--hf", tiny_glm, "--out", out, *args,
-                                              *(["--stream-out", stream_out] if stream else [])], nproc=2, timeout=600)
+                                              *(["--stream-out", stream_out] if save_stream else [])],
+                                             nproc=2, timeout=600)
             assert rc == 0, log[-4000:]
             with open(out) as f:
                 rep = json.load(f)
-            done[part] = (rep, torch.load(stream_out) if stream else None,
-                          torch.load(opd_out) if opd and part == "pp" else None)
+            done[part] = (rep, torch.load(stream_out) if save_stream else None,
+                          torch.load(opd_out) if part == "opd" else None)
         return done[part]
 
     return get
@@ -446,24 +448,32 @@ def glm_launch(tiny_glm, glm_pp_dirs, tmp_path_factory, request):
 
 @pytest.fixture
 def glm_two_procs(glm_launch):
-    """Both launches' results merged: (logits rows of both, streaming results of both, OPD)."""
-    a, b = glm_launch("tp-ep"), glm_launch("pp")
-    return a[0] + b[0], (_merge(a[1], b[1]) if a[1] is not None else None), b[2]
+    """The layout launches' results merged: (logits rows of all, streaming results of all or None)."""
+    parts = [glm_launch(part) for part in ("tp", "ep", "pp")]
+    stream = None
+    if parts[0][1] is not None:
+        stream = parts[0][1]
+        for part in parts[1:]:
+            stream = _merge(stream, part[1])
+    return [row for part in parts for row in part[0]], stream
 
 
 @pytest.mark.slow
-def test_float64_logits_tp2_ep2(glm_launch):
-    """Two gloo processes: TP=2 (sequence parallel, as megatron's MoE layer needs), then EP=2 (8 experts a rank):
+@pytest.mark.parametrize("part", ["tp", "ep"])
+def test_float64_logits_tp2_ep2(glm_launch, part):
+    """Two gloo processes: TP=2 (sequence parallel, as megatron's MoE layer needs), or EP=2 (8 experts a rank):
     float64 logits equal transformers' ≤ 1e-12 relative, and the round trip through the sharded model is
     bit-identical."""
-    rep = [r for r in glm_launch("tp-ep")[0] if r["pp"] == 1]
-    assert {(r["tp"], r["ep"]) for r in rep} == {(2, 1), (1, 2)}
-    for r in rep:
-        print(f"glm4_moe_lite tp={r['tp']} ep={r['ep']}: float64 logits rel diff {r['rel_logit_diff']:.3g}")
-        assert r["same_keys"] and not r["mismatched"], r
-        assert r["rel_logit_diff"] <= TOL, r
-    assert {r["ep"]: r["local_experts"] for r in rep}[2] == 8
-    assert {r["tp"]: r["sequence_parallel"] for r in rep}[2]
+    rep = [r for r in glm_launch(part)[0] if r["pp"] == 1]
+    assert [(r["tp"], r["ep"]) for r in rep] == [{"tp": (2, 1), "ep": (1, 2)}[part]]
+    r = rep[0]
+    print(f"glm4_moe_lite tp={r['tp']} ep={r['ep']}: float64 logits rel diff {r['rel_logit_diff']:.3g}")
+    assert r["same_keys"] and not r["mismatched"], r
+    assert r["rel_logit_diff"] <= TOL, r
+    if part == "ep":
+        assert r["local_experts"] == 8
+    else:
+        assert r["sequence_parallel"]
 
 
 @pytest.mark.slow
@@ -606,9 +616,9 @@ def test_kl_replay_deterministic_at_layouts(tiny_glm, glm_pp_dirs, glm_two_procs
 
 
 @pytest.mark.slow
-def test_opd_ep2_tp2_pp2_equal_one_process(tiny_glm, glm_pp_dirs, glm_two_procs, megatron_single):
-    """OPD with a tiny GLM student (tests/training/_workers/moe_ep_opd_worker.py's run, in the launch of
-    ``glm_two_procs``): token-mean in sync and stream-turn, and with router replay of recorded (random) experts in
+def test_opd_ep2_tp2_pp2_equal_one_process(tiny_glm, glm_pp_dirs, glm_launch, megatron_single):
+    """OPD with a tiny GLM student (tests/training/_workers/moe_ep_opd_worker.py's run, in the "opd" launch of
+    ``glm_launch``): token-mean in sync and stream-turn, and with router replay of recorded (random) experts in
     stream-turn
     (the KV-kept turn forward through MLA) at EP = 2 (each rank its own turn order, lanes of matched forwards),
     TP = 2 (sequence parallel) and PP = 2 (the per-chunk p2p path; the 4-layer model) — every gradient ≤ 1e-12 from
@@ -617,7 +627,7 @@ def test_opd_ep2_tp2_pp2_equal_one_process(tiny_glm, glm_pp_dirs, glm_two_procs,
     from ..training.stream_cases import rel_error
     from ._glm_worker import OPD_CASES, OPD_MODES, opd_worker
 
-    got, w = glm_two_procs[2], opd_worker()
+    got, w = glm_launch("opd")[2], opd_worker()
     for layout, path in (("ep2", tiny_glm), ("tp2", tiny_glm), ("pp2", glm_pp_dirs[1])):
         arch, _ = hc.load_hf_dir(path)
         S, E = w.trajectories(arch)

@@ -260,7 +260,7 @@ def test_new_run_rejects_the_old_runs_workers(tiny_model, tmp_path):  # noqa: F8
                 [sys.executable, "-m", "megatron_tsync.runtime.worker", os.path.join(plane_a, f"worker{w}.json")],
                 cwd=tmp_path, env=_env(TSYNC_FAULT_PACE_S="4.0"), stdout=open(tmp_path / f"a_w{w}.log", "w"),
                 stderr=subprocess.STDOUT))
-        _wait(lambda: _mid_step(plane_a, 0, 1), 600, "run A's worker 0 mid-way through step 1", a, log_a)
+        _wait(lambda: _mid_step(plane_a, 0, 0), 600, "run A's worker 0 mid-way through its first step", a, log_a)
         a.send_signal(signal.SIGKILL)
         a.wait(timeout=30)
         assert all(q.poll() is None for q in a_workers)  # the survivors: nothing told them yet
