@@ -74,9 +74,11 @@ def batch_shape(cfg, sizes: dict[str, int]) -> BatchShape:
 
 def dp_assigner(cfg, dp: int, group_order: list[str]) -> DataParallelAssigner:
     """Who trains which trajectory (``DataParallelAssigner``): by group in batch order with ``--deterministic``, by
-    group on the least-loaded rank with ``--dp-assignment group``, else round-robin by arrival."""
+    group on the least-loaded rank with ``--dp-assignment group`` (``balanced``: the least predicted work), else
+    round-robin by arrival."""
+    how = cfg.learner.dp_assignment
     return DataParallelAssigner(dp, group_order if cfg.learner.deterministic else None,
-                                by_group=cfg.learner.dp_assignment == "group")
+                                by_group=how in ("group", "balanced"), balanced=how == "balanced")
 
 
 class BroadcastSource:

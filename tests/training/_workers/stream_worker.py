@@ -69,9 +69,10 @@ def interleaved(samples):
 
 
 def assign_dp(samples, dp, by_group=False):
-    """Round-robin by arrival (the default), or the trainer's --dp-assignment group (DataParallelAssigner)."""
+    """Round-robin by arrival (the default), or the trainer's --dp-assignment group / balanced (DataParallelAssigner;
+    ``by_group`` "balanced": a new group on the rank with the least predicted work)."""
     if by_group:
-        DataParallelAssigner(dp, by_group=True).assign_samples(samples)
+        DataParallelAssigner(dp, by_group=True, balanced=by_group == "balanced").assign_samples(samples)
         return samples
     for i, s in enumerate(samples):
         s.dp_rank = i % dp
@@ -102,6 +103,11 @@ def params_flat(ddp):
     return torch.cat([p.detach().reshape(-1).double() for p in ddp.parameters()])
 
 
+def affinity(ci: int):
+    """The f64 check's DP assignment of case ``ci``: arrival order (even), by group (1, 5), balanced (3, 7)."""
+    return (False, "group", False, "balanced")[ci % 4]
+
+
 RESIDENT_CASES = (0, 2)  # F64_CASES also run in stream-trajectory under bucket residency (2 device slots) and
 # with host accumulation (--accumulate-on-host: every vector on the host, the grad buffer as scratch)
 
@@ -120,13 +126,13 @@ def run_f64(dims):
             S = make_samples(100 + ci, reward_kind=case["reward"], with_ref=True)
             order = S if order_seed is None else interleaved(S) if order_seed == "interleaved" else arrival_order(
                 S, order_seed)
-            assign_dp(order, dims.dp, by_group=ci % 2 == 1)  # odd cases: a group's members on one rank
+            assign_dp(order, dims.dp, by_group=affinity(ci))  # odd cases: a group's members on one rank
             got = {}
             L.grad_hook = lambda d: got.setdefault("g", torch.cat([b.grad_data.clone() for b in d.buffers]))
             sizes, shape = shape_for(S)
             res = L.train_step(ListSource(order), sizes, shape)
             grads[name] = (got["g"], res)
-        row = {"case": ci, "estimator": case["estimator"], "reward": case["reward"], "by_group": ci % 2 == 1,
+        row = {"case": ci, "estimator": case["estimator"], "reward": case["reward"], "by_group": affinity(ci),
                "peak_vectors": grads["stream-trajectory"][1].peak_bucket_vectors,
                "stats": grads["stream-trajectory"][1].planner_stats,
                "loss_keys": sorted(case["loss"]),  # train/loss (training/objective.py) of each mode:
