@@ -418,7 +418,7 @@ class Learner:
             loss_sum=sum(self.exec.losses),
             peak_bucket_vectors=self.pool.stats.peak_in_use,
             peak_bucket_bytes=self.pool.stats.peak_bytes,
-            planner_stats=st.stats,
+            planner_stats={**st.stats, **self.buckets.traffic_stats()},
             busy_intervals=busy,
             last_arrival_s=la,
             work_after_last_arrival_s=step_s - la,
