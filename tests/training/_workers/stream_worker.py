@@ -68,6 +68,13 @@ def interleaved(samples):
     return [g[i] for i in range(max(map(len, by.values()))) for g in by.values() if i < len(g)]
 
 
+def frontier(samples, seed):
+    """The order frontier-first rollouts (--rollout-frontier-first) aim at: the step's groups land in batch order,
+    each group's members in a random order among themselves (one group open at a time)."""
+    pos = {g: k for k, g in enumerate(dict.fromkeys(s.group_id for s in samples))}
+    return sorted(arrival_order(samples, seed), key=lambda s: pos[s.group_id])
+
+
 def assign_dp(samples, dp, by_group=False):
     """Round-robin by arrival (the default), or the trainer's --dp-assignment group / balanced (DataParallelAssigner;
     ``by_group`` "balanced": a new group on the rank with the least predicted work)."""
@@ -108,6 +115,7 @@ def affinity(ci: int):
     return (False, "group", False, "balanced")[ci % 4]
 
 
+FRONTIER_CASES = (1, 3)  # F64_CASES also run in stream-trajectory in frontier-first order (by group, balanced)
 RESIDENT_CASES = (0, 2)  # F64_CASES also run in stream-trajectory under bucket residency (2 device slots) and
 # with host accumulation (--accumulate-on-host: every vector on the host, the grad buffer as scratch)
 
@@ -119,13 +127,14 @@ def run_f64(dims):
         runs = [("sync", None), ("stream-trajectory", 11 + ci), ("stream-group", 23 + ci)]
         runs += [("stream-trajectory-resident", "interleaved"), ("stream-trajectory-host", "interleaved"),
                  ("stream-group-host", 23 + ci)] if ci in RESIDENT_CASES else []
+        runs += [("stream-trajectory-frontier", "frontier")] if ci in FRONTIER_CASES else []
         for name, order_seed in runs:
-            mode = name.removesuffix("-resident").removesuffix("-host")
+            mode = name.removesuffix("-resident").removesuffix("-host").removesuffix("-frontier")
             ddp, L = make_learner(dims, torch.float64, OptimConfig(optimizer="sgd", lr=0.0, clip_grad=0), mode, case,
                                   resident=2 if name.endswith("-resident") else None, host=name.endswith("-host"))
             S = make_samples(100 + ci, reward_kind=case["reward"], with_ref=True)
-            order = S if order_seed is None else interleaved(S) if order_seed == "interleaved" else arrival_order(
-                S, order_seed)
+            order = (S if order_seed is None else interleaved(S) if order_seed == "interleaved" else
+                     frontier(S, 61 + ci) if order_seed == "frontier" else arrival_order(S, order_seed))
             assign_dp(order, dims.dp, by_group=affinity(ci))  # odd cases: a group's members on one rank
             got = {}
             L.grad_hook = lambda d: got.setdefault("g", torch.cat([b.grad_data.clone() for b in d.buffers]))
@@ -139,6 +148,9 @@ def run_f64(dims):
                "objective": {mode: r.objective for mode, (_, r) in grads.items()}}
         for mode in ("stream-trajectory", "stream-group"):
             row[mode] = global_rel(grads[mode][0], grads["sync"][0], dims)
+        if ci in FRONTIER_CASES:
+            g, r = grads["stream-trajectory-frontier"]
+            row["frontier"] = {"vs_sync": global_rel(g, grads["sync"][0], dims), "peak": r.peak_bucket_vectors}
         if ci in RESIDENT_CASES:  # every group open at once, vectors through the host arena
             g, r = grads["stream-trajectory-resident"]
             row["resident"] = {"vs_sync": global_rel(g, grads["sync"][0], dims), "peak": r.peak_bucket_vectors,
