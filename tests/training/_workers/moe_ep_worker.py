@@ -15,7 +15,7 @@ EP), and the weights after one Adam step per mode (float32). Rank 0 writes ``--o
 ``DataParallelAssigner(group_order=...)``; the clipped engine-π_old case defers items in stream-trajectory, whose
 deferral the EP ranks agree on before the backward) and a KL reference model (``--ref-model``, another tiny
 Qwen3-MoE: its forwards in lockstep too), loss and reward. ``by_group``: every trajectory of a group on one rank
-without --deterministic, so the other rank's idle slots fill a bucket of a group its planner never opened.
+without --deterministic (``--dp-assignment balanced``'s DataParallelAssigner), so the other rank's idle slots fill a bucket of a group its planner never opened.
 """
 
 import argparse
@@ -34,7 +34,7 @@ from megatron_tsync.model.builder import PrecisionConfig, build_model  # noqa: E
 from megatron_tsync.model.hf_conversion import load_hf_dir, load_hf_into_model, megatron_to_hf  # noqa: E402
 from megatron_tsync.model.parallel import destroy_parallel, initialize_parallel  # noqa: E402
 from megatron_tsync.runtime.rollout_io import grads_to_hf  # noqa: E402
-from megatron_tsync.streaming.ready_queue import ListSource  # noqa: E402
+from megatron_tsync.streaming.ready_queue import DataParallelAssigner, ListSource  # noqa: E402
 from megatron_tsync.training.learner import Learner, LearnerConfig, shape_for  # noqa: E402
 from megatron_tsync.training.reference import ReferenceModel  # noqa: E402
 from megatron_tsync.training.optimizer import OptimConfig, build_optimizer, wrap_ddp  # noqa: E402
@@ -89,8 +89,11 @@ def run_case(model_dir, dims, case, mode, order_seed, dtype=torch.float64, oc=No
     learner = Learner(ddp, opt, cfg, dp_rank=dims.dp_rank, pp_size=dims.pp, reference=ref)
     samples = make_samples(41, num_groups=3, reward_kind=case["reward"], vocab=arch.vocab_size)  # 3-5 per group
     order = samples if order_seed is None else arrival_order(samples, order_seed)
+    if case.get("by_group"):  # --dp-assignment balanced (the default in stream-trajectory): a group on one rank
+        DataParallelAssigner(dims.dp, balanced=True).assign_samples(order)
     for i, s in enumerate(order):  # as DataParallelAssigner: arrival order, or by group (--deterministic)
-        s.dp_rank = int(s.group_id[1:]) % dims.dp if det or case.get("by_group") else i % dims.dp
+        if not case.get("by_group"):
+            s.dp_rank = int(s.group_id[1:]) % dims.dp if det else i % dims.dp
         if ref is not None:
             s.ref_logp = None  # scored by the reference model
     got = {}
