@@ -101,7 +101,8 @@ def run_case(model_dir, dims, case, mode, order_seed, dtype=torch.float64, oc=No
     sizes, shape = shape_for(samples)
     res = learner.train_step(ListSource(order), sizes, shape)
     idle = learner.exec.lockstep.idle + learner.theta0.lockstep.idle + (ref.lockstep.idle if ref else 0)
-    return got["g"], megatron_to_hf(ddp), idle, res.planner_stats.get("deferred", 0), (res.offload or {})
+    return (got["g"], megatron_to_hf(ddp), idle, res.planner_stats.get("deferred", 0),
+            {**(res.offload or {}), "direct": res.planner_stats.get("direct", 0)})  # direct: the direct path's items
 
 
 def run_layout(a, layout, dims=None):
@@ -110,7 +111,7 @@ def run_layout(a, layout, dims=None):
     if dims is None:
         tp, pp, ep = LAYOUTS[layout]
         dims = initialize_parallel(tp, pp, ep=ep)
-    out = {"grads": {}, "weights": {}, "idle": {}, "deferred": {}, "to_host": {}, "flushes": {}}
+    out = {"grads": {}, "weights": {}, "idle": {}, "deferred": {}, "to_host": {}, "flushes": {}, "direct": {}}
     # the second arrival order matters where ranks interleave (EP); TP = 2 and PP = 2 run one streamed order; one
     # process: sync, the layouts' reference (its streamed modes of EP_CASES below are checked in one process)
     cases = {k: dict(c, modes=(0,) if layout == "single" else range(len(MODES)) if layout == "ep2" else (0, 1, 3))
@@ -131,6 +132,8 @@ def run_layout(a, layout, dims=None):
             out["deferred"][name] = out["deferred"].get(name, 0) + deferred
             out["to_host"][name] = out["to_host"].get(name, 0) + off.get("to_host", 0)
             out["flushes"][name] = out["flushes"].get(name, 0) + off.get("flushes", 0)
+            if mode.startswith("stream-trajectory"):
+                out["direct"][name] = out["direct"].get(name, 0) + off["direct"]
     adam = OptimConfig(optimizer="adam", lr=1e-3, clip_grad=1.0)
     adam_layouts = ("single", "ep2", "tp2")  # float32, one Adam step on the first case
     for mode, seed in MODES if a.only is None and layout in adam_layouts else ():
