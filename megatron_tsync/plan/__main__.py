@@ -65,6 +65,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--max-open-groups", type=int, default=None)
     s.add_argument("--accumulate-on-host", action="store_true",
                    help="the trainer's --accumulate-on-host: accumulator and buckets on the host (plan/learner.py)")
+    s.add_argument("--dp-assignment", choices=("arrival", "group", "balanced"), default="arrival",
+                   help="the trainer's --dp-assignment: which learner DP rank trains a trajectory (plan/learner.py)")
     s.add_argument("--modes", default=",".join(MODES))
     o = ap.add_argument_group("output")
     o.add_argument("--json", default=None)
@@ -91,7 +93,7 @@ def build(a) -> tuple:
     if a.profile.endswith(".jsonl") and (a.calls is not None or a.verify_s is not None):
         raise SystemExit("--calls / --verify-s: a .jsonl trace has its own tool calls and verifier times")
     settings = PlannerSettings(estimator=a.estimator, max_open_groups=a.max_open_groups,
-                               host_accumulation=a.accumulate_on_host)
+                               host_accumulation=a.accumulate_on_host, dp_assignment=a.dp_assignment)
     sc = Scenario(cost=cost, layout=lay, learner=learner_cost(arch, lay, a.estimator, teacher), settings=settings,
                   sync_s=weight_sync_s(cost, lay), async_k=a.max_staleness, opd=a.algorithm == "opd")
     ws = WorkloadSpec(prompts=a.prompts, group_size=a.group_size, calls=3 if a.calls is None else a.calls,

@@ -61,7 +61,7 @@ class PlannerSettings:
     sequence_packing: bool = False
     max_packed_tokens: int = 4096
     coalesce_tokens: int = 0
-    dp_assignment: str = "arrival"  # --dp-assignment: "arrival" or "group" (DataParallelAssigner)
+    dp_assignment: str = "arrival"  # --dp-assignment: "arrival", "group" or "balanced" (DataParallelAssigner)
     device_vectors: int | None = None  # bucket residency's device cache (--max-device-buckets); None: all on the GPU
     host_accumulation: bool = False  # --accumulate-on-host: accumulator and buckets on the host, grad buffer scratch
 
@@ -69,8 +69,12 @@ class PlannerSettings:
 def dp_ranks(settings: PlannerSettings, arrivals: list[tuple[float, Traj]], dp: int) -> dict[str, int]:
     """traj_id -> the DP rank that trains it, as the trainer's :class:`DataParallelAssigner` decides in landing order
     (``arrivals`` sorted by landing time)."""
-    a = DataParallelAssigner(dp, by_group=settings.dp_assignment == "group")
-    return {tr.traj_id: a.assign(tr.traj_id, tr.group_id, tr.tokens) for _, tr in arrivals}
+    how, sizes = settings.dp_assignment, {}
+    for _, tr in arrivals:  # the group sizes the trainer's samples carry
+        sizes[tr.group_id] = sizes.get(tr.group_id, 0) + 1
+    a = DataParallelAssigner(dp, by_group=how in ("group", "balanced"), balanced=how == "balanced")
+    return {tr.traj_id: a.assign(tr.traj_id, tr.group_id, tr.tokens, sizes.get(tr.group_id, 0))
+            for _, tr in arrivals}
 
 
 @dataclasses.dataclass

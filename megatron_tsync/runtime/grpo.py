@@ -72,11 +72,25 @@ def batch_shape(cfg, sizes: dict[str, int]) -> BatchShape:
     return BatchShape(num_sequences=sum(sizes.values()), max_len=cfg.rl.max_action_tokens)
 
 
+def resolved_dp_assignment(cfg) -> str:
+    """``--dp-assignment auto``: ``balanced`` (group affinity) for GRPO stream-trajectory, whose open groups hold
+    bucket vectors on every rank that trains one of their members — affinity cuts them to about 1/DP; ``arrival`` for
+    sync, stream-group and OPD, which hold none (affinity would save no memory and only cost balance). Exact either
+    way: the DP all-reduce sums the same per-trajectory terms."""
+    how = cfg.learner.dp_assignment
+    if how != "auto":
+        return how
+    grpo_streaming = cfg.rl.algorithm != "opd" and cfg.learner.mode == "stream-trajectory"
+    return "balanced" if grpo_streaming else "arrival"
+
+
 def dp_assigner(cfg, dp: int, group_order: list[str]) -> DataParallelAssigner:
     """Who trains which trajectory (``DataParallelAssigner``): by group in batch order with ``--deterministic``, by
-    group on the least-loaded rank with ``--dp-assignment group``, else round-robin by arrival."""
+    group on the least-loaded rank with ``--dp-assignment group`` (``balanced``: the least predicted work; ``auto``:
+    :func:`resolved_dp_assignment`), else round-robin by arrival."""
+    how = resolved_dp_assignment(cfg)
     return DataParallelAssigner(dp, group_order if cfg.learner.deterministic else None,
-                                by_group=cfg.learner.dp_assignment == "group")
+                                by_group=how in ("group", "balanced"), balanced=how == "balanced")
 
 
 class BroadcastSource:

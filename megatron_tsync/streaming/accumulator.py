@@ -11,6 +11,15 @@ Buffers (gradient-sized vectors), k = open groups, the accumulator being Megatro
   (accumulator += α(ρ − r_i)·Q before each backward) → only Q per group → 1 + k.
 P is allocated lazily, the first time the origin moves (a zero-variance group never needs it).
 
+Traffic accounting (:meth:`GroupBuckets.traffic_stats`, per step, in bytes of gradient vectors; V = one vector):
+``bucket_bytes`` what the buckets moved — a vector's zero-fill when acquired (V), a shift (3V: read two, write one),
+a fold at close (3V); ``saved_cohort_bytes`` what equal-reward cohorts saved — a group closed while its members all
+had one reward shares Q and never allocates P: P's zero-fill and fold, 4V; ``saved_direct_bytes`` what the direct
+path saved — a trajectory trained straight into the accumulator with its advantage in stream-trajectory
+(:meth:`GroupBuckets.note_direct`) where a bucket would have taken it: the shift it would have needed (3V when its
+reward is not the bucket's origin; P's 4V the first time, α unknown) and, for a group with no bucket at all, the Q
+it would have opened and folded (4V). The counterfactual follows each group's own sequence of direct rewards.
+
 Host accumulation (``host``: ``streaming.host_accum.HostAccumulation``, ``--accumulate-on-host``): the accumulator and
 every P/Q live in the host arena; ``param.main_grad`` always views megatron's grad buffer (the scratch), and routing
 names the scratch's destinations instead of re-pointing ``main_grad``; the shifts and closes are host ``add_`` calls in
@@ -48,6 +57,34 @@ class GroupBuckets(ResidentVectors):
         if host is not None:
             self.accumulator = host.accumulator
         self.buckets: dict[str, _Bucket] = {}
+        self._shadow: dict[str, list] = {}  # note_direct: group -> [origin, has P] of the bucket a direct path skips
+        self.traffic = {"bucket_bytes": 0, "saved_cohort_bytes": 0, "saved_direct_bytes": 0}
+
+    def _count(self, key: str, vectors: int) -> None:
+        self.traffic[key] += vectors * self.pool.stats.bytes_per_vector
+
+    def traffic_stats(self) -> dict:
+        """This step's bucket traffic and the bytes the direct path and equal-reward cohorts saved (module
+        docstring); resets the counters."""
+        out, self.traffic = dict(self.traffic), dict.fromkeys(self.traffic, 0)
+        self._shadow = {}
+        return out
+
+    def note_direct(self, group_id: str, reward: float, alpha_known: float | None) -> None:
+        """A stream-trajectory trajectory of ``group_id`` trained straight into the accumulator with its advantage:
+        count the bucket traffic it saved (module docstring)."""
+        reward = float(reward)
+        b = self.buckets.get(group_id)
+        sh = self._shadow.get(group_id)
+        if sh is None:
+            if b is None:  # no bucket: one would have opened (Q's zero-fill, its fold)
+                self._count("saved_direct_bytes", 4)
+                sh = self._shadow[group_id] = [reward, False]
+            else:
+                sh = self._shadow[group_id] = [b.rho, b.p is not None]
+        if reward != sh[0]:
+            self._count("saved_direct_bytes", 3 + (4 if alpha_known is None and not sh[1] else 0))
+            sh[0], sh[1] = reward, True
 
     @property
     def open_groups(self) -> int:
@@ -102,11 +139,13 @@ class GroupBuckets(ResidentVectors):
         if b is None:
             b = _Bucket(q=self._acquire(f"Q:{group_id}", group_id), p=None, rho=float(reward), alpha_known=alpha_known)
             self.buckets[group_id] = b
+            self._count("bucket_bytes", 1)
         return b
 
     def _p(self, group_id: str, b: _Bucket) -> GradVector:
         if b.p is None:
             b.p = self._acquire(f"P:{group_id}", group_id, keep=(b.q,))
+            self._count("bucket_bytes", 1)
         return b.p
 
     def enter(self, group_id: str, reward: float, alpha_known: float | None) -> None:
@@ -123,6 +162,7 @@ class GroupBuckets(ResidentVectors):
                 self._p(group_id, b)
                 self._need(b.p, b.q)
                 self._axpy(b.p, b.q, shift)
+            self._count("bucket_bytes", 3)
             b.rho = float(reward)
         self._need(b.q)
         self._route(b.q)
@@ -160,6 +200,10 @@ class GroupBuckets(ResidentVectors):
             self._need(b.p)
             self._axpy(self.accumulator, b.p, alpha)
             self._release(b.p)
+            self._count("bucket_bytes", 3)
+        elif b.alpha_known is None:  # the members shared one reward: no P to zero or fold
+            self._count("saved_cohort_bytes", 4)
+        self._count("bucket_bytes", 3)
         self._need(b.q)
         self._axpy(self.accumulator, b.q, float(q_coefficient(b.rho)))
         self._release(b.q)

@@ -170,20 +170,30 @@ class DataParallelAssigner:
     group; the sum over ranks, and so the update, is the same. Balance is by tokens, so a group of long trajectories
     does not leave the other ranks idle at the barrier more than one group's worth.
 
+    ``balanced`` (``--dp-assignment balanced``, with ``by_group``): the same affinity, but a new group goes to the rank
+    with the least *predicted* work: each group counts as its landed members' mean tokens times its group size (its
+    landed tokens once complete), so a rank whose groups have only begun to land is not mistaken for an idle one —
+    greedy list scheduling on predicted group cost (a group's cost is unknown before its first member lands, so the
+    groups cannot be sorted longest-first as LPT would). ``tokens`` keeps the landed tokens; ``predicted`` the loads.
+
     ``group_order`` (the step's group ids in batch order; ``--deterministic``): group k's trajectories all go to rank
     ``k mod dp`` instead, whatever the arrival order, so each rank's partial gradient sum is the same in every run."""
 
-    def __init__(self, dp: int, group_order: list[str] | None = None, by_group: bool = False):
+    def __init__(self, dp: int, group_order: list[str] | None = None, by_group: bool = False,
+                 balanced: bool = False):
         if dp < 1:
             raise ValueError(f"data-parallel size must be >= 1, got {dp}")
         self.dp = dp
         self._rank: dict[str, int] = {}
         self._group_pos = None if group_order is None else {g: k for k, g in enumerate(group_order)}
-        self.by_group = by_group and group_order is None
+        self.by_group = (by_group or balanced) and group_order is None
+        self.balanced = balanced and self.by_group
         self._group_rank: dict[str, int] = {}
+        self._landed: dict[str, list[int]] = {}  # balanced: group -> [members landed, their tokens]
         self.tokens = [0] * dp  # tokens assigned per rank (by_group's balance)
+        self.predicted = [0.0] * dp  # balanced: predicted tokens per rank (its groups' predicted totals)
 
-    def assign(self, traj_id: str, group_id: str | None = None, tokens: int = 0) -> int:
+    def assign(self, traj_id: str, group_id: str | None = None, tokens: int = 0, group_size: int = 0) -> int:
         r = self._rank.get(traj_id)
         if r is None:
             if self._group_pos is not None:
@@ -195,12 +205,24 @@ class DataParallelAssigner:
                     raise ValueError(f"trajectory {traj_id}: assignment by group needs its group id")
                 r = self._group_rank.get(group_id)
                 if r is None:
-                    r = self._group_rank[group_id] = min(range(self.dp), key=lambda k: (self.tokens[k], k))
+                    load = self.predicted if self.balanced else self.tokens
+                    r = self._group_rank[group_id] = min(range(self.dp), key=lambda k: (load[k], k))
+                if self.balanced:
+                    self._predict(group_id, r, int(tokens), group_size)
             else:
                 r = len(self._rank) % self.dp
             self._rank[traj_id] = r
             self.tokens[r] += int(tokens)
         return r
+
+    def _predict(self, group_id: str, r: int, tokens: int, group_size: int) -> None:
+        """Rank ``r``'s predicted load after one more member of ``group_id`` landed: the group's prediction (its
+        landed members' mean tokens × max(group size, members landed)) replaces the one before."""
+        n, t = self._landed.setdefault(group_id, [0, 0])
+        old = t / n * max(group_size, n) if n else 0.0
+        n, t = n + 1, t + tokens
+        self._landed[group_id] = [n, t]
+        self.predicted[r] += t / n * max(group_size, n) - old
 
     def rank_of(self, traj_id: str, default: int = 0) -> int:
         """The rank already assigned to ``traj_id`` (``default`` if it never arrived)."""
@@ -209,4 +231,4 @@ class DataParallelAssigner:
     def assign_samples(self, samples: Iterable[Sample]) -> None:
         """Set ``dp_rank`` on each sample, in order."""
         for s in samples:
-            s.dp_rank = self.assign(s.traj_id, s.group_id, int(s.token_ids.shape[0]))
+            s.dp_rank = self.assign(s.traj_id, s.group_id, int(s.token_ids.shape[0]), int(s.group_size or 0))

@@ -68,8 +68,11 @@ class LearnerConfig:
     sequence_packing: bool = False  # several trajectories per microbatch when their gradient destination agrees
     max_packed_tokens: int = 4096  # tokens per packed microbatch at most (with sequence_packing)
     deterministic: bool = False  # bitwise arrival-order-invariant gradient sum (streaming/canonical.py); no packing
-    dp_assignment: str = "arrival"  # which DP rank trains a trajectory: "arrival" (i-th arrival → rank i mod DP) or
-    # "group" (a group's members on one rank, the least-loaded one when its first member lands): DataParallelAssigner
+    dp_assignment: str = "auto"  # which DP rank trains a trajectory (DataParallelAssigner): "arrival" (i-th arrival →
+    # rank i mod DP), "group" (a group's members on one rank, the one with the fewest landed tokens), "balanced" (by
+    # group, the least predicted work) or "auto": balanced where it is cheaper in memory — GRPO stream-trajectory,
+    # whose open groups hold bucket vectors — else arrival (sync, stream-group and OPD hold no bucket: affinity would
+    # only cost balance). Every assignment gives the same update (runtime.grpo.resolved_dp_assignment)
     skip_zero_advantage: bool = True  # no work for trajectories of advantage exactly 0 (streaming/planner.py)
     wait_for_variance: bool = True  # stream-trajectory + skip: a group's trajectories wait until its rewards differ
     shared_prefix: bool = False  # a group's prompt forwarded/backpropagated once per microbatch (packing.PrefixLayout)
@@ -418,7 +421,7 @@ class Learner:
             loss_sum=sum(self.exec.losses),
             peak_bucket_vectors=self.pool.stats.peak_in_use,
             peak_bucket_bytes=self.pool.stats.peak_bytes,
-            planner_stats=st.stats,
+            planner_stats={**st.stats, **self.buckets.traffic_stats()},
             busy_intervals=busy,
             last_arrival_s=la,
             work_after_last_arrival_s=step_s - la,

@@ -228,6 +228,7 @@ class StreamExecutor:
             packs = self._lockstep_slots(packs)
         if not packs:
             return
+        self._note_direct(packs)
         self._plan_residency(packs)
         seq = max(max(self._pack_tokens(p) for p in packs), _IDLE_TOKENS)
         self.fb(
@@ -269,6 +270,17 @@ class StreamExecutor:
             else:
                 run.append(p)
         return run
+
+    def _note_direct(self, packs: list) -> None:
+        """stream-trajectory: the trajectories trained straight into the accumulator with their advantage (the
+        direct path), for the buckets' traffic accounting (``GroupBuckets.note_direct``)."""
+        if self.planner.mode != "stream-trajectory" or self.canonical is not None:
+            return
+        for pack in packs:
+            for it in () if isinstance(pack, _IdleSlot) else pack:
+                if it.dest is Dest.ACCUM and it.policy:
+                    self.buckets.note_direct(it.group_id, it.reward,
+                                             self.planner.alpha_known(self.planner.groups[it.group_id].size))
 
     def _pack_tokens(self, pack: list[WorkItem]) -> int:
         if isinstance(pack, _PrefixPack):

@@ -135,6 +135,9 @@ def test_layout_streaming_equals_one_process(single, request, tmp_path, layout):
         assert ep["to_host"]["offload-grpo"] > 0  # --max-device-buckets 2 did move bucket vectors to the host
         assert ep["flushes"]["hostacc-grpo"] > 0  # --accumulate-on-host: the scratch went through the host
     if layout == "ep2":
+        # stream-trajectory with groups by rank (--dp-assignment balanced): trajectories of complete groups went
+        # straight into the accumulator (the direct path) on this rank
+        assert ep["direct"]["kl-loss-grpo-by-group"] > 0, ep["direct"]
         # the deterministic stream-trajectory runs did defer items (ratios out of the clip band): the path where the
         # EP ranks agree on a slot's deferral before its backward ran
         assert ep["deferred"]["det-rloo-binary-engine"] > 0

@@ -159,3 +159,29 @@ def test_minibatches_and_epochs(megatron_single, minibatches, epochs, reward):
     assert moved > 1e-6
     for mode in ("stream-trajectory", "stream-group"):
         assert ((weights[mode] - weights["sync"]).norm() / moved).item() < 1e-12, mode
+
+
+def test_direct_path_and_cohorts_save_bucket_traffic(model64):
+    """Binary rewards, GRPO, stream-trajectory, 6 groups in 4 random arrival orders, with and without
+    --stream-wait-for-variance: streamed == sync ≤ 1e-12, and the traffic counters (GroupBuckets.traffic_stats) show
+    the direct path and equal-reward cohorts saving bucket traffic; the bucket bytes equal the vectors' zero-fills,
+    shifts and folds. Prints the totals (docs/streaming.md, "Traffic saved")."""
+    samples = make_samples(29, num_groups=6, reward_kind="binary")
+    ref, _ = gradient(model64, "sync", samples, samples)
+    V = sum(b.grad_data.numel() for b in model64[0].buffers) * 8
+    tot = {}
+    for wait in (True, False):
+        acc = dict.fromkeys(("bucket_bytes", "saved_direct_bytes", "saved_cohort_bytes"), 0)
+        for seed in range(4):
+            g, res = gradient(model64, "stream-trajectory", samples, arrival_order(samples, 50 + seed),
+                              wait_for_variance=wait)
+            assert rel(g, ref) < TOL
+            st = res.planner_stats
+            assert all(st[k] % V == 0 for k in acc)  # whole vectors
+            for k in acc:
+                acc[k] += st[k] // V
+        tot[wait] = acc
+    print("bucket traffic in vectors over 4 orders (wait_for_variance: on / off):", tot)
+    for wait in (True, False):
+        assert tot[wait]["saved_direct_bytes"] > 0 and tot[wait]["bucket_bytes"] > 0
+    assert tot[False]["saved_cohort_bytes"] > 0  # zero-variance groups bucketed without waiting: Q only

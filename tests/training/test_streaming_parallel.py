@@ -69,7 +69,13 @@ def test_float64_stream_equals_sync(layout, stream_reports):
     for row in rep["result"]:
         assert row["stream-trajectory"] < 1e-12, row
         assert row["stream-group"] < 1e-12, row
-    assert any(row.get("by_group") for row in rep["result"])  # --dp-assignment group (every group on one DP rank)
+    got = {row.get("by_group") for row in rep["result"]}  # --dp-assignment group / balanced (a group on one DP rank)
+    assert {"group", "balanced"} <= got, got
+    frontier = [row["frontier"] for row in rep["result"] if "frontier" in row]  # frontier-first arrival order
+    print(layout, "frontier-first order", frontier)
+    assert len(frontier) == 2 and all(f["vs_sync"] < 1e-12 for f in frontier), frontier
+    # the direct path (trajectories of complete groups straight into the accumulator) ran on this rank
+    assert sum(row["stats"]["direct"] for row in rep["result"] if "stats" in row) > 0
     resident = [row["resident"] for row in rep["result"] if "resident" in row]
     print(layout, "bucket residency", resident)
     assert len(resident) == 2, rep["result"]

@@ -15,7 +15,7 @@ EP), and the weights after one Adam step per mode (float32). Rank 0 writes ``--o
 ``DataParallelAssigner(group_order=...)``; the clipped engine-π_old case defers items in stream-trajectory, whose
 deferral the EP ranks agree on before the backward) and a KL reference model (``--ref-model``, another tiny
 Qwen3-MoE: its forwards in lockstep too), loss and reward. ``by_group``: every trajectory of a group on one rank
-without --deterministic, so the other rank's idle slots fill a bucket of a group its planner never opened.
+without --deterministic (``--dp-assignment balanced``'s DataParallelAssigner), so the other rank's idle slots fill a bucket of a group its planner never opened.
 """
 
 import argparse
@@ -34,7 +34,7 @@ from megatron_tsync.model.builder import PrecisionConfig, build_model  # noqa: E
 from megatron_tsync.model.hf_conversion import load_hf_dir, load_hf_into_model, megatron_to_hf  # noqa: E402
 from megatron_tsync.model.parallel import destroy_parallel, initialize_parallel  # noqa: E402
 from megatron_tsync.runtime.rollout_io import grads_to_hf  # noqa: E402
-from megatron_tsync.streaming.ready_queue import ListSource  # noqa: E402
+from megatron_tsync.streaming.ready_queue import DataParallelAssigner, ListSource  # noqa: E402
 from megatron_tsync.training.learner import Learner, LearnerConfig, shape_for  # noqa: E402
 from megatron_tsync.training.reference import ReferenceModel  # noqa: E402
 from megatron_tsync.training.optimizer import OptimConfig, build_optimizer, wrap_ddp  # noqa: E402
@@ -89,8 +89,11 @@ def run_case(model_dir, dims, case, mode, order_seed, dtype=torch.float64, oc=No
     learner = Learner(ddp, opt, cfg, dp_rank=dims.dp_rank, pp_size=dims.pp, reference=ref)
     samples = make_samples(41, num_groups=3, reward_kind=case["reward"], vocab=arch.vocab_size)  # 3-5 per group
     order = samples if order_seed is None else arrival_order(samples, order_seed)
+    if case.get("by_group"):  # --dp-assignment balanced (the default in stream-trajectory): a group on one rank
+        DataParallelAssigner(dims.dp, balanced=True).assign_samples(order)
     for i, s in enumerate(order):  # as DataParallelAssigner: arrival order, or by group (--deterministic)
-        s.dp_rank = int(s.group_id[1:]) % dims.dp if det or case.get("by_group") else i % dims.dp
+        if not case.get("by_group"):
+            s.dp_rank = int(s.group_id[1:]) % dims.dp if det else i % dims.dp
         if ref is not None:
             s.ref_logp = None  # scored by the reference model
     got = {}
@@ -98,7 +101,8 @@ def run_case(model_dir, dims, case, mode, order_seed, dtype=torch.float64, oc=No
     sizes, shape = shape_for(samples)
     res = learner.train_step(ListSource(order), sizes, shape)
     idle = learner.exec.lockstep.idle + learner.theta0.lockstep.idle + (ref.lockstep.idle if ref else 0)
-    return got["g"], megatron_to_hf(ddp), idle, res.planner_stats.get("deferred", 0), (res.offload or {})
+    return (got["g"], megatron_to_hf(ddp), idle, res.planner_stats.get("deferred", 0),
+            {**(res.offload or {}), "direct": res.planner_stats.get("direct", 0)})  # direct: the direct path's items
 
 
 def run_layout(a, layout, dims=None):
@@ -107,7 +111,7 @@ def run_layout(a, layout, dims=None):
     if dims is None:
         tp, pp, ep = LAYOUTS[layout]
         dims = initialize_parallel(tp, pp, ep=ep)
-    out = {"grads": {}, "weights": {}, "idle": {}, "deferred": {}, "to_host": {}, "flushes": {}}
+    out = {"grads": {}, "weights": {}, "idle": {}, "deferred": {}, "to_host": {}, "flushes": {}, "direct": {}}
     # the second arrival order matters where ranks interleave (EP); TP = 2 and PP = 2 run one streamed order; one
     # process: sync, the layouts' reference (its streamed modes of EP_CASES below are checked in one process)
     cases = {k: dict(c, modes=(0,) if layout == "single" else range(len(MODES)) if layout == "ep2" else (0, 1, 3))
@@ -128,6 +132,8 @@ def run_layout(a, layout, dims=None):
             out["deferred"][name] = out["deferred"].get(name, 0) + deferred
             out["to_host"][name] = out["to_host"].get(name, 0) + off.get("to_host", 0)
             out["flushes"][name] = out["flushes"].get(name, 0) + off.get("flushes", 0)
+            if mode.startswith("stream-trajectory"):
+                out["direct"][name] = out["direct"].get(name, 0) + off["direct"]
     adam = OptimConfig(optimizer="adam", lr=1e-3, clip_grad=1.0)
     adam_layouts = ("single", "ep2", "tp2")  # float32, one Adam step on the first case
     for mode, seed in MODES if a.only is None and layout in adam_layouts else ():

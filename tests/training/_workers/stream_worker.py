@@ -68,10 +68,18 @@ def interleaved(samples):
     return [g[i] for i in range(max(map(len, by.values()))) for g in by.values() if i < len(g)]
 
 
+def frontier(samples, seed):
+    """The order frontier-first rollouts (--rollout-frontier-first) aim at: the step's groups land in batch order,
+    each group's members in a random order among themselves (one group open at a time)."""
+    pos = {g: k for k, g in enumerate(dict.fromkeys(s.group_id for s in samples))}
+    return sorted(arrival_order(samples, seed), key=lambda s: pos[s.group_id])
+
+
 def assign_dp(samples, dp, by_group=False):
-    """Round-robin by arrival (the default), or the trainer's --dp-assignment group (DataParallelAssigner)."""
+    """Round-robin by arrival (the default), or the trainer's --dp-assignment group / balanced (DataParallelAssigner;
+    ``by_group`` "balanced": a new group on the rank with the least predicted work)."""
     if by_group:
-        DataParallelAssigner(dp, by_group=True).assign_samples(samples)
+        DataParallelAssigner(dp, by_group=True, balanced=by_group == "balanced").assign_samples(samples)
         return samples
     for i, s in enumerate(samples):
         s.dp_rank = i % dp
@@ -102,6 +110,12 @@ def params_flat(ddp):
     return torch.cat([p.detach().reshape(-1).double() for p in ddp.parameters()])
 
 
+def affinity(ci: int):
+    """The f64 check's DP assignment of case ``ci``: arrival order (even), by group (1, 5), balanced (3, 7)."""
+    return (False, "group", False, "balanced")[ci % 4]
+
+
+FRONTIER_CASES = (1, 3)  # F64_CASES also run in stream-trajectory in frontier-first order (by group, balanced)
 RESIDENT_CASES = (0, 2)  # F64_CASES also run in stream-trajectory under bucket residency (2 device slots) and
 # with host accumulation (--accumulate-on-host: every vector on the host, the grad buffer as scratch)
 
@@ -113,26 +127,30 @@ def run_f64(dims):
         runs = [("sync", None), ("stream-trajectory", 11 + ci), ("stream-group", 23 + ci)]
         runs += [("stream-trajectory-resident", "interleaved"), ("stream-trajectory-host", "interleaved"),
                  ("stream-group-host", 23 + ci)] if ci in RESIDENT_CASES else []
+        runs += [("stream-trajectory-frontier", "frontier")] if ci in FRONTIER_CASES else []
         for name, order_seed in runs:
-            mode = name.removesuffix("-resident").removesuffix("-host")
+            mode = name.removesuffix("-resident").removesuffix("-host").removesuffix("-frontier")
             ddp, L = make_learner(dims, torch.float64, OptimConfig(optimizer="sgd", lr=0.0, clip_grad=0), mode, case,
                                   resident=2 if name.endswith("-resident") else None, host=name.endswith("-host"))
             S = make_samples(100 + ci, reward_kind=case["reward"], with_ref=True)
-            order = S if order_seed is None else interleaved(S) if order_seed == "interleaved" else arrival_order(
-                S, order_seed)
-            assign_dp(order, dims.dp, by_group=ci % 2 == 1)  # odd cases: a group's members on one rank
+            order = (S if order_seed is None else interleaved(S) if order_seed == "interleaved" else
+                     frontier(S, 61 + ci) if order_seed == "frontier" else arrival_order(S, order_seed))
+            assign_dp(order, dims.dp, by_group=affinity(ci))  # odd cases: a group's members on one rank
             got = {}
             L.grad_hook = lambda d: got.setdefault("g", torch.cat([b.grad_data.clone() for b in d.buffers]))
             sizes, shape = shape_for(S)
             res = L.train_step(ListSource(order), sizes, shape)
             grads[name] = (got["g"], res)
-        row = {"case": ci, "estimator": case["estimator"], "reward": case["reward"], "by_group": ci % 2 == 1,
+        row = {"case": ci, "estimator": case["estimator"], "reward": case["reward"], "by_group": affinity(ci),
                "peak_vectors": grads["stream-trajectory"][1].peak_bucket_vectors,
                "stats": grads["stream-trajectory"][1].planner_stats,
                "loss_keys": sorted(case["loss"]),  # train/loss (training/objective.py) of each mode:
                "objective": {mode: r.objective for mode, (_, r) in grads.items()}}
         for mode in ("stream-trajectory", "stream-group"):
             row[mode] = global_rel(grads[mode][0], grads["sync"][0], dims)
+        if ci in FRONTIER_CASES:
+            g, r = grads["stream-trajectory-frontier"]
+            row["frontier"] = {"vs_sync": global_rel(g, grads["sync"][0], dims), "peak": r.peak_bucket_vectors}
         if ci in RESIDENT_CASES:  # every group open at once, vectors through the host arena
             g, r = grads["stream-trajectory-resident"]
             row["resident"] = {"vs_sync": global_rel(g, grads["sync"][0], dims), "peak": r.peak_bucket_vectors,
