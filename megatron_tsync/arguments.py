@@ -150,8 +150,9 @@ _FLAGS: tuple[_Flag, ...] = (
     _f("--max-open-groups", "learner.max_open_groups", _G_RL, type=int, metavar="N",
        help="gradient buckets open at once (>= 1; default unlimited)"),
     _f("--dp-assignment", "learner.dp_assignment", _G_RL, choices=("auto", "arrival", "group", "balanced"),
-       help="which data-parallel rank trains a trajectory: auto (default: balanced in GRPO stream-trajectory, where "
-            "open groups hold bucket vectors; arrival otherwise), arrival (the i-th to land goes to rank i mod DP: every rank "
+       help="which data-parallel rank trains a trajectory: auto (default: balanced in GRPO stream-trajectory when "
+            "the bucket memory is bounded: --max-open-groups, --max-device-buckets, --bucket-device-gib or "
+            "--accumulate-on-host; arrival otherwise), arrival (the i-th to land goes to rank i mod DP: every rank "
             "holds a bucket for every open group) or group (all of a group's trajectories on one rank, the one with "
             "the fewest tokens assigned when its first member lands: each rank holds buckets only for its own groups, "
             "about 1/DP of them; the same update) or balanced (by group, each new group on the rank with the least "

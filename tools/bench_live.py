@@ -160,8 +160,8 @@ def code_fingerprint() -> str:
 def warm_start(a, base: list[str], *, size: tuple[int, int] | None = None,
                sft_lr: float | None = None) -> tuple[str, str]:
     """(model folder, checkpoint) of the shared warm start: made once per (config, SFT steps, seed[, size, SFT lr],
-    the package's code: :func:`code_fingerprint`), then reused. ``size``: (hidden, layers) of the tiny model (None: ``--init-tiny-model``'s); ``sft_lr``: the warm
-    start's learning rate (None: the default)."""
+    the package's code: :func:`code_fingerprint`), then reused. ``size``: (hidden, layers) of the tiny model (None:
+    ``--init-tiny-model``'s); ``sft_lr``: the warm start's learning rate (None: the default)."""
     extra = ([] if size is None else [list(size)]) + ([] if sft_lr is None else [sft_lr])
     key = hashlib.sha256(json.dumps([base, a.sft_steps, a.seed, *extra, code_fingerprint()]).encode()).hexdigest()[:12]
     d = os.path.join(a.warm_dir, key)

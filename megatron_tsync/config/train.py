@@ -78,8 +78,8 @@ class TrainConfig:
         _check(lr.dp_assignment in ("auto", "arrival", "group", "balanced"), f"learner.dp_assignment must be 'auto', "
                f"'arrival', 'group' or 'balanced', got {lr.dp_assignment!r}", "learner.dp_assignment")
         _check(not (lr.dp_assignment in ("group", "balanced") and self.rl.algorithm == "opd"),
-               f"learner.dp_assignment {lr.dp_assignment!r} keeps a GRPO group's buckets on one rank; OPD has no group buckets (it "
-               "would do nothing there)",
+               f"learner.dp_assignment {lr.dp_assignment!r} keeps a GRPO group's buckets on one rank; OPD has no group "
+               "buckets (it would do nothing there)",
                "learner.dp_assignment", "rl.algorithm")
         self._check_bucket_memory()
         _check(lr.estimator_eps >= 0, f"learner.estimator_eps must be >= 0, got {lr.estimator_eps}",

@@ -73,15 +73,19 @@ def batch_shape(cfg, sizes: dict[str, int]) -> BatchShape:
 
 
 def resolved_dp_assignment(cfg) -> str:
-    """``--dp-assignment auto``: ``balanced`` (group affinity) for GRPO stream-trajectory, whose open groups hold
-    bucket vectors on every rank that trains one of their members — affinity cuts them to about 1/DP; ``arrival`` for
-    sync, stream-group and OPD, which hold none (affinity would save no memory and only cost balance). Exact either
-    way: the DP all-reduce sums the same per-trajectory terms."""
-    how = cfg.learner.dp_assignment
+    """``--dp-assignment auto``: ``balanced`` (group affinity) for GRPO stream-trajectory when the run bounds its
+    bucket memory (``--max-open-groups``, bucket residency's ``--max-device-buckets`` / ``--bucket-device-gib``, or
+    ``--accumulate-on-host``): its open groups hold bucket vectors on every rank that trains one of their members, and
+    affinity cuts them to about 1/DP. Otherwise ``arrival``: it balances the ranks best (the planner's paper setting:
+    stream-trajectory 712 s with arrival order against 804 s balanced, docs/streaming.md), and sync, stream-group and
+    OPD hold no bucket vector at all. Exact either way: the DP all-reduce sums the same per-trajectory terms."""
+    how, lr = cfg.learner.dp_assignment, cfg.learner
     if how != "auto":
         return how
-    grpo_streaming = cfg.rl.algorithm != "opd" and cfg.learner.mode == "stream-trajectory"
-    return "balanced" if grpo_streaming else "arrival"
+    grpo_streaming = cfg.rl.algorithm != "opd" and lr.mode == "stream-trajectory"
+    memory_bound = (lr.max_open_groups is not None or lr.max_device_buckets is not None
+                    or lr.bucket_device_gib is not None or lr.accumulate_on_host)
+    return "balanced" if grpo_streaming and memory_bound else "arrival"
 
 
 def dp_assigner(cfg, dp: int, group_order: list[str]) -> DataParallelAssigner:

@@ -105,8 +105,8 @@ def test_deterministic_group_order_wins_over_by_group():
 
 def test_flag_reaches_the_trainers_assigner(capsys):
     """--dp-assignment group → runtime.grpo.dp_assigner by group (least-loaded rank); --deterministic keeps its
-    batch-order rule; the default (auto) is balanced affinity in stream-trajectory and round-robin by arrival in
-    sync. OPD refuses group / balanced (no group buckets there)."""
+    batch-order rule; the default (auto) is balanced affinity in stream-trajectory when the bucket memory is bounded
+    (an open-group cap, residency, host accumulation) and round-robin by arrival otherwise. OPD refuses group / balanced (no group buckets there)."""
     from megatron_tsync.arguments import parse_args
     from megatron_tsync.runtime.grpo import dp_assigner
 
@@ -114,15 +114,20 @@ def test_flag_reaches_the_trainers_assigner(capsys):
     groups = ["g0", "g1", "g2"]
     order = [("g2t0", "g2", 5), ("g2t1", "g2", 5), ("g0t0", "g0", 5), ("g1t0", "g1", 5)]
     got = {}
-    for name, extra in (("default", []), ("group", ["--dp-assignment", "group"]), ("det", ["--deterministic"]),
+    for name, extra in (("default", []), ("capped", ["--max-open-groups", "4"]),
+                        ("host", ["--accumulate-on-host"]), ("resident", ["--max-device-buckets", "4"]),
+                        ("capped-sync", ["--max-open-groups", "4", "--rl-mode", "sync"]),
+                        ("group", ["--dp-assignment", "group"]), ("det", ["--deterministic"]),
                         ("balanced", ["--dp-assignment", "balanced"]), ("sync", ["--rl-mode", "sync"]),
                         ("arrival", ["--dp-assignment", "arrival"])):
         a = dp_assigner(parse_args(base + extra), 2, groups)
         got[name] = [a.assign(*x) for x in order]
         if name == "balanced":
             assert a.balanced and a.predicted == [10.0, 10.0]  # no group size given: the landed tokens
-    # the default (auto): balanced affinity in stream-trajectory (GRPO's default mode), arrival order in sync
-    assert got == {"default": [0, 0, 1, 1], "group": [0, 0, 1, 1], "det": [0, 0, 0, 1], "balanced": [0, 0, 1, 1],
+    # the default (auto): balanced affinity in stream-trajectory (GRPO's default mode) with bounded bucket memory,
+    # arrival order without a bound or in sync
+    assert got == {"default": [0, 1, 0, 1], "capped": [0, 0, 1, 1], "host": [0, 0, 1, 1], "resident": [0, 0, 1, 1],
+                   "capped-sync": [0, 1, 0, 1], "group": [0, 0, 1, 1], "det": [0, 0, 0, 1], "balanced": [0, 0, 1, 1],
                    "sync": [0, 1, 0, 1], "arrival": [0, 1, 0, 1]}
     with pytest.raises(SystemExit):
         parse_args(base + ["--dp-assignment", "group", "--rl-algorithm", "opd", "--teacher-model", "t"])
