@@ -58,6 +58,13 @@ def arrival_order(samples: list[Sample], seed: int) -> list[Sample]:
     return order
 
 
+def frontier_order(samples: list[Sample], seed: int) -> list[Sample]:
+    """The order frontier-first rollouts (--rollout-frontier-first) aim at: the step's groups land in batch order,
+    each group's members in a random order among themselves (one group open at a time)."""
+    pos = {g: k for k, g in enumerate(dict.fromkeys(s.group_id for s in samples))}
+    return sorted(arrival_order(samples, seed), key=lambda s: pos[s.group_id])
+
+
 def prompt_groups(seed: int, groups: int = 3, G: int = 4, prompt: int = 14, vocab: int = 256) -> list[Sample]:
     """Groups of G trajectories with one prompt each (loss mask 0), then action spans and tool outputs; group 0 has
     equal rewards; rewards binary."""

@@ -17,7 +17,9 @@ orders bitwise equal to each other and ≤ 1e-12 from one process, including a c
 items defer; and a KL reference model (``--ref-model``, its forwards in lockstep) with ``--kl-mode loss`` (with and
 without ``--deterministic``, there with each group on one rank: the other rank's idle slots fill a bucket its planner
 never opened, which must close with the group — 2 buckets were left open at the barrier before that fix) and
-``reward``; and bucket offload (``--max-device-buckets 2``: vectors did move to the host). Control: the default
+``reward``; bucket offload (``--max-device-buckets 2``: vectors did move to the host); host accumulation; and the
+frontier-first order (groups landing in batch order, --rollout-frontier-first) with each group on one rank
+(``--dp-assignment balanced``). Control: the default
 mode's two arrival orders differ in their bits.
 
 TP = 2 and PP = 2 run the EP cases too (deterministic bitwise across modes and orders, KL loss/reward, offload).
@@ -98,7 +100,7 @@ def test_one_process_deterministic_kl_offload(single):
     assert rel_error(one["grads"]["hostacc-grpo"]["sync"], one["grads"]["offload-grpo"]["sync"]) < TOL
 
 
-EP_ONLY = ("det", "kl", "offload", "hostacc")  # the worker's EP_CASES (every 2-process layout)
+EP_ONLY = ("det", "kl", "offload", "hostacc", "frontier")  # the worker's EP_CASES (every 2-process layout)
 NPROC = {"ep2": 2, "tp2": 2, "pp2": 2, "tp2ep2": 4, "pp2ep2": 4}
 FOUR = [k for k, n in NPROC.items() if n == 4]
 

@@ -15,7 +15,9 @@ EP), and the weights after one Adam step per mode (float32). Rank 0 writes ``--o
 ``DataParallelAssigner(group_order=...)``; the clipped engine-π_old case defers items in stream-trajectory, whose
 deferral the EP ranks agree on before the backward) and a KL reference model (``--ref-model``, another tiny
 Qwen3-MoE: its forwards in lockstep too), loss and reward. ``by_group``: every trajectory of a group on one rank
-without --deterministic (``--dp-assignment balanced``'s DataParallelAssigner), so the other rank's idle slots fill a bucket of a group its planner never opened.
+without --deterministic (``--dp-assignment balanced``'s DataParallelAssigner), so the other rank's idle slots fill a
+bucket of a group its planner never opened; ``frontier``: the streamed order is the frontier-first one (groups
+landing in batch order, --rollout-frontier-first).
 """
 
 import argparse
@@ -27,7 +29,7 @@ warnings.filterwarnings("ignore")
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from stream_cases import arrival_order, make_samples, spec_for  # noqa: E402
+from stream_cases import arrival_order, frontier_order, make_samples, spec_for  # noqa: E402
 
 from megatron_tsync.algorithms.policy_loss import PolicyLossConfig  # noqa: E402
 from megatron_tsync.model.builder import PrecisionConfig, build_model  # noqa: E402
@@ -53,6 +55,8 @@ EP_CASES = {  # single (sync, the reference, and the modes) and ep2; "modes": wh
                              loss={"kl_mode": "loss", "kl_coef": 0.1, "entropy_coef": 0.01}),
     "kl-loss-grpo-by-group": dict(estimator="grpo", reward="bounded", ref=True, modes=(1,), by_group=True,
                                   loss={"kl_mode": "loss", "kl_coef": 0.1}),
+    "frontier-grpo-by-group": dict(estimator="grpo", reward="bounded", loss={}, modes=(1,), by_group=True,
+                                   frontier=True),  # frontier-first rollouts' order, a group on one rank
     "kl-reward-grpo": dict(estimator="grpo", reward="bounded", ref=True, modes=(1,),
                            loss={"kl_mode": "reward", "kl_coef": 0.1}),
     "offload-grpo": dict(estimator="grpo", reward="bounded", loss={}, offload=2, modes=(1, 2)),
@@ -89,7 +93,9 @@ def run_case(model_dir, dims, case, mode, order_seed, dtype=torch.float64, oc=No
     learner = Learner(ddp, opt, cfg, dp_rank=dims.dp_rank, pp_size=dims.pp, reference=ref)
     samples = make_samples(41, num_groups=3, reward_kind=case["reward"], vocab=arch.vocab_size)  # 3-5 per group
     order = samples if order_seed is None else arrival_order(samples, order_seed)
-    if case.get("by_group"):  # --dp-assignment balanced (the default in stream-trajectory): a group on one rank
+    if case.get("frontier") and order_seed is not None:  # frontier-first rollouts: groups land in batch order
+        order = frontier_order(samples, order_seed)
+    if case.get("by_group"):  # --dp-assignment balanced (auto's rule when bucket memory is bounded): a group a rank
         DataParallelAssigner(dims.dp, balanced=True).assign_samples(order)
     for i, s in enumerate(order):  # as DataParallelAssigner: arrival order, or by group (--deterministic)
         if not case.get("by_group"):

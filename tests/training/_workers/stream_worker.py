@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from stream_cases import TINY, arrival_order, make_samples, prompt_groups, spec_for  # noqa: E402
+from stream_cases import TINY, arrival_order, frontier_order, make_samples, prompt_groups, spec_for  # noqa: E402
 
 from megatron_tsync.algorithms.policy_loss import PolicyLossConfig  # noqa: E402
 from megatron_tsync.streaming.ready_queue import DataParallelAssigner, ListSource  # noqa: E402
@@ -66,13 +66,6 @@ def interleaved(samples):
     for s in samples:
         by.setdefault(s.group_id, []).append(s)
     return [g[i] for i in range(max(map(len, by.values()))) for g in by.values() if i < len(g)]
-
-
-def frontier(samples, seed):
-    """The order frontier-first rollouts (--rollout-frontier-first) aim at: the step's groups land in batch order,
-    each group's members in a random order among themselves (one group open at a time)."""
-    pos = {g: k for k, g in enumerate(dict.fromkeys(s.group_id for s in samples))}
-    return sorted(arrival_order(samples, seed), key=lambda s: pos[s.group_id])
 
 
 def assign_dp(samples, dp, by_group=False):
@@ -134,7 +127,7 @@ def run_f64(dims):
                                   resident=2 if name.endswith("-resident") else None, host=name.endswith("-host"))
             S = make_samples(100 + ci, reward_kind=case["reward"], with_ref=True)
             order = (S if order_seed is None else interleaved(S) if order_seed == "interleaved" else
-                     frontier(S, 61 + ci) if order_seed == "frontier" else arrival_order(S, order_seed))
+                     frontier_order(S, 61 + ci) if order_seed == "frontier" else arrival_order(S, order_seed))
             assign_dp(order, dims.dp, by_group=affinity(ci))  # odd cases: a group's members on one rank
             got = {}
             L.grad_hook = lambda d: got.setdefault("g", torch.cat([b.grad_data.clone() for b in d.buffers]))
