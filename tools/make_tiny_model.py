@@ -1,7 +1,7 @@
 """Create a tiny Hugging Face Llama/Qwen2/Qwen3/Qwen3-MoE/GLM-4.7-Flash-style model with a locally trained tokenizer
 (no downloads).
 
-    python tools/make_tiny_model.py --out /tmp/tiny --family llama|qwen2|qwen3|llama3|qwen3_moe|glm4-moe-lite|qwen3.5 [--hidden 128
+    python tools/make_tiny_model.py --out /tmp/tiny --family llama|qwen2|qwen3|llama3|qwen3_moe|glm4-moe-lite|deepseek-v3|qwen3.5 [--hidden 128
         --layers 2 --heads 4 --kv-heads 2 --head-dim 64 --vocab 512 --tie --seed 0 --experts 4 --topk 2 --moe-ffn 64]
 
 llama3: a Llama config with Llama-3.1-style rope_scaling (rope_type llama3). qwen3: QK-norm, no QKV bias,
@@ -9,7 +9,8 @@ head_dim 2·hidden/heads unless --head-dim says otherwise. qwen3_moe: Qwen3 atte
 (transformers' Qwen3MoeConfig; --experts experts, --topk per token, normalised top-k weights). glm4-moe-lite
 (= glm4_moe_lite): transformers' Glm4MoeLiteConfig — multi-latent attention (low-rank q/kv, a decoupled
 interleaved-RoPE head), the first layer dense, then sigmoid-routed experts (4 groups, 2 kept, top-4) with a random
-non-zero correction bias, routed scaling 1.8 and one shared expert. qwen3.5 (= qwen3_5): transformers'
+non-zero correction bias, routed scaling 1.8 and one shared expert. deepseek-v3 (= deepseek_v3): the same shapes
+through transformers' DeepseekV3Config (its modeling is glm4_moe_lite's; dense layers as first_k_dense_replace). qwen3.5 (= qwen3_5): transformers'
 Qwen3_5TextConfig — Gated DeltaNet linear-attention layers alternating with gated full-attention layers (partial
 RoPE, zero-centred norms; default 4 layers); qwen3.5-moe: the same with every MLP routed experts (--experts 4,
 --topk 2) plus a sigmoid-gated shared expert (transformers' Qwen3_5MoeTextConfig).
@@ -25,7 +26,7 @@ from megatron_tsync.model.tiny_model import ALL_FAMILIES, make_tiny_model
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="output folder (created)")
-    p.add_argument("--family", choices=list(ALL_FAMILIES) + ["glm4-moe-lite", "qwen3.5", "qwen3.5-moe"],
+    p.add_argument("--family", choices=list(ALL_FAMILIES) + ["glm4-moe-lite", "deepseek-v3", "qwen3.5", "qwen3.5-moe"],
                    default="llama")
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--layers", type=int, default=None, help="decoder layers (default 2; glm4_moe_lite: 3, qwen3.5: 4)")

@@ -26,7 +26,7 @@ from megatron_tsync.model.wrappers import unwrap  # noqa: F401 - re-exported (mo
 class ModelArch:
     """Architecture of a Llama/Qwen2/Qwen3-family decoder (the fields of a Hugging Face config we use)."""
 
-    family: str  # "llama" | "qwen2" | "qwen3" | "qwen3_moe" | "glm4_moe_lite" | "qwen3_5" | "qwen3_5_moe"
+    family: str  # "llama" | "qwen2" | "qwen3" | "qwen3_moe" | "glm4_moe_lite" | "deepseek_v3" | "qwen3_5" | "qwen3_5_moe"
     vocab_size: int
     hidden_size: int
     ffn_hidden_size: int
@@ -81,7 +81,11 @@ class ModelArch:
             from megatron_tsync.model import qwen35
 
             return cls(**qwen35.arch_fields_from_hf_config(cfg))
-        if mt == "glm4_moe_lite":  # multi-latent attention + DeepSeek-V3-style MoE (model/mla.py)
+        if mt == "glm4_moe":
+            raise ValueError("model_type 'glm4_moe' (GLM-4.5) is not supported: its MoE is DeepSeek-V3's but its "
+                             "attention is GQA with partial RoPE and q/k/v biases, not multi-latent attention "
+                             "(glm4_moe_lite and deepseek_v3 are)")
+        if mt in ("glm4_moe_lite", "deepseek_v3"):  # multi-latent attention + DeepSeek-V3-style MoE (model/mla.py)
             from megatron_tsync.model import mla
 
             return cls(**mla.arch_fields_from_hf_config(cfg))

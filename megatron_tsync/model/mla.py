@@ -87,7 +87,7 @@ from typing import Any
 
 import torch
 
-FAMILIES = ("glm4_moe_lite",)
+FAMILIES = ("glm4_moe_lite", "deepseek_v3")  # transformers' two modelings differ only in the config's spelling
 LATENT_NORM_EPS = 1e-6  # transformers' Glm4MoeLiteRMSNorm(q_lora_rank) / (kv_lora_rank): the RMSNorm default
 
 # TransformerConfig fields a caller may not change for an MLA family (beside moe.py's list).
@@ -114,15 +114,17 @@ def is_mla(arch) -> bool:
 
 
 def _rope_theta(cfg: dict[str, Any]) -> float:
+    mt = cfg.get("model_type", "glm4_moe_lite")
     rp = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     rope_type = rp.get("rope_type", rp.get("type", "default"))
     if rope_type not in (None, "default"):
-        raise ValueError(f"glm4_moe_lite rope {rope_type!r} is not supported (plain RoPE only; YaRN not built)")
+        raise ValueError(f"{mt} rope {rope_type!r} is not supported (plain RoPE only; YaRN not built)")
     theta = cfg.get("rope_theta", rp.get("rope_theta"))
     return float(theta if theta is not None else 10000.0)
 
 
 def _first_k_dense(cfg: dict[str, Any], layers: int) -> int:
+    mt = cfg.get("model_type", "glm4_moe_lite")
     types = cfg.get("mlp_layer_types")
     if types is None:  # DeepSeek-V3's spelling
         k = int(cfg.get("first_k_dense_replace", 1))
@@ -130,39 +132,44 @@ def _first_k_dense(cfg: dict[str, Any], layers: int) -> int:
     types = list(types)
     k = types.count("dense")
     if len(types) != layers or types != ["dense"] * k + ["sparse"] * (layers - k):
-        raise ValueError(f"glm4_moe_lite mlp_layer_types {types} is not supported (the first k layers dense, "
+        raise ValueError(f"{mt} mlp_layer_types {types} is not supported (the first k layers dense, "
                          "the rest sparse)")
     return k
 
 
 def arch_fields_from_hf_config(cfg: dict[str, Any]) -> dict[str, Any]:
-    """Every ModelArch field of a ``glm4_moe_lite`` config.json dict; refuses what megatron cannot match."""
+    """Every ModelArch field of a ``glm4_moe_lite`` or ``deepseek_v3`` config.json dict (transformers models both
+    the same way: DeepSeek-V3 spells the dense layers ``first_k_dense_replace``); refuses what megatron cannot
+    match."""
+    mt = cfg.get("model_type", "glm4_moe_lite")
+    if mt not in FAMILIES:
+        raise ValueError(f"model_type {mt!r} is not a multi-latent-attention family {FAMILIES}")
     if cfg.get("attention_bias"):
-        raise ValueError("glm4_moe_lite with attention_bias=true is not supported")
+        raise ValueError(f"{mt} with attention_bias=true is not supported")
     if cfg.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"glm4_moe_lite hidden_act {cfg['hidden_act']!r} is not supported (silu only)")
+        raise ValueError(f"{mt} hidden_act {cfg['hidden_act']!r} is not supported (silu only)")
     heads, layers = int(cfg["num_attention_heads"]), int(cfg["num_hidden_layers"])
     if int(cfg.get("num_key_value_heads") or heads) != heads:
-        raise ValueError("glm4_moe_lite num_key_value_heads must equal num_attention_heads (MLA has no GQA)")
+        raise ValueError(f"{mt} num_key_value_heads must equal num_attention_heads (MLA has no GQA)")
     experts = int(cfg.get("n_routed_experts") or cfg.get("num_local_experts") or 0)
     topk, groups, topk_groups = int(cfg["num_experts_per_tok"]), int(cfg.get("n_group", 1)), int(cfg.get("topk_group", 1))
     if experts < 1 or not 1 <= topk <= experts:
-        raise ValueError(f"glm4_moe_lite num_experts_per_tok {topk} must be in [1, n_routed_experts={experts}]")
+        raise ValueError(f"{mt} num_experts_per_tok {topk} must be in [1, n_routed_experts={experts}]")
     if experts % groups or not 1 <= topk_groups <= groups:
-        raise ValueError(f"glm4_moe_lite n_group {groups} / topk_group {topk_groups} do not fit {experts} experts")
+        raise ValueError(f"{mt} n_group {groups} / topk_group {topk_groups} do not fit {experts} experts")
     if groups > 1 and topk != 2 * topk_groups:
-        raise ValueError(f"glm4_moe_lite grouped routing with num_experts_per_tok {topk} != 2·topk_group "
+        raise ValueError(f"{mt} grouped routing with num_experts_per_tok {topk} != 2·topk_group "
                          f"({topk_groups}): transformers scores a group by its top-2 experts, megatron by its "
                          "top topk/topk_group")
     if not cfg.get("norm_topk_prob", True) and topk > 1:
-        raise ValueError("glm4_moe_lite with norm_topk_prob=false is not supported (megatron's sigmoid router "
+        raise ValueError(f"{mt} with norm_topk_prob=false is not supported (megatron's sigmoid router "
                          "always normalises the top-k weights)")
     nope, rope, v = int(cfg["qk_nope_head_dim"]), int(cfg["qk_rope_head_dim"]), int(cfg["v_head_dim"])
     if rope % 2:
-        raise ValueError(f"glm4_moe_lite qk_rope_head_dim {rope} must be even")
+        raise ValueError(f"{mt} qk_rope_head_dim {rope} must be even")
     moe_ffn = int(cfg["moe_intermediate_size"])
     return dict(
-        family="glm4_moe_lite", vocab_size=int(cfg["vocab_size"]), hidden_size=int(cfg["hidden_size"]),
+        family=mt, vocab_size=int(cfg["vocab_size"]), hidden_size=int(cfg["hidden_size"]),
         ffn_hidden_size=int(cfg["intermediate_size"]), num_layers=layers, num_attention_heads=heads,
         num_kv_heads=heads, head_dim=nope + rope, rope_theta=_rope_theta(cfg),
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)), tie_word_embeddings=bool(cfg.get("tie_word_embeddings")),
@@ -456,11 +463,14 @@ def drop_extra_layers(state: dict[str, torch.Tensor], arch) -> dict[str, torch.T
 
 
 def hf_config_dict(arch, *, dtype: torch.dtype = torch.float32, extra: dict | None = None) -> dict:
-    """config.json content of a ``glm4_moe_lite`` ``arch`` (via transformers' Glm4MoeLiteConfig)."""
-    from transformers import Glm4MoeLiteConfig
+    """config.json content of a ``glm4_moe_lite`` / ``deepseek_v3`` ``arch`` (via transformers' Glm4MoeLiteConfig /
+    DeepseekV3Config)."""
+    from transformers import DeepseekV3Config, Glm4MoeLiteConfig
 
-    k = arch.moe_first_k_dense
-    cfg = Glm4MoeLiteConfig(
+    k, deepseek = arch.moe_first_k_dense, arch.family == "deepseek_v3"
+    layer_kw = (dict(first_k_dense_replace=k) if deepseek else
+                dict(mlp_layer_types=["dense"] * k + ["sparse"] * (arch.num_layers - k)))
+    cfg = (DeepseekV3Config if deepseek else Glm4MoeLiteConfig)(
         vocab_size=arch.vocab_size, hidden_size=arch.hidden_size, intermediate_size=arch.ffn_hidden_size,
         moe_intermediate_size=arch.moe_ffn_hidden_size, num_hidden_layers=arch.num_layers,
         num_attention_heads=arch.num_attention_heads, num_key_value_heads=arch.num_attention_heads,
@@ -473,13 +483,13 @@ def hf_config_dict(arch, *, dtype: torch.dtype = torch.float32, extra: dict | No
         max_position_embeddings=arch.max_position_embeddings, rms_norm_eps=arch.rms_norm_eps,
         tie_word_embeddings=arch.tie_word_embeddings, rope_interleave=arch.rope_interleave,
         rope_parameters={"rope_type": "default", "rope_theta": arch.rope_theta},
-        mlp_layer_types=["dense"] * k + ["sparse"] * (arch.num_layers - k),
+        **layer_kw,
     )
     d = cfg.to_diff_dict()
-    d["architectures"] = ["Glm4MoeLiteForCausalLM"]
+    d["architectures"] = ["DeepseekV3ForCausalLM" if deepseek else "Glm4MoeLiteForCausalLM"]
     for key in ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", "n_group", "topk_group",
                 "routed_scaling_factor", "n_shared_experts", "norm_topk_prob", "rope_interleave", "q_lora_rank",
-                "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "mlp_layer_types"):
+                "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", *layer_kw):
         d[key] = getattr(cfg, key)
     d["first_k_dense_replace"] = k  # DeepSeek's spelling, for readers that expect it (vLLM)
     d["rope_theta"] = arch.rope_theta

@@ -31,9 +31,9 @@ from megatron_tsync.model.builder import ModelArch
 SPECIAL_TOKENS = ["<s>", "</s>", "<pad>", "<tool>", "</tool>", "<result>", "</result>", "<answer>", "</answer>"]
 BOS, EOS, PAD = "<s>", "</s>", "<pad>"
 FAMILIES = ("llama", "qwen2", "qwen3", "llama3", "qwen3_moe", "qwen3_5")  # what --tiny-model-family offers (a live run)
-# make_tiny_model / tools/make_tiny_model.py also make glm4_moe_lite and qwen3_5_moe (not run live yet; their
-# learner and embedded engine are tested in tests/model)
-ALL_FAMILIES = FAMILIES + ("glm4_moe_lite", "qwen3_5_moe")
+# make_tiny_model / tools/make_tiny_model.py also make glm4_moe_lite, deepseek_v3 and qwen3_5_moe (not run live yet;
+# their learner and embedded engine are tested in tests/model)
+ALL_FAMILIES = FAMILIES + ("glm4_moe_lite", "deepseek_v3", "qwen3_5_moe")
 _LLAMA3_SCALING = dict(rope_type="llama3", rope_factor=8.0, rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
                        rope_original_max_position_embeddings=64)
 
@@ -137,9 +137,10 @@ def make_tiny_model(
     family = family.replace("-", "_").replace(".", "_")  # the CLI also accepts glm4-moe-lite and qwen3.5
     if family not in ALL_FAMILIES:
         raise ValueError(f"family must be one of {ALL_FAMILIES}, not {family!r}")
-    if family == "glm4_moe_lite":
+    if family in ("glm4_moe_lite", "deepseek_v3"):  # deepseek_v3: the same shapes through DeepseekV3Config
         arch = glm4_moe_lite_arch(hidden=hidden, layers=layers or 3, heads=heads, vocab=vocab, ffn=ffn, tie=tie,
                                   experts=experts or 16, topk=topk or 4, moe_ffn=moe_ffn, **(mla or {}))
+        arch = dataclasses.replace(arch, family=family)
         return _write(out_dir, arch, seed=seed, dtype=dtype, router_std=0.2, bias_std=0.1)
     if family in ("qwen3_5", "qwen3_5_moe"):
         arch = qwen3_5_arch(hidden=hidden, layers=layers or 4, heads=heads, kv_heads=kv_heads, vocab=vocab, ffn=ffn,

@@ -7,16 +7,20 @@ import torch
 
 
 @contextlib.contextmanager
-def float64_transformers(forced=None):
-    """transformers' Glm4MoeLite modules with their float32 casts lifted (RMSNorm, RoPE table, router, eager
-    softmax): the same formulas evaluated in float64. ``forced``: a list of (T, k) expert indices, one per router
-    call in order, that replace the routers' selection (the weights still from the routers' sigmoid scores)."""
+def float64_transformers(forced=None, family="glm4_moe_lite"):
+    """transformers' Glm4MoeLite (``family`` "deepseek_v3": DeepseekV3, the same modeling) modules with their float32
+    casts lifted (RMSNorm, RoPE table, router, eager softmax): the same formulas evaluated in float64. ``forced``: a
+    list of (T, k) expert indices, one per router call in order, that replace the routers' selection (the weights
+    still from the routers' sigmoid scores)."""
     forced = list(forced) if forced is not None else None
-    import transformers.models.glm4_moe_lite.modeling_glm4_moe_lite as g
+    import importlib
 
+    g = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    prefix = {"glm4_moe_lite": "Glm4MoeLite", "deepseek_v3": "DeepseekV3"}[family]
+    Norm, Rope, Router = (getattr(g, prefix + n) for n in ("RMSNorm", "RotaryEmbedding", "TopkRouter"))
     saved = {name: getattr(obj, attr) for name, (obj, attr) in {
-        "norm": (g.Glm4MoeLiteRMSNorm, "forward"), "rope": (g.Glm4MoeLiteRotaryEmbedding, "forward"),
-        "router": (g.Glm4MoeLiteTopkRouter, "forward"), "eager": (g, "eager_attention_forward")}.items()}
+        "norm": (Norm, "forward"), "rope": (Rope, "forward"),
+        "router": (Router, "forward"), "eager": (g, "eager_attention_forward")}.items()}
 
     def norm(self, x):
         return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
@@ -54,13 +58,12 @@ def float64_transformers(forced=None):
         w = torch.softmax(w, dim=-1)
         return torch.matmul(w, v).transpose(1, 2).contiguous(), w
 
-    g.Glm4MoeLiteRMSNorm.forward, g.Glm4MoeLiteRotaryEmbedding.forward = norm, rope
-    g.Glm4MoeLiteTopkRouter.forward, g.eager_attention_forward = router, eager
+    Norm.forward, Rope.forward, Router.forward, g.eager_attention_forward = norm, rope, router, eager
     try:
         yield
     finally:
-        g.Glm4MoeLiteRMSNorm.forward, g.Glm4MoeLiteRotaryEmbedding.forward = saved["norm"], saved["rope"]
-        g.Glm4MoeLiteTopkRouter.forward, g.eager_attention_forward = saved["router"], saved["eager"]
+        Norm.forward, Rope.forward = saved["norm"], saved["rope"]
+        Router.forward, g.eager_attention_forward = saved["router"], saved["eager"]
 
 
 def hf64(path):

@@ -34,7 +34,10 @@ TOL = 1e-12
 def tiny_glm(tmp_path_factory):
     from megatron_tsync.model.tiny_model import make_tiny_model
 
-    return make_tiny_model(str(tmp_path_factory.mktemp("glm") / "glm4_moe_lite"), family="glm4-moe-lite", seed=3)
+    # hidden 64 (the tool's default is 128): the two-process launches' cost grows with the width (the "tp-ep"
+    # launch took 111 s at 128; measured by hand, see the commit)
+    return make_tiny_model(str(tmp_path_factory.mktemp("glm") / "glm4_moe_lite"), family="glm4-moe-lite", hidden=64,
+                           seed=3)
 
 
 def _config(path):
@@ -379,6 +382,42 @@ def test_float64_stream_equals_sync(glm_ddp, estimator, reward, old, terms):
                for a, layer in zip(bias, ddp.module.decoder.layers[1:]))
 
 
+@pytest.mark.slow
+def test_minibatches_and_epochs(tiny_glm, megatron_single):
+    """Two minibatches × two epochs, PPO clip, SGD lr 0.05 (the experts and routers move between minibatches, the
+    correction bias does not): weights after the step in stream-trajectory and stream-group equal sync's ≤ 1e-12
+    relative to how far they moved."""
+    from megatron_tsync.streaming.ready_queue import ListSource
+    from megatron_tsync.training.learner import Learner, LearnerConfig, shape_for
+    from megatron_tsync.training.optimizer import OptimConfig, build_optimizer, wrap_ddp
+    from megatron_tsync.training.stream_fb import LossConfig
+
+    from ..training.stream_cases import arrival_order, make_samples, spec_for
+
+    arch, state = hc.load_hf_dir(tiny_glm)
+    samples = make_samples(21, num_groups=4, reward_kind="binary", vocab=arch.vocab_size)
+    weights = {}
+    for mode, order in (("sync", samples), ("stream-trajectory", arrival_order(samples, 3)),
+                        ("stream-group", arrival_order(samples, 4))):
+        ddp = wrap_ddp(build_model(arch, PrecisionConfig(params_dtype=torch.float64), seed=0))
+        hc.load_hf_into_model(ddp, _state64(state))
+        opt = build_optimizer(ddp, OptimConfig(optimizer="sgd", lr=0.05, clip_grad=0))
+        theta0 = torch.cat([p.detach().reshape(-1).clone() for p in ddp.parameters()])
+        learner = Learner(ddp, opt, LearnerConfig(mode=mode, reward_spec=spec_for("binary"), num_minibatches=2,
+                                                   epochs=2, loss=LossConfig()))
+        sizes, shape = shape_for(samples)
+        learner.train_step(ListSource(order), sizes, shape)
+        weights[mode] = torch.cat([p.detach().reshape(-1) for p in ddp.parameters()])
+        bias = [state[f"model.layers.{i}.mlp.gate.e_score_correction_bias"] for i in range(1, arch.num_layers)]
+        assert all(torch.equal(layer.mlp.router.expert_bias, b) for layer, b in zip(ddp.module.decoder.layers[1:], bias))
+    moved = (weights["sync"] - theta0).norm()
+    assert moved > 1e-6
+    for mode in ("stream-trajectory", "stream-group"):
+        rel = ((weights[mode] - weights["sync"]).norm() / moved).item()
+        print(f"glm4_moe_lite minibatches×epochs {mode}: {rel:.2g}")
+        assert rel < TOL, (mode, rel)
+
+
 # ---------------------------------------------------------------------------------------------- TP = 2, EP = 2, PP = 2
 @pytest.fixture(scope="module")
 def glm_pp_dirs(tmp_path_factory):
@@ -387,7 +426,7 @@ def glm_pp_dirs(tmp_path_factory):
     from megatron_tsync.model.tiny_model import make_tiny_model
 
     d = tmp_path_factory.mktemp("glm_pp")
-    return {k: make_tiny_model(str(d / f"dense{k}"), family="glm4-moe-lite", layers=4, seed=3 + k,
+    return {k: make_tiny_model(str(d / f"dense{k}"), family="glm4-moe-lite", layers=4, hidden=64, seed=7 + k,
                                mla=dict(first_k_dense=k)) for k in (1, 2)}
 
 
