@@ -253,12 +253,17 @@ def test_no_process_a_command_harness_started_outlives_its_episode(case):
     cmd, want, left = LEFTOVER_CASES[case]
     marks = {str(_MARK + i) for i in range(4)}
     runner = HarnessRunner.__new__(HarnessRunner)  # only the harness-calling part: no worker, no endpoint
-    runner.timeout_s, runner.server = 1.5, types.SimpleNamespace(url="http://127.0.0.1:1/v1", model_name="m")
+    # 4 s where the command hangs (its children must have started before the kill, to be counted); a generous limit
+    # where it exits by itself, so that a loaded machine's slow shell start-up is not taken for a hang (a 1.5 s limit
+    # for every case failed at load 6: 'still running after 1.5s')
+    hang = want[0] == "harness_timeout"
+    runner.timeout_s = 4.0 if hang else 30.0
+    runner.server = types.SimpleNamespace(url="http://127.0.0.1:1/v1", model_name="m")
     runner.w = types.SimpleNamespace(spec=types.SimpleNamespace(rollout=types.SimpleNamespace(harness_cmd=cmd)))
     runner.reaped, runner._warned_subreaper = {"episodes": 0, "left": 0, "killed": 0}, False
     try:
         try:
-            got = asyncio.run(asyncio.wait_for(runner._run_cmd("s0g0t0", {"prompt": "p"}), 15))
+            got = asyncio.run(asyncio.wait_for(runner._run_cmd("s0g0t0", {"prompt": "p"}), 15 if hang else 45))
         except asyncio.TimeoutError:
             got = ("the episode did not end",)  # a child holding the stderr pipe kept it waiting
         assert got[:len(want)] == want, got
