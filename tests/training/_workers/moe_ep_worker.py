@@ -89,7 +89,7 @@ def run_case(model_dir, dims, case, mode, order_seed, dtype=torch.float64, oc=No
     learner = Learner(ddp, opt, cfg, dp_rank=dims.dp_rank, pp_size=dims.pp, reference=ref)
     samples = make_samples(41, num_groups=3, reward_kind=case["reward"], vocab=arch.vocab_size)  # 3-5 per group
     order = samples if order_seed is None else arrival_order(samples, order_seed)
-    if case.get("by_group"):  # --dp-assignment balanced (the default in stream-trajectory): a group on one rank
+    if case.get("by_group"):  # --dp-assignment balanced: a group on one rank
         DataParallelAssigner(dims.dp, balanced=True).assign_samples(order)
     for i, s in enumerate(order):  # as DataParallelAssigner: arrival order, or by group (--deterministic)
         if not case.get("by_group"):
