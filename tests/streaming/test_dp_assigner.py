@@ -150,7 +150,8 @@ def test_spill_keeps_a_group_home_until_it_would_unbalance_the_ranks():
     assert sorted(a._holders["g0"]) == [0, 1] and a._holders["g1"] == [1]
     assert a.assign("g0t0", "g0", 999) == 0 and a.tokens == [200, 220]  # sticky
     b = DataParallelAssigner(2, spill=True, step_trajectories=4)  # tapered: T = 100 × (1 + 2 × 2/4) at g0t1
-    assert [b.assign(t, g, n) for t, g, n in [("g0t0", "g0", 100), ("g1t0", "g1", 10), ("g0t1", "g0", 100)]] == [0, 1, 0]
+    got = [b.assign(t, g, n) for t, g, n in [("g0t0", "g0", 100), ("g1t0", "g1", 10), ("g0t1", "g0", 100)]]
+    assert got == [0, 1, 0] and b.tokens == [200, 10]  # g0 stays home: 200 <= 10 + 200
 
 
 def _uneven_order(rng, groups=16, size=8):
