@@ -149,15 +149,17 @@ _FLAGS: tuple[_Flag, ...] = (
        help="π_old of the ratio: the trainer's (ratio 1 at the first minibatch) or the engine's log-probs"),
     _f("--max-open-groups", "learner.max_open_groups", _G_RL, type=int, metavar="N",
        help="gradient buckets open at once (>= 1; default unlimited)"),
-    _f("--dp-assignment", "learner.dp_assignment", _G_RL, choices=("auto", "arrival", "group", "balanced"),
-       help="which data-parallel rank trains a trajectory: auto (default: balanced in GRPO stream-trajectory when "
-            "the bucket memory is bounded: --max-open-groups, --max-device-buckets, --bucket-device-gib or "
-            "--accumulate-on-host; arrival otherwise), arrival (the i-th to land goes to rank i mod DP: every rank "
+    _f("--dp-assignment", "learner.dp_assignment", _G_RL, choices=("auto", "arrival", "group", "balanced", "spill"),
+       help="which data-parallel rank trains a trajectory: auto (default: spill in GRPO stream-trajectory, arrival "
+            "otherwise), arrival (the i-th to land goes to rank i mod DP: every rank "
             "holds a bucket for every open group) or group (all of a group's trajectories on one rank, the one with "
             "the fewest tokens assigned when its first member lands: each rank holds buckets only for its own groups, "
             "about 1/DP of them; the same update) or balanced (by group, each new group on the rank with the least "
             "predicted work: its groups' landed mean tokens × group size, so uneven groups do not leave ranks idle at "
-            "the barrier). GRPO; --deterministic always assigns by group"),
+            "the barrier) or spill (by group, but a member spills to the least-loaded rank when its group's rank would "
+            "exceed it by more than the longest trajectory, 3x early in the step tapering to 1x at its end: the "
+            "step of arrival order at far fewer open groups per rank). GRPO; "
+            "--deterministic always assigns by group"),
     _f("--max-device-buckets", "learner.max_device_buckets", _G_RL, type=int, metavar="N",
        help="bucket residency: a device cache of N preallocated bucket-vector slots (>= 2); the vectors beyond N "
             "live in a pinned host arena, moved on a side stream and prefetched for the next microbatch "

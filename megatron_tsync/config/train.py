@@ -75,9 +75,9 @@ class TrainConfig:
         _check(pr.params_dtype in (torch.float32, torch.float64),
                f"precision.params_dtype must be float32 or float64 (bfloat16 is precision.bf16), got {pr.params_dtype}",
                "precision.params_dtype")
-        _check(lr.dp_assignment in ("auto", "arrival", "group", "balanced"), f"learner.dp_assignment must be 'auto', "
-               f"'arrival', 'group' or 'balanced', got {lr.dp_assignment!r}", "learner.dp_assignment")
-        _check(not (lr.dp_assignment in ("group", "balanced") and self.rl.algorithm == "opd"),
+        _check(lr.dp_assignment in ("auto", "arrival", "group", "balanced", "spill"), "learner.dp_assignment must be "
+               f"'auto', 'arrival', 'group', 'balanced' or 'spill', got {lr.dp_assignment!r}", "learner.dp_assignment")
+        _check(not (lr.dp_assignment in ("group", "balanced", "spill") and self.rl.algorithm == "opd"),
                f"learner.dp_assignment {lr.dp_assignment!r} keeps a GRPO group's buckets on one rank; OPD has no group "
                "buckets (it would do nothing there)",
                "learner.dp_assignment", "rl.algorithm")

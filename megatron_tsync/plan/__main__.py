@@ -65,7 +65,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--max-open-groups", type=int, default=None)
     s.add_argument("--accumulate-on-host", action="store_true",
                    help="the trainer's --accumulate-on-host: accumulator and buckets on the host (plan/learner.py)")
-    s.add_argument("--dp-assignment", choices=("arrival", "group", "balanced"), default="arrival",
+    s.add_argument("--dp-assignment", choices=("arrival", "group", "balanced", "spill"), default="arrival",
                    help="the trainer's --dp-assignment: which learner DP rank trains a trajectory (plan/learner.py)")
     s.add_argument("--modes", default=",".join(MODES))
     o = ap.add_argument_group("output")

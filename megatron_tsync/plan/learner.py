@@ -61,7 +61,7 @@ class PlannerSettings:
     sequence_packing: bool = False
     max_packed_tokens: int = 4096
     coalesce_tokens: int = 0
-    dp_assignment: str = "arrival"  # --dp-assignment: "arrival", "group" or "balanced" (DataParallelAssigner)
+    dp_assignment: str = "arrival"  # --dp-assignment: "arrival", "group", "balanced", "spill"
     device_vectors: int | None = None  # bucket residency's device cache (--max-device-buckets); None: all on the GPU
     host_accumulation: bool = False  # --accumulate-on-host: accumulator and buckets on the host, grad buffer scratch
 
@@ -72,7 +72,8 @@ def dp_ranks(settings: PlannerSettings, arrivals: list[tuple[float, Traj]], dp: 
     how, sizes = settings.dp_assignment, {}
     for _, tr in arrivals:  # the group sizes the trainer's samples carry
         sizes[tr.group_id] = sizes.get(tr.group_id, 0) + 1
-    a = DataParallelAssigner(dp, by_group=how in ("group", "balanced"), balanced=how == "balanced")
+    a = DataParallelAssigner(dp, by_group=how in ("group", "balanced", "spill"), balanced=how == "balanced",
+                             spill=how == "spill", step_trajectories=len(arrivals))
     return {tr.traj_id: a.assign(tr.traj_id, tr.group_id, tr.tokens, sizes.get(tr.group_id, 0))
             for _, tr in arrivals}
 

@@ -73,28 +73,28 @@ def batch_shape(cfg, sizes: dict[str, int]) -> BatchShape:
 
 
 def resolved_dp_assignment(cfg) -> str:
-    """``--dp-assignment auto``: ``balanced`` (group affinity) for GRPO stream-trajectory when the run bounds its
-    bucket memory (``--max-open-groups``, bucket residency's ``--max-device-buckets`` / ``--bucket-device-gib``, or
-    ``--accumulate-on-host``): its open groups hold bucket vectors on every rank that trains one of their members, and
-    affinity cuts them to about 1/DP. Otherwise ``arrival``: it balances the ranks best (the planner's paper setting:
-    stream-trajectory 712 s with arrival order against 804 s balanced, docs/streaming.md), and sync, stream-group and
-    OPD hold no bucket vector at all. Exact either way: the DP all-reduce sums the same per-trajectory terms."""
-    how, lr = cfg.learner.dp_assignment, cfg.learner
+    """``--dp-assignment auto``: ``spill`` (group affinity that spills a member to the least-loaded rank when its
+    group's rank runs ahead) for GRPO stream-trajectory, whose open groups hold bucket vectors on every rank that
+    trains one of their members: in the planner it keeps arrival order's step (paper setting 712.3 -> 709.8 s
+    Qwen3.5-27B, 744.4 -> 712.8 s GLM-4.7-Flash; swe-like DP 2 / 4 within 0.7 %) at 40-45 % fewer open groups per
+    rank there (24 -> 14, 22 -> 12), where ``group`` / ``balanced`` cost 13-33 % of the step (docs/streaming.md).
+    Otherwise ``arrival``: sync, stream-group and OPD hold no bucket vector, so affinity would save nothing. Exact
+    either way: the DP all-reduce sums the same per-trajectory terms."""
+    how = cfg.learner.dp_assignment
     if how != "auto":
         return how
-    grpo_streaming = cfg.rl.algorithm != "opd" and lr.mode == "stream-trajectory"
-    memory_bound = (lr.max_open_groups is not None or lr.max_device_buckets is not None
-                    or lr.bucket_device_gib is not None or lr.accumulate_on_host)
-    return "balanced" if grpo_streaming and memory_bound else "arrival"
+    return "spill" if cfg.rl.algorithm != "opd" and cfg.learner.mode == "stream-trajectory" else "arrival"
 
 
-def dp_assigner(cfg, dp: int, group_order: list[str]) -> DataParallelAssigner:
+def dp_assigner(cfg, dp: int, group_order: list[str], trajectories: int = 0) -> DataParallelAssigner:
     """Who trains which trajectory (``DataParallelAssigner``): by group in batch order with ``--deterministic``, by
     group on the least-loaded rank with ``--dp-assignment group`` (``balanced``: the least predicted work; ``auto``:
-    :func:`resolved_dp_assignment`), else round-robin by arrival."""
+    :func:`resolved_dp_assignment`; ``spill``: by group unless the ranks' tokens would drift apart, its threshold
+    tapering over the step's ``trajectories``), else round-robin by arrival."""
     how = resolved_dp_assignment(cfg)
     return DataParallelAssigner(dp, group_order if cfg.learner.deterministic else None,
-                                by_group=how in ("group", "balanced"), balanced=how == "balanced")
+                                by_group=how in ("group", "balanced", "spill"), balanced=how == "balanced",
+                                spill=how == "spill", step_trajectories=trajectories)
 
 
 class BroadcastSource:
@@ -138,13 +138,13 @@ class GRPO:
             samples, groups = load_rollouts(cfg.logging.replay_rollouts, k)
             if cfg.logging.replay_shuffle_seed is not None:
                 random.Random(cfg.logging.replay_shuffle_seed * 1_000_003 + k).shuffle(samples)
-            dp_assigner(cfg, dims.dp, list(groups)).assign_samples(samples)
+            dp_assigner(cfg, dims.dp, list(groups), len(samples)).assign_samples(samples)
             return ListSource(samples), {g: samples[0].group_size for g in groups}, lambda: samples
         source = fleet.source(k, cfg.rl.seq_length) if fleet is not None else None
         source = coalesced(source, cfg.learner)  # rank 0, before the broadcast
         sizes = {g: cfg.rl.group_size for g in group_ids(k, cfg.rl.groups_per_step)}
         if dims.world_size > 1:
-            source = BroadcastSource(source, dp_assigner(cfg, dims.dp, list(sizes)))
+            source = BroadcastSource(source, dp_assigner(cfg, dims.dp, list(sizes), sum(sizes.values())))
         return source, sizes, lambda: source.samples
 
     def step(self, k: int, fleet: RolloutFleet | None) -> StepOutcome:

@@ -176,18 +176,36 @@ class DataParallelAssigner:
     greedy list scheduling on predicted group cost (a group's cost is unknown before its first member lands, so the
     groups cannot be sorted longest-first as LPT would). ``tokens`` keeps the landed tokens; ``predicted`` the loads.
 
+    ``spill`` (``--dp-assignment spill``): affinity that does not let the ranks' work drift apart. A group's first
+    member goes to the rank with the fewest landed tokens; each later member to the least-loaded rank already holding
+    a member of its group, unless that rank's tokens plus the member's would exceed the least-loaded rank's by more
+    than ``T``: then it spills to the least-loaded rank, which opens a bucket for the group too (exact: each rank that
+    holds members of a group folds its own, as in arrival order, and the DP all-reduce sums the same terms).
+    ``T = L × (1 + spill_taper × r)``: ``L`` the longest trajectory landed so far in the step (tokens), ``r`` the
+    fraction of the step's ``step_trajectories`` yet to land (0 when not given). Early on a group may stay home up to
+    three trajectories over the least-loaded rank (affinity, few open buckets); the last landings are placed within
+    one trajectory of it (the barrier). Bound, by induction on landings (every rank but the chosen one keeps its load,
+    the chosen one ends <= min + T, and min never falls): max(tokens) - min(tokens) <= the largest ``T`` of the step,
+    <= (1 + spill_taper) × the longest trajectory; without the taper (``step_trajectories`` 0) one trajectory, the
+    bound of greedy least-loaded list scheduling. Round-robin by arrival bounds only the trajectory *count* per
+    rank; its tokens can drift apart by several long trajectories.
+
     ``group_order`` (the step's group ids in batch order; ``--deterministic``): group k's trajectories all go to rank
     ``k mod dp`` instead, whatever the arrival order, so each rank's partial gradient sum is the same in every run."""
 
     def __init__(self, dp: int, group_order: list[str] | None = None, by_group: bool = False,
-                 balanced: bool = False):
+                 balanced: bool = False, spill: bool = False, spill_taper: float = 2.0, step_trajectories: int = 0):
         if dp < 1:
             raise ValueError(f"data-parallel size must be >= 1, got {dp}")
         self.dp = dp
         self._rank: dict[str, int] = {}
         self._group_pos = None if group_order is None else {g: k for k, g in enumerate(group_order)}
-        self.by_group = (by_group or balanced) and group_order is None
-        self.balanced = balanced and self.by_group
+        self.by_group = (by_group or balanced or spill) and group_order is None
+        self.balanced = balanced and self.by_group and not spill
+        self.spill = spill and self.by_group
+        self._holders: dict[str, list[int]] = {}  # spill: group -> the ranks holding one of its members
+        self.taper, self.total = spill_taper, step_trajectories
+        self.longest = 0  # spill: the longest trajectory landed in this step (tokens), L
         self._group_rank: dict[str, int] = {}
         self._landed: dict[str, list[int]] = {}  # balanced: group -> [members landed, their tokens]
         self.tokens = [0] * dp  # tokens assigned per rank (by_group's balance)
@@ -203,7 +221,7 @@ class DataParallelAssigner:
             elif self.by_group:
                 if group_id is None:
                     raise ValueError(f"trajectory {traj_id}: assignment by group needs its group id")
-                r = self._group_rank.get(group_id)
+                r = self._spill(group_id, int(tokens)) if self.spill else self._group_rank.get(group_id)
                 if r is None:
                     load = self.predicted if self.balanced else self.tokens
                     r = self._group_rank[group_id] = min(range(self.dp), key=lambda k: (load[k], k))
@@ -214,6 +232,21 @@ class DataParallelAssigner:
             self._rank[traj_id] = r
             self.tokens[r] += int(tokens)
         return r
+
+    def _spill(self, group_id: str, tokens: int) -> int:
+        """``spill``'s rank for a new member of ``group_id`` with ``tokens`` (see the class docstring)."""
+        self.longest = max(self.longest, tokens)
+        low = min(range(self.dp), key=lambda k: (self.tokens[k], k))
+        held = self._holders.setdefault(group_id, [])
+        home = min(held, key=lambda k: (self.tokens[k], k)) if held else low
+        r = home if self.tokens[home] + tokens <= self.tokens[low] + self._slack() * self.longest else low
+        if r not in held:
+            held.append(r)
+        return r
+
+    def _slack(self) -> float:
+        """``T / L``: ``1 + spill_taper ×`` the fraction of the step's trajectories yet to land."""
+        return 1.0 + self.taper * max(0.0, 1.0 - len(self._rank) / self.total) if self.total else 1.0
 
     def _predict(self, group_id: str, r: int, tokens: int, group_size: int) -> None:
         """Rank ``r``'s predicted load after one more member of ``group_id`` landed: the group's prediction (its

@@ -70,8 +70,8 @@ class LearnerConfig:
     deterministic: bool = False  # bitwise arrival-order-invariant gradient sum (streaming/canonical.py); no packing
     dp_assignment: str = "auto"  # which DP rank trains a trajectory (DataParallelAssigner): "arrival" (i-th arrival →
     # rank i mod DP), "group" (a group's members on one rank, the one with the fewest landed tokens), "balanced" (by
-    # group, the least predicted work) or "auto": balanced in GRPO stream-trajectory when the run bounds its bucket
-    # memory (open-group cap, bucket residency, host accumulation), else arrival (the best-balanced ranks). Every
+    # group, the least predicted work), "spill" (by group, a member to the least-loaded rank when its group's rank
+    # runs ahead by more than a trajectory or so) or "auto": spill in GRPO stream-trajectory, else arrival. Every
     # assignment gives the same update (runtime.grpo.resolved_dp_assignment)
     skip_zero_advantage: bool = True  # no work for trajectories of advantage exactly 0 (streaming/planner.py)
     wait_for_variance: bool = True  # stream-trajectory + skip: a group's trajectories wait until its rewards differ

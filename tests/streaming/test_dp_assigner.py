@@ -105,8 +105,8 @@ def test_deterministic_group_order_wins_over_by_group():
 
 def test_flag_reaches_the_trainers_assigner(capsys):
     """--dp-assignment group → runtime.grpo.dp_assigner by group (least-loaded rank); --deterministic keeps its
-    batch-order rule; the default (auto) is balanced affinity in stream-trajectory when the bucket memory is bounded
-    (an open-group cap, residency, host accumulation) and round-robin by arrival otherwise. OPD refuses group / balanced (no group buckets there)."""
+    batch-order rule; the default (auto) is spill in GRPO stream-trajectory (with or without a bound on the bucket
+    memory) and round-robin by arrival otherwise. OPD refuses group / balanced / spill (no group buckets there)."""
     from megatron_tsync.arguments import parse_args
     from megatron_tsync.runtime.grpo import dp_assigner
 
@@ -119,16 +119,73 @@ def test_flag_reaches_the_trainers_assigner(capsys):
                         ("capped-sync", ["--max-open-groups", "4", "--rl-mode", "sync"]),
                         ("group", ["--dp-assignment", "group"]), ("det", ["--deterministic"]),
                         ("balanced", ["--dp-assignment", "balanced"]), ("sync", ["--rl-mode", "sync"]),
-                        ("arrival", ["--dp-assignment", "arrival"])):
-        a = dp_assigner(parse_args(base + extra), 2, groups)
+                        ("arrival", ["--dp-assignment", "arrival"]), ("spill", ["--dp-assignment", "spill"])):
+        a = dp_assigner(parse_args(base + extra), 2, groups, 6)  # 6 trajectories: spill's threshold tapers over them
+        assert a.spill == (name in ("default", "capped", "host", "resident", "spill")) and a.total == 6
         got[name] = [a.assign(*x) for x in order]
         if name == "balanced":
             assert a.balanced and a.predicted == [10.0, 10.0]  # no group size given: the landed tokens
-    # the default (auto): balanced affinity in stream-trajectory (GRPO's default mode) with bounded bucket memory,
-    # arrival order without a bound or in sync
-    assert got == {"default": [0, 1, 0, 1], "capped": [0, 0, 1, 1], "host": [0, 0, 1, 1], "resident": [0, 0, 1, 1],
+    # the default (auto): spill in stream-trajectory (GRPO's default mode), arrival order in sync; spill keeps g2 on
+    # rank 0 (10 tokens <= 0 + 5 × (1 + 2 × 5/6)), where arrival order splits it
+    assert got == {"default": [0, 0, 1, 1], "capped": [0, 0, 1, 1], "host": [0, 0, 1, 1], "resident": [0, 0, 1, 1],
                    "capped-sync": [0, 1, 0, 1], "group": [0, 0, 1, 1], "det": [0, 0, 0, 1], "balanced": [0, 0, 1, 1],
-                   "sync": [0, 1, 0, 1], "arrival": [0, 1, 0, 1]}
-    with pytest.raises(SystemExit):
-        parse_args(base + ["--dp-assignment", "group", "--rl-algorithm", "opd", "--teacher-model", "t"])
-    assert "OPD has no group buckets" in capsys.readouterr().err
+                   "sync": [0, 1, 0, 1], "arrival": [0, 1, 0, 1], "spill": [0, 0, 1, 1]}
+    for how in ("group", "spill"):
+        with pytest.raises(SystemExit):
+            parse_args(base + ["--dp-assignment", how, "--rl-algorithm", "opd", "--teacher-model", "t"])
+        assert "OPD has no group buckets" in capsys.readouterr().err
+
+
+def test_spill_keeps_a_group_home_until_it_would_unbalance_the_ranks():
+    """--dp-assignment spill: a member joins its group's rank unless that rank would then exceed the least-loaded one
+    by more than T (the longest trajectory landed so far, without a step size to taper over); then it spills there,
+    and the group has two holders, the later members going to the lighter of them."""
+    a = DataParallelAssigner(2, spill=True)
+    assert a.by_group and a.spill and not a.balanced
+    got = [a.assign(t, g, n) for t, g, n in [("g0t0", "g0", 100), ("g1t0", "g1", 10), ("g0t1", "g0", 100),
+                                             ("g0t2", "g0", 100), ("g0t3", "g0", 100), ("g1t1", "g1", 10)]]
+    # g0t1: 100 + 100 > 10 + 100 → spills to rank 1 (110); g0t2: its lighter holder rank 0, 200 <= 100 + 100;
+    # g0t3: rank 1, 210 <= 200 + 100; g1t1: g1's only holder rank 1, 220 <= 200 + 100
+    assert got == [0, 1, 1, 0, 1, 1] and a.tokens == [200, 220] and a.longest == 100
+    assert sorted(a._holders["g0"]) == [0, 1] and a._holders["g1"] == [1]
+    assert a.assign("g0t0", "g0", 999) == 0 and a.tokens == [200, 220]  # sticky
+    b = DataParallelAssigner(2, spill=True, step_trajectories=4)  # tapered: T = 100 × (1 + 2 × 2/4) at g0t1
+    got = [b.assign(t, g, n) for t, g, n in [("g0t0", "g0", 100), ("g1t0", "g1", 10), ("g0t1", "g0", 100)]]
+    assert got == [0, 1, 0] and b.tokens == [200, 10]  # g0 stays home: 200 <= 10 + 200
+
+
+def _uneven_order(rng, groups=16, size=8):
+    """Groups of very uneven length (log-normal, log-sd 1) landing in random order, short members first on average."""
+    length = {g: int(rng.lognormvariate(7, 1.0)) for g in range(groups)}
+    order = [(f"g{g}t{i}", f"g{g}", length[g] + rng.randint(0, length[g])) for i in range(size) for g in range(groups)]
+    rng.shuffle(order)
+    order.sort(key=lambda x: x[2] * rng.uniform(0.5, 1.5))
+    return order
+
+
+def test_spill_bounds_the_imbalance_with_fewer_open_groups():
+    """Property over 30 seeds (16 uneven groups × 8, DP 2 and 4), tapered and not: after *every* landing the ranks'
+    tokens differ by at most the largest threshold T so far (one longest trajectory untapered, at most three
+    tapered); both replays agree; and a group sits on far fewer ranks (the buckets a rank opens) than under arrival
+    order, which spreads nearly every group over every rank."""
+    import random
+    spread = {"arrival": 0, 0: 0, 128: 0}
+    for seed in range(30):
+        dp, order = 4 if seed % 2 else 2, _uneven_order(random.Random(seed))
+        rr = DataParallelAssigner(dp)
+        ranks = {"arrival": [rr.assign(t, g, n) for t, g, n in order]}
+        for total in (0, 128):
+            runs = []
+            for _ in range(2):
+                a, got, bound = DataParallelAssigner(dp, spill=True, step_trajectories=total), [], 0.0
+                for t, g, n in order:
+                    bound = max(bound, max(a.longest, n) * (1 + 2 * (1 - len(got) / total) if total else 1))
+                    got.append(a.assign(t, g, n, 8))
+                    assert max(a.tokens) - min(a.tokens) <= bound <= 3 * a.longest, (seed, total, a.tokens, bound)
+                runs.append(got)
+            assert runs[0] == runs[1]
+            ranks[total] = runs[0]
+        for how, got in ranks.items():
+            spread[how] += sum(len({r for (_, g, _), r in zip(order, got) if g == f"g{k}"}) for k in range(16))
+    # here 845 and 1,160 group-ranks against 1,374
+    assert spread[128] < 0.65 * spread["arrival"] and spread[128] < spread[0] < 0.9 * spread["arrival"], spread

@@ -70,7 +70,8 @@ def test_float64_stream_equals_sync(layout, stream_reports):
         assert row["stream-trajectory"] < 1e-12, row
         assert row["stream-group"] < 1e-12, row
     got = {row.get("by_group") for row in rep["result"]}  # --dp-assignment group / balanced (a group on one DP rank)
-    assert {"group", "balanced"} <= got, got
+    assert {"group", "balanced", "spill"} <= got, got  # spill: a group's members may span both DP ranks
+    assert rep["dp"] == 1 or any(row["split_groups"] for row in rep["result"] if row["by_group"] == "spill")
     frontier = [row["frontier"] for row in rep["result"] if "frontier" in row]  # frontier-first arrival order
     print(layout, "frontier-first order", frontier)
     assert len(frontier) == 2 and all(f["vs_sync"] < 1e-12 for f in frontier), frontier

@@ -95,7 +95,7 @@ def run_case(model_dir, dims, case, mode, order_seed, dtype=torch.float64, oc=No
     order = samples if order_seed is None else arrival_order(samples, order_seed)
     if case.get("frontier") and order_seed is not None:  # frontier-first rollouts: groups land in batch order
         order = frontier_order(samples, order_seed)
-    if case.get("by_group"):  # --dp-assignment balanced (auto's rule when bucket memory is bounded): a group a rank
+    if case.get("by_group"):  # --dp-assignment balanced: a group on one rank
         DataParallelAssigner(dims.dp, balanced=True).assign_samples(order)
     for i, s in enumerate(order):  # as DataParallelAssigner: arrival order, or by group (--deterministic)
         if not case.get("by_group"):

@@ -69,10 +69,12 @@ def interleaved(samples):
 
 
 def assign_dp(samples, dp, by_group=False):
-    """Round-robin by arrival (the default), or the trainer's --dp-assignment group / balanced (DataParallelAssigner;
-    ``by_group`` "balanced": a new group on the rank with the least predicted work)."""
+    """Round-robin by arrival (the default), or the trainer's --dp-assignment group / balanced / spill
+    (DataParallelAssigner; ``by_group`` "balanced": a new group on the rank with the least predicted work; "spill": by
+    group, a member spilling to the least-loaded rank when its group's rank runs ahead, so a group may span ranks)."""
     if by_group:
-        DataParallelAssigner(dp, by_group=True, balanced=by_group == "balanced").assign_samples(samples)
+        DataParallelAssigner(dp, by_group=True, balanced=by_group == "balanced", spill=by_group == "spill",
+                             step_trajectories=len(samples)).assign_samples(samples)
         return samples
     for i, s in enumerate(samples):
         s.dp_rank = i % dp
@@ -104,8 +106,8 @@ def params_flat(ddp):
 
 
 def affinity(ci: int):
-    """The f64 check's DP assignment of case ``ci``: arrival order (even), by group (1, 5), balanced (3, 7)."""
-    return (False, "group", False, "balanced")[ci % 4]
+    """The f64 check's DP assignment of case ``ci``: arrival order (even), by group (1), spill (5), balanced (3, 7)."""
+    return (False, "group", False, "balanced", False, "spill", False, "balanced")[ci % 8]
 
 
 FRONTIER_CASES = (1, 3)  # F64_CASES also run in stream-trajectory in frontier-first order (by group, balanced)
@@ -129,12 +131,15 @@ def run_f64(dims):
             order = (S if order_seed is None else interleaved(S) if order_seed == "interleaved" else
                      frontier_order(S, 61 + ci) if order_seed == "frontier" else arrival_order(S, order_seed))
             assign_dp(order, dims.dp, by_group=affinity(ci))  # odd cases: a group's members on one rank
+            if name == "stream-trajectory":  # the ranks holding each group's members (spill: some span two)
+                ranks_of = {g: {s.dp_rank for s in order if s.group_id == g} for g in {s.group_id for s in order}}
             got = {}
             L.grad_hook = lambda d: got.setdefault("g", torch.cat([b.grad_data.clone() for b in d.buffers]))
             sizes, shape = shape_for(S)
             res = L.train_step(ListSource(order), sizes, shape)
             grads[name] = (got["g"], res)
         row = {"case": ci, "estimator": case["estimator"], "reward": case["reward"], "by_group": affinity(ci),
+               "split_groups": sum(len(v) > 1 for v in ranks_of.values()),
                "peak_vectors": grads["stream-trajectory"][1].peak_bucket_vectors,
                "stats": grads["stream-trajectory"][1].planner_stats,
                "loss_keys": sorted(case["loss"]),  # train/loss (training/objective.py) of each mode:
