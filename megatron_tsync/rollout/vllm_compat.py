@@ -50,6 +50,8 @@ Everything is detected by capability, never by version string; what each check f
   the trainer, ``model/mla.py`` ``LATENT_NORM_EPS``) with the RMSNorm default 1e-6; the norms read
   ``variance_epsilon`` at call time (also the fused q/kv norm, ``layers/mla.py:208``), so setting it aligns vLLM.
   Measured on the tiny GLM: first attention output 2.2e-5 → 2.2e-8 off transformers, final norm 9.5e-5 → 1.2e-6.
+  Both MLA fixes patch the loaded model, so ``VLLMEngine`` applies them only with ``enforce_eager`` (the CPU default):
+  a model compiled / CUDA-graph-captured at start would keep the captured RoPE call and ε (not run on a GPU yet).
 - **Routed experts** (:func:`routed_experts_refusal`): ``LLM(enable_return_routed_experts=True)`` returns
   ``CompletionOutput.routed_experts``, a (prompt + completion − 1, num_hidden_layers, top-k) uint8/uint16 array
   (``vllm/outputs.py``, ``distributed/aux_output_connector/connector.py:116``: ``token_end = request.num_tokens -
