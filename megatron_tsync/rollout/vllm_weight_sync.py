@@ -85,6 +85,14 @@ class WeightSyncExtension:
         self.reload_weights(is_checkpoint_format=True, **kw)
         return n
 
+    def tsync_fix_mla(self) -> tuple[int, int]:
+        """:func:`vllm_compat.fix_mla_rope` (CPU) and :func:`vllm_compat.fix_mla_latent_norm_eps` on this worker's
+        model; returns (layers wrapped, norms changed)."""
+        from megatron_tsync.rollout.vllm_compat import fix_mla_latent_norm_eps, fix_mla_rope
+
+        model = self.model_runner.get_model()
+        return fix_mla_rope(model), fix_mla_latent_norm_eps(model)
+
     def tsync_prepare_moe_reload(self) -> int:
         """:func:`prepare_moe_reload` before a vLLM-backend (nccl / ipc) update: see ``NativeWeightSyncClient``."""
         from megatron_tsync.rollout.vllm_compat import prepare_moe_reload
