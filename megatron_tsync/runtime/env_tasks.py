@@ -90,6 +90,19 @@ class EnvSuiteTask:
                                      "split": split}))
         return out
 
+    def warm_start_prompts(self, step: int, num_groups: int, seed: int) -> list[TaskInstance]:
+        """The supervised warm start's batch ``step`` (``training.sft.sft_warmup``), a curriculum: the first
+        ``warm_tiny_steps`` batches are worlds of one page of 2 lines (~60 tokens: where the tiny model first learns
+        the two copies), the next ``warm_short_steps`` one page of ``page_lines`` lines (~300 tokens), then the
+        task's own worlds. RL and the held-out split never see the easier worlds."""
+        if step < self.warm_tiny_steps:
+            task = dataclasses.replace(self, short_frac=1.0, page_lines=2)
+        elif step < self.warm_tiny_steps + self.warm_short_steps:
+            task = dataclasses.replace(self, short_frac=1.0)
+        else:
+            task = self
+        return task.sample_prompts(step, num_groups, seed)
+
     def make_environment(self, sandbox=None, *, delay_fn=None) -> Any:
         """The episodes' environment (``delay_fn`` is not applied: tool latency is real)."""
         from megatron_tsync.rollout.envs.verifier import HiddenTestVerifier
@@ -146,6 +159,8 @@ class LogSearchTask:
     page_lines: int = 8
     code_digits: int = 2
     short_frac: float = 0.0
+    warm_tiny_steps: int = 0
+    warm_short_steps: int = 0
     verifier: str = "exact_answer"
     verifier_kwargs: dict = dataclasses.field(default_factory=dict)
     heldout_mod: int = 8
@@ -161,6 +176,9 @@ class LogSearchTask:
             raise ValueError(f"heldout_mod must be >= 2, got {self.heldout_mod}")
         if not 0.0 <= self.short_frac <= 1.0:
             raise ValueError(f"short_frac must be in [0, 1], got {self.short_frac}")
+        if self.warm_tiny_steps < 0 or self.warm_short_steps < 0:
+            raise ValueError(f"warm_tiny_steps and warm_short_steps must be >= 0, got {self.warm_tiny_steps}, "
+                             f"{self.warm_short_steps}")
 
     @property
     def spec(self):
@@ -192,6 +210,19 @@ class LogSearchTask:
                 ws = _mix(ws, 1)
             out.append(self.instance(ws, step=step, group=g, split=split))
         return out
+
+    def warm_start_prompts(self, step: int, num_groups: int, seed: int) -> list[TaskInstance]:
+        """The supervised warm start's batch ``step`` (``training.sft.sft_warmup``), a curriculum: the first
+        ``warm_tiny_steps`` batches are worlds of one page of 2 lines (~60 tokens: where the tiny model first learns
+        the two copies), the next ``warm_short_steps`` one page of ``page_lines`` lines (~300 tokens), then the
+        task's own worlds. RL and the held-out split never see the easier worlds."""
+        if step < self.warm_tiny_steps:
+            task = dataclasses.replace(self, short_frac=1.0, page_lines=2)
+        elif step < self.warm_tiny_steps + self.warm_short_steps:
+            task = dataclasses.replace(self, short_frac=1.0)
+        else:
+            task = self
+        return task.sample_prompts(step, num_groups, seed)
 
     def make_environment(self, sandbox=None, *, delay_fn=None) -> Any:
         """The episodes' environment: the sandboxed tools, ``delay_fn(trajectory, turn)`` (the latency profile) as
