@@ -138,6 +138,11 @@ class LogSearchTask:
     ``grep``, the code into the answer) over a ~300-token context first. Default 0: at 0.5 a 150-step warm start
     still copied neither (0 of 64 at temperature 1, 0 of 16 at 0.3: docs/benchmarks.md), and short worlds lower the
     learner's share of a sync step (idle 72 % against 65 %).
+
+    ``warm_tiny_steps`` / ``warm_short_steps`` (default 200 / 150): the supervised warm start's curriculum
+    (:meth:`warm_start_prompts`): one page of 2 lines, then one page of ``page_lines``, then the task's worlds. The
+    tiny model learns both copies on the ~60-token worlds (a jump between steps 150 and 200) and carries them over
+    (docs/benchmarks.md); it never learned them starting on longer worlds.
     """
 
     files: int = 2
@@ -146,6 +151,8 @@ class LogSearchTask:
     page_lines: int = 8
     code_digits: int = 2
     short_frac: float = 0.0
+    warm_tiny_steps: int = 200
+    warm_short_steps: int = 150
     verifier: str = "exact_answer"
     verifier_kwargs: dict = dataclasses.field(default_factory=dict)
     heldout_mod: int = 8
@@ -161,6 +168,9 @@ class LogSearchTask:
             raise ValueError(f"heldout_mod must be >= 2, got {self.heldout_mod}")
         if not 0.0 <= self.short_frac <= 1.0:
             raise ValueError(f"short_frac must be in [0, 1], got {self.short_frac}")
+        if self.warm_tiny_steps < 0 or self.warm_short_steps < 0:
+            raise ValueError(f"warm_tiny_steps and warm_short_steps must be >= 0, got {self.warm_tiny_steps}, "
+                             f"{self.warm_short_steps}")
 
     @property
     def spec(self):
@@ -192,6 +202,19 @@ class LogSearchTask:
                 ws = _mix(ws, 1)
             out.append(self.instance(ws, step=step, group=g, split=split))
         return out
+
+    def warm_start_prompts(self, step: int, num_groups: int, seed: int) -> list[TaskInstance]:
+        """The supervised warm start's batch ``step`` (``training.sft.sft_warmup``), a curriculum: the first
+        ``warm_tiny_steps`` batches are worlds of one page of 2 lines (~60 tokens: where the tiny model first learns
+        the two copies), the next ``warm_short_steps`` one page of ``page_lines`` lines (~300 tokens), then the
+        task's own worlds. RL and the held-out split never see the easier worlds."""
+        if step < self.warm_tiny_steps:
+            task = dataclasses.replace(self, short_frac=1.0, page_lines=2)
+        elif step < self.warm_tiny_steps + self.warm_short_steps:
+            task = dataclasses.replace(self, short_frac=1.0)
+        else:
+            task = self
+        return task.sample_prompts(step, num_groups, seed)
 
     def make_environment(self, sandbox=None, *, delay_fn=None) -> Any:
         """The episodes' environment: the sandboxed tools, ``delay_fn(trajectory, turn)`` (the latency profile) as

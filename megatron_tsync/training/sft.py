@@ -181,7 +181,8 @@ def sft_warmup(
         optimizer: its megatron optimizer (``optimizer.build_optimizer``).
         codec: a ``TokenizerCodec`` (or a raw tokenizer, wrapped).
         task: a :class:`~megatron_tsync.runtime.tasks.Task`.
-        steps, batch_size, seed: batch ``s`` is ``task.sample_prompts(s, batch_size, seed)``.
+        steps, batch_size, seed: batch ``s`` is ``task.sample_prompts(s, batch_size, seed)``, or the task's
+            ``warm_start_prompts(s, batch_size, seed)`` where it has one (a curriculum of the warm start only).
         loss_on: ``"actions"`` (agent-loop mask) or ``"all"``.
         lr: optional learning rate for the warm start only (restored afterwards).
         pad_id: right-padding id (never trained on).
@@ -205,7 +206,7 @@ def sft_warmup(
     ddp_model.train()
     try:
         for step in range(steps):
-            insts = task.sample_prompts(step, batch_size, seed)
+            insts = getattr(task, "warm_start_prompts", task.sample_prompts)(step, batch_size, seed)
             examples = [demonstration_tokens(codec, task.demonstration_segments(i)) for i in insts]
             ids, mask = collate(examples, pad_id, loss_on)  # (B, S), (B, S-1)
             ids, mask = ids[dp_rank::dp].to(device), mask[dp_rank::dp].to(device)

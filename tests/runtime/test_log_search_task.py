@@ -47,6 +47,23 @@ def test_short_worlds_are_a_share_of_both_splits():
         get_task(NAME, short_frac=1.5)
 
 
+def test_warm_start_curriculum_is_easier_worlds_first():
+    """``warm_tiny_steps`` / ``warm_short_steps``: the warm start's first batches are one page of 2 lines, then one
+    page of 8 lines, later ones (and RL's, and the held-out split) the task's own worlds."""
+    t = get_task(NAME, warm_tiny_steps=2, warm_short_steps=2)
+    tiny = [i for s in range(2) for i in t.warm_start_prompts(s, 8, 5)]
+    assert all(i.meta["world"].pages == 1 and len(i.meta["world"].files[0][1][0].split("\n")) == 2 for i in tiny)
+    short = [i for s in (2, 3) for i in t.warm_start_prompts(s, 8, 5)]
+    assert all(i.meta["world"].pages == 1 and len(i.meta["world"].files[0][1][0].split("\n")) == 8 for i in short)
+    assert all(i.meta["world"].pages >= 4 for s in (4, 5) for i in t.warm_start_prompts(s, 8, 5))
+    assert [i.meta["world_seed"] for i in t.warm_start_prompts(4, 8, 5)] == \
+        [i.meta["world_seed"] for i in t.sample_prompts(4, 8, 5)]
+    assert all(i.meta["world"].pages >= 4 for s in (0, 1) for sp in ("train", "eval")
+               for i in t.sample_prompts(s, 8, 5, split=sp))
+    with pytest.raises(ValueError, match="warm_tiny_steps"):
+        get_task(NAME, warm_short_steps=-1)
+
+
 def test_demonstration_is_observation_heavy():
     t = get_task(NAME, min_pages=3, max_pages=3)
     acted = observed = 0

@@ -22,8 +22,8 @@ Tools (tag format, ``rollout/tools.py``'s ``<tool>NAME: ARGS</tool>``): ``ls`` (
 searching a pager's scroll-back, so the pages must be read first), ``cat: FILE [PAGE]`` (one page, default 1),
 ``next`` (the next page: the first file's first page at the start, the next file's after a file's last page, like
 paging through ``cat logs/*``). The demonstrated policy takes the tree's page count + 3 turns. Status: the tiny
-model (hidden 128, 2 layers) does not learn it from a 150-step warm start (0 % success; nor two policies that stop
-at the fact's page: docs/benchmarks.md), so its GRPO has no reward variance yet. Each call is a stateless sandboxed
+model (hidden 128, 2 layers) learns it only through a warm-start curriculum of easier worlds first
+(``LogSearchTask.warm_start_prompts``; from the task's own worlds alone: 0 %, docs/benchmarks.md). Each call is a stateless sandboxed
 call (``Sandbox.run_source``: the trusted tool source below gets the world and the parsed call as JSON on stdin: the
 model's text is only data); the episode keeps the open file and page and the pages read. Reward: ``exact_answer`` on
 the last ``<answer>`` (binary). The answer ends the episode (``</answer>`` is a stop token of the engine).
