@@ -41,14 +41,15 @@ def _pages(codec, trajectories: int, turns: int, page_lines: int) -> list[list[l
     return out
 
 
-def run_batch(engine, prompts, pages, max_new: int, reuse: bool) -> tuple[float, list, int]:
-    """(engine seconds, every turn's tokens, longest context) of one lock-step episode batch."""
+def run_batch(engine, prompts, pages, max_new: int, reuse: bool) -> tuple[float, list, int, int]:
+    """(engine seconds, every turn's tokens, longest context, (row, position) pairs prefilled) of one lock-step
+    episode batch."""
     from megatron_tsync.rollout.engine import SamplingConfig
 
     samp = SamplingConfig(max_new_tokens=max_new, temperature=1.0)
     ctx = [list(p) for p in prompts]
     sessions = [("bench", reuse, i) for i in range(len(prompts))]
-    seconds, toks = 0.0, []
+    seconds, toks, prefilled = 0.0, [], engine.prefill_positions
     for k in range(len(pages[0])):
         t0 = time.perf_counter()
         outs = engine.generate(ctx, samp, seeds=[1000 * i + k for i in range(len(ctx))],
@@ -59,7 +60,7 @@ def run_batch(engine, prompts, pages, max_new: int, reuse: bool) -> tuple[float,
             ctx[i] += c.token_ids + pages[i][k]
     for s in sessions:
         engine.release_session(s)
-    return seconds, toks, max(len(c) for c in ctx)
+    return seconds, toks, max(len(c) for c in ctx), engine.prefill_positions - prefilled
 
 
 def main(argv=None) -> dict:
@@ -89,11 +90,11 @@ def main(argv=None) -> dict:
     prompts = [codec.encode(f"<s>Q: code of K{i % 10}? ") for i in range(a.trajectories)]
     pages = _pages(codec, a.trajectories, a.turns, a.page_lines)
     res: dict[str, list[float]] = {"full": [], "reuse": []}
-    longest = 0
+    longest, prefill = 0, {}
     for _ in range(a.repeats):
         ref = None
         for mode in ("full", "reuse"):
-            s, toks, longest = run_batch(engine, prompts, pages, a.max_new_tokens, mode == "reuse")
+            s, toks, longest, prefill[mode] = run_batch(engine, prompts, pages, a.max_new_tokens, mode == "reuse")
             res[mode].append(s)
             if ref is None:
                 ref = toks
@@ -103,6 +104,7 @@ def main(argv=None) -> dict:
     out = dict(trajectories=a.trajectories, turns=a.turns, page_lines=a.page_lines, max_new_tokens=a.max_new_tokens,
                longest_context=longest, page_tokens=statistics.mean(len(p) for t in pages for p in t),
                full_s=res["full"], reuse_s=res["reuse"], speedup=full / reuse,
+               prefill_positions=prefill,  # the work each mode's prefills did (per repeat; the same every repeat)
                load=os.getloadavg()[0])
     print(f"{a.trajectories} trajectories x {a.turns} turns (pages ~{out['page_tokens']:.0f} tokens, longest context "
           f"{longest}): engine {full:.1f} s full prefill, {reuse:.1f} s with KV reuse: {full / reuse:.2f}x "

@@ -215,6 +215,7 @@ class EmbeddedEngine:
         if self.record_routing and not getattr(cfg, "num_moe_experts", None):
             raise ValueError("record_routing needs a MoE model (this one has no experts)")
         self.sessions = SessionKVStore(kv_reuse_bytes)
+        self.prefill_positions = 0  # (row, position) pairs the prefills forwarded: KV reuse's work saved shows here
         plain_kv = all(type(layer.self_attention).__name__ == "SelfAttention" for layer in self.model.decoder.layers)
         self.supports_sessions = bool(kv_reuse_bytes) and self.use_kv_cache and not self.record_routing and plain_kv
 
@@ -389,6 +390,7 @@ class EmbeddedEngine:
         if prefill_hook is not None and ctx is not None:
             ctx.materialize_only_last_token_logits = False  # the hook reads every prompt position
         q = self._place_cached(rows, lens, L, S, ctx, version) if ctx is not None else L  # slots to prefill
+        self.prefill_positions += q * R
         causal = torch.ones(q, L, dtype=torch.bool, device=dev).triu(L - q + 1)  # (q, L) True = future
         logits = self._forward(tokens[:, L - q : L], (causal[None] | key_pad[:, None, :L])[:, None], ctx,
                                routes, list(range(R)), full=prefill_hook is not None)  # (R, V), (R, L, V) full
