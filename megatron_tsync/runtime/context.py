@@ -247,8 +247,11 @@ def progress_bar(done: int, total: int, width: int = 20) -> str:
 
 
 def grad_norm_text(row: dict) -> str:
-    """The progress line's grad-norm: ``skipped`` when the step's update was skipped (non-finite; ``runtime/stop.py``)."""
-    return "skipped" if row.get("update_skipped") else f"{row['grad_norm'] or 0:.3f}"
+    """The progress line's grad-norm (the mean over the step's applied optimizer steps): ``skipped`` when the step's
+    update was skipped (non-finite; ``runtime/stop.py``), ``n/a`` when none reported one."""
+    if row.get("update_skipped"):
+        return "skipped"
+    return "n/a" if row.get("grad_norm") is None else f"{row['grad_norm']:.3f}"
 
 
 def skipped_text(row: dict) -> str:

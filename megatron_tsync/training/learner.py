@@ -88,7 +88,9 @@ class StepResult:
     step_s: float
     busy_s: float
     idle_frac: float
-    grad_norm: float | None
+    grad_norm: float | None  # the mean over the step's applied optimizer steps (minibatches × epochs): 0 only when
+    # every one had a zero gradient (the last one alone said "no signal" for a step whose last minibatch had none);
+    # None when none was applied
     update_ok: bool
     num_trajectories: int
     num_action_tokens: int
@@ -122,7 +124,7 @@ class _Batch:
     n_tok_all: int = 0  # action tokens of every landed trajectory
     stats: dict[str, int] = dataclasses.field(default_factory=dict)  # planner stats summed over minibatches/epochs
     barrier_busy: list = dataclasses.field(default_factory=list)  # (start, end) perf_counter of each barrier
-    grad_norm: float | None = None  # of the last optimizer step
+    grad_norms: list = dataclasses.field(default_factory=list)  # of each applied optimizer step (minibatch × epoch)
     ok: bool = True  # every optimizer step succeeded
     skipped: int = 0  # optimizer steps skipped for a non-finite loss / gradient
     loss_mark: int = 0  # entries of the executor's losses that belong to earlier optimizer steps
@@ -390,7 +392,8 @@ class Learner:
         if res.skipped:
             log.warning("optimizer step skipped (minibatch %d): non-finite %s; weights unchanged", j,
                         "loss" if not finite else "gradient")
-        st.grad_norm = res.grad_norm
+        if res.grad_norm is not None:
+            st.grad_norms.append(res.grad_norm)
         st.barrier_busy.append((t_b, res.end_s))
 
     def _objective(self, st: _Batch, j: int) -> float:
@@ -413,7 +416,7 @@ class Learner:
             step_s=step_s,
             busy_s=busy_s,
             idle_frac=max(0.0, 1.0 - busy_s / step_s) if step_s > 0 else 0.0,
-            grad_norm=st.grad_norm,
+            grad_norm=sum(st.grad_norms) / len(st.grad_norms) if st.grad_norms else None,
             update_ok=st.ok,
             num_trajectories=sum(map(len, st.seen)),
             num_action_tokens=st.n_tok_all,

@@ -163,3 +163,29 @@ def test_planner_known_advantage_work_first():
     pl.on_ready(TrajMeta("a0", "a", 1.0, 5))  # bucket item of group a
     items = pl.on_ready_batch([TrajMeta("b0", "b", 1.0, 5), TrajMeta("b1", "b", 0.0, 5), TrajMeta("a1", "a", 0.0, 5)])
     assert [(it.traj_id, it.dest.value) for it in items] == [("a1", "accum"), ("b0", "bucket"), ("b1", "bucket")]
+
+
+def test_step_grad_norm_is_zero_only_when_every_minibatch_is(megatron_single):
+    """Two minibatches, the second of zero-variance groups only: the step's grad-norm is the mean over its optimizer
+    steps (the first > 0, the second exactly 0), not the last one's 0 — which made the signal-health check call a
+    step with signal "NO SIGNAL (grad-norm 0)" (seen live at step 2 of the quickstart config). float32, with and
+    without clipping."""
+    from megatron_tsync.model.builder import PrecisionConfig, build_model
+    from megatron_tsync.training.optimizer import OptimConfig, build_optimizer, wrap_ddp
+
+    from .stream_cases import TINY
+
+    def norm_of(samples, clip, **kw):
+        ddp = wrap_ddp(build_model(TINY, PrecisionConfig(params_dtype=torch.float32), seed=0))
+        opt = build_optimizer(ddp, OptimConfig(optimizer="sgd", lr=0.0, clip_grad=clip))
+        return gradient((ddp, opt), "sync", samples, samples, estimator="grpo", reward_spec=spec_for("binary"),
+                        **kw)[1].grad_norm
+
+    samples = make_samples(5, num_groups=4, reward_kind="binary")
+    groups = list(dict.fromkeys(s.group_id for s in samples))
+    for i, s in enumerate(samples):  # minibatch j holds groups j, j + 2 (group index mod 2): the first's groups vary,
+        s.reward = 1.0 if s.group_id in groups[1::2] else float(i % 2)  # the second's have one reward each
+    both = norm_of(samples, 1e6, num_minibatches=2)
+    first = norm_of([s for s in samples if s.group_id in groups[0::2]], 1e6)  # minibatch 1 alone: its norm
+    assert first > 0 and abs(both - first / 2) <= 1e-5 * first, (both, first)  # (first + 0) / 2
+    assert norm_of(samples, 0.0, num_minibatches=2) == both  # megatron's chained optimizer measures it unclipped too
