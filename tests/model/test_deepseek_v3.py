@@ -20,7 +20,7 @@ from megatron_tsync.model import hf_conversion as hc
 from megatron_tsync.model.builder import ModelArch, PrecisionConfig, build_model
 
 from ._glm_reference import float64_transformers, hf64
-from .test_glm4_moe_lite import _ids, _megatron_logits, _state64, _step
+from .test_glm4_moe_lite import _ids, _megatron64, _megatron_logits, _state64, _step
 from .test_glm4_moe_lite import test_pure_round_trip as _pure_round_trip
 
 TOL = 1e-12
@@ -36,10 +36,7 @@ def tiny_ds(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ds64(tiny_ds, megatron_single):
-    arch, state = hc.load_hf_dir(tiny_ds)
-    model = build_model(arch, PrecisionConfig(params_dtype=torch.float64), seed=0)
-    hc.load_hf_into_model(model, _state64(state))
-    return model
+    return _megatron64(tiny_ds)
 
 
 def test_config_is_deepseek_v3_and_glm4_moe_is_refused(tiny_ds):

@@ -53,12 +53,17 @@ def _state64(state):
     return {k: v if k.endswith("e_score_correction_bias") else v.double() for k, v in state.items()}
 
 
-@pytest.fixture(scope="module")
-def megatron64(tiny_glm, megatron_single):
-    arch, state = hc.load_hf_dir(tiny_glm)
+def _megatron64(path):
+    """The HF folder's model as a float64 megatron GPTModel (the correction bias kept in its own dtype)."""
+    arch, state = hc.load_hf_dir(path)
     model = build_model(arch, PrecisionConfig(params_dtype=torch.float64), seed=0)
     hc.load_hf_into_model(model, _state64(state))
     return model
+
+
+@pytest.fixture(scope="module")
+def megatron64(tiny_glm, megatron_single):
+    return _megatron64(tiny_glm)
 
 
 def _megatron_logits(model, ids):
